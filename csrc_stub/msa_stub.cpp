@@ -1,0 +1,73 @@
+// Schema-only stub of the `msa::` operators.
+//
+// An exported program or AOTInductor package that calls torch.ops.msa.* names the ops by schema.
+// A process that loads such an artifact without having imported torch_msa would otherwise fail
+// with an opaque "could not find schema" while deserialising; loading this library first makes
+// deserialisation succeed and turns any later call into an error that says what to do.
+//
+// The kernels stay in Python on purpose: `import torch_msa` afterwards finds these schemas,
+// checks they match `torch_msa/_schemas.py`, and registers its own kernel, fake kernels and
+// autograd on them, replacing the CompositeExplicitAutograd kernel below.
+//
+// Each schema string is kept on one line, byte-identical to `torch_msa/_schemas.py`, so that
+// tests/test_stub.py can find it verbatim in this file.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <torch/library.h>
+
+#include <string>
+
+namespace {
+
+struct StubOp {
+  const char* name;
+  const char* schema;
+  // Set by TORCH_LIBRARY below, read by TORCH_LIBRARY_IMPL: static initialisers of one file run
+  // in order, so the flags are final before any kernel is registered.
+  bool defined_here;
+};
+
+StubOp stub_ops[] = {
+    {"select_blocks", "select_blocks(Tensor index_q, Tensor index_k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int topk, int block_size) -> Tensor", false},
+    {"forward", "forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale) -> (Tensor, Tensor)", false},
+    {"backward", "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None) -> (Tensor, Tensor, Tensor)", false},
+};
+
+// One boxed kernel serves all three ops: it never reads the arguments, and boxing spares
+// restating each schema as a C++ signature.
+void requires_torch_msa(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/) {
+  TORCH_CHECK(
+      false,
+      op.schema().name(),
+      ": the msa kernels live in the Python package torch_msa; run `import torch_msa` in this "
+      "process (it has loaded only the msa schema stub, csrc_stub/msa_stub.cpp, which declares "
+      "the ops but has no kernels).");
+}
+
+}  // namespace
+
+TORCH_LIBRARY(msa, m) {
+  for (auto& op : stub_ops) {
+    // Loaded after `import torch_msa`, the schemas exist already: a second def() would throw
+    // from this static initialiser and abort the process, and the stub has nothing to add.
+    if (c10::Dispatcher::singleton().findSchema({std::string("msa::") + op.name, ""}).has_value()) {
+      continue;
+    }
+    // m.def, unlike torch.library.custom_op, does not add pt2_compliant_tag by itself.
+    m.def(op.schema, {at::Tag::pt2_compliant_tag});
+    op.defined_here = true;
+  }
+}
+
+// CompositeExplicitAutograd is the key torch_msa registers its Python kernel under, so that
+// registration replaces this one rather than being shadowed by it. Only ops defined above get
+// the error kernel: on ops torch_msa already serves, a newer kernel here would win.
+// No fake kernel: torch_msa registers the fakes.
+TORCH_LIBRARY_IMPL(msa, CompositeExplicitAutograd, m) {
+  for (const auto& op : stub_ops) {
+    if (op.defined_here) {
+      m.impl(op.name, torch::CppFunction::makeFromBoxedFunction<&requires_torch_msa>());
+    }
+  }
+}

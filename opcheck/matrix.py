@@ -1,0 +1,103 @@
+"""Sample inputs on which every `msa::` op must pass `torch.library.opcheck`.
+
+Each sample is one op call: GQA ratios, head dims, block sizes, dtypes, varlen packs with empty
+and one-token documents, queries that are a strict suffix of their keys, with and without
+`requires_grad`. `tests/test_opcheck.py` runs the whole matrix; `python -m opcheck` prints it
+with its results.
+"""
+
+import dataclasses
+
+import torch
+
+import torch_msa  # noqa: F401  (registers torch.ops.msa.*)
+from torch_msa.testing import cu_seqlens, random_block_indices
+
+# opcheck's four utilities; test_autograd_registration needs an autograd kernel where inputs
+# require grad, test_aot_dispatch_dynamic traces fake kernels with dynamic shapes.
+CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+
+
+LAYOUTS = (
+    Layout("one_doc", (150,), (150,)),
+    Layout("varlen", (40, 0, 1, 90), (40, 0, 1, 90)),
+    Layout("suffix", (30, 0, 70), (140, 5, 70)),
+)
+
+
+# msa::backward is not differentiable (double backward raises NotImplementedError on purpose,
+# rather than dropping a gradient penalty silently), so with grad-requiring inputs its
+# aot_dispatch check, which backpropagates through the op, is replaced by a test that the
+# clear error is raised (tests/test_opcheck.py).
+NO_DOUBLE_BACKWARD_CHECKS = CHECKS[:3]
+
+
+@dataclasses.dataclass
+class Sample:
+    name: str
+    op: str
+    args: tuple
+    checks: tuple[str, ...] = CHECKS
+
+    @property
+    def overload(self):
+        return getattr(torch.ops.msa, self.op).default
+
+
+def _attention_inputs(layout: Layout, num_heads, num_kv_heads, dim, block_size, topk, dtype, requires_grad, device):
+    cu_q, cu_k = cu_seqlens(layout.q_lens, layout.k_lens, device=device)
+    num_queries, num_keys = sum(layout.q_lens), sum(layout.k_lens)
+
+    def tensor(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(requires_grad)
+
+    q, k, v = tensor(num_queries, num_heads, dim), tensor(num_keys, num_kv_heads, dim), tensor(num_keys, num_kv_heads, dim)
+    block_indices = random_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    docs = (cu_q, cu_k, max(layout.q_lens), max(layout.k_lens))
+    return q, k, v, block_indices, docs
+
+
+def samples(device: str = "cpu") -> list[Sample]:
+    """The matrix, built with a fixed seed."""
+    torch.manual_seed(0)
+    result = []
+    # Hq, Hkv, D, block_size, topk, dtype
+    configs = (
+        (4, 4, 64, 64, 2, torch.float32),
+        (8, 2, 128, 64, 3, torch.float32),
+        (16, 1, 64, 128, 1, torch.float32),
+        (4, 2, 64, 64, 16, torch.bfloat16),
+    )
+    for layout in LAYOUTS:
+        for num_heads, num_kv_heads, dim, block_size, topk, dtype in configs:
+            for requires_grad in (False, True):
+                tag = f"{layout.name}-hq{num_heads}-hkv{num_kv_heads}-d{dim}-bs{block_size}-top{topk}-{str(dtype)[6:]}" \
+                      f"-{'grad' if requires_grad else 'nograd'}"
+                q, k, v, block_indices, docs = _attention_inputs(
+                    layout, num_heads, num_kv_heads, dim, block_size, topk, dtype, requires_grad, device)
+                scale = dim**-0.5
+                result.append(Sample(f"forward-{tag}", "forward", (q, k, v, block_indices, *docs, block_size, scale)))
+                with torch.no_grad():
+                    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, scale)
+                grad_out = torch.randn_like(out).requires_grad_(requires_grad)
+                grad_lse = torch.randn_like(lse) if requires_grad else None
+                result.append(Sample(f"backward-{tag}", "backward",
+                                     (grad_out, q, k, v, out, lse, block_indices, *docs, block_size, scale, grad_lse),
+                                     NO_DOUBLE_BACKWARD_CHECKS if requires_grad else CHECKS))
+                index_q = torch.randn(q.shape[0], num_kv_heads, 32, dtype=dtype, device=device).requires_grad_(requires_grad)
+                index_k = torch.randn(k.shape[0], 1, 32, dtype=dtype, device=device).requires_grad_(requires_grad)
+                result.append(Sample(f"select_blocks-{tag}", "select_blocks",
+                                     (index_q, index_k, *docs, topk, block_size)))
+    return result
+
+
+def run(sample: Sample) -> None:
+    """Raise if opcheck finds a problem with `sample`."""
+    torch.library.opcheck(sample.overload, sample.args, test_utils=sample.checks)

@@ -1,0 +1,101 @@
+"""torch.compile: one graph, no graph break, no recompile across sequence lengths; same numbers."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import torch_msa
+from torch_msa.testing import cu_seqlens
+
+
+def _loss(q, k, v, index_q, index_k, cu_q, cu_k, max_q, max_k):
+    out, lse = torch_msa.sparse_attention(
+        q, k, v, torch_msa.select_blocks(index_q, index_k, cu_q, cu_k, max_q, max_k, topk=2, block_size=64),
+        cu_q, cu_k, max_q, max_k, block_size=64, return_lse=True,
+    )
+    return (out.float() ** 2).sum() + lse.sum()
+
+
+def _inputs(q_lens, k_lens):
+    cu_q, cu_k = cu_seqlens(q_lens, k_lens)
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    tensors = [torch.randn(tq, 4, 64), torch.randn(tk, 2, 64), torch.randn(tk, 2, 64)]
+    leaves = [t.requires_grad_() for t in tensors]
+    return [*leaves, torch.randn(tq, 2, 32), torch.randn(tk, 1, 32), cu_q, cu_k, max(q_lens), max(k_lens)]
+
+
+def _value_and_grads(fn, inputs):
+    inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs]
+    loss = fn(*inputs)
+    loss.backward()
+    return [loss.detach()] + [x.grad for x in inputs[:3]]
+
+
+PACKS = [([120, 80], [150, 80]), ([90, 0, 243], [150, 7, 243]), ([1, 400, 116], [1, 400, 130])]
+
+
+def test_one_graph_no_recompile_across_lengths():
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_loss, backend=counter, fullgraph=True, dynamic=True)
+    for q_lens, k_lens in PACKS:
+        inputs = _inputs(q_lens, k_lens)
+        for got, want in zip(_value_and_grads(compiled, inputs), _value_and_grads(_loss, inputs)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(PACKS)} sequence lengths"
+    targets = " ".join(str(node.target) for node in counter.graphs[0].graph.nodes if node.op == "call_function")
+    assert "msa.select_blocks" in targets and "msa.forward" in targets
+
+
+def test_one_document_defaults_trace_symbolically():
+    """No cu_seqlens: the API builds [0, T] from the symbolic length without a recompile."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def fn(q, k, v, iq, ik):
+        return torch_msa.msa_attention(q, k, v, iq, ik, topk=2, block_size=64)
+
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for length in (130, 257, 400):
+        args = (torch.randn(length, 4, 64), torch.randn(length, 2, 64), torch.randn(length, 2, 64),
+                torch.randn(length, 2, 32), torch.randn(length, 1, 32))
+        torch.testing.assert_close(compiled(*args), fn(*args), rtol=0, atol=0)
+    assert counter.frame_count == 1
+
+
+def test_inductor_matches_eager():
+    torch._dynamo.reset()
+    inputs = _inputs([90, 0, 243], [150, 7, 243])
+    compiled = torch.compile(_loss, fullgraph=True, dynamic=True)
+    for got, want in zip(_value_and_grads(compiled, inputs), _value_and_grads(_loss, inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_resolution_happens_at_run_time(monkeypatch):
+    """The backend is chosen when the op runs, so the env var takes effect without recompiling."""
+    calls = []
+    original = torch_msa.backends._BACKENDS["reference"]
+
+    def counting_forward(*args):
+        calls.append("spy")
+        return original.ops["forward"](*args)
+
+    spy = torch_msa.Backend("spy", {"forward": counting_forward}, priority=-1)
+    torch_msa.register_backend(spy)
+    try:
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+
+        def fn(q, k, v, block_indices):
+            return torch_msa.sparse_attention(q, k, v, block_indices, block_size=64)
+
+        compiled = torch.compile(fn, backend=counter, fullgraph=True)
+        args = (torch.randn(100, 2, 64), torch.randn(100, 1, 64), torch.randn(100, 1, 64),
+                torch.zeros(1, 100, 1, dtype=torch.int32))
+        compiled(*args)
+        assert calls == []
+        monkeypatch.setenv(torch_msa.BACKEND_ENV, "spy")
+        compiled(*args)
+        assert calls == ["spy"] and counter.frame_count == 1
+    finally:
+        torch_msa.backends.unregister_backend("spy")

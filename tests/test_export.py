@@ -1,0 +1,118 @@
+"""`torch.export` and AOTInductor with the msa ops, with a dynamic token dimension."""
+
+import functools
+import operator
+import tempfile
+import time
+from pathlib import Path
+
+import expecttest
+import torch
+
+import torch_msa
+
+TOPK, BLOCK_SIZE = 2, 64
+
+
+class Attention(torch.nn.Module):
+    def forward(self, q, k, v, index_q, index_k):
+        return torch_msa.msa_attention(q, k, v, index_q, index_k, topk=TOPK, block_size=BLOCK_SIZE)
+
+
+def _inputs(tokens: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(tokens, 4, 64), (tokens, 2, 64), (tokens, 2, 64), (tokens, 2, 32), (tokens, 1, 32)]
+    return tuple(torch.randn(s, generator=g) for s in shapes)
+
+
+@functools.cache
+def _exported() -> torch.export.ExportedProgram:
+    tokens = torch.export.Dim("tokens", min=130, max=1000)
+    # One dimension shared by q, k, v, index_q and index_k: one document, Tq == Tk.
+    return torch.export.export(Attention(), _inputs(300), dynamic_shapes=tuple({0: tokens} for _ in range(5)))
+
+
+def _ops(*names):
+    """The OpOverloads among `names` that this torch version has."""
+    found = set()
+    for name in names:
+        packet, overload = name.rsplit(".", 1)
+        found.add(getattr(getattr(torch.ops.aten, packet, None), overload, None))
+    return found - {None}
+
+
+# Nodes whose presence or spelling varies across torch versions and says nothing about the msa ops.
+_SKIPPED = _ops("sym_size.int", "_assert_scalar.default", "_assert_tensor_metadata.default",
+                "sym_constrain_range_for_size.default")
+_ALIASES = _ops("detach.default", "alias.default")
+
+
+def _render(graph: torch.fx.Graph) -> str:
+    """One line per call: `vN = target(args)`, with version-dependent names normalised.
+
+    Placeholders keep their argument names, other nodes are numbered in order; every symbolic
+    size reads `T` (all inputs share the one token dimension, and which input export reads it
+    from is an implementation detail); detach/alias nodes are looked through and unused
+    getitems dropped; kwargs (dtype, device, pin_memory of factory calls) are left out.
+    """
+    names, lines = {}, []
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return names[a]
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(arg(x) for x in a) + "]"
+        return repr(a)
+
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            names[node] = node.name
+        elif node.op == "output":
+            lines.append(f"return {arg(node.args[0])}")
+        elif node.target in _SKIPPED:
+            names[node] = "T"
+        elif node.target in _ALIASES:
+            names[node] = names[node.args[0]]
+        elif node.target is operator.getitem and not node.users:
+            continue  # the unused lse: kept by some versions, dead-code-eliminated by others
+        else:
+            names[node] = f"v{len(lines)}"
+            target = "getitem" if node.target is operator.getitem else str(node.target)
+            lines.append(f"{names[node]} = {target}({', '.join(arg(a) for a in node.args)})")
+    return "\n".join(lines)
+
+
+class TestExport(expecttest.TestCase):
+    def test_graph(self):
+        graph = _exported().graph
+        targets = {node.target for node in graph.nodes if node.op == "call_function"}
+        self.assertIn(torch.ops.msa.select_blocks.default, targets)
+        self.assertIn(torch.ops.msa.forward.default, targets)
+        self.assertExpectedInline(_render(graph), """\
+v0 = aten.arange.default(2)
+v1 = aten.mul.Tensor(v0, T)
+v2 = aten.mul.Tensor(v0, T)
+v3 = msa.select_blocks.default(index_q, index_k, v1, v2, T, T, 2, 64)
+v4 = msa.forward.default(q, k, v, v3, v1, v2, T, T, 64, 0.125)
+v5 = getitem(v4, 0)
+return [v5]""")
+
+    def test_save_load_roundtrip(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "msa.pt2"
+            torch.export.save(_exported(), path)
+            loaded = torch.export.load(path).module()
+        for tokens in (300, 700):
+            x = _inputs(tokens, seed=tokens)
+            torch.testing.assert_close(loaded(*x), Attention()(*x))
+
+    def test_aoti_package_roundtrip(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
+            path = torch._inductor.aoti_compile_and_package(_exported(), package_path=str(Path(tmp) / "msa_aoti.pt2"))
+            compiled = time.perf_counter() - start
+            runner = torch._inductor.aoti_load_package(path)
+            for tokens in (300, 700):
+                x = _inputs(tokens, seed=tokens)
+                torch.testing.assert_close(runner(*x), Attention()(*x))
+        print(f"AOTInductor compile and package: {compiled:.1f} s")

@@ -1,0 +1,28 @@
+"""`import torch_msa` works on a CPU-only host and pulls in no optional backend."""
+
+import subprocess
+import sys
+
+
+def test_import_is_light():
+    # torch itself may load cuda.bindings; torch_msa must add nothing of the kind on top.
+    code = (
+        "import sys, torch\n"
+        "before = set(sys.modules)\n"
+        "import torch_msa\n"
+        "optional = ('triton', 'cutlass', 'cuda', 'fmha_sm100')\n"
+        "added = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in optional)\n"
+        "assert not added, added\n"
+        "assert 'triton' not in sys.modules and 'cutlass' not in sys.modules\n"
+        "assert hasattr(torch.ops.msa, 'forward')\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_importing_twice_in_one_process_is_harmless():
+    code = "import importlib, torch_msa, torch_msa.ops; importlib.reload(torch_msa.ops); print('ok')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

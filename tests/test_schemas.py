@@ -1,0 +1,33 @@
+"""The op contract, pinned: a schema change must be deliberate (and the C++ stub updated)."""
+
+import expecttest
+import torch
+
+import torch_msa  # noqa: F401
+from torch_msa._schemas import SCHEMAS
+
+
+class TestSchemas(expecttest.TestCase):
+    def test_select_blocks(self):
+        self.assertExpectedInline(
+            str(torch.ops.msa.select_blocks.default._schema),
+            """msa::select_blocks(Tensor index_q, Tensor index_k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int topk, int block_size) -> Tensor""",
+        )
+
+    def test_forward(self):
+        self.assertExpectedInline(
+            str(torch.ops.msa.forward.default._schema),
+            """msa::forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale) -> (Tensor, Tensor)""",
+        )
+
+    def test_backward(self):
+        self.assertExpectedInline(
+            str(torch.ops.msa.backward.default._schema),
+            """msa::backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None) -> (Tensor, Tensor, Tensor)""",
+        )
+
+    def test_registered_schemas_are_the_source_strings(self):
+        for name, schema in SCHEMAS.items():
+            op = getattr(torch.ops.msa, name).default
+            self.assertEqual(str(op._schema), str(torch._C.parse_schema(f"msa::{schema}")))
+            self.assertIn(torch.Tag.pt2_compliant_tag, op.tags)

@@ -1,0 +1,499 @@
+"""`python -m torch_msa`: a self-check of the MSA ops on this machine.
+
+It builds MiniMax-M3-shaped random inputs packed as several documents (the first one a causal
+suffix, `Lq < Lk`), runs `select_blocks -> sparse_attention -> backward` through the public ops on
+the best available device, times each stage, and checks the results against an independent
+float64 computation written here in plain torch (no code shared with the backends):
+
+* selection, out, lse and dq on a sample of query tokens spread over the documents;
+* dv and dk through two identities that hold exactly for any selection, summed over all keys
+  of each KV head: `sum_j dv[j] = sum_{t, h} grad_out[t, h]` (the probabilities of a row sum to 1)
+  and `sum_j dk[j] = 0` (softmax is shift invariant, so each row of dS sums to 0).
+
+The last line is `self-check: PASS` (exit code 0) or `self-check: FAIL` (exit code 1).
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+import torch_msa
+from torch_msa import backends
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+SAMPLED_TOKENS = 32
+
+# Share of --seqlen (the key tokens) held by each document: 4096 -> 3072, 512, 320, 192. The first
+# document is longer than topk * block_size keys, so its late queries really choose among blocks.
+DOCUMENT_SHARES = (0.75, 0.125, 0.078125, 0.046875)
+# The first document's queries are the causal suffix of its keys; this share of its keys (not a
+# multiple of the block size) has no query, so p(t) = Lk - Lq + t is exercised with Lq < Lk.
+SUFFIX_KEY_SHARE = 0.15
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Head counts and block parameters; the defaults are MiniMax-M3's (index heads == KV heads)."""
+
+    query_heads: int = 64
+    kv_heads: int = 4
+    head_dim: int = 128
+    index_dim: int = 128
+    block_size: int = 128
+    topk: int = 16
+
+    @property
+    def group(self) -> int:
+        return self.query_heads // self.kv_heads
+
+
+M3 = Shape()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Largest allowed error per check, each relative to the scale of the quantity (see `Check`)."""
+
+    out: float
+    lse: float
+    dq: float
+    dv_sum: float
+    dk_sum: float
+    selection: float = 1e-3  # relative score gap allowed at the top-k threshold (GEMM ties)
+
+
+# bf16/fp16 errors come mostly from rounding the outputs (and `out`, which feeds delta in the
+# backward) to the input dtype, unit roundoff 2^-8 and 2^-11. fp32/fp64 are testing dtypes whose
+# accumulation must be at least as precise as the inputs (a TF32 shortcut fails on purpose); lse is
+# accumulated in fp32 or better for every dtype. Each tolerance is 3x or more above the errors the
+# reference showed from 4 to 16384 tokens, on CPU and CUDA.
+TOLERANCES = {
+    torch.bfloat16: Tolerance(out=1e-2, lse=1e-4, dq=2e-2, dv_sum=1e-2, dk_sum=1e-2),
+    torch.float16: Tolerance(out=2e-3, lse=1e-4, dq=4e-3, dv_sum=2e-3, dk_sum=2e-3),
+    torch.float32: Tolerance(out=1e-4, lse=1e-4, dq=1e-4, dv_sum=1e-4, dk_sum=1e-4),
+    torch.float64: Tolerance(out=1e-10, lse=1e-12, dq=1e-10, dv_sum=1e-10, dk_sum=1e-10),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    queries: int  # Lq
+    keys: int  # Lk >= Lq; the queries sit at key positions Lk - Lq .. Lk - 1
+
+
+def document_layout(seqlen: int) -> list[Document]:
+    """Split `seqlen` key tokens into `len(DOCUMENT_SHARES)` documents (each at least one token)."""
+    if seqlen < len(DOCUMENT_SHARES):
+        raise ValueError(f"seqlen: expected at least {len(DOCUMENT_SHARES)} tokens (one per document), got {seqlen}")
+    rest = [max(1, int(seqlen * share)) for share in DOCUMENT_SHARES[1:]]
+    first = seqlen - sum(rest)
+    first_queries = first - int(first * SUFFIX_KEY_SHARE)
+    return [Document(first_queries, first)] + [Document(n, n) for n in rest]
+
+
+@dataclasses.dataclass
+class Problem:
+    """Random packed inputs; `grad_out` weights the loss `sum(out * grad_out)`."""
+
+    shape: Shape
+    documents: list[Document]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    index_q: torch.Tensor
+    index_k: torch.Tensor
+    grad_out: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+
+    @property
+    def document_args(self) -> tuple:
+        """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` as the ops take them."""
+        return (self.cu_seqlens_q, self.cu_seqlens_k,
+                max(d.queries for d in self.documents), max(d.keys for d in self.documents))
+
+    def query_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per packed query token (CPU int64): the packed row of its document's first key, and p(t)."""
+        key_start, position, offset = [], [], 0
+        for doc in self.documents:
+            key_start += [offset] * doc.queries
+            position += range(doc.keys - doc.queries, doc.keys)
+            offset += doc.keys
+        return torch.tensor(key_start, dtype=torch.int64), torch.tensor(position, dtype=torch.int64)
+
+
+def make_problem(documents: list[Document], dtype: torch.dtype, device: torch.device, seed: int,
+                 shape: Shape = M3) -> Problem:
+    # Drawn on the CPU so a seed gives the same inputs on every device.
+    generator = torch.Generator().manual_seed(seed)
+    num_queries = sum(d.queries for d in documents)
+    num_keys = sum(d.keys for d in documents)
+
+    def normal(*size):
+        return torch.randn(*size, generator=generator).to(device=device, dtype=dtype)
+
+    def boundaries(lengths):
+        return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+
+    return Problem(
+        shape=shape,
+        documents=documents,
+        q=normal(num_queries, shape.query_heads, shape.head_dim),
+        k=normal(num_keys, shape.kv_heads, shape.head_dim),
+        v=normal(num_keys, shape.kv_heads, shape.head_dim),
+        index_q=normal(num_queries, shape.kv_heads, shape.index_dim),
+        index_k=normal(num_keys, 1, shape.index_dim),
+        grad_out=normal(num_queries, shape.query_heads, shape.head_dim),
+        cu_seqlens_q=boundaries([d.queries for d in documents]),
+        cu_seqlens_k=boundaries([d.keys for d in documents]),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the ops
+
+
+@dataclasses.dataclass
+class OpResults:
+    block_indices: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    stage_ms: dict[str, float]
+
+
+@contextlib.contextmanager
+def timed_stage(label: str, device: torch.device, stage_ms: dict[str, float] | None = None, name: str = ""):
+    """Print `label ...` on entry and the elapsed time on exit; CUDA is synchronised around it
+    because kernel launches return before the work is done."""
+    print(f"{label} ...", end="", flush=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    if stage_ms is not None:
+        stage_ms[name] = elapsed_ms
+    print(f" {elapsed_ms:.1f} ms", flush=True)
+
+
+def run_ops(problem: Problem, step: str = "", timed: bool = True) -> OpResults:
+    """select_blocks -> sparse_attention(return_lse=True) -> backward of sum(out * grad_out)."""
+    shape, device = problem.shape, problem.q.device
+    q, k, v = (x.detach().clone().requires_grad_() for x in (problem.q, problem.k, problem.v))
+    stage_ms: dict[str, float] = {}
+
+    def stage(name):
+        return timed_stage(f"{step}{name}", device, stage_ms if timed else None, name)
+
+    with stage("select_blocks"):
+        block_indices = torch_msa.select_blocks(problem.index_q, problem.index_k, *problem.document_args,
+                                                topk=shape.topk, block_size=shape.block_size)
+    with stage("forward"):
+        out, lse = torch_msa.sparse_attention(q, k, v, block_indices, *problem.document_args,
+                                              block_size=shape.block_size, return_lse=True)
+    # The loss reads only `out`, so the gradient reaching the op is exactly `grad_out` (in any
+    # dtype: d(sum)/d(out * w) is 1) and lse gets none.
+    loss = (out * problem.grad_out).sum()
+    with stage("backward"):
+        loss.backward()
+    return OpResults(block_indices, out.detach(), lse.detach(), q.grad, k.grad, v.grad, stage_ms)
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent float64 checks
+
+
+@dataclasses.dataclass
+class Check:
+    """One compared quantity: `error = max_abs / max(scale, 1)` must stay <= `tolerance`.
+
+    `scale` is the size of the quantity (or of the terms summed into it). The floor of 1 turns the
+    error into an absolute one where the quantity vanishes in exact arithmetic (dq and dk of a
+    query that sees a single key); the inputs are unit normals, so 1 is their natural size.
+    """
+
+    name: str
+    max_abs: float
+    scale: float
+    tolerance: float
+    note: str = ""
+
+    @property
+    def error(self) -> float:
+        return self.max_abs / max(self.scale, 1.0)
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tolerance  # False for NaN
+
+    def line(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        text = f"  {self.name:<10} max abs {self.max_abs:9.2e}   rel {self.error:9.2e} <= {self.tolerance:.0e}   {verdict}"
+        return f"{text}   {self.note}" if self.note else text
+
+
+def sample_tokens(documents: list[Document], count: int = SAMPLED_TOKENS) -> list[int]:
+    """About `count` packed query rows, evenly spaced inside each document (first and last token
+    included), at least two per document, the rest in proportion to the document's queries."""
+    total = sum(d.queries for d in documents)
+    tokens, start = [], 0
+    for doc in documents:
+        if doc.queries:
+            wanted = max(2, round(count * doc.queries / total))
+            local = torch.linspace(0, doc.queries - 1, wanted).round().long().unique()
+            tokens += (start + local).tolist()
+        start += doc.queries
+    return tokens
+
+
+def selected_keys(block_ids: list[int], position: int, block_size: int) -> torch.Tensor:
+    """Document-local key positions a query at `position` reads: the keys of its distinct valid
+    blocks up to the causal horizon (ids are a set; -1 and blocks past the horizon add nothing)."""
+    blocks = sorted({b for b in block_ids if b >= 0 and b * block_size <= position})
+    parts = [torch.arange(b * block_size, min(b * block_size + block_size, position + 1)) for b in blocks]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def _max_error(name: str, actual: torch.Tensor, expected: torch.Tensor, tolerance: float, note: str = "") -> Check:
+    difference = (actual.double() - expected).abs()
+    max_abs = difference.max().item() if difference.isfinite().all() else math.inf
+    return Check(name, max_abs, expected.abs().max().item(), tolerance, note)
+
+
+def check_attention(problem: Problem, results: OpResults, tokens: list[int], tolerance: Tolerance) -> list[Check]:
+    """out, lse and dq of the sampled tokens against float64, over the key sets of the op's own
+    block indices. dq[t] needs only row t: dS = P * (dP - delta), delta = rowsum(dO * O)."""
+    shape = problem.shape
+    scale = shape.head_dim ** -0.5
+    key_start, position = problem.query_layout()
+    rows = torch.tensor(tokens)
+    q, grad_out = (x[rows.to(x.device)].cpu().double() for x in (problem.q, problem.grad_out))
+    k, v = problem.k.cpu().double(), problem.v.cpu().double()
+    block_indices = results.block_indices[:, rows.to(results.block_indices.device)].cpu()
+    out = torch.zeros_like(q)
+    lse = torch.zeros(q.shape[:2], dtype=torch.float64)
+    dq = torch.zeros_like(q)
+    for i, token in enumerate(tokens):
+        for r in range(shape.kv_heads):
+            keys = key_start[token] + selected_keys(block_indices[r, i].tolist(), position[token].item(), shape.block_size)
+            heads = slice(r * shape.group, (r + 1) * shape.group)
+            key, value = k[keys, r], v[keys, r]
+            scores = scale * q[i, heads] @ key.T
+            lse[i, heads] = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - lse[i, heads, None])
+            out[i, heads] = probs @ value
+            delta = (grad_out[i, heads] * out[i, heads]).sum(-1, keepdim=True)
+            grad_scores = probs * (grad_out[i, heads] @ value.T - delta)
+            dq[i, heads] = scale * grad_scores @ key
+    actual = {name: getattr(results, name)[rows.to(results.out.device)].cpu() for name in ("out", "lse", "dq")}
+    return [
+        _max_error("out", actual["out"], out, tolerance.out),
+        _max_error("lse", actual["lse"], lse, tolerance.lse),
+        _max_error("dq", actual["dq"], dq, tolerance.dq),
+    ]
+
+
+def check_selection(problem: Problem, block_indices: torch.Tensor, tokens: list[int], tolerance: Tolerance) -> Check:
+    """The sampled tokens' block choices against float64 index scores.
+
+    A choice is right when it keeps `min(topk, nvb)` distinct visible ids ending with the local
+    block, and no rejected non-local block scores above a chosen one. The error is the worst
+    such inversion (best rejected minus worst chosen block score), relative to
+    max(|best rejected|, 1); an inversion within the tolerance is a near-tie that independent
+    GEMMs may break either way. A broken id contract counts as an infinite error.
+    """
+    shape = problem.shape
+    key_start, position = problem.query_layout()
+    index_q = problem.index_q.cpu().double()
+    index_k = problem.index_k[:, 0].cpu().double()
+    chosen_rows = block_indices[:, torch.tensor(tokens).to(block_indices.device)].cpu()
+    worst, exact, broken = 0.0, 0, []
+    for i, token in enumerate(tokens):
+        p = position[token].item()
+        visible_blocks = p // shape.block_size + 1
+        local_block = visible_blocks - 1
+        keys = index_k[key_start[token]: key_start[token] + p + 1]
+        # Pad the local block with -inf so every block max-pools over its visible keys only.
+        padded = torch.full((visible_blocks * shape.block_size,), -math.inf, dtype=torch.float64)
+        for r in range(shape.kv_heads):
+            padded[: p + 1] = shape.index_dim ** -0.5 * (keys @ index_q[token, r])
+            block_score = padded.view(visible_blocks, shape.block_size).amax(-1)
+            ids = chosen_rows[r, i].tolist()
+            valid = [b for b in ids if b >= 0]
+            expected_count = min(shape.topk, visible_blocks)
+            if (ids[: len(valid)] != valid or len(valid) != expected_count or valid[-1] != local_block
+                    or len(set(valid)) != len(valid) or max(valid) >= visible_blocks):
+                broken.append(f"token {token} head {r}: {ids}")
+                continue
+            chosen = valid[:-1]
+            rejected = sorted(set(range(local_block)) - set(chosen))
+            if not chosen or not rejected:
+                exact += 1
+                continue
+            best_rejected = block_score[rejected].max().item()
+            inversion = best_rejected - block_score[chosen].min().item()
+            exact += inversion <= 0
+            worst = max(worst, inversion / max(abs(best_rejected), 1.0))
+    rows = len(tokens) * shape.kv_heads
+    note = f"{exact}/{rows} (token, head) sets exact"
+    if broken:
+        note += f"; {len(broken)} break the id contract, e.g. {broken[0]}"
+        worst = math.inf
+    return Check("selection", worst, 1.0, tolerance.selection, note)
+
+
+def key_counts(problem: Problem, block_indices: torch.Tensor) -> torch.Tensor:
+    """`[Hkv, Tq]` number of keys each (KV head, query) reads: the visible keys of its distinct
+    valid blocks."""
+    block_size = problem.shape.block_size
+    _, position = problem.query_layout()
+    ids = block_indices.cpu().to(torch.int64).sort(-1).values
+    repeated = torch.zeros_like(ids, dtype=torch.bool)
+    repeated[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    visible = (position[None, :, None] - ids * block_size + 1).clamp(0, block_size)
+    return torch.where((ids >= 0) & ~repeated, visible, 0).sum(-1)
+
+
+def check_gradient_sums(problem: Problem, results: OpResults, tolerance: Tolerance) -> list[Check]:
+    """Per KV head r, over all keys: sum dv = sum of grad_out over the queries (with a nonempty
+    key set) and the G heads of group r; sum dk = 0. Each residual is measured against the sum
+    of |terms| (the size a rounding error in the sum can reach)."""
+    shape = problem.shape
+    reads_keys = key_counts(problem, results.block_indices) > 0  # [Hkv, Tq]
+    grad_out = problem.grad_out.cpu().double().view(-1, shape.kv_heads, shape.group, shape.head_dim)
+    grad_out_total = torch.einsum("rt,trgd->rd", reads_keys.double(), grad_out)
+    dv, dk = results.dv.cpu().double(), results.dk.cpu().double()
+    dv_residual = (dv.sum(0) - grad_out_total).abs().max().item()
+    dk_residual = dk.sum(0).abs().max().item()
+    return [
+        Check("sum dv", dv_residual, dv.abs().sum(0).max().item(), tolerance.dv_sum, "sum_j dv = sum_{t,h} dO"),
+        Check("sum dk", dk_residual, dk.abs().sum(0).max().item(), tolerance.dk_sum, "sum_j dk = 0"),
+    ]
+
+
+def run_checks(problem: Problem, results: OpResults, tokens: list[int], dtype: torch.dtype) -> list[Check]:
+    tolerance = TOLERANCES[dtype]
+    return [
+        check_selection(problem, results.block_indices, tokens, tolerance),
+        *check_attention(problem, results, tokens, tolerance),
+        *check_gradient_sums(problem, results, tolerance),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_msa",
+        description="Self-check of the MSA ops: MiniMax-M3-shaped random inputs (Hq=64, Hkv=4, D=128, "
+                    "Hi=4, Di=128, block_size=128, topk=16) packed as several documents; select -> "
+                    "forward -> backward through torch.ops.msa, timed, and compared with float64.",
+    )
+    parser.add_argument("--device", help="torch device to run on (default: cuda if available, else cpu)")
+    parser.add_argument("--seqlen", type=int, default=4096,
+                        help="total key tokens, split into 4 documents (default: 4096)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16",
+                        help="dtype of q, k, v and the index inputs (default: bf16)")
+    parser.add_argument("--backend",
+                        help=f"force a backend for this run (sets {backends.BACKEND_ENV}); "
+                             f"registered: {', '.join(backends.registered_backends())}")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    registered = backends.registered_backends()
+    if args.backend is not None and args.backend not in registered:
+        parser.error(f"argument --backend: unknown backend {args.backend!r}; registered backends: {', '.join(registered)}")
+    if args.seqlen < len(DOCUMENT_SHARES):
+        parser.error(f"argument --seqlen: expected at least {len(DOCUMENT_SHARES)} (one token per document), got {args.seqlen}")
+    try:
+        args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as error:
+        parser.error(f"argument --device: {error}")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: {args.device} requested but CUDA is not available")
+    return args
+
+
+def _describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"{device} ({torch.get_num_threads()} threads)"
+
+
+def _print_header(problem: Problem, args, resolved: dict[str, str]) -> None:
+    shape, docs = problem.shape, problem.documents
+    print("torch_msa self-check", flush=True)
+    print(f"  device     {_describe_device(args.device)}")
+    print("  backends   " + "  ".join(f"{op}={name}" for op, name in resolved.items()))
+    print(f"  dtype      {args.dtype}   seed {args.seed}")
+    print(f"  shapes     q {list(problem.q.shape)}  k, v {list(problem.k.shape)}  "
+          f"index_q {list(problem.index_q.shape)}  index_k {list(problem.index_k.shape)}")
+    print(f"             block_size {shape.block_size}  topk {shape.topk}")
+    print(f"  documents  Lk {[d.keys for d in docs]}  Lq {[d.queries for d in docs]}  "
+          "(queries are the causal suffix of each document's keys)", flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.backend is not None:
+        os.environ[backends.BACKEND_ENV] = args.backend
+    dtype = DTYPES[args.dtype]
+    try:
+        resolved = {op: torch_msa.resolve(op, args.device).name for op in backends.OPS}
+    except torch_msa.BackendError as error:
+        print(f"error: {error}", file=sys.stderr)
+        print("self-check: FAIL")
+        return 1
+    problem = make_problem(document_layout(args.seqlen), dtype, args.device, args.seed)
+    _print_header(problem, args, resolved)
+    try:
+        if args.device.type == "cuda":
+            # The first call may compile kernels; time the second.
+            print("warm-up (not timed)", flush=True)
+            run_ops(problem, step="  ", timed=False)
+        print("running the ops", flush=True)
+        results = run_ops(problem, step="  ")
+        tokens = sample_tokens(problem.documents)
+        with timed_stage(f"float64 check of {len(tokens)} sampled tokens and the dk/dv sums", args.device):
+            checks = run_checks(problem, results, tokens, dtype)
+    except Exception:  # a crashing op is a failed check; show why
+        traceback.print_exc()
+        print("self-check: FAIL", flush=True)
+        return 1
+
+    timings = "  ".join(f"{name} {ms:.1f}" for name, ms in results.stage_ms.items())
+    print(f"time (ms)    {timings}")
+    counts = key_counts(problem, results.block_indices).double()
+    _, position = problem.query_layout()
+    sparse, dense = counts.mean().item(), (position + 1).double().mean().item()
+    print(f"keys read    {sparse:.0f} per query and KV head on average vs {dense:.0f} dense causal "
+          f"({sparse / dense:.1%})")
+    print("against float64 (rel = max abs error / max(1, max |float64 value|); sums: / max(1, sum |terms|);"
+          " selection: worst score inversion):")
+    for check in checks:
+        print(check.line())
+    passed = all(check.passed for check in checks)
+    print(f"self-check: {'PASS' if passed else 'FAIL'}", flush=True)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""The `msa::` operator schemas: the single source of truth for the op contract.
+
+`csrc_stub/msa_stub.cpp` repeats these strings for processes that load an exported artifact
+without Python; `tests/test_schemas.py` pins both to the text below, so a change is deliberate.
+"""
+
+NAMESPACE = "msa"
+
+SCHEMAS: dict[str, str] = {
+    "select_blocks": (
+        "select_blocks(Tensor index_q, Tensor index_k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "SymInt max_seqlen_q, SymInt max_seqlen_k, int topk, int block_size) -> Tensor"
+    ),
+    "forward": (
+        "forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor cu_seqlens_q, "
+        "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, "
+        "float softmax_scale) -> (Tensor, Tensor)"
+    ),
+    # `grad_lse` (trailing, optional) lets autograd fold the gradient of `lse` into dS instead
+    # of dropping it: dS = P * (dP - delta + grad_lse).
+    "backward": (
+        "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+        "SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None) "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
+}

@@ -1,0 +1,186 @@
+"""The public Python API: typed wrappers over `torch.ops.msa.*` with the M3 defaults.
+
+Layouts (packed tokens, documents delimited by int32 `cu_seqlens`):
+
+* `q [Tq, Hq, D]`, `k, v [Tk, Hkv, D]`: bf16, fp16, fp32 or fp64; `Hq % Hkv == 0`, `D in {64, 128}`.
+* `index_q [Tq, Hi, Di]` with `Hi == Hkv`, `index_k [Tk, 1, Di]`: one shared index key per token.
+* `block_indices [Hkv, Tq, topk]` int32: per (KV head, query) block ids, valid ids first, `-1` after.
+* `cu_seqlens_q, cu_seqlens_k [B + 1]` int32; omitted, the inputs are one document.
+* `max_seqlen_q, max_seqlen_k`: host ints; omitted, they default to the token counts `Tq`, `Tk`
+  (always a valid bound, but a looser one for packs of short documents: pass the real values when
+  you have them).
+
+Every function traces under `torch.compile(fullgraph=True)` and `torch.export` without a graph
+break or a host sync.
+"""
+
+import torch
+
+from . import ops as _ops  # noqa: F401  (registers torch.ops.msa.*)
+from . import validation
+from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK
+
+
+def _documents(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               block_size, topk=None, softmax_scale=None):
+    """Fill the document defaults and check the host arguments; returns the ops' four document args."""
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        missing = "cu_seqlens_k" if cu_seqlens_k is None else "cu_seqlens_q"
+        raise ValueError(f"{missing}: expected a tensor when the other cu_seqlens is given (or neither), got None")
+    if cu_seqlens_q is None:
+        # [0, T] built from a shape, so it stays symbolic under dynamic-shape tracing.
+        steps = torch.arange(2, dtype=torch.int32, device=device)
+        cu_seqlens_q, cu_seqlens_k = steps * num_queries, steps * num_keys
+    max_seqlen_q = num_queries if max_seqlen_q is None else max_seqlen_q
+    max_seqlen_k = num_keys if max_seqlen_k is None else max_seqlen_k
+    validation.check_host_args(max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
+    return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+
+
+def _rows(name, x, layout):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor {layout}, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError(f"{name}: expected a tensor {layout}, got a 0-D tensor")
+    return x.shape[0]
+
+
+def _attention_documents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale):
+    return _documents(_rows("q", q, "[Tq, Hq, D]"), _rows("k", k, "[Tk, Hkv, D]"), q.device,
+                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
+
+
+def _scale(q, softmax_scale):
+    return q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+
+
+def select_blocks(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    topk: int = DEFAULT_TOPK,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> torch.Tensor:
+    """Choose the key blocks each query attends to (the MSA index branch's selection).
+
+    Scores `Di^-0.5 <index_q[t, r], index_k[j]>` in fp32 over the visible keys `j <= p(t)`,
+    max-pools them per block, and keeps the `min(topk - 1, nvb - 1)` best non-local visible
+    blocks (lower id first on ties) followed by the local block `nvb - 1`, where
+    `nvb = p(t) // block_size + 1`.
+
+    Args:
+        index_q: `[Tq, Hi, Di]` index queries (bf16/fp16/fp32/fp64).
+        index_k: `[Tk, 1, Di]` index keys, same dtype.
+
+    Returns:
+        int32 `[Hi, Tq, topk]`; valid ids first, `-1` padding after. Not differentiable.
+    """
+    docs = _documents(_rows("index_q", index_q, "[Tq, Hi, Di]"), _rows("index_k", index_k, "[Tk, 1, Di]"),
+                      index_q.device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk)
+    return torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+):
+    """Attention of each query over the keys of its selected blocks (causal inside the local one).
+
+    Query head `h` uses KV head `r = h // (Hq // Hkv)` and the blocks in `block_indices[r, t]`.
+
+    Args:
+        q: `[Tq, Hq, D]`; k, v: `[Tk, Hkv, D]`, same dtype.
+        block_indices: int32 `[Hkv, Tq, topk]`, e.g. from `select_blocks`.
+        softmax_scale: defaults to `D ** -0.5`.
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        `out [Tq, Hq, D]` in q's dtype, or `(out, lse)` with `lse [Tq, Hq]` (natural log, fp32;
+        fp64 for fp64 inputs). Differentiable in q, k, v, including through `lse`.
+    """
+    docs = _attention_documents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
+    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale))
+    return (out, lse) if return_lse else out
+
+
+def msa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    topk: int = DEFAULT_TOPK,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """MiniMax Sparse Attention: `select_blocks` (no gradient) then `sparse_attention`.
+
+    Shapes as in `select_blocks` and `sparse_attention`, with `Hi == Hkv`. Returns `out [Tq, Hq, D]`.
+    """
+    docs = _attention_documents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
+    _rows("index_q", index_q, "[Tq, Hi, Di]")
+    _rows("index_k", index_k, "[Tk, 1, Di]")
+    if index_q.dim() == 3 and k.dim() == 3 and index_q.shape[1] != k.shape[1]:
+        raise ValueError(f"index_q: expected Hi = {k.shape[1]} index heads (one per KV head of k), got {index_q.shape[1]}")
+    block_indices = torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size)
+    out, _ = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale))
+    return out
+
+
+def validate_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    index_q: torch.Tensor | None = None,
+    index_k: torch.Tensor | None = None,
+    topk: int = DEFAULT_TOPK,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    softmax_scale: float | None = None,
+) -> None:
+    """Check every input the way `TORCH_MSA_DEBUG=1` does, including values (host sync).
+
+    Raises `ValueError`/`TypeError` naming the first offending argument: shapes, dtypes and
+    devices; `cu_seqlens` starting at 0, non-decreasing, ending at the token counts, `Lq <= Lk`
+    per document and `max_seqlen_*` large enough; and, when given, the block-id contract of
+    `block_indices` (valid prefix then `-1`, distinct, `< nvb`, local block last) and the index
+    inputs. Use it in eager code when debugging; it is not meant for compiled regions.
+    """
+    docs = _attention_documents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
+    scale = _scale(q, softmax_scale)
+    validation.check_forward(q, k, v, block_indices, *docs, block_size, scale)
+    if (index_q is None) != (index_k is None):
+        raise ValueError(f"{'index_k' if index_k is None else 'index_q'}: expected a tensor when the other index input is given, got None")
+    if index_q is not None:
+        validation.check_select_blocks(index_q, index_k, *docs, topk, block_size)
+        if index_q.shape[:2] != (q.shape[0], k.shape[1]):
+            raise ValueError(
+                f"index_q: expected [Tq, Hi] = [{q.shape[0]}, {k.shape[1]}] (Hi == Hkv), got {list(index_q.shape[:2])}"
+            )
+        if index_k.shape[0] != k.shape[0]:
+            raise ValueError(f"index_k: expected Tk = {k.shape[0]} rows (the rows of k), got {index_k.shape[0]}")
+    validation.check_values(docs[0], docs[1], q.shape[0], k.shape[0], docs[2], docs[3], block_indices, block_size)

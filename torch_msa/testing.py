@@ -1,0 +1,52 @@
+"""Builders of valid MSA inputs for tests, examples and benchmarks."""
+
+from collections.abc import Sequence
+
+import torch
+
+from .documents import locate_queries
+
+
+def cu_seqlens(
+    q_lens: Sequence[int], k_lens: Sequence[int] | None = None, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 `(cu_seqlens_q, cu_seqlens_k)` for documents of these lengths (`k_lens` defaults to `q_lens`)."""
+    k_lens = q_lens if k_lens is None else k_lens
+    if len(q_lens) != len(k_lens):
+        raise ValueError(f"k_lens: expected {len(q_lens)} lengths (one per document, like q_lens), got {len(k_lens)}")
+    bounds = []
+    for lens in (q_lens, k_lens):
+        steps = torch.tensor([0, *lens], dtype=torch.int64)
+        bounds.append(steps.cumsum(0).to(device=device, dtype=torch.int32))
+    return bounds[0], bounds[1]
+
+
+def random_block_indices(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    num_kv_heads: int,
+    topk: int,
+    block_size: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """A random selection that honours the contract: int32 `[Hkv, Tq, topk]`.
+
+    Each row keeps `min(topk - 1, nvb - 1)` distinct random non-local visible blocks in random
+    order, then the local block, then `-1`.
+    """
+    num_queries = int(cu_seqlens_q[-1])
+    num_keys = int(cu_seqlens_k[-1])
+    position = locate_queries(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), num_queries, num_keys).position
+    visible_blocks = position // block_size + 1  # [Tq]
+    max_blocks = int(visible_blocks.max()) if num_queries else 1
+    noise = torch.rand(num_kv_heads, num_queries, max(1, max_blocks), generator=generator)
+    block_ids = torch.arange(noise.shape[-1])
+    noise = noise.masked_fill(block_ids >= (visible_blocks - 1)[:, None], 2.0)  # non-candidates last
+    order = noise.argsort(-1)
+    if order.shape[-1] < topk:
+        order = torch.nn.functional.pad(order, (0, topk - order.shape[-1]), value=-1)
+    order = order[..., :topk]
+    kept = (visible_blocks - 1).clamp(min=0, max=topk - 1)[None, :, None]
+    slots = torch.arange(topk)
+    local = torch.where(slots == kept, (visible_blocks - 1)[None, :, None], -1)
+    return torch.where(slots < kept, order, local).to(torch.int32).to(cu_seqlens_q.device)

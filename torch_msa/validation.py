@@ -1,0 +1,259 @@
+"""Input checks of the MSA ops.
+
+Two tiers:
+
+* `check_*` functions look at metadata only (types, ranks, shapes, dtypes, devices, host ints).
+  They never synchronise, so they run on every call, from the real kernels and the fake ones
+  (errors then surface at trace time under `torch.compile`).
+* `check_values` reads tensor contents (a host sync). It runs when `TORCH_MSA_DEBUG=1` and from
+  `torch_msa.validate_inputs`.
+
+Every message names the argument and says what was expected and what was given.
+"""
+
+import math
+import os
+
+import torch
+
+from .contract import FLOAT_DTYPES, INDEX_DTYPE, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, compute_dtype
+from .documents import locate_queries
+
+DEBUG_ENV = "TORCH_MSA_DEBUG"
+
+
+def debug_enabled() -> bool:
+    """True when `TORCH_MSA_DEBUG` asks for the value checks on every op call."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _shape(x: torch.Tensor) -> str:
+    return str(list(x.shape))
+
+
+def _tensor(name: str, x, rank: int, layout: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor {layout}, got {type(x).__name__}")
+    if x.dim() != rank:
+        raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {_shape(x)}")
+
+
+def _dtype(name: str, x: torch.Tensor, allowed, what: str) -> None:
+    if x.dtype not in allowed:
+        raise TypeError(f"{name}: expected dtype {what}, got {x.dtype}")
+
+
+def _same_device(name: str, x: torch.Tensor, reference_name: str, reference: torch.Tensor) -> None:
+    if x.device != reference.device:
+        raise ValueError(f"{name}: expected device {reference.device} (the device of {reference_name}), got {x.device}")
+
+
+def _dim(name: str, actual, expected, what: str) -> None:
+    if actual != expected:
+        raise ValueError(f"{name}: expected {what} {expected}, got {actual}")
+
+
+def _float_tensor(name: str, x, layout: str) -> None:
+    _tensor(name, x, 3, layout)
+    _dtype(name, x, FLOAT_DTYPES, "bfloat16, float16, float32 or float64")
+
+
+def _host_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+
+
+def _block_size(block_size) -> None:
+    _host_int("block_size", block_size, 1)
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"block_size: expected one of {SUPPORTED_BLOCK_SIZES}, got {block_size}")
+
+
+def _softmax_scale(softmax_scale) -> None:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (float, int)):
+        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: expected a finite float, got {softmax_scale}")
+
+
+def check_host_args(max_seqlen_q, max_seqlen_k, block_size, topk=None, softmax_scale=None) -> None:
+    """The non-tensor arguments, checked before the dispatcher parses them (its own type errors
+    name neither the expectation nor the fix); `None` skips `topk` / `softmax_scale`."""
+    _host_int("max_seqlen_q", max_seqlen_q, 0)
+    _host_int("max_seqlen_k", max_seqlen_k, 0)
+    _block_size(block_size)
+    if topk is not None:
+        _host_int("topk", topk, 1)
+    if softmax_scale is not None:
+        _softmax_scale(softmax_scale)
+
+
+def _documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, anchor_name, anchor) -> None:
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _tensor(name, cu, 1, "[B + 1]")
+        _dtype(name, cu, (INDEX_DTYPE,), "int32")
+        _same_device(name, cu, anchor_name, anchor)
+        if cu.shape[0] < 1:
+            raise ValueError(f"{name}: expected at least one boundary ([B + 1] with B >= 0), got shape {_shape(cu)}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} boundaries (as many as cu_seqlens_q), "
+            f"got {cu_seqlens_k.shape[0]}"
+        )
+    _host_int("max_seqlen_q", max_seqlen_q, 0)
+    _host_int("max_seqlen_k", max_seqlen_k, 0)
+
+
+def check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size) -> None:
+    """Metadata checks of `msa::select_blocks` (no host sync)."""
+    _float_tensor("index_q", index_q, "[Tq, Hi, Di]")
+    _float_tensor("index_k", index_k, "[Tk, 1, Di]")
+    _dim("index_k.shape[1]", index_k.shape[1], 1, "one shared index key head:")
+    _dim("index_k.shape[2]", index_k.shape[2], index_q.shape[2], "the index head dim of index_q,")
+    if index_q.shape[1] < 1:
+        raise ValueError(f"index_q: expected at least one index head, got shape {_shape(index_q)}")
+    if index_k.dtype != index_q.dtype:
+        raise TypeError(f"index_k: expected dtype {index_q.dtype} (the dtype of index_q), got {index_k.dtype}")
+    _same_device("index_k", index_k, "index_q", index_q)
+    _documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "index_q", index_q)
+    _host_int("topk", topk, 1)
+    _block_size(block_size)
+
+
+def check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale) -> None:
+    """Metadata checks of `msa::forward` (no host sync); `block_indices=None` skips its checks."""
+    _float_tensor("q", q, "[Tq, Hq, D]")
+    _float_tensor("k", k, "[Tk, Hkv, D]")
+    _float_tensor("v", v, "[Tk, Hkv, D]")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {x.dtype}")
+        _same_device(name, x, "q", q)
+    if list(v.shape) != list(k.shape):
+        raise ValueError(f"v: expected shape {_shape(k)} (the shape of k), got {_shape(v)}")
+    num_heads, num_kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    if dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: expected head dim D in {SUPPORTED_HEAD_DIMS}, got {dim} (shape {_shape(q)})")
+    _dim("k.shape[2]", k.shape[2], dim, "the head dim of q,")
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"k: expected a number of KV heads Hkv that divides Hq = {num_heads}, got Hkv = {num_kv_heads}"
+        )
+    if block_indices is not None:
+        _tensor("block_indices", block_indices, 3, "[Hkv, Tq, topk]")
+        _dtype("block_indices", block_indices, (INDEX_DTYPE,), "int32")
+        _same_device("block_indices", block_indices, "q", q)
+        if block_indices.shape[0] != num_kv_heads or block_indices.shape[1] != q.shape[0] or block_indices.shape[2] < 1:
+            raise ValueError(
+                f"block_indices: expected shape [Hkv, Tq, topk] = [{num_kv_heads}, {q.shape[0]}, topk >= 1], "
+                f"got {_shape(block_indices)}"
+            )
+    _documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "q", q)
+    _block_size(block_size)
+    _softmax_scale(softmax_scale)
+
+
+def check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
+                   max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None) -> None:
+    """Metadata checks of `msa::backward` (no host sync)."""
+    check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
+    for name, x in (("grad_out", grad_out), ("out", out)):
+        _float_tensor(name, x, "[Tq, Hq, D]")
+        if list(x.shape) != list(q.shape):
+            raise ValueError(f"{name}: expected shape {_shape(q)} (the shape of q), got {_shape(x)}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {x.dtype}")
+        _same_device(name, x, "q", q)
+    lse_dtype = compute_dtype(q.dtype)
+    for name, x in (("lse", lse), ("grad_lse", grad_lse)):
+        if x is None and name == "grad_lse":
+            continue
+        _tensor(name, x, 2, "[Tq, Hq]")
+        if list(x.shape) != list(q.shape[:2]):
+            raise ValueError(f"{name}: expected shape {list(q.shape[:2])} ([Tq, Hq] of q), got {_shape(x)}")
+        _dtype(name, x, (lse_dtype,), str(lse_dtype))
+        _same_device(name, x, "q", q)
+
+
+def _first(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0])
+
+
+def check_values(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, max_seqlen_q, max_seqlen_k,
+                 block_indices=None, block_size=None) -> None:
+    """Content checks (host sync): document boundaries and, if given, the block-id contract.
+
+    Boundaries start at 0, never decrease, end at `Tq` / `Tk`; every document has `Lq <= Lk`
+    and fits `max_seqlen_*`. Each `block_indices[r, t]` row holds distinct ids in
+    `[0, nvb(t))` as a prefix, `-1` after it, and the local block `nvb(t) - 1` as its last
+    valid id.
+    """
+    lengths = {}
+    for name, cu, total, max_name, max_len in (
+        ("cu_seqlens_q", cu_seqlens_q, num_queries, "max_seqlen_q", max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, num_keys, "max_seqlen_k", max_seqlen_k),
+    ):
+        bounds = cu.detach().to("cpu", torch.int64)
+        if int(bounds[0]) != 0:
+            raise ValueError(f"{name}: expected the first boundary to be 0, got {int(bounds[0])}")
+        steps = bounds.diff()
+        if (steps < 0).any():
+            (i,) = _first(steps < 0)
+            raise ValueError(
+                f"{name}: expected non-decreasing boundaries, got {name}[{i}] = {int(bounds[i])} > "
+                f"{name}[{i + 1}] = {int(bounds[i + 1])}"
+            )
+        if int(bounds[-1]) != int(total):
+            raise ValueError(f"{name}: expected the last boundary to equal the token count {int(total)}, got {int(bounds[-1])}")
+        longest = int(steps.max()) if steps.numel() else 0
+        if longest > int(max_len):
+            raise ValueError(f"{max_name}: expected >= the longest document ({longest} tokens), got {int(max_len)}")
+        lengths[name] = steps
+    too_long = lengths["cu_seqlens_q"] > lengths["cu_seqlens_k"]
+    if too_long.any():
+        (b,) = _first(too_long)
+        raise ValueError(
+            f"cu_seqlens_q: expected every document to have Lq <= Lk (queries are the causal suffix of the keys), "
+            f"got document {b} with Lq = {int(lengths['cu_seqlens_q'][b])}, Lk = {int(lengths['cu_seqlens_k'][b])}"
+        )
+    if block_indices is not None:
+        _check_block_ids(block_indices, cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, block_size)
+
+
+def _check_block_ids(block_indices, cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, block_size) -> None:
+    ids = block_indices.detach().to("cpu", torch.int64)
+    position = locate_queries(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), num_queries, num_keys).position
+    visible_blocks = (position // block_size + 1).view(1, -1, 1)
+    where = "block_indices[{}, {}, {}]"
+    if (ids < -1).any():
+        index = _first(ids < -1)
+        raise ValueError(f"{where.format(*index)}: expected a block id >= -1, got {int(ids[index])}")
+    valid = ids >= 0
+    late = valid[..., 1:] & ~valid[..., :-1]
+    if late.any():
+        r, t, s = _first(late)
+        raise ValueError(f"{where.format(r, t, s + 1)}: expected valid ids as a prefix and -1 after them, got {ids[r, t].tolist()}")
+    beyond = valid & (ids >= visible_blocks)
+    if beyond.any():
+        r, t, s = _first(beyond)
+        raise ValueError(
+            f"{where.format(r, t, s)}: expected a block id < nvb = {int(visible_blocks[0, t, 0])} "
+            f"(blocks visible to query {t} at position {int(position[t])}), got {int(ids[r, t, s])}"
+        )
+    ordered = ids.sort(-1).values
+    repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    if repeated.any():
+        r, t, _ = _first(repeated)
+        raise ValueError(f"block_indices[{r}, {t}]: expected distinct block ids, got {ids[r, t].tolist()}")
+    count = valid.sum(-1, keepdim=True)
+    last = ids.gather(-1, (count - 1).clamp(min=0))
+    misplaced = (last != visible_blocks - 1) | (count == 0)
+    misplaced &= (position >= 0).view(1, -1, 1)
+    if misplaced.any():
+        r, t, _ = _first(misplaced)
+        raise ValueError(
+            f"block_indices[{r}, {t}]: expected the local block {int(visible_blocks[0, t, 0]) - 1} as the last valid id, "
+            f"got {ids[r, t].tolist()}"
+        )
