@@ -70,8 +70,12 @@ def test_cuda_graph_capture_without_host_sync():
         captured = step()
     graph.replay()
     torch.cuda.synchronize()
-    for got, want in zip(captured, eager):
+    # Selection, out, lse and dq are computed without atomics: bitwise equal. dk and dv are
+    # accumulated with index_add_, whose CUDA atomics may add in another order.
+    for got, want in zip(captured[:4], eager[:4]):
         assert torch.equal(got, want)
+    for got, want in zip(captured[4:], eager[4:]):
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_compile_reduce_overhead():
