@@ -168,3 +168,15 @@ def test_chunking_does_not_change_results(monkeypatch):
     tiny = torch_msa.sparse_attention(*inputs[:4], *inputs[4:], block_size=64, return_lse=True)
     for a, b in zip(full, tiny):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_gradient_through_lse_alone():
+    """A loss on lse only (out unused) still gets its gradient: grad_out arrives as None."""
+    q, k, v, block_indices, cu_q, cu_k = _inputs("pack", 4, 2, 64, 64, 3, torch.float64)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    _, lse = torch_msa.sparse_attention(*leaves, block_indices, cu_q, cu_k, block_size=64, return_lse=True)
+    lse.sum().backward()
+    exact = [x.clone().requires_grad_() for x in (q, k, v)]
+    dense.attention(*exact, block_indices, cu_q, cu_k, 64, 64**-0.5)[1].sum().backward()
+    for got, want in zip(leaves, exact):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-10, rtol=1e-10)

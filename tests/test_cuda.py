@@ -98,3 +98,19 @@ MATRIX = samples("cuda") if torch.cuda.is_available() else []
 @pytest.mark.parametrize("sample", MATRIX, ids=[s.name for s in MATRIX])
 def test_opcheck_cuda(sample):
     run(sample)
+
+
+def test_deterministic_mode_gives_identical_gradients():
+    """Under torch.use_deterministic_algorithms(True) the reference's index_add_ takes its
+    deterministic CUDA path: two backward passes agree bitwise."""
+    inputs = _m3_inputs("cuda")
+    docs = [inputs[n] for n in _DOCS]
+    block_indices = torch_msa.select_blocks(inputs["index_q"], inputs["index_k"], *docs)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = _attention(inputs, block_indices), _attention(inputs, block_indices)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for got, want in zip(first, second):
+        assert torch.equal(got, want)

@@ -23,6 +23,14 @@ def test_import_is_light():
 
 
 def test_importing_twice_in_one_process_is_harmless():
-    code = "import importlib, torch_msa, torch_msa.ops; importlib.reload(torch_msa.ops); print('ok')"
+    code = (
+        "import gc, importlib, torch, torch_msa, torch_msa.ops\n"
+        "importlib.reload(torch_msa.ops); gc.collect()\n"
+        "q = torch.randn(70, 2, 64, requires_grad=True); k = torch.randn(70, 1, 64)\n"
+        "blocks = torch.zeros(1, 70, 1, dtype=torch.int32)\n"
+        "torch_msa.sparse_attention(q, k, k, blocks, block_size=64).sum().backward()\n"
+        "assert q.grad.shape == q.shape\n"
+        "print('ok')\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -170,3 +170,18 @@ def test_debug_mode_checks_selection_documents(monkeypatch):
     monkeypatch.setenv(torch_msa.DEBUG_ENV, "1")
     with pytest.raises(ValueError, match="cu_seqlens_k: expected the last boundary"):
         _select(cu_seqlens_k=torch.tensor([0, 100, 149], dtype=torch.int32))
+
+
+def test_debug_checks_run_inside_compiled_code(monkeypatch):
+    """The value checks live in the op kernels, which run (never trace) under torch.compile."""
+    good = _good()
+    compiled = torch.compile(
+        lambda q, k, v, b, cu_q, cu_k: torch_msa.sparse_attention(q, k, v, b, cu_q, cu_k, 100, 100, block_size=64),
+        backend="aot_eager", fullgraph=True,
+    )
+    args = (good["q"], good["k"], good["v"], good["block_indices"], good["cu_seqlens_q"], good["cu_seqlens_k"])
+    compiled(*args)
+    broken = torch.tensor([0, 100, 149], dtype=torch.int32)
+    monkeypatch.setenv(torch_msa.DEBUG_ENV, "1")
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected the last boundary to equal the token count 150, got 149"):
+        compiled(*args[:5], broken)
