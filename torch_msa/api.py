@@ -21,7 +21,7 @@ from . import validation
 from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK
 
 
-def _documents(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def _document_args(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                block_size, topk=None, softmax_scale=None):
     """Fill the document defaults and check the host arguments; returns the ops' four document args."""
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -45,8 +45,8 @@ def _rows(name, x, layout):
     return x.shape[0]
 
 
-def _attention_documents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale):
-    return _documents(_rows("q", q, "[Tq, Hq, D]"), _rows("k", k, "[Tk, Hkv, D]"), q.device,
+def _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale):
+    return _document_args(_rows("q", q, "[Tq, Hq, D]"), _rows("k", k, "[Tk, Hkv, D]"), q.device,
                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
 
 
@@ -79,7 +79,7 @@ def select_blocks(
     Returns:
         int32 `[Hi, Tq, topk]`; valid ids first, `-1` padding after. Not differentiable.
     """
-    docs = _documents(_rows("index_q", index_q, "[Tq, Hi, Di]"), _rows("index_k", index_k, "[Tk, 1, Di]"),
+    docs = _document_args(_rows("index_q", index_q, "[Tq, Hi, Di]"), _rows("index_k", index_k, "[Tk, 1, Di]"),
                       index_q.device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk)
     return torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size)
 
@@ -112,7 +112,7 @@ def sparse_attention(
         `out [Tq, Hq, D]` in q's dtype, or `(out, lse)` with `lse [Tq, Hq]` (natural log, fp32;
         fp64 for fp64 inputs). Differentiable in q, k, v, including through `lse`.
     """
-    docs = _attention_documents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
+    docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
     out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale))
     return (out, lse) if return_lse else out
 
@@ -136,7 +136,7 @@ def msa_attention(
 
     Shapes as in `select_blocks` and `sparse_attention`, with `Hi == Hkv`. Returns `out [Tq, Hq, D]`.
     """
-    docs = _attention_documents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
+    docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
     _rows("index_q", index_q, "[Tq, Hi, Di]")
     _rows("index_k", index_k, "[Tk, 1, Di]")
     if index_q.dim() == 3 and k.dim() == 3 and index_q.shape[1] != k.shape[1]:
@@ -170,7 +170,7 @@ def validate_inputs(
     `block_indices` (valid prefix then `-1`, distinct, `< nvb`, local block last) and the index
     inputs. Use it in eager code when debugging; it is not meant for compiled regions.
     """
-    docs = _attention_documents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
+    docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
     scale = _scale(q, softmax_scale)
     validation.check_forward(q, k, v, block_indices, *docs, block_size, scale)
     if (index_q is None) != (index_k is None):
