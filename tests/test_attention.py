@@ -181,3 +181,31 @@ def test_gradient_through_lse_alone():
     for got, want in zip(leaves[:2], exact[:2]):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-10, rtol=1e-10)
     assert exact[2].grad is None and not leaves[2].grad.any()  # lse does not depend on v
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_configurations(seed):
+    """Random head layouts, block sizes, topk and packs (empty, 1-token, suffix documents)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=generator))]
+
+    num_kv_heads, group = pick([1, 2, 3]), pick([1, 2, 4])
+    dim, block_size, topk = pick([64, 128]), pick([64, 128]), pick([1, 2, 3, 5])
+    num_docs = int(torch.randint(1, 5, (1,), generator=generator))
+    k_lens = torch.randint(0, 330, (num_docs,), generator=generator).tolist()
+    q_lens = [int(torch.randint(0, n + 1, (1,), generator=generator)) if pick([True, False]) else n for n in k_lens]
+    cu_q, cu_k = cu_seqlens(q_lens, k_lens)
+    tq, tk = sum(q_lens), sum(k_lens)
+    q = torch.randn(tq, num_kv_heads * group, dim, dtype=torch.float64, generator=generator)
+    k = torch.randn(tk, num_kv_heads, dim, dtype=torch.float64, generator=generator)
+    v = torch.randn(tk, num_kv_heads, dim, dtype=torch.float64, generator=generator)
+    if pick([True, False]):
+        index_q = torch.randn(tq, num_kv_heads, 16, generator=generator)
+        index_k = torch.randn(tk, 1, 16, generator=generator)
+        block_indices = torch_msa.select_blocks(index_q, index_k, cu_q, cu_k, topk=topk, block_size=block_size)
+        dense.check_selection(block_indices, index_q, index_k, cu_q, cu_k, topk, block_size)
+    else:
+        block_indices = random_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size, generator=generator)
+    _compare(q, k, v, block_indices, cu_q, cu_k, block_size, atol=1e-10, rtol=1e-10)

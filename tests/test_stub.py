@@ -253,3 +253,50 @@ def test_stub_after_torch_msa_is_a_no_op(stub_library):
         stub_library,
     ))
     assert out.strip().splitlines()[-1] == "[2, 130, 2]"
+
+
+def test_aoti_package_with_stub(stub_library, tmp_path):
+    """The stub's purpose end to end: an AOTInductor package loaded where torch_msa was not
+    imported says what to do; without the stub the same load/run names no remedy."""
+    package, data = tmp_path / "msa_aoti.pt2", tmp_path / "data.pt"
+    _ok(_python(
+        """
+        import sys
+        import torch
+        import torch_msa
+
+        class Attention(torch.nn.Module):
+            def forward(self, q, k, v, index_q, index_k):
+                return torch_msa.msa_attention(q, k, v, index_q, index_k, topk=2, block_size=64)
+
+        g = torch.Generator().manual_seed(0)
+        x = tuple(torch.randn(s, generator=g) for s in [(200, 4, 64), (200, 2, 64), (200, 2, 64), (200, 2, 32), (200, 1, 32)])
+        torch._inductor.aoti_compile_and_package(torch.export.export(Attention(), x), package_path=sys.argv[1])
+        torch.save({"inputs": x, "expected": Attention()(*x)}, sys.argv[2])
+        """,
+        package, data,
+    ))
+    run_package = """
+        import json, sys
+        import torch
+        if sys.argv[1] != "-":
+            torch.ops.load_library(sys.argv[1])
+        data = torch.load(sys.argv[3])
+        result = {}
+        try:
+            model = torch._inductor.aoti_load_package(sys.argv[2])
+            model(*data["inputs"])
+            result["error"] = None
+        except Exception as e:
+            result["error"] = str(e)
+        if sys.argv[1] != "-":
+            import torch_msa
+            torch.testing.assert_close(model(*data["inputs"]), data["expected"])
+            result["after_import"] = "ok"
+        print(json.dumps(result))
+        """
+    with_stub = _last_json(_ok(_python(run_package, stub_library, package, data)))
+    assert with_stub["error"] is not None and "import torch_msa" in with_stub["error"], with_stub
+    assert with_stub["after_import"] == "ok"
+    without_stub = _last_json(_ok(_python(run_package, "-", package, data)))
+    assert without_stub["error"] is not None and "import torch_msa" not in without_stub["error"], without_stub
