@@ -94,3 +94,14 @@ def test_small_max_seqlen_stays_in_contract():
     torch_msa.validate_inputs(torch.randn(640, 1, 64), torch.randn(640, 1, 64), torch.randn(640, 1, 64), chosen,
                               block_size=64)
     assert chosen[0, -1].tolist() in ([0, 1, 9, -1], [1, 0, 9, -1])  # only blocks 0, 1 were scored
+
+
+def test_bounded_working_set_gives_the_same_selection(monkeypatch):
+    """A tiny memory budget (one query and one block of keys at a time) changes nothing."""
+    from torch_msa import reference
+
+    cu_q, cu_k = cu_seqlens([300, 0, 90], [420, 5, 90])
+    iq, ik = torch.randn(390, 2, 32), torch.randn(515, 1, 32)
+    expected = torch_msa.select_blocks(iq, ik, cu_q, cu_k, topk=3, block_size=64)
+    monkeypatch.setattr(reference, "_CHUNK_BYTES_CPU", 1)
+    assert torch.equal(torch_msa.select_blocks(iq, ik, cu_q, cu_k, topk=3, block_size=64), expected)

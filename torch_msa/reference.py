@@ -64,21 +64,27 @@ def select_blocks(
     cdtype = compute_dtype(index_q.dtype)
     docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
     num_blocks = max(1, math.ceil(max_seqlen_k / block_size))
-    window = num_blocks * block_size
     keys = index_k.reshape(num_keys, index_dim)
     scale = index_dim**-0.5
-    key_offsets = torch.arange(window, device=device)
+    # Scores are built per (query chunk, key span): a span of whole blocks sized so that even a
+    # one-query chunk stays within the budget, however long the documents are.
+    bytes_per_key = index_dim * (keys.element_size() + 4) + 12 * num_heads
+    blocks_per_span = _chunk_rows(num_blocks, block_size * bytes_per_key, device)
+    span = blocks_per_span * block_size
     block_ids = torch.arange(num_blocks, device=device)
     slots = torch.arange(topk, device=device)
-    row_bytes = window * index_dim * (keys.element_size() + 4) + 12 * num_heads * window
-    for start, end in _chunks(num_queries, row_bytes, device):
+    for start, end in _chunks(num_queries, span * bytes_per_key, device):
         position = docs.position[start:end, None]
-        visible = key_offsets <= position
-        rows = torch.where(visible, docs.key_start[start:end, None] + key_offsets, 0)
-        gathered = keys.index_select(0, rows.view(-1)).view(end - start, window, index_dim)
-        scores = torch.matmul(index_q[start:end].to(cdtype), gathered.to(cdtype).transpose(1, 2))
-        scores = (scores * scale).masked_fill(~visible[:, None, :], -math.inf)
-        block_score = scores.view(end - start, num_heads, num_blocks, block_size).amax(-1)
+        query = index_q[start:end].to(cdtype)
+        block_score = torch.empty(end - start, num_heads, num_blocks, dtype=cdtype, device=device)
+        for first_block in range(0, num_blocks, blocks_per_span):
+            count = min(blocks_per_span, num_blocks - first_block)
+            key_offsets = torch.arange(first_block * block_size, (first_block + count) * block_size, device=device)
+            visible = key_offsets <= position
+            rows = torch.where(visible, docs.key_start[start:end, None] + key_offsets, 0)
+            gathered = keys.index_select(0, rows.view(-1)).view(end - start, -1, index_dim).to(cdtype)
+            scores = torch.matmul(query, gathered.transpose(1, 2)).mul_(scale).masked_fill_(~visible[:, None, :], -math.inf)
+            block_score[..., first_block:first_block + count] = scores.view(end - start, num_heads, count, block_size).amax(-1)
         visible_blocks = torch.where(position >= 0, position // block_size + 1, 0)  # nvb
         local_block = visible_blocks - 1
         candidate = block_ids < local_block
