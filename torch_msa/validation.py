@@ -79,8 +79,9 @@ def _softmax_scale(softmax_scale) -> None:
 
 
 def check_host_args(max_seqlen_q, max_seqlen_k, block_size, topk=None, softmax_scale=None) -> None:
-    """The non-tensor arguments, checked before the dispatcher parses them (its own type errors
-    name neither the expectation nor the fix); `None` skips `topk` / `softmax_scale`."""
+    """The non-tensor arguments. The ops check them, and the public API checks them again before
+    dispatch, whose own type errors name neither the expectation nor the fix; `None` skips
+    `topk` / `softmax_scale`."""
     _host_int("max_seqlen_q", max_seqlen_q, 0)
     _host_int("max_seqlen_k", max_seqlen_k, 0)
     _block_size(block_size)
@@ -90,7 +91,7 @@ def check_host_args(max_seqlen_q, max_seqlen_k, block_size, topk=None, softmax_s
         _softmax_scale(softmax_scale)
 
 
-def _documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, anchor_name, anchor) -> None:
+def _documents(cu_seqlens_q, cu_seqlens_k, anchor_name, anchor) -> None:
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _tensor(name, cu, 1, "[B + 1]")
         _dtype(name, cu, (INDEX_DTYPE,), "int32")
@@ -102,8 +103,6 @@ def _documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, anchor_na
             f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} boundaries (as many as cu_seqlens_q), "
             f"got {cu_seqlens_k.shape[0]}"
         )
-    _host_int("max_seqlen_q", max_seqlen_q, 0)
-    _host_int("max_seqlen_k", max_seqlen_k, 0)
 
 
 def check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size) -> None:
@@ -117,9 +116,8 @@ def check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen
     if index_k.dtype != index_q.dtype:
         raise TypeError(f"index_k: expected dtype {index_q.dtype} (the dtype of index_q), got {index_k.dtype}")
     _same_device("index_k", index_k, "index_q", index_q)
-    _documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "index_q", index_q)
-    _host_int("topk", topk, 1)
-    _block_size(block_size)
+    _documents(cu_seqlens_q, cu_seqlens_k, "index_q", index_q)
+    check_host_args(max_seqlen_q, max_seqlen_k, block_size, topk=topk)
 
 
 def check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale) -> None:
@@ -150,9 +148,8 @@ def check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen
                 f"block_indices: expected shape [Hkv, Tq, topk] = [{num_kv_heads}, {q.shape[0]}, topk >= 1], "
                 f"got {_shape(block_indices)}"
             )
-    _documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "q", q)
-    _block_size(block_size)
-    _softmax_scale(softmax_scale)
+    _documents(cu_seqlens_q, cu_seqlens_k, "q", q)
+    check_host_args(max_seqlen_q, max_seqlen_k, block_size, softmax_scale=softmax_scale)
 
 
 def check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
