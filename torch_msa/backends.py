@@ -33,6 +33,10 @@ class UnsupportedInputs(Exception):
     """Raised by a backend implementation, before any work, for inputs it cannot serve."""
 
 
+class UnavailableError(ImportError):
+    """An optional backend's dependencies are missing; the message names the install command."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """Op implementations sharing a name and a device gate.

@@ -50,3 +50,22 @@ def random_block_indices(
     slots = torch.arange(topk)
     local = torch.where(slots == kept, (visible_blocks - 1)[None, :, None], -1)
     return torch.where(slots < kept, order, local).to(torch.int32).to(cu_seqlens_q.device)
+
+
+def skewed_block_indices(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_kv_heads: int, topk: int, block_size: int
+) -> torch.Tensor:
+    """The most lopsided valid selection: int32 `[Hkv, Tq, topk]` on the cu_seqlens' device.
+
+    Every query keeps block 0 and its newest non-local blocks, then its local block, so block 0
+    of each document is read by every query of it: the worst case for a KV-outer kernel's balance.
+    """
+    num_queries, num_keys = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])
+    position = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys).position
+    local = torch.where(position >= 0, position // block_size, -1)[:, None]  # nvb - 1
+    kept = local.clamp(min=0, max=topk - 1)
+    slots = torch.arange(topk, device=position.device)[None, :]
+    newest = local - kept + slots  # slots 1 .. kept - 1 take the newest non-local blocks
+    chosen = torch.where(slots == 0, 0, newest)
+    chosen = torch.where(slots < kept, chosen, torch.where((slots == kept) & (local >= 0), local, -1))
+    return chosen.to(torch.int32).expand(num_kv_heads, -1, -1).contiguous()

@@ -1,0 +1,120 @@
+"""The Triton kernels against the reference at small shapes.
+
+On a CUDA host these run the compiled kernels; on CPU they run under the Triton interpreter
+(`TRITON_INTERPRET=1`, set by `tests/test_triton_interpret.py` for a subprocess, because the
+interpreter must be chosen before triton is imported). The interpreter does not compute bf16
+`tl.dot` correctly (triton 3.8), so the small cases use fp32 and fp16; bf16 is covered at M3
+shapes by `tests/test_hopper_cuda.py`.
+"""
+
+import os
+
+import pytest
+import torch
+
+from tests import dense
+from torch_msa import reference, testing
+from torch_msa.hopper import backward_sm90, forward_sm90, select_sm90
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETING else "cuda"
+if not INTERPRETING and not torch.cuda.is_available():
+    pytest.skip("needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter", allow_module_level=True)
+
+# (q lengths, k lengths, Hq, Hkv, D, block, topk, dtype)
+ATTENTION_CASES = {
+    "pack-empty-and-1-token": ([40, 0, 1, 90], [140, 5, 1, 90], 4, 2, 64, 64, 4, torch.float32),
+    "one-doc-d128-b128-fp16": ([150], [150], 8, 2, 128, 128, 2, torch.float16),
+    "suffix-pack-group3": ([30, 70], [140, 70], 6, 2, 64, 64, 3, torch.float32),
+    "mha-topk-beyond-blocks": ([200], [200], 2, 2, 64, 64, 16, torch.float16),
+}
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-2}
+
+
+def _layout(q_lens, k_lens):
+    cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens, DEVICE)
+    return cu_q, cu_k, int(cu_q[-1]), int(cu_k[-1]), max(q_lens), max(k_lens)
+
+
+def _junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size):
+    """Valid random selections with out-of-contract ids mixed in: repeats, far ids, negatives."""
+    block_indices = testing.random_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    if topk > 1:
+        block_indices[0, :, -1] = block_indices[0, :, 0]
+        block_indices[-1, ::3, 0] = 10_000
+        block_indices[-1, 1::4, 1] = -5
+    return block_indices
+
+
+def _close(actual, expected, tolerance, what):
+    error = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    scale = max(1.0, expected.double().abs().max().item() if expected.numel() else 0.0)
+    assert error <= tolerance * scale, f"{what}: max error {error:.3g} > {tolerance:.1g} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_forward_and_backward_match_reference(case):
+    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES[case]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout(q_lens, k_lens)
+    block_indices = _junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+    out_ref, lse_ref = reference.forward(q, k, v, *args)
+    out, lse = forward_sm90.forward(q, k, v, *args)
+    tolerance = TOLERANCE[dtype]
+    _close(out, out_ref, tolerance, "out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    _close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), tolerance, "lse")
+
+    grad_out = torch.randn_like(q)
+    grad_lse = torch.randn(num_queries, num_heads, device=DEVICE)
+    expected = reference.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse)
+    actual = backward_sm90.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse)
+    for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        _close(got, want, 4 * tolerance, name)
+
+
+def test_backward_without_grad_lse_matches_reference():
+    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES["suffix-pack-group3"]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout(q_lens, k_lens)
+    block_indices = testing.random_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, 0.3)
+    out, lse = reference.forward(q, k, v, *args)
+    grad_out = torch.randn_like(q)
+    for got, want in zip(backward_sm90.backward(grad_out, q, k, v, out, lse, *args),
+                         reference.backward(grad_out, q, k, v, out, lse, *args)):
+        _close(got, want, 1e-4, "gradient")
+
+
+SELECT_CASES = {
+    "pack": ([40, 0, 1, 300], [140, 5, 1, 300], 2, 32, 64, 4),
+    "suffix-non-pow2-dim": ([30, 170], [400, 170], 3, 48, 64, 3),
+    "block128-topk-beyond": ([300], [300], 4, 128, 128, 16),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", SELECT_CASES)
+def test_selection_matches_reference(case, dtype):
+    q_lens, k_lens, num_heads, index_dim, block_size, topk = SELECT_CASES[case]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout(q_lens, k_lens)
+    index_q = torch.randn(num_queries, num_heads, index_dim, device=DEVICE, dtype=dtype)
+    index_k = torch.randn(num_keys, 1, index_dim, device=DEVICE, dtype=dtype)
+    args = (index_q, index_k, cu_q, cu_k, max_q, max_k, topk, block_size)
+    chosen = select_sm90.select_blocks(*args)
+    dense.check_selection(chosen.cpu(), index_q.cpu(), index_k.cpu(), cu_q.cpu(), cu_k.cpu(), topk, block_size)
+    assert torch.equal(chosen, reference.select_blocks(*args))
+
+
+def test_selection_ties_prefer_the_lower_block():
+    """Integer scores tie everywhere; the contract keeps the lower ids, like the reference."""
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout([260, 200], [520, 200])
+    index_q = torch.randint(-1, 2, (num_queries, 2, 16), device=DEVICE).float()
+    index_k = torch.randint(-1, 2, (num_keys, 1, 16), device=DEVICE).float()
+    args = (index_q, index_k, cu_q, cu_k, max_q, max_k, 3, 64)
+    assert torch.equal(select_sm90.select_blocks(*args), reference.select_blocks(*args))

@@ -1,0 +1,194 @@
+"""The Triton (Hopper) backend at M3 shapes against the reference. Skipped without CUDA; run on
+the H200 before resolving kernel work.
+
+Tolerances: bf16 inputs, fp32 accumulation on both sides; outputs and gradients are compared by
+relative Frobenius error (`||got - want|| / ||want||`), which is about 1e-3 for bf16 rounding and
+grows to O(1) for any wrong row, so 1e-2 separates the two.
+"""
+
+import pytest
+import torch
+
+import torch_msa
+from torch_msa import backends, reference
+from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+M3 = dict(num_heads=64, num_kv_heads=4, dim=128, block_size=128, topk=16)
+LAYOUTS = {
+    "1K": ([1024], [1024]),
+    "4K": ([4096], [4096]),
+    "16K": ([16384], [16384]),
+    "pack": ([1000, 3000, 77, 1, 2178], [1000, 3000, 77, 1, 2178]),
+    "suffix-pack": ([700, 129, 2000], [2600, 129, 2000]),
+}
+
+
+def _inputs(layout, seed=0):
+    q_lens, k_lens = LAYOUTS[layout]
+    cu_q, cu_k = cu_seqlens(q_lens, k_lens, "cuda")
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+
+    h, hkv, d = M3["num_heads"], M3["num_kv_heads"], M3["dim"]
+    return dict(q=tensor(tq, h, d), k=tensor(tk, hkv, d), v=tensor(tk, hkv, d), index_q=tensor(tq, hkv, 128),
+                index_k=tensor(tk, 1, 128), docs=(cu_q, cu_k, max(q_lens), max(k_lens)))
+
+
+def _relative_error(got, want):
+    want = want.double()
+    return ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()
+
+
+def _selections(layout, inputs, kind):
+    cu_q, cu_k = inputs["docs"][:2]
+    if kind == "index":
+        return torch.ops.msa.select_blocks(inputs["index_q"], inputs["index_k"], *inputs["docs"], 16, 128)
+    if kind == "skewed":
+        return skewed_block_indices(cu_q, cu_k, 4, 16, 128)
+    return random_block_indices(cu_q, cu_k, 4, 16, 128).cuda()
+
+
+def test_the_triton_backend_serves_cuda():
+    for op in backends.OPS:
+        assert torch_msa.resolve(op, torch.device("cuda")).name == "triton"
+
+
+@pytest.mark.parametrize("layout", ["1K", "4K", "16K", "pack", "suffix-pack"])
+def test_selection_matches_reference(layout):
+    inputs = _inputs(layout)
+    args = (inputs["index_q"], inputs["index_k"], *inputs["docs"], 16, 128)
+    got = torch.ops.msa.select_blocks(*args)
+    want = reference.select_blocks(*args)
+    # Valid ids form a prefix and the contract fixes their count and the local block exactly.
+    assert torch.equal((got >= 0).sum(-1), (want >= 0).sum(-1))
+    same_set = (got.sort(-1).values == want.sort(-1).values).all(-1)
+    assert same_set.float().mean() > 0.999, f"only {same_set.float().mean():.4%} of rows agree"
+
+
+@pytest.mark.parametrize("kind", ["index", "random", "skewed"])
+@pytest.mark.parametrize("layout", ["1K", "4K", "16K", "pack", "suffix-pack"])
+def test_attention_matches_reference(layout, kind):
+    inputs = _inputs(layout)
+    block_indices = _selections(layout, inputs, kind)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    args = (block_indices, *inputs["docs"], 128, 128**-0.5)
+    out, lse = torch.ops.msa.forward(q, k, v, *args)
+    out_ref, lse_ref = reference.forward(q, k, v, *args)
+    assert _relative_error(out, out_ref) < 1e-2
+    assert (lse - lse_ref).abs().max().item() < 1e-3
+    grad_out = torch.randn_like(q)
+    grad_lse = torch.randn_like(lse)
+    got = torch.ops.msa.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse)
+    want = reference.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        error = _relative_error(g, w)
+        assert error < 1e-2, f"{name}: relative error {error:.3g}"
+
+
+def test_out_of_contract_ids_read_nothing_out_of_bounds():
+    inputs = _inputs("pack")
+    block_indices = _selections("pack", inputs, "random")
+    block_indices[0, :, 3] = 1 << 30
+    block_indices[1, :, 2] = -(1 << 30)
+    block_indices[2, :, 1] = block_indices[2, :, 0]
+    args = (block_indices, *inputs["docs"], 128, 128**-0.5)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    out, lse = torch.ops.msa.forward(q, k, v, *args)
+    out_ref, lse_ref = reference.forward(q, k, v, *args)
+    torch.cuda.synchronize()
+    assert _relative_error(out, out_ref) < 1e-2 and (lse - lse_ref).abs().max().item() < 1e-3
+
+
+def test_unserved_dtype_falls_back_to_the_reference_with_a_warning():
+    inputs = _inputs("1K")
+    q, k, v = (inputs[n].double() for n in ("q", "k", "v"))
+    block_indices = _selections("1K", inputs, "random")
+    backends._warned.clear()
+    with pytest.warns(UserWarning, match="falling back to 'reference'"):
+        out, _ = torch.ops.msa.forward(q, k, v, block_indices, *inputs["docs"], 128, 128**-0.5)
+    assert out.dtype == torch.float64
+
+
+def test_compile_fullgraph_and_cuda_graphs_match_eager():
+    inputs = _inputs("pack")
+
+    def step(q, k, v, index_q, index_k):
+        out = torch_msa.msa_attention(q, k, v, index_q, index_k, *inputs["docs"])
+        return out
+
+    args = [inputs[n] for n in ("q", "k", "v", "index_q", "index_k")]
+    expected = step(*args)
+    for mode in ("default", "reduce-overhead"):
+        compiled = torch.compile(step, mode=mode, fullgraph=True)
+        for _ in range(3):
+            got = compiled(*args)
+        assert torch.equal(got, expected), mode
+
+
+def test_training_step_under_compile_matches_eager():
+    inputs = _inputs("pack")
+    leaves = [inputs[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
+
+    def loss(q, k, v):
+        return torch_msa.msa_attention(q, k, v, inputs["index_q"], inputs["index_k"], *inputs["docs"]).float().square().mean()
+
+    eager = torch.autograd.grad(loss(*leaves), leaves)
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(*leaves), leaves)
+    for g, w in zip(compiled, eager):
+        assert _relative_error(g, w) < 1e-3
+
+
+def test_kernels_run_on_the_current_stream():
+    inputs = _inputs("4K")
+    block_indices = _selections("4K", inputs, "random")
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    args = (block_indices, *inputs["docs"], 128, 128**-0.5)
+    expected, _ = torch.ops.msa.forward(q, k, v, *args)
+    late_q = torch.zeros_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        # q arrives late on this stream: a kernel launched on any other stream would read zeros.
+        torch.cuda._sleep(100_000_000)
+        late_q.copy_(q)
+        got, _ = torch.ops.msa.forward(late_q, k, v, *args)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, expected)
+
+
+def test_memory_stays_linear_in_tokens():
+    """Forward + backward at 32K: the extra memory is O(T) (no T x T buffer would fit in 2 GB)."""
+    cu_q, cu_k = cu_seqlens([32768], [32768], "cuda")
+    tq = 32768
+    q = torch.randn(tq, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(tq, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    block_indices = skewed_block_indices(cu_q, cu_k, 4, 16, 128)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = torch_msa.sparse_attention(q, k, v, block_indices, cu_q, cu_k, tq, tq)
+    out.float().sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    per_token = extra / tq
+    # partial outputs (topk x Hq x D bf16 = 256 KiB) dominate; T x T fp32 would be 128 KiB x T per token.
+    assert per_token < 600 * 1024, f"{per_token / 1024:.0f} KiB per token"
+
+
+def test_no_host_sync_inside_the_ops():
+    inputs = _inputs("suffix-pack")
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        block_indices = torch.ops.msa.select_blocks(inputs["index_q"], inputs["index_k"], *inputs["docs"], 16, 128)
+        out, lse = torch.ops.msa.forward(q, k, v, block_indices, *inputs["docs"], 128, 128**-0.5)
+        torch.ops.msa.backward(out, q, k, v, out, lse, block_indices, *inputs["docs"], 128, 128**-0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -1,0 +1,68 @@
+"""The shared KV-outer schedule (`torch_msa.schedule`) against a plain-Python construction."""
+
+import pytest
+import torch
+
+from torch_msa import testing
+from torch_msa.schedule import build_schedule, build_schedule_python, max_buckets
+
+LAYOUTS = {
+    "pack-with-empty-documents": ([40, 0, 1, 90], [140, 5, 1, 90], 64, 4),
+    "one-document": ([300], [300], 64, 3),
+    "suffix-pack": ([5, 200], [300, 260], 64, 5),
+    "block-128-topk-16": ([700, 1], [900, 1], 128, 16),
+}
+
+
+def _check(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item):
+    schedule = build_schedule(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item)
+    expected = build_schedule_python(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item)
+    assert all(t.dtype == torch.int32 for t in schedule)
+    num_buckets, num_items = int(schedule.num_buckets), int(schedule.num_items)
+    assert num_buckets == len(expected["buckets"])
+    for bucket, (head, key_row, block, entries) in enumerate(expected["buckets"]):
+        assert (int(schedule.bucket_head[bucket]), int(schedule.bucket_key_row[bucket]),
+                int(schedule.bucket_block[bucket])) == (head, key_row, block)
+        start, end = int(schedule.bucket_ptr[bucket]), int(schedule.bucket_ptr[bucket + 1])
+        assert schedule.entry_query[start:end].tolist() == entries
+    items = list(zip(*(t[:num_items].tolist() for t in (schedule.item_bucket, schedule.item_start, schedule.item_end))))
+    assert items == expected["items"]
+    assert torch.equal(schedule.item_start[num_items:], schedule.item_end[num_items:]), "unused items must be empty"
+    assert (schedule.bucket_ptr[num_buckets:] == schedule.bucket_ptr[num_buckets]).all()
+
+
+@pytest.mark.parametrize("entries_per_item", [1, 8, 64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_random_selection_matches_python_build(layout, entries_per_item):
+    q_lens, k_lens, block_size, topk = LAYOUTS[layout]
+    cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens)
+    block_indices = testing.random_block_indices(cu_q, cu_k, 2, topk, block_size)
+    _check(block_indices, cu_q, cu_k, sum(k_lens), block_size, entries_per_item)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_out_of_contract_ids_are_dropped(layout):
+    q_lens, k_lens, block_size, topk = LAYOUTS[layout]
+    cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens)
+    block_indices = testing.random_block_indices(cu_q, cu_k, 3, topk, block_size)
+    block_indices[0, :, -1] = block_indices[0, :, 0]  # repeats
+    block_indices[1, ::2, 0] = 1 << 30  # beyond the causal horizon
+    block_indices[2, 1::3, -1] = -7
+    _check(block_indices, cu_q, cu_k, sum(k_lens), block_size, 8)
+
+
+def test_skewed_selection_spreads_the_shared_block_over_items():
+    cu_q, cu_k = testing.cu_seqlens([1000], [1000])
+    block_indices = testing.skewed_block_indices(cu_q, cu_k, 2, 4, 64)
+    _check(block_indices, cu_q, cu_k, 1000, 64, 16)
+    schedule = build_schedule(block_indices, cu_q, cu_k, 1000, 64, 16)
+    sizes = (schedule.item_end - schedule.item_start)[: int(schedule.num_items)]
+    assert int(sizes.max()) == 16, "block 0, read by every query, is split into items of 16 entries"
+
+
+def test_bucket_bound_covers_every_document_block():
+    # 3 documents of 129, 1 and 64 keys with block 64: 3 + 1 + 1 blocks per head.
+    assert max_buckets(num_kv_heads=2, num_keys=194, num_docs=3, block_size=64) >= 2 * 5
+    cu_q, cu_k = testing.cu_seqlens([129, 1, 64], [129, 1, 64])
+    every_block = testing.random_block_indices(cu_q, cu_k, 2, 8, 64)
+    _check(every_block, cu_q, cu_k, 194, 64, 4)

@@ -1,0 +1,78 @@
+"""The Triton backend, tuned for Hopper (H100/H200/H800, SM90): all three MSA ops on CUDA.
+
+Kernels, one module per op: `select_sm90.py` (index scoring + top-k), `forward_sm90.py`
+(KV-outer attention + combine), `backward_sm90.py` (KV-outer dQ/dK/dV). They share the key-to-query
+schedule of `torch_msa/schedule.py`.
+
+Importing this package imports no triton: the kernel modules load on the first call, and the
+backend reports itself unavailable on a host without triton. It serves CUDA devices of compute
+capability 8.0 or newer (the kernels use only portable `tl.dot`; they are tuned and measured on
+SM90) with bf16, fp16 or fp32 inputs and at most 128 query heads per KV head; other inputs get
+`UnsupportedInputs`, so the registry falls back to the reference with a one-time warning. Under
+`torch.use_deterministic_algorithms(True)` the backward declines too (it adds with atomics).
+"""
+
+import functools
+import importlib
+import importlib.util
+
+import torch
+
+from ..backends import Backend, register_backend
+from .common import check_served
+
+NAME = "triton"
+MIN_CAPABILITY = (8, 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def available(device: torch.device) -> bool:
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= MIN_CAPABILITY
+
+
+def _kernels(module: str):
+    return importlib.import_module(f"{__name__}.{module}")
+
+
+def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size):
+    check_served("index_q", index_q.dtype)
+    return _kernels("select_sm90").select_blocks(
+        index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size
+    )
+
+
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
+    check_served("q", q.dtype, q.shape[1] // k.shape[1])
+    return _kernels("forward_sm90").forward(
+        q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale
+    )
+
+
+def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
+    check_served("q", q.dtype, q.shape[1] // k.shape[1])
+    return _kernels("backward_sm90").backward(
+        grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse,
+    )
+
+
+BACKEND = Backend(
+    name=NAME,
+    ops={"select_blocks": select_blocks, "forward": forward, "backward": backward},
+    priority=10,
+    device_types=("cuda",),
+    available=available,
+)
+
+
+def register() -> None:
+    """Add the backend to the registry (`import torch_msa` does)."""
+    register_backend(BACKEND)

@@ -1,0 +1,158 @@
+"""`msa::backward` on Hopper: KV-outer, dK/dV on chip, dQ through fp32 atomics.
+
+`_delta_kernel` computes `delta = rowsum(dO * O) - grad_lse` per (query, head) in fp32.
+
+`_blocks_kernel` takes one schedule item (a KV head's key block and a run of the queries that
+chose it) and one `BLOCK_N`-key slice of the block: it loads that K/V slice once, walks the
+queries `TOKENS` at a time with all `G` heads of the KV head (128-row tiles for M3), and for each
+tile computes `P = exp(S - lse)`, `dV += P^T dO`, `dP = dO V^T`, `dS = P (dP - delta)`,
+`dK += dS^T Q` and `dQ = dS K`. dK/dV stay in registers for the whole item and are added to
+fp32 accumulators once at the end; dQ of each tile is added with relaxed fp32 atomics.
+Splitting the 128-key block into `BLOCK_N` slices keeps the two fp32 accumulators within the
+register file.
+
+The atomics make the result order-dependent in the last bits, so under
+`torch.use_deterministic_algorithms(True)` this backend declines and the registry falls back to
+the deterministic reference.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backends import UnsupportedInputs
+from .common import dot_precision
+from .forward_sm90 import LOG2_E, schedule_for, tile_shape
+
+_ROWS = 128
+_BLOCK_N = 64
+_BLOCKS_LAUNCH = dict(num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _delta_kernel(
+    grad_out, out, grad_lse, delta, num_rows,
+    stride_grad_token, stride_grad_head, stride_out_token, stride_out_head,
+    NUM_HEADS: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_rows
+    token = (rows // NUM_HEADS).to(tl.int64)
+    head = rows % NUM_HEADS
+    dims = tl.arange(0, DIM)
+    d_out = tl.load(grad_out + token[:, None] * stride_grad_token + head[:, None] * stride_grad_head + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+    o = tl.load(out + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    result = tl.sum(d_out.to(tl.float32) * o.to(tl.float32), axis=1)
+    if HAS_GRAD_LSE:
+        result -= tl.load(grad_lse + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(delta + rows, result, mask=row_ok)
+
+
+@triton.jit
+def _blocks_kernel(
+    q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc,
+    entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
+    num_keys, softmax_scale, qk_scale,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
+    stride_do_token, stride_do_head,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    item = tl.program_id(0)
+    start = tl.load(item_start + item)
+    end = tl.load(item_end + item)
+    if start >= end:
+        return
+    bucket = tl.load(item_bucket + item)
+    kv_head = tl.load(bucket_head + bucket)
+    slice_start = tl.program_id(1) * BLOCK_N
+    first_key = tl.load(bucket_key_row + bucket) + slice_start
+    block = tl.load(bucket_block + bucket)
+
+    dims = tl.arange(0, DIM)
+    offsets = tl.arange(0, BLOCK_N)
+    key_row = (first_key + offsets).to(tl.int64)
+    key_ok = key_row < num_keys
+    keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
+                   mask=key_ok[:, None], other=0.0)
+    values = tl.load(v + key_row[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
+                     mask=key_ok[:, None], other=0.0)
+    key_position = block * BLOCK + slice_start + offsets
+    dk = tl.zeros((BLOCK_N, DIM), tl.float32)
+    dv = tl.zeros((BLOCK_N, DIM), tl.float32)
+
+    rows = tl.arange(0, TOKENS * GROUP_P2)
+    row_token = rows // GROUP_P2
+    group_head = rows % GROUP_P2
+    query_head = kv_head * GROUP + group_head
+    num_heads = NUM_KV_HEADS * GROUP
+    for first in range(start, end, TOKENS):
+        entry = first + row_token
+        row_ok = (entry < end) & (group_head < GROUP)
+        token = (tl.load(entry_query + entry, mask=row_ok, other=0) // TOPK).to(tl.int64)
+        pos = tl.load(position + token, mask=row_ok, other=-1)
+        q_rows = tl.load(q + token[:, None] * stride_q_token + query_head[:, None] * stride_q_head + dims[None, :],
+                         mask=row_ok[:, None], other=0.0)
+        d_out = tl.load(grad_out + token[:, None] * stride_do_token + query_head[:, None] * stride_do_head + dims[None, :],
+                        mask=row_ok[:, None], other=0.0)
+        head_row = token * num_heads + query_head
+        row_lse = tl.load(lse + head_row, mask=row_ok, other=0.0) * 1.4426950408889634
+        # Like the reference, a query with an empty key set (lse = -inf) shifts by 0, not inf.
+        row_lse = tl.where((row_lse == float("inf")) | (row_lse == float("-inf")), 0.0, row_lse)
+        row_delta = tl.load(delta + head_row, mask=row_ok, other=0.0)
+
+        scores = tl.dot(q_rows, tl.trans(keys), input_precision=PRECISION) * qk_scale
+        visible = (key_position[None, :] <= pos[:, None]) & key_ok[None, :] & row_ok[:, None]
+        probs = tl.where(visible, tl.exp2(scores - row_lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(probs.to(d_out.dtype)), d_out, input_precision=PRECISION)
+        d_probs = tl.dot(d_out, tl.trans(values), input_precision=PRECISION)
+        d_scores = (probs * (d_probs - row_delta[:, None])).to(q_rows.dtype)
+        dk += tl.dot(tl.trans(d_scores), q_rows, input_precision=PRECISION)
+        dq = tl.dot(d_scores, keys, input_precision=PRECISION) * softmax_scale
+        tl.atomic_add(dq_acc + head_row[:, None] * DIM + dims[None, :], dq, mask=row_ok[:, None], sem="relaxed")
+
+    kv_rows = (key_row * NUM_KV_HEADS + kv_head)[:, None] * DIM + dims[None, :]
+    tl.atomic_add(dk_acc + kv_rows, dk * softmax_scale, mask=key_ok[:, None], sem="relaxed")
+    tl.atomic_add(dv_acc + kv_rows, dv, mask=key_ok[:, None], sem="relaxed")
+
+
+def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
+    """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype."""
+    if torch.are_deterministic_algorithms_enabled():
+        raise UnsupportedInputs("deterministic algorithms were requested and the Triton backward adds with atomics")
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    topk = block_indices.shape[-1]
+    dq_acc = torch.zeros((num_queries, num_heads, dim), dtype=torch.float32, device=q.device)
+    dk_acc = torch.zeros((num_keys, num_kv_heads, dim), dtype=torch.float32, device=q.device)
+    dv_acc = torch.zeros((num_keys, num_kv_heads, dim), dtype=torch.float32, device=q.device)
+    if num_queries > 0 and num_keys > 0:
+        q, k, v, grad_out, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad_out, out))
+        lse = lse.contiguous()
+        delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=q.device)
+        rows = 64
+        _delta_kernel[(triton.cdiv(num_queries * num_heads, rows),)](
+            grad_out, out, grad_lse.contiguous() if grad_lse is not None else delta, delta, num_queries * num_heads,
+            grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, DIM=dim, ROWS=rows, HAS_GRAD_LSE=grad_lse is not None,
+        )
+        tokens, group_p2 = tile_shape(num_heads, num_kv_heads, _ROWS)
+        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens)
+        block_n = min(_BLOCK_N, block_size)
+        _blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
+            q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc,
+            schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
+            schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
+            num_keys, softmax_scale, softmax_scale * LOG2_E,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1),
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
+            TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=dim, PRECISION=dot_precision(q.dtype),
+            **_BLOCKS_LAUNCH,
+        )
+    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)

@@ -1,0 +1,176 @@
+"""`msa::forward` on Hopper: KV-outer sparse attention with a combine pass.
+
+Pass 1 (`_blocks_kernel`): one program per schedule item, i.e. one KV head's key block and a run
+of the queries that chose it. K and V of the block are loaded once; the queries are taken
+`TOKENS` at a time with all `G` query heads of the KV head, so one tile has `TOKENS x G` rows
+(8 x 16 = 128 for M3) that all read the same 128 keys: full-width GEMMs whatever the selection
+looks like. Each (query, slot) gets a partial output normalised over its block and the block's
+log2-sum-exp.
+
+Pass 2 (`_combine_kernel`): one program per (query, KV head) merges its `topk` partials with
+their log-sum-exps. Slots without an entry (`-1`, repeated or invisible ids) keep the `-inf`
+the partial lse starts with and weigh nothing.
+
+Scores are computed in the log2 domain (`exp2`); the public lse is natural-log.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..contract import compute_dtype
+from ..schedule import build_schedule
+from .common import dot_precision
+
+LOG2_E = math.log2(math.e)
+_ROWS = 128  # query rows (tokens x heads) per tile
+_ITEM_TILES = 16  # tiles per schedule item: bounds a program's work, keeps K/V reuse high
+_BLOCKS_LAUNCH = dict(num_warps=8, num_stages=3)
+
+
+def tile_shape(num_heads: int, num_kv_heads: int, rows: int = _ROWS) -> tuple[int, int]:
+    """`(tokens, heads_p2)` of a query tile of about `rows` rows: all heads of a KV head for
+    `tokens` queries."""
+    heads_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
+    return max(1, rows // heads_p2), heads_p2
+
+
+def schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens):
+    """The shared KV-outer schedule with items of `_ITEM_TILES` query tiles of `tokens` queries."""
+    return build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens * _ITEM_TILES)
+
+
+@triton.jit
+def _blocks_kernel(
+    q, k, v, partial_out, partial_lse,
+    entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
+    num_keys, qk_scale,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    item = tl.program_id(0)
+    start = tl.load(item_start + item)
+    end = tl.load(item_end + item)
+    if start >= end:
+        return
+    bucket = tl.load(item_bucket + item)
+    kv_head = tl.load(bucket_head + bucket)
+    first_key = tl.load(bucket_key_row + bucket)
+    block = tl.load(bucket_block + bucket)
+
+    dims = tl.arange(0, DIM)
+    offsets = tl.arange(0, BLOCK)
+    key_row = (first_key + offsets).to(tl.int64)
+    key_ok = key_row < num_keys
+    keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
+                   mask=key_ok[:, None], other=0.0)
+    values = tl.load(v + key_row[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
+                     mask=key_ok[:, None], other=0.0)
+    key_position = block * BLOCK + offsets
+
+    rows = tl.arange(0, TOKENS * GROUP_P2)
+    row_token = rows // GROUP_P2
+    group_head = rows % GROUP_P2
+    query_head = kv_head * GROUP + group_head
+    for first in range(start, end, TOKENS):
+        entry = first + row_token
+        row_ok = (entry < end) & (group_head < GROUP)
+        query = tl.load(entry_query + entry, mask=row_ok, other=0)
+        token = (query // TOPK).to(tl.int64)
+        pos = tl.load(position + token, mask=row_ok, other=-1)
+        q_rows = tl.load(q + token[:, None] * stride_q_token + query_head[:, None] * stride_q_head + dims[None, :],
+                         mask=row_ok[:, None], other=0.0)
+        scores = tl.dot(q_rows, tl.trans(keys), input_precision=PRECISION) * qk_scale
+        visible = (key_position[None, :] <= pos[:, None]) & key_ok[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        row_max = tl.max(scores, axis=1)
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        probs = tl.exp2(scores - row_max[:, None])
+        total = tl.sum(probs, axis=1)
+        out = tl.dot(probs.to(values.dtype), values, input_precision=PRECISION)
+        out = out / tl.where(total > 0, total, 1.0)[:, None]
+        lse = tl.where(total > 0, row_max + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
+        # Partials are laid out [Tq, Hkv, topk, G]: one (query, KV head) reads a contiguous run.
+        partial = ((token * NUM_KV_HEADS + kv_head) * TOPK + query % TOPK) * GROUP + group_head
+        tl.store(partial_out + partial[:, None] * DIM + dims[None, :], out.to(partial_out.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(partial_lse + partial, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    partial_out, partial_lse, out, lse,
+    stride_out_token, stride_out_head,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+    TOPK: tl.constexpr, DIM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    heads = tl.arange(0, GROUP_P2)
+    dims = tl.arange(0, DIM)
+    head_ok = heads < GROUP
+    base = (token * NUM_KV_HEADS + kv_head) * TOPK * GROUP
+    best = tl.full((GROUP_P2,), float("-inf"), tl.float32)
+    for slot in range(TOPK):
+        best = tl.maximum(best, tl.load(partial_lse + base + slot * GROUP + heads, mask=head_ok, other=float("-inf")))
+    shift = tl.where(best == float("-inf"), 0.0, best)
+    total = tl.zeros((GROUP_P2,), tl.float32)
+    acc = tl.zeros((GROUP_P2, DIM), tl.float32)
+    for slot in range(TOPK):
+        slot_lse = tl.load(partial_lse + base + slot * GROUP + heads, mask=head_ok, other=float("-inf"))
+        used = slot_lse != float("-inf")
+        weight = tl.where(used, tl.exp2(slot_lse - shift), 0.0)
+        part = tl.load(partial_out + (base + slot * GROUP + heads)[:, None] * DIM + dims[None, :],
+                       mask=used[:, None], other=0.0)
+        total += weight
+        acc += weight[:, None] * part.to(tl.float32)
+    acc = acc / tl.where(total > 0, total, 1.0)[:, None]
+    query_head = kv_head * GROUP + heads
+    tl.store(out + token * stride_out_token + query_head[:, None] * stride_out_head + dims[None, :],
+             acc.to(out.dtype.element_ty), mask=head_ok[:, None])
+    natural = tl.where(total > 0, (shift + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(lse + token * NUM_KV_HEADS * GROUP + query_head, natural, mask=head_ok)
+
+
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+            schedule=None):
+    """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
+
+    `schedule` may carry a prebuilt `schedule_for(...)` with this module's tile shape."""
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    topk = block_indices.shape[-1]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
+    if num_queries == 0:
+        return out, lse
+    if num_keys == 0:
+        return out.zero_(), lse.fill_(-math.inf)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    tokens, group_p2 = tile_shape(num_heads, num_kv_heads)
+    if schedule is None:
+        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens)
+    partial_out = torch.empty((num_queries * num_kv_heads * topk * group, dim), dtype=q.dtype, device=q.device)
+    partial_lse = torch.full((num_queries * num_kv_heads * topk * group,), -math.inf, dtype=torch.float32, device=q.device)
+    precision = dot_precision(q.dtype)
+    _blocks_kernel[(schedule.item_start.numel(),)](
+        q, k, v, partial_out, partial_lse,
+        schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
+        schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
+        num_keys, softmax_scale * LOG2_E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
+        TOPK=topk, BLOCK=block_size, DIM=dim, PRECISION=precision,
+        **_BLOCKS_LAUNCH,
+    )
+    _combine_kernel[(num_queries, num_kv_heads)](
+        partial_out, partial_lse, out, lse,
+        out.stride(0), out.stride(1),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOPK=topk, DIM=dim,
+        num_warps=4,
+    )
+    return out, lse

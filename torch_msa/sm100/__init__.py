@@ -1,0 +1,253 @@
+"""The SM100 (Blackwell) backend: the official MiniMax MSA flat forward and our CuTe DSL backward.
+
+`msa::forward` runs the official key-to-query CSR build and flat sparse forward
+(`fmha_sm100.sparse.build_k2q_csr` + `sparse_atten_func`); `msa::backward` runs our
+`run_backward` (`torch_msa.sm100.kernels.backward_sm100`). Both are bound on first use by
+`bindings.kernels()`; importing this package imports neither cutlass, triton nor the official
+package.
+
+The backend serves a CUDA device of compute capability 10.0 with the `msa` and `cute` extras
+installed (`available`), and within that only the configuration the kernels are built for:
+MiniMax-M3 (Hq=64, Hkv=4, D=128, block_size=128, topk=16, bfloat16). Anything else raises
+`UnsupportedInputs` before any work, and the registry falls back to the next backend with a
+one-time warning. So do a deterministic-algorithms backward (the backward accumulates with
+atomics), a forward during CUDA-graph capture (it synchronises with the host once) and a
+forward over documents with fewer queries than keys (only self-attention packs are sent to the
+official kernels).
+
+`register()` adds the backend to the registry at priority 20.
+"""
+
+import functools
+import importlib.util
+
+import torch
+
+from ..backends import Backend, UnsupportedInputs, register_backend
+from ..documents import locate_queries
+from . import bindings
+from .kernels import SM100_CAPABILITY, sm_capability
+
+NAME = "sm100"
+PRIORITY = 20
+
+# The one configuration the official kernels and our backward are built for (MiniMax-M3).
+NUM_Q_HEADS = 64
+NUM_KV_HEADS = 4
+HEAD_DIM = 128
+BLOCK_SIZE = 128
+TOPK = 16
+DTYPE = torch.bfloat16
+
+_REQUIRED_MODULES = (bindings.OFFICIAL_PACKAGE, "cutlass", "cuda.bindings.driver", bindings.BACKWARD_MODULE)
+
+
+def available(device: torch.device) -> bool:
+    """True on a CUDA device of compute capability 10.0 with the msa and cute extras installed.
+
+    Only looks the extras up (`importlib.util.find_spec`); nothing heavy is imported.
+    """
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if sm_capability(device) != SM100_CAPABILITY:
+        return False
+    return _extras_installed()
+
+
+@functools.cache
+def _extras_installed() -> bool:
+    return all(_importable(name) for name in _REQUIRED_MODULES)
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _require_official_configuration(q, k, v, block_indices, block_size) -> None:
+    expected = (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TOPK)
+    actual = (q.shape[1], k.shape[1], q.shape[2], block_size, block_indices.shape[2])
+    dtypes = {q.dtype, k.dtype, v.dtype}
+    if actual != expected or dtypes != {DTYPE}:
+        raise UnsupportedInputs(
+            "the SM100 backend serves only the official MSA configuration (Hq=64, Hkv=4, D=128, block_size=128, "
+            f"topk=16, bfloat16); got Hq={actual[0]}, Hkv={actual[1]}, D={actual[2]}, block_size={actual[3]}, "
+            f"topk={actual[4]}, {'/'.join(sorted(str(dtype) for dtype in dtypes))}"
+        )
+
+
+def canonical_block_indices(
+    block_indices: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    num_keys: int,
+    block_size: int,
+) -> torch.Tensor:
+    """The key-block set of every (KV head, query), in the form the SM100 kernels require.
+
+    Returns int32 `[Hkv, Tq, topk]`: per row the distinct ids in `[0, nvb(t))`, ascending, then
+    `-1`. That is exactly the set the reference reads (negative, beyond-horizon and repeated ids
+    add nothing), so an out-of-contract id can neither be read out of bounds nor counted twice.
+    No host synchronisation.
+    """
+    position = locate_queries(cu_seqlens_q, cu_seqlens_k, block_indices.shape[1], num_keys).position
+    visible_blocks = torch.where(position >= 0, position // block_size + 1, 0)
+    ids = block_indices.to(torch.int64)
+    dropped = torch.iinfo(torch.int64).max  # sorts after every real id
+    ascending = torch.where((ids >= 0) & (ids < visible_blocks[None, :, None]), ids, dropped).sort(dim=-1).values
+    repeated = torch.zeros_like(ascending, dtype=torch.bool)
+    repeated[..., 1:] = ascending[..., 1:] == ascending[..., :-1]
+    kept = ascending.masked_fill(repeated, dropped).sort(dim=-1).values
+    return kept.masked_fill(kept == dropped, -1).to(torch.int32).contiguous()
+
+
+def _self_attention_key_rows(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> int:
+    """Rows of the official key-block CSR (the sum over documents of `ceil(L / 128)`).
+
+    Also checks that every document is self-attention (`cu_seqlens_q == cu_seqlens_k`), the
+    layout NeMo AutoModel verified the official forward on; both facts come from one host sync.
+    """
+    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64).clamp(min=0)
+    rows = torch.div(lengths + BLOCK_SIZE - 1, BLOCK_SIZE, rounding_mode="floor").sum()
+    if cu_seqlens_q is cu_seqlens_k:
+        differs = torch.zeros((), dtype=torch.int64, device=rows.device)
+    elif cu_seqlens_q.shape != cu_seqlens_k.shape:
+        differs = torch.ones((), dtype=torch.int64, device=rows.device)
+    else:
+        differs = (cu_seqlens_q != cu_seqlens_k).any().to(torch.int64)
+    rows, differs = torch.stack((rows, differs)).tolist()
+    if differs:
+        raise UnsupportedInputs(
+            "the SM100 backend sends only self-attention packs (cu_seqlens_q == cu_seqlens_k) to the official "
+            "forward; these documents have fewer queries than keys"
+        )
+    return rows
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    # The official kernels load q/k/v with 16-byte vector copies and reject a misaligned base.
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
+    """`msa::forward` through the official flat forward: `(out [Tq, 64, 128] bf16, lse [Tq, 64] fp32)`.
+
+    Raises:
+        UnsupportedInputs: outside the official configuration, during CUDA-graph capture, or for
+            documents with fewer queries than keys; nothing has been launched.
+    """
+    _require_official_configuration(q, k, v, block_indices, block_size)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise UnsupportedInputs(
+            "the SM100 forward synchronises with the host once (the official CSR builder takes host sizes), "
+            "which CUDA-graph capture forbids"
+        )
+    num_queries = q.shape[0]
+    if num_queries == 0:
+        return q.new_empty(q.shape), q.new_empty((0, NUM_Q_HEADS), dtype=torch.float32)
+    if num_queries != k.shape[0]:
+        raise UnsupportedInputs(
+            "the SM100 backend sends only self-attention packs (Tq == Tk, cu_seqlens_q == cu_seqlens_k) to the "
+            f"official forward; got Tq={num_queries}, Tk={k.shape[0]}"
+        )
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    key_rows = _self_attention_key_rows(cu_seqlens_q, cu_seqlens_k)
+    launchers = bindings.kernels()
+    support = canonical_block_indices(block_indices, cu_seqlens_q, cu_seqlens_k, k.shape[0], BLOCK_SIZE)
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    # The official CSR builder carries no device guard: bind both launches to the tensors' device.
+    with torch.cuda.device(q.device):
+        row_ptr, q_indices, schedule = launchers.build_k2q_csr(
+            support,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            BLOCK_SIZE,
+            total_k=k.shape[0],
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            total_rows=key_rows,
+            qhead_per_kv=NUM_Q_HEADS // NUM_KV_HEADS,
+            return_schedule=True,
+        )
+        out, lse = launchers.sparse_atten_func(
+            _aligned(q),
+            _aligned(k),
+            _aligned(v),
+            row_ptr,
+            q_indices,
+            TOPK,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            blk_kv=BLOCK_SIZE,
+            causal=True,
+            softmax_scale=float(softmax_scale),
+            partial_dtype=torch.bfloat16,
+            return_softmax_lse=True,
+            schedule=schedule,
+        )
+    # The official lse already is our contract's: natural log, fp32, [Tq, Hq], so no conversion.
+    # Seen in MiniMax-AI/MSA python/fmha_sm100/cute/interface.py (sparse_atten_func docstring:
+    # "LSE outputs have shape [total_q, Hq] and dtype float32"), in its test_sparse_atten.py, whose
+    # sparse_attention_ref checks that lse against torch.logsumexp (base e), and in NeMo AutoModel's
+    # tests/functional_tests/models/minimax_m3_vl/test_msa_sm100.py, which compares it with
+    # torch.logsumexp to 0.002 on SM100.
+    return out, lse
+
+
+def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
+    """`msa::backward` through our CuTe DSL `run_backward`: `(dq, dk, dv)` in bfloat16.
+
+    `run_backward` receives packed THD tensors and `canonical_block_indices` (ascending distinct
+    in-horizon ids, then `-1`); it builds its 128-aligned K/V workspace itself.
+
+    Raises:
+        UnsupportedInputs: under `torch.use_deterministic_algorithms(True)` (dK/dV/dQ are
+            accumulated with atomics) or outside the official configuration; nothing launched.
+    """
+    if torch.are_deterministic_algorithms_enabled():
+        raise UnsupportedInputs(
+            "the SM100 backward uses atomics (fp32 dK/dV, packed 16-bit dQ), so it is not deterministic, and "
+            "torch.use_deterministic_algorithms(True) is on"
+        )
+    _require_official_configuration(q, k, v, block_indices, block_size)
+    if q.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    launchers = bindings.kernels()
+    support = canonical_block_indices(block_indices, cu_seqlens_q, cu_seqlens_k, k.shape[0], BLOCK_SIZE)
+    with torch.cuda.device(q.device):
+        return launchers.run_backward(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            grad_out.contiguous(),
+            out.contiguous(),
+            lse.contiguous(),
+            support,
+            cu_seqlens_q.contiguous(),
+            cu_seqlens_k.contiguous(),
+            int(max_seqlen_q),
+            int(max_seqlen_k),
+            float(softmax_scale),
+            None if grad_lse is None else grad_lse.contiguous(),
+        )
+
+
+BACKEND = Backend(
+    name=NAME,
+    ops={"forward": forward, "backward": backward},
+    priority=PRIORITY,
+    device_types=("cuda",),
+    available=available,
+)
+
+
+def register() -> Backend:
+    """Add the SM100 backend to the registry (idempotent: it replaces itself by name)."""
+    register_backend(BACKEND)
+    return BACKEND

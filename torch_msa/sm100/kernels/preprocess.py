@@ -1,0 +1,152 @@
+"""Backward preprocess of the SM100 pipeline: `delta = rowsum(dO * O) - grad_lse` (CuTe DSL).
+
+`delta` is the per-(token, head) correction of the softmax backward, `dS = P * (dP - delta)`;
+folding `grad_lse` in here (`dS = P * (dP - rowsum(dO * O) + grad_lse)`) leaves the main kernel
+unchanged when the loss also depends on `lse`. Architecture-neutral: it compiles for sm_90a
+and sm_100a alike. The CuTe DSL is imported only inside functions.
+"""
+
+import functools
+
+import torch
+
+from . import require_cute_dsl
+from .tasks import (
+    ACCESS_BYTES,
+    THREADS_PER_CTA,
+    aligned_operand,
+    compile_options,
+    cute_rows,
+    cute_stream,
+    cutlass_dtype,
+    fake_rows,
+)
+
+SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def compute_delta(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """`delta[t, h] = sum_d grad_out[t, h, d] * out[t, h, d] - grad_lse[t, h]`, in fp32.
+
+    Args:
+        out, grad_out: `[Tq, Hq, D]` on a CUDA device, one dtype of bf16, fp16, fp32.
+        grad_lse: optional `[Tq, Hq]` gradient of the forward's lse (any float dtype; read as fp32).
+
+    Returns:
+        fp32 `[Tq, Hq]`.
+    """
+    if not isinstance(out, torch.Tensor) or out.dim() != 3:
+        raise ValueError(f"out: expected a [Tq, Hq, D] tensor, got {getattr(out, 'shape', type(out).__name__)}")
+    if not isinstance(grad_out, torch.Tensor) or grad_out.shape != out.shape:
+        raise ValueError(f"grad_out: expected the shape of out {tuple(out.shape)}, got {tuple(getattr(grad_out, 'shape', ()))}")
+    if out.dtype not in SERVED_DTYPES or grad_out.dtype != out.dtype:
+        raise TypeError(f"grad_out: expected out's dtype, one of {SERVED_DTYPES}; got out {out.dtype}, grad_out {grad_out.dtype}")
+    if out.device.type != "cuda" or grad_out.device != out.device:
+        raise ValueError(f"out, grad_out: expected one CUDA device, got {out.device} and {grad_out.device}")
+    num_queries, num_heads, head_dim = out.shape
+    if grad_lse is not None:
+        if grad_lse.shape != (num_queries, num_heads) or grad_lse.device != out.device or not grad_lse.is_floating_point():
+            raise ValueError(
+                f"grad_lse: expected a float tensor of shape {(num_queries, num_heads)} on {out.device}, "
+                f"got {grad_lse.dtype} {tuple(grad_lse.shape)} on {grad_lse.device}"
+            )
+        grad_lse = aligned_operand(grad_lse.to(torch.float32))
+    require_cute_dsl()
+    delta = torch.empty(num_queries, num_heads, dtype=torch.float32, device=out.device)
+    if delta.numel() == 0:
+        return delta
+    kernel = _compiled_delta_kernel(out.dtype, head_dim, grad_lse is not None)
+    kernel(
+        cute_rows(aligned_operand(out).view(-1, head_dim)),
+        cute_rows(aligned_operand(grad_out).view(-1, head_dim)),
+        None if grad_lse is None else cute_rows(grad_lse.view(-1)),
+        cute_rows(delta.view(-1)),
+        cute_stream(out.device),
+    )
+    return delta
+
+
+def compile_for_target(arch: str, dump_dir: str | None = None) -> dict:
+    """Compile the preprocess at the contract's shapes (bf16, D=128; with and without grad_lse)
+    for `arch` (`"sm_90a"`, `"sm_100a"`); no GPU is needed. Returns name -> compiled kernel."""
+    return {
+        "delta": compile_delta_kernel(torch.bfloat16, 128, False, arch, dump_dir),
+        "delta_grad_lse": compile_delta_kernel(torch.bfloat16, 128, True, arch, dump_dir),
+    }
+
+
+@functools.cache
+def _compiled_delta_kernel(dtype: torch.dtype, head_dim: int, with_grad_lse: bool):
+    return compile_delta_kernel(dtype, head_dim, with_grad_lse)
+
+
+def compile_delta_kernel(
+    dtype: torch.dtype, head_dim: int, with_grad_lse: bool, arch: str | None = None, dump_dir: str | None = None
+):
+    """Compile the delta kernel for `[rows, head_dim]` operands of `dtype` (`arch=None`: this GPU)."""
+    require_cute_dsl()
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    operand = fake_rows(dtype, (head_dim,))
+    return cute.compile(
+        _delta_kernel_type()(cutlass_dtype(dtype).width, head_dim), operand, fake_rows(dtype, (head_dim,)),
+        fake_rows(torch.float32) if with_grad_lse else None, fake_rows(torch.float32), make_fake_stream(),
+        options=compile_options(arch, dump_dir),
+    )
+
+
+@functools.cache
+def _delta_kernel_type():
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+
+    class DeltaKernel:
+        """A group of `head_dim / vector` threads per (token, head) row: each loads one 16-byte
+        vector of `out` and of `grad_out`, multiplies in fp32, and the group sums by shuffles."""
+
+        def __init__(self, element_bits: int, head_dim: int):
+            self.vector = ACCESS_BYTES * 8 // element_bits
+            self.head_dim = head_dim
+            self.threads_per_row = head_dim // self.vector
+            if head_dim % self.vector or 32 % self.threads_per_row:
+                raise ValueError(f"head_dim {head_dim}: expected a power-of-two multiple of {self.vector} up to {32 * self.vector}")
+            self.rows_per_cta = THREADS_PER_CTA // self.threads_per_row
+
+        @cute.jit
+        def __call__(
+            self, out: cute.Tensor, grad_out: cute.Tensor, grad_lse: cute.Tensor | None, delta: cute.Tensor,
+            stream: cuda.CUstream,
+        ):
+            self.kernel(out, grad_out, grad_lse, delta).launch(
+                grid=[cute.ceil_div(out.shape[0], self.rows_per_cta), 1, 1], block=[THREADS_PER_CTA, 1, 1],
+                stream=stream,
+            )
+
+        @cute.kernel
+        def kernel(self, out: cute.Tensor, grad_out: cute.Tensor, grad_lse: cute.Tensor | None, delta: cute.Tensor):
+            thread, _, _ = cute.arch.thread_idx()
+            cta, _, _ = cute.arch.block_idx()
+            row = cta * self.rows_per_cta + thread // self.threads_per_row
+            lane = thread % self.threads_per_row
+            partial = Float32(0.0)
+            if row < out.shape[0]:
+                # 64-bit offsets: Tq * Hq * D passes 2^31 at about 260K tokens of M3.
+                offset = cute.assume(Int64(row) * self.head_dim + lane * self.vector, divby=self.vector)
+                layout = cute.make_layout(self.vector)
+                out_vector = cute.make_rmem_tensor(layout, out.element_type)
+                grad_vector = cute.make_rmem_tensor(layout, grad_out.element_type)
+                cute.autovec_copy(cute.make_tensor(out.iterator + offset, layout), out_vector)
+                cute.autovec_copy(cute.make_tensor(grad_out.iterator + offset, layout), grad_vector)
+                products = out_vector.load().to(Float32) * grad_vector.load().to(Float32)
+                partial = products.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            # Every lane takes part in the shuffles, rows past the end with a zero.
+            total = cute.arch.warp_reduction_sum(partial, threads_in_group=self.threads_per_row)
+            if row < out.shape[0] and lane == 0:
+                if cutlass.const_expr(grad_lse is not None):
+                    total = total - grad_lse[row]
+                delta[row] = total
+
+    return DeltaKernel
