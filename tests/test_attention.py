@@ -1,7 +1,5 @@
 """The reference forward/backward against a dense masked-softmax computation in float64."""
 
-import math
-
 import pytest
 import torch
 

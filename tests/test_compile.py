@@ -1,6 +1,5 @@
 """torch.compile: one graph, no graph break, no recompile across sequence lengths; same numbers."""
 
-import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 

@@ -2,7 +2,6 @@
 fake tensors, AOT dispatch with dynamic shapes)."""
 
 import pytest
-import torch
 
 from opcheck.matrix import run, samples
 

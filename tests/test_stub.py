@@ -5,7 +5,6 @@ loaded library (and an imported torch_msa) cannot be unloaded from the test proc
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -26,6 +26,7 @@ import torch
 
 import torch_msa
 from torch_msa import backends
+from torch_msa.testing import M3, Shape
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 SAMPLED_TOKENS = 32
@@ -36,25 +37,6 @@ DOCUMENT_SHARES = (0.75, 0.125, 0.078125, 0.046875)
 # The first document's queries are the causal suffix of its keys; this share of its keys (not a
 # multiple of the block size) has no query, so p(t) = Lk - Lq + t is exercised with Lq < Lk.
 SUFFIX_KEY_SHARE = 0.15
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """Head counts and block parameters; the defaults are MiniMax-M3's (index heads == KV heads)."""
-
-    query_heads: int = 64
-    kv_heads: int = 4
-    head_dim: int = 128
-    index_dim: int = 128
-    block_size: int = 128
-    topk: int = 16
-
-    @property
-    def group(self) -> int:
-        return self.query_heads // self.kv_heads
-
-
-M3 = Shape()
 
 
 @dataclasses.dataclass(frozen=True)

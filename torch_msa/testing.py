@@ -1,10 +1,30 @@
 """Builders of valid MSA inputs for tests, examples and benchmarks."""
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from .documents import locate_queries
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Head counts and block parameters; the defaults are MiniMax-M3's (index heads == KV heads)."""
+
+    query_heads: int = 64
+    kv_heads: int = 4
+    head_dim: int = 128
+    index_dim: int = 128
+    block_size: int = 128
+    topk: int = 16
+
+    @property
+    def group(self) -> int:
+        return self.query_heads // self.kv_heads
+
+
+M3 = Shape()
 
 
 def cu_seqlens(

@@ -101,7 +101,7 @@ def _delta_kernel_type():
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
+    from cutlass import Float32, Int64
 
     class DeltaKernel:
         """A group of `head_dim / vector` threads per (token, head) row: each loads one 16-byte

@@ -1,0 +1,104 @@
+"""torch_msa's own phases: selection, schedule, forward, backward and the whole training step.
+
+* `select`: `torch_msa.select_blocks` (index scoring + top-k) on the problem's index inputs.
+* `schedule`: the Triton forward's key-to-query tables (`torch_msa/schedule.py`, shared by the
+  KV-outer kernels), timed on its own (it also runs inside the forward and the backward);
+  skipped with a note where triton is missing.
+* `fwd`, `bwd`: `msa::forward` and `msa::backward` called directly on the problem's indices.
+* `select+fwd+bwd`: `select_blocks -> sparse_attention -> autograd backward`, the number the
+  speedup targets use; its peak device memory above the inputs is recorded too. Under the skewed
+  selection the step still runs `select_blocks` but attends with the skewed indices.
+
+Whichever backend the registry resolves serves the ops. The pure-PyTorch reference is an oracle,
+not a fast path: on CUDA its phases are skipped above `max_reference_tokens` tokens so that a
+run without fast kernels still finishes.
+"""
+
+import torch
+
+import torch_msa
+from torch_msa import backends
+
+from .problems import Inputs
+from .subject import Measurement, Subject
+
+IMPL = "torch_msa"
+PHASES = ("select", "schedule", "fwd", "bwd", "select+fwd+bwd")
+
+
+def resolved_backends(device: torch.device) -> dict[str, str]:
+    """Backend name serving each msa op on `device` (`{"select_blocks": "reference", ...}`)."""
+    return {op: torch_msa.resolve(op, device).name for op in backends.OPS}
+
+
+def msa_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
+    device = inputs.q.device
+    try:
+        serving = resolved_backends(device)
+    except torch_msa.BackendError as error:
+        return Subject(IMPL, PHASES, skip_reason=str(error))
+
+    def too_slow(*ops) -> str:
+        """Why these ops are skipped here, or '' when they run."""
+        slow = [op for op in ops if serving[op] == "reference"]
+        if device.type != "cuda" or not slow or inputs.spec.tokens <= max_reference_tokens:
+            return ""
+        return (f"msa::{'/'.join(slow)} served by the reference backend (no fast kernel registered); "
+                f"skipped above --max-reference-tokens {max_reference_tokens}")
+
+    def measurements():
+        shape, work = inputs.shape, inputs.work
+        block_size, scale = shape.block_size, shape.head_dim ** -0.5
+        documents = inputs.document_args
+        q, k, v, block_indices = inputs.q, inputs.k, inputs.v, inputs.block_indices
+
+        skip = too_slow("select_blocks")
+        yield Measurement("select", None if skip else inputs.select, work.index_scoring, skip)
+
+        try:
+            from torch_msa.hopper.forward_sm90 import schedule_for, tile_shape
+        except ImportError as error:
+            yield Measurement("schedule", None, None, f"the Triton backend is not importable ({error})")
+        else:
+            tokens_per_tile, _ = tile_shape(shape.query_heads, shape.kv_heads)
+            yield Measurement(
+                "schedule",
+                lambda: schedule_for(block_indices, inputs.cu_seqlens, inputs.cu_seqlens, inputs.spec.tokens,
+                                     block_size, tokens_per_tile),
+                None, "the Triton forward's key-to-query schedule (torch_msa/schedule.py), timed alone",
+            )
+
+        def forward():
+            return torch.ops.msa.forward(q, k, v, block_indices, *documents, block_size, scale)
+
+        skip = too_slow("forward")
+        yield Measurement("fwd", None if skip else forward, work.msa_forward, skip)
+
+        skip = too_slow("forward", "backward")
+        if skip:
+            yield Measurement("bwd", None, work.msa_backward, skip)
+        else:
+            out, lse = forward()
+            yield Measurement(
+                "bwd",
+                lambda: torch.ops.msa.backward(inputs.grad_out, q, k, v, out, lse, block_indices, *documents,
+                                               block_size, scale),
+                work.msa_backward,
+            )
+            del out, lse
+
+        skip = too_slow(*backends.OPS)
+        leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+        skewed = inputs.selection == "skewed"
+
+        def step():
+            chosen = inputs.select()
+            if skewed:
+                chosen = block_indices
+            out = torch_msa.sparse_attention(*leaves, chosen, *documents, block_size=block_size)
+            return torch.autograd.grad(out, leaves, inputs.grad_out)
+
+        note = skip or ("select_blocks runs, then the skewed indices are attended" if skewed else "")
+        yield Measurement("select+fwd+bwd", None if skip else step, work.msa_step, note, track_memory=True)
+
+    return Subject(IMPL, PHASES, measurements)

@@ -1,0 +1,152 @@
+"""The benchmark's problems: document layouts, their random inputs and their block selections.
+
+A problem is a list of document lengths packed as THD tokens (self-attention, `Lq == Lk`): one
+document (`T=65536`) or a varlen pack (`pack 8x16384`). Every implementation of a problem runs on
+the same tensors and the same `block_indices`.
+"""
+
+import dataclasses
+import re
+
+import torch
+
+import torch_msa
+from torch_msa.documents import locate_queries
+from torch_msa.testing import skewed_block_indices
+
+from ..testing import Shape
+from .flops import Work, work
+
+SELECTIONS = ("index", "skewed")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemSpec:
+    """Document lengths of one problem; `name` is how tables and JSON refer to it."""
+
+    lengths: tuple[int, ...]
+    pack: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def name(self) -> str:
+        if not self.pack:
+            return f"T={self.tokens}"
+        runs, previous, count = [], None, 0
+        for length in (*self.lengths, None):
+            if length == previous:
+                count += 1
+                continue
+            if previous is not None:
+                runs.append(f"{count}x{previous}" if count > 1 else str(previous))
+            previous, count = length, 1
+        return "pack " + "+".join(runs)
+
+
+def parse_length(text: str, argument: str) -> int:
+    """`"8192"`, `"8K"` or `"8k"` -> 8192 (K = 1024); a positive int."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", text)
+    if match is None:
+        raise ValueError(f"{argument}: expected a token count such as 8192 or 8K, got {text!r}")
+    value = int(match.group(1)) * (1024 if match.group(2) else 1)
+    if value < 1:
+        raise ValueError(f"{argument}: expected a positive token count, got {text!r}")
+    return value
+
+
+def parse_seqlens(texts: list[str]) -> list[int]:
+    """`["8K,32K", "64K"]` -> `[8192, 32768, 65536]` (commas or separate arguments)."""
+    return [parse_length(item, "--seqlens") for text in texts for item in text.split(",") if item.strip()]
+
+
+def parse_pack(text: str) -> tuple[int, ...] | None:
+    """A varlen pack: comma-separated `NxL` or `L` items, e.g. `8x16K` or `2x4K,8K,1000`; `none` -> None."""
+    if text.strip().lower() == "none":
+        return None
+    lengths: list[int] = []
+    for item in text.split(","):
+        count, _, length = item.strip().rpartition("x")
+        if count and not count.strip().isdigit():
+            raise ValueError(f"--pack: expected items such as 8x16K or 4096, got {item.strip()!r}")
+        repeat = int(count) if count else 1
+        if repeat < 1:
+            raise ValueError(f"--pack: expected a positive document count in {item.strip()!r}, got {repeat}")
+        lengths += [parse_length(length, "--pack")] * repeat
+    if not lengths:
+        raise ValueError(f"--pack: expected at least one document length, got {text!r}")
+    return tuple(lengths)
+
+
+@dataclasses.dataclass
+class Inputs:
+    """Random bf16 inputs of one problem on its device, and the selection every implementation uses.
+
+    q, grad_out `[T, Hq, D]`; k, v `[T, Hkv, D]`; index_q `[T, Hkv, Di]`; index_k `[T, 1, Di]`;
+    cu_seqlens (int32 `[B + 1]`, shared by queries and keys); block_indices int32
+    `[Hkv, T, topk]`; key_start / position int64 `[T]` (packed row of the document's first key,
+    and `p(t)`).
+    """
+
+    spec: ProblemSpec
+    shape: Shape
+    selection: str
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    grad_out: torch.Tensor
+    index_q: torch.Tensor
+    index_k: torch.Tensor
+    cu_seqlens: torch.Tensor
+    block_indices: torch.Tensor
+    key_start: torch.Tensor
+    position: torch.Tensor
+    work: Work
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.spec.lengths)
+
+    @property
+    def document_args(self) -> tuple:
+        """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` as the msa ops take them."""
+        return self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen
+
+    def select(self) -> torch.Tensor:
+        """torch_msa's own selection of these index inputs (int32 `[Hkv, T, topk]`)."""
+        return torch_msa.select_blocks(self.index_q, self.index_k, *self.document_args,
+                                       topk=self.shape.topk, block_size=self.shape.block_size)
+
+
+def make_inputs(spec: ProblemSpec, shape: Shape, device: torch.device, selection: str, seed: int) -> Inputs:
+    """Random unit-normal bf16 inputs (drawn on `device`, seeded) and the chosen selection."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection: expected one of {SELECTIONS}, got {selection!r}")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = spec.tokens
+
+    def normal(*size):
+        return torch.randn(*size, generator=generator, device=device, dtype=torch.bfloat16)
+
+    cu_seqlens = torch.tensor([0, *spec.lengths], dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+    docs = locate_queries(cu_seqlens, cu_seqlens, tokens, tokens)
+    q = normal(tokens, shape.query_heads, shape.head_dim)
+    k = normal(tokens, shape.kv_heads, shape.head_dim)
+    v = normal(tokens, shape.kv_heads, shape.head_dim)
+    grad_out = normal(tokens, shape.query_heads, shape.head_dim)
+    index_q = normal(tokens, shape.kv_heads, shape.index_dim)
+    index_k = normal(tokens, 1, shape.index_dim)
+    if selection == "index":
+        block_indices = torch_msa.select_blocks(index_q, index_k, cu_seqlens, cu_seqlens, max(spec.lengths),
+                                                max(spec.lengths), topk=shape.topk, block_size=shape.block_size)
+    else:
+        # Every token picks block 0 and its newest blocks: the load-imbalance case.
+        block_indices = skewed_block_indices(cu_seqlens, cu_seqlens, shape.kv_heads, shape.topk, shape.block_size)
+    return Inputs(
+        spec=spec, shape=shape, selection=selection, q=q, k=k, v=v, grad_out=grad_out,
+        index_q=index_q, index_k=index_k, cu_seqlens=cu_seqlens, block_indices=block_indices,
+        key_start=docs.key_start, position=docs.position,
+        work=work(shape, spec.lengths, block_indices, docs.position),
+    )

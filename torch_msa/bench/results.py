@@ -1,0 +1,113 @@
+"""Records of a benchmark run: one `Row` per (implementation, phase) of each problem.
+
+A row's `status` is `ok` (timed), `OOM`, `skipped` (not run, `note` says why) or `error`.
+Derived rows (`fwd+bwd` of every implementation that has both) add the two medians. The speed
+ratio of a row compares it with the dense baseline of the same problem and phase: cuDNN on CUDA,
+the math backend elsewhere; `select+fwd+bwd` compares with the baseline's `fwd+bwd`.
+"""
+
+import dataclasses
+
+from .flops import H200_BF16_TFLOPS, Work, tflops
+from .problems import ProblemSpec
+
+OK, OOM, SKIPPED, ERROR = "ok", "OOM", "skipped", "error"
+# The baseline phase each phase is compared with (phases absent here have no ratio).
+BASELINE_PHASE = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "fwd+bwd", "select+fwd+bwd": "fwd+bwd"}
+
+
+@dataclasses.dataclass
+class Row:
+    impl: str
+    phase: str
+    status: str
+    ms: float | None = None
+    runs: int = 0
+    warmups: int = 0
+    capped: bool = False  # the time budget cut the timed runs below the requested count
+    flops: float | None = None
+    note: str = ""
+    derived: bool = False
+    extra_peak_bytes: int | None = None
+
+    @property
+    def tflops(self) -> float | None:
+        return tflops(self.flops, self.ms) if self.status == OK else None
+
+    @property
+    def peak_fraction(self) -> float | None:
+        rate = self.tflops
+        return None if rate is None else rate / H200_BF16_TFLOPS
+
+
+@dataclasses.dataclass
+class ProblemResult:
+    spec: ProblemSpec
+    work: Work | None
+    baseline: str  # impl name of the dense baseline
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def row(self, impl: str, phase: str) -> Row | None:
+        return next((r for r in self.rows if r.impl == impl and r.phase == phase), None)
+
+    def timed(self, impl: str, phase: str) -> Row | None:
+        """The row if it was timed (`ok`), else None."""
+        row = self.row(impl, phase)
+        return row if row is not None and row.status == OK else None
+
+    def speedup(self, row: Row) -> float | None:
+        """Baseline time of the same phase / this row's time."""
+        phase = BASELINE_PHASE.get(row.phase)
+        base = self.timed(self.baseline, phase) if phase else None
+        if base is None or row.status != OK or not row.ms:
+            return None
+        return base.ms / row.ms
+
+    def add_sums(self) -> None:
+        """Add a derived `fwd+bwd` row, after the `bwd` row, for every implementation with timed `fwd` and `bwd`."""
+        for impl in dict.fromkeys(r.impl for r in self.rows):
+            forward, backward = self.timed(impl, "fwd"), self.timed(impl, "bwd")
+            if forward is None or backward is None or self.row(impl, "fwd+bwd") is not None:
+                continue
+            flops = None if forward.flops is None or backward.flops is None else forward.flops + backward.flops
+            total = Row(impl, "fwd+bwd", OK, forward.ms + backward.ms, min(forward.runs, backward.runs),
+                        flops=flops, note="sum of the fwd and bwd medians", derived=True,
+                        capped=forward.capped or backward.capped)
+            self.rows.insert(self.rows.index(backward) + 1, total)
+
+
+@dataclasses.dataclass
+class BenchResult:
+    meta: dict
+    problems: list[ProblemResult]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def problem(self, name: str) -> ProblemResult | None:
+        return next((p for p in self.problems if p.name == name), None)
+
+    def to_json(self) -> dict:
+        """Plain data: every row with its derived TF/s, fraction of peak and speedup."""
+        problems = []
+        for problem in self.problems:
+            rows = []
+            for row in problem.rows:
+                entry = dataclasses.asdict(row)
+                entry.update(tflops=row.tflops, peak_fraction=row.peak_fraction,
+                             speedup_vs_baseline=problem.speedup(row))
+                rows.append(entry)
+            problems.append({
+                "name": problem.name,
+                "lengths": list(problem.spec.lengths),
+                "pack": problem.spec.pack,
+                "tokens": problem.spec.tokens,
+                "baseline": problem.baseline,
+                "work": None if problem.work is None else dataclasses.asdict(problem.work),
+                "rows": rows,
+                "notes": problem.notes,
+            })
+        return {"meta": self.meta, "notes": self.notes, "problems": problems}

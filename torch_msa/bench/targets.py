@@ -1,0 +1,116 @@
+"""The targets of issue 3, judged on a benchmark result: reached, not reached (by how much), or not measured.
+
+A target over all problems is reached when every problem that measured it reaches it; the line
+lists each problem's value and, when missed, the worst one as a fraction of the target.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+from .report import format_rate
+from .results import OK, BenchResult, ProblemResult
+
+REACHED, NOT_REACHED, NOT_MEASURED = "reached", "not reached", "not measured"
+MSA, CUDNN, FLA = "torch_msa", "cudnn dense", "fla parallel_nsa"
+STEP = "select+fwd+bwd"
+MEMORY_PROBLEMS = ("T=131072", "pack 8x16384")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    label: str
+    verdict: str
+    detail: str
+    values: dict[str, float]  # problem name -> measured value
+
+
+def _rate(impl: str, phase: str) -> Callable[[ProblemResult], float | None]:
+    def value(problem):
+        row = problem.timed(impl, phase)
+        return None if row is None else row.tflops
+    return value
+
+
+def _ratio(slow_impl: str, slow_phase: str, fast_phase: str) -> Callable[[ProblemResult], float | None]:
+    """`slow_impl`'s time of `slow_phase` over torch_msa's time of `fast_phase`."""
+    def value(problem):
+        slow, fast = problem.timed(slow_impl, slow_phase), problem.timed(MSA, fast_phase)
+        return None if slow is None or fast is None else slow.ms / fast.ms
+    return value
+
+
+def _judge(result: BenchResult, label: str, threshold: float, unit: str, value, only: str | None = None) -> Outcome:
+    problems = [p for p in result.problems if only is None or p.name == only]
+    values = {p.name: v for p in problems if (v := value(p)) is not None}
+    if not values:
+        where = f" at {only}" if only else ""
+        return Outcome(label, NOT_MEASURED, f"no measurement{where}", {})
+    listed = ", ".join(f"{name} {v:.2f}x" if unit == "x" else f"{name} {format_rate(v)} {unit}"
+                       for name, v in values.items())
+    worst_name = min(values, key=values.get)
+    worst = values[worst_name]
+    if worst >= threshold:
+        return Outcome(label, REACHED, listed, values)
+    missed = sum(v < threshold for v in values.values())
+    gap = f"{threshold / worst:.1f}x short" if unit == "x" and worst > 0 else f"short by {threshold - worst:.1f} {unit}"
+    detail = (f"{listed}; below at {missed} of {len(values)}; worst {worst_name}: "
+              f"{worst / threshold:.0%} of the target ({gap})")
+    return Outcome(label, NOT_REACHED, detail, values)
+
+
+def _memory(result: BenchResult) -> Outcome:
+    label = "memory: T=128K and a pack of 8 x 16K run select+fwd+bwd, O(T) extra memory"
+    lines, values, verdicts = [], {}, []
+    for name in MEMORY_PROBLEMS:
+        problem = result.problem(name)
+        row = None if problem is None else problem.row(MSA, STEP)
+        if row is None or row.status == "skipped":
+            lines.append(f"{name} not run")
+            verdicts.append(NOT_MEASURED)
+        elif row.status != OK:
+            lines.append(f"{name} {row.status}")
+            verdicts.append(NOT_REACHED)
+        elif row.extra_peak_bytes is None:
+            lines.append(f"{name} ran (peak memory not tracked on this device)")
+            verdicts.append(REACHED)
+        else:
+            tokens = problem.spec.tokens
+            values[name] = row.extra_peak_bytes / 2**30
+            # One T x T fp32 score matrix per KV head is what an O(T^2) buffer would cost at least.
+            square = 4 * tokens * tokens
+            within = row.extra_peak_bytes < square
+            lines.append(f"{name} ran, peak {values[name]:.2f} GiB above the inputs "
+                         f"({row.extra_peak_bytes / tokens / 1024:.0f} KiB per token; one T x T fp32 buffer: "
+                         f"{square / 2**30:.0f} GiB)")
+            verdicts.append(REACHED if within else NOT_REACHED)
+    if NOT_REACHED in verdicts:
+        verdict = NOT_REACHED
+    elif NOT_MEASURED in verdicts:
+        verdict = NOT_MEASURED
+    else:
+        verdict = REACHED
+    return Outcome(label, verdict, "; ".join(lines), values)
+
+
+def evaluate(result: BenchResult) -> list[Outcome]:
+    return [
+        _judge(result, "forward >= 420 TF/s", 420.0, "TF/s", _rate(MSA, "fwd")),
+        _judge(result, "backward (dq, dk, dv) >= 320 TF/s", 320.0, "TF/s", _rate(MSA, "bwd")),
+        _judge(result, "selection (index scoring + top-k) >= 400 TF/s", 400.0, "TF/s", _rate(MSA, "select")),
+        Outcome("top-k under 10% of selection", NOT_MEASURED,
+                "select_blocks is one op here; splitting scoring from top-k needs a profile of its kernels", {}),
+        _judge(result, "select+fwd+bwd >= 10x cuDNN dense fwd+bwd at T=64K", 10.0, "x",
+               _ratio(CUDNN, "fwd+bwd", STEP), only="T=65536"),
+        _judge(result, "select+fwd+bwd >= 15x cuDNN dense fwd+bwd at T=128K", 15.0, "x",
+               _ratio(CUDNN, "fwd+bwd", STEP), only="T=131072"),
+        _judge(result, "forward >= 4x fla parallel_nsa (same indices)", 4.0, "x", _ratio(FLA, "fwd", "fwd")),
+        _judge(result, "backward >= 3x fla parallel_nsa (same indices)", 3.0, "x", _ratio(FLA, "bwd", "bwd")),
+        _memory(result),
+    ]
+
+
+def format_outcomes(outcomes: list[Outcome]) -> str:
+    lines = ["targets of issue 3 (one H200, M3 shapes, bf16):"]
+    for outcome in outcomes:
+        lines.append(f"  [{outcome.verdict}] {outcome.label}: {outcome.detail}")
+    return "\n".join(lines)

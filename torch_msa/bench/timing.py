@@ -1,0 +1,113 @@
+"""How one measurement is timed, and the progress lines printed while the benchmark runs.
+
+On CUDA each timed call is bracketed by a pair of CUDA events recorded on the current stream, all
+calls are queued back to back, and the device is synchronised once at the end: the times are
+the device's, without host overhead between calls. Elsewhere each call is timed with
+`time.perf_counter`. The reported number is the median.
+"""
+
+import dataclasses
+import gc
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """The timed runs of one measurement (milliseconds); `capped` when the time budget cut the runs."""
+
+    times_ms: tuple[float, ...]
+    warmups: int
+    capped: bool
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_ms)
+
+    @property
+    def runs(self) -> int:
+        return len(self.times_ms)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn: Callable[[], object], device: torch.device, warmup: int, iters: int,
+            budget_s: float | None = None, min_runs: int = 5) -> Timing:
+    """Run `fn` `warmup` times untimed, then `iters` times timed.
+
+    `budget_s` bounds the timed part of a slow measurement: when the last warm-up call shows that
+    `iters` calls would take longer, the runs are cut to what fits, but never below `min_runs`
+    (the returned Timing is then `capped`). Warm-ups stop early, after two, once those after the
+    first (which may compile or autotune) have used half the budget. `None` or 0 disables the
+    budget.
+    """
+    if iters < 1:
+        raise ValueError(f"iters: expected at least 1 timed run, got {iters}")
+    call_s, spent, done = None, 0.0, 0
+    for done in range(1, warmup + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        call_s = time.perf_counter() - start
+        spent += call_s if done > 1 else 0.0
+        if budget_s and done >= 2 and spent > budget_s / 2:
+            break
+    runs, capped = iters, False
+    if budget_s and call_s is not None and call_s * iters > budget_s:
+        runs = max(min(min_runs, iters), math.floor(budget_s / max(call_s, 1e-9)))
+        capped = runs < iters
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+        for begin, end in events:
+            begin.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        times = tuple(begin.elapsed_time(end) for begin, end in events)
+    else:
+        elapsed = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            fn()
+            elapsed.append((time.perf_counter() - start) * 1e3)
+        times = tuple(elapsed)
+    return Timing(times, done, capped)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A device allocation failure, also when a compiler wrapped it in its own exception."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower():
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def free_memory(device: torch.device) -> None:
+    """Release what the last measurement left (call once its tensors are out of scope)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+class Progress:
+    """Prints `[  elapsed s] message` lines to stderr (stdout keeps the table clean)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.start:7.1f} s] {message}", file=self.stream, flush=True)
