@@ -12,7 +12,7 @@ import torch_msa
 from torch_msa.bench import cli, flops, msa, peers, runner, targets
 from torch_msa.bench.flex_mask import TILE_ROWS, fold_query_heads, kv_heads_first, msa_block_mask
 from torch_msa.bench.problems import ProblemSpec, make_inputs, parse_pack, parse_seqlens
-from torch_msa.bench.results import OK, OOM, SKIPPED, BenchResult, ProblemResult, Row
+from torch_msa.bench.results import ERROR, OK, OOM, SKIPPED, BenchResult, ProblemResult, Row
 from torch_msa.testing import M3, Shape
 from torch_msa.bench.subject import Measurement, Subject
 from torch_msa.bench.timing import Progress, is_out_of_memory, measure
@@ -420,6 +420,10 @@ def test_every_peer_runs_on_cuda(tmp_path, capsys):
                 assert row["status"] == SKIPPED
             elif row["impl"] == "torch_msa" and row["phase"] == "schedule" and row["status"] == SKIPPED:
                 continue
+            elif row["impl"] == "FlexAttention" and row["phase"] == "bwd" and row["status"] == ERROR:
+                # Seen on an H200 with torch 2.11: the compiled flex backward template needs
+                # 235 KB of shared memory (227 KB available); the bench must record it and go on.
+                assert "out of resource" in row["note"], row
             else:
                 assert row["status"] == OK, (problem["name"], row)
         step = next(r for r in problem["rows"] if r["phase"] == "select+fwd+bwd")
