@@ -563,7 +563,7 @@ def test_deterministic_backward_is_declined_because_of_atomics(no_launch, monkey
     q, k, v, block_indices, cu_q, cu_k = _m3_inputs([5])
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     lse = torch.zeros(q.shape[:2])
-    with pytest.raises(UnsupportedInputs, match="uses atomics"):
+    with pytest.raises(UnsupportedInputs, match="fp32 atomics"):
         sm100.backward(q, q, k, v, q, lse, block_indices, cu_q, cu_k, 5, 5, 128, 0.1)
 
 

@@ -19,23 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_msa import UnavailableError, reference
+from tests.cute_dsl import requires_cute
+from torch_msa import reference
 from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
 
 
-def _cute_dsl_available() -> bool:
-    from torch_msa.sm100.kernels import require_cute_dsl
-
-    try:
-        require_cute_dsl()
-    except UnavailableError:
-        return False
-    return True
-
-
-requires_cute = pytest.mark.skipif(
-    not _cute_dsl_available(), reason="nvidia-cutlass-dsl==4.6.2 / cuda-bindings not installed (extra `cute`)"
-)
 requires_sm100 = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (10, 0)),
     reason="needs a GPU of compute capability 10.0 (B200 / GB200)",
@@ -112,7 +100,7 @@ def test_launch_arguments_have_the_compiled_types():
     from cutlass._mlir import ir
 
     from torch_msa.sm100.kernels.backward_sm100 import OPERANDS
-    from torch_msa.sm100.kernels.tasks import cute_rows, fake_rows
+    from torch_msa.sm100.kernels.cute_io import cute_rows, fake_rows
 
     with ir.Context(), ir.Location.unknown():
         for name, dtype, _, inner in OPERANDS:

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_msa import UnavailableError, reference
+from tests.cute_dsl import requires_cute
+from torch_msa import reference
 from torch_msa.schedule import build_schedule, build_schedule_python
 from torch_msa.sm100.kernels.tasks import (
     TASK_ROWS,
@@ -39,17 +40,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ARCHES = ("sm_90a", "sm_100a")
 
 
-def _cute_dsl_available() -> bool:
-    from torch_msa.sm100.kernels import require_cute_dsl
-
-    try:
-        require_cute_dsl()
-    except UnavailableError:
-        return False
-    return True
-
-
-requires_cute = pytest.mark.skipif(not _cute_dsl_available(), reason="nvidia-cutlass-dsl / cuda-bindings not installed")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # (q_lens, k_lens): a pack with empty and 1-token documents and partial blocks; queries that are
@@ -314,7 +304,7 @@ def test_launch_arguments_have_the_compiled_types():
     checks this at launch, so a mismatch would read memory with the wrong layout."""
     from cutlass._mlir import ir
 
-    from torch_msa.sm100.kernels.tasks import cute_rows, fake_rows
+    from torch_msa.sm100.kernels.cute_io import cute_rows, fake_rows
 
     cases = [(torch.bfloat16, (128,)), (torch.bfloat16, (512,)), (torch.float32, (128,)), (torch.float32, (512,)),
              (torch.float32, ()), (torch.int32, ()), (torch.int32, (4,)), (torch.int32, (TASK_ROWS,)),

@@ -25,6 +25,7 @@ import torch
 
 from ..backends import Backend, UnsupportedInputs, register_backend
 from ..documents import locate_queries
+from ..schedule import valid_entries
 from . import bindings
 from .kernels import SM100_CAPABILITY, sm_capability
 
@@ -93,13 +94,9 @@ def canonical_block_indices(
     No host synchronisation.
     """
     position = locate_queries(cu_seqlens_q, cu_seqlens_k, block_indices.shape[1], num_keys).position
-    visible_blocks = torch.where(position >= 0, position // block_size + 1, 0)
-    ids = block_indices.to(torch.int64)
     dropped = torch.iinfo(torch.int64).max  # sorts after every real id
-    ascending = torch.where((ids >= 0) & (ids < visible_blocks[None, :, None]), ids, dropped).sort(dim=-1).values
-    repeated = torch.zeros_like(ascending, dtype=torch.bool)
-    repeated[..., 1:] = ascending[..., 1:] == ascending[..., :-1]
-    kept = ascending.masked_fill(repeated, dropped).sort(dim=-1).values
+    valid = valid_entries(block_indices, position, block_size)
+    kept = torch.where(valid, block_indices.to(torch.int64), dropped).sort(dim=-1).values
     return kept.masked_fill(kept == dropped, -1).to(torch.int32).contiguous()
 
 
@@ -212,7 +209,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     """
     if torch.are_deterministic_algorithms_enabled():
         raise UnsupportedInputs(
-            "the SM100 backward uses atomics (fp32 dK/dV, packed 16-bit dQ), so it is not deterministic, and "
+            "the SM100 backward adds dQ, dK and dV with fp32 atomics, so it is not deterministic, and "
             "torch.use_deterministic_algorithms(True) is on"
         )
     _require_official_configuration(q, k, v, block_indices, block_size)

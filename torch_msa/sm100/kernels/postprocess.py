@@ -12,20 +12,17 @@ import functools
 import torch
 
 from . import require_cute_dsl
-from .tasks import (
+from .cute_io import (
     ACCESS_BYTES,
-    THREADS_PER_CTA,
-    TaskTables,
     aligned_operand,
     check_index_tensor,
-    check_tables_match,
     compile_options,
     cute_rows,
     cute_stream,
     cutlass_dtype,
-    document_lookup,
     fake_rows,
 )
+from .tasks import THREADS_PER_CTA, TaskTables, check_tables_match, document_lookup
 
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 VECTORS_PER_THREAD = 4  # rows of a CTA are sized so each thread moves about this many vectors

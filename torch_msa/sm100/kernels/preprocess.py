@@ -11,16 +11,8 @@ import functools
 import torch
 
 from . import require_cute_dsl
-from .tasks import (
-    ACCESS_BYTES,
-    THREADS_PER_CTA,
-    aligned_operand,
-    compile_options,
-    cute_rows,
-    cute_stream,
-    cutlass_dtype,
-    fake_rows,
-)
+from .cute_io import ACCESS_BYTES, aligned_operand, compile_options, cute_rows, cute_stream, cutlass_dtype, fake_rows
+from .tasks import THREADS_PER_CTA
 
 SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
