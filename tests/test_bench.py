@@ -319,8 +319,23 @@ def test_targets_reached_missed_and_not_measured():
     memory = [o for label, o in outcomes.items() if label.startswith("memory")][0]
     assert memory.verdict == targets.NOT_REACHED and "pack 8x16384 OOM" in memory.detail
     assert "T=131072 ran, peak 8.00 GiB" in memory.detail
+    assert outcomes["top-k under 10% of selection"].verdict == targets.NOT_MEASURED
     text = targets.format_outcomes(list(outcomes.values()))
     assert text.count("\n  [") == len(outcomes)
+
+
+def test_topk_share_is_what_a_one_slot_selection_saves():
+    def timed(phase, ms):
+        return Row("torch_msa", phase, OK, ms, 20)
+
+    within = _result_with({"T=65536": [timed("select", 4.0), timed("select topk=1", 3.7)]})
+    [share] = [o for o in targets.evaluate(within) if o.label == "top-k under 10% of selection"]
+    assert share.verdict == targets.REACHED and share.values == pytest.approx({"T=65536": 0.075})
+    over = _result_with({"T=32768": [timed("select", 1.0), timed("select topk=1", 0.95)],
+                         "T=65536": [timed("select", 4.0), timed("select topk=1", 2.0)]})
+    [share] = [o for o in targets.evaluate(over) if o.label == "top-k under 10% of selection"]
+    assert share.verdict == targets.NOT_REACHED
+    assert "worst T=65536: 50% of the selection (5.0x the 10% budget)" in share.detail
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,9 +349,11 @@ def test_cli_on_cpu_prints_the_table_and_targets_and_writes_json(tmp_path, capsy
     stdout = captured.out
     assert "torch_msa benchmark" in stdout and "T=128: 1 document, 128 tokens" in stdout
     for impl, phase in (("math dense", "fwd"), ("math dense", "fwd+bwd"), ("FlexAttention", "fwd"),
-                        ("torch_msa", "select"), ("torch_msa", "fwd"), ("torch_msa", "bwd"),
+                        ("torch_msa", "select"), ("torch_msa", "select topk=1"), ("torch_msa", "fwd"),
+                        ("torch_msa", "bwd"),
                         ("torch_msa", "select+fwd+bwd")):
-        assert any(line.split()[:len(impl.split()) + 1] == [*impl.split(), phase] for line in stdout.splitlines()), \
+        words = [*impl.split(), *phase.split()]
+        assert any(line.split()[:len(words)] == words for line in stdout.splitlines()), \
             f"no row {impl} {phase}:\n{stdout}"
     assert "skipped" in stdout and "fla's Triton kernels need CUDA" in stdout
     target_lines = [line for line in stdout.splitlines() if line.startswith("  [")]
@@ -345,7 +362,9 @@ def test_cli_on_cpu_prints_the_table_and_targets_and_writes_json(tmp_path, capsy
                for line in target_lines)
     assert "[not measured] select+fwd+bwd >= 10x cuDNN dense fwd+bwd at T=64K" in stdout
     # Progress goes to stderr, one line per measurement.
-    assert sum("torch_msa " in line and " ms " in line for line in captured.err.splitlines()) == 5
+    assert sum("torch_msa " in line and " ms " in line for line in captured.err.splitlines()) == 6
+    topk_line = next(line for line in target_lines if "top-k under 10% of selection" in line)
+    assert "[not measured]" not in topk_line and "T=128 " in topk_line
 
     data = json.loads((out / "bench.json").read_text())
     assert data["meta"]["device"] == "cpu (1 threads)" and data["meta"]["timing"]["iters"] == 1

@@ -114,10 +114,12 @@ class Inputs:
         """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` as the msa ops take them."""
         return self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen
 
-    def select(self) -> torch.Tensor:
-        """torch_msa's own selection of these index inputs (int32 `[Hkv, T, topk]`)."""
+    def select(self, topk: int | None = None) -> torch.Tensor:
+        """torch_msa's own selection of these index inputs (int32 `[Hkv, T, topk]`; the problem's
+        topk unless given)."""
         return torch_msa.select_blocks(self.index_q, self.index_k, *self.document_args,
-                                       topk=self.shape.topk, block_size=self.shape.block_size)
+                                       topk=self.shape.topk if topk is None else topk,
+                                       block_size=self.shape.block_size)
 
 
 def make_inputs(spec: ProblemSpec, shape: Shape, device: torch.device, selection: str, seed: int) -> Inputs:
