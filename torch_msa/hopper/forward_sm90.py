@@ -135,11 +135,8 @@ def _combine_kernel(
     tl.store(lse + token * NUM_KV_HEADS * GROUP + query_head, natural, mask=head_ok)
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            schedule=None):
-    """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
-
-    `schedule` may carry a prebuilt `schedule_for(...)` with this module's tile shape."""
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
+    """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32."""
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -152,8 +149,7 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return out.zero_(), lse.fill_(-math.inf)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     tokens, group_p2 = tile_shape(num_heads, num_kv_heads)
-    if schedule is None:
-        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens)
+    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens)
     partial_out = torch.empty((num_queries * num_kv_heads * topk * group, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((num_queries * num_kv_heads * topk * group,), -math.inf, dtype=torch.float32, device=q.device)
     precision = dot_precision(q.dtype)
