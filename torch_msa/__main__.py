@@ -26,7 +26,7 @@ import torch
 
 import torch_msa
 from torch_msa import backends
-from torch_msa.testing import M3, Shape
+from torch_msa.testing import M3, Shape, pick_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 SAMPLED_TOKENS = 32
@@ -406,11 +406,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.seqlen < len(DOCUMENT_SHARES):
         parser.error(f"argument --seqlen: expected at least {len(DOCUMENT_SHARES)} (one token per document), got {args.seqlen}")
     try:
-        args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as error:
-        parser.error(f"argument --device: {error}")
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"argument --device: {args.device} requested but CUDA is not available")
+        args.device = pick_device(args.device)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 

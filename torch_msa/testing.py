@@ -27,6 +27,20 @@ class Shape:
 M3 = Shape()
 
 
+def pick_device(name: str | None) -> torch.device:
+    """The device a command-line run asked for (`None`: CUDA when present, else CPU).
+
+    Raises ValueError when the name is not a device or names CUDA on a host without it.
+    """
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as error:
+        raise ValueError(f"argument --device: {error}") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"argument --device: {device} requested but CUDA is not available")
+    return device
+
+
 def cu_seqlens(
     q_lens: Sequence[int], k_lens: Sequence[int] | None = None, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 import torch_msa
 
 from . import msa, peers, report, targets
-from ..testing import M3
+from ..testing import M3, pick_device
 from .flops import H200_BF16_TFLOPS
 from .problems import SELECTIONS, ProblemSpec, parse_pack, parse_seqlens
 from .results import BenchResult
@@ -70,11 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as error:
-        parser.error(f"argument --device: {error}")
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"argument --device: {args.device} requested but CUDA is not available")
+        args.device = pick_device(args.device)
+    except ValueError as error:
+        parser.error(str(error))
     try:
         seqlens = parse_seqlens(args.seqlens) if args.seqlens is not None else None
         pack = parse_pack(args.pack) if args.pack is not None else None
