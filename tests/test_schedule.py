@@ -66,3 +66,22 @@ def test_bucket_bound_covers_every_document_block():
     cu_q, cu_k = testing.cu_seqlens([129, 1, 64], [129, 1, 64])
     every_block = testing.random_block_indices(cu_q, cu_k, 2, 8, 64)
     _check(every_block, cu_q, cu_k, 194, 64, 4)
+
+
+def test_build_schedule_stays_a_few_host_launches():
+    """Eager mode pays a host launch per ATen call before every forward and backward: at T = 8K
+    on an H200 the 138 calls of the first version cost 2.4 ms, twice the attention kernels."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCalls(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountCalls.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    cu_q, cu_k = testing.cu_seqlens([300, 200], [300, 200])
+    block_indices = testing.random_block_indices(cu_q, cu_k, 4, 16, 64)
+    with CountCalls():
+        build_schedule(block_indices, cu_q, cu_k, 500, 64, 128)
+    assert CountCalls.calls <= 112

@@ -23,6 +23,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from .documents import locate_queries
 
@@ -75,11 +76,10 @@ def valid_entries(block_indices: torch.Tensor, position: torch.Tensor, block_siz
     A slot counts when its id is `>= 0`, its block is visible (`id * block_size <= p(t)`), and no
     earlier slot of the row holds the same id.
     """
-    ids = block_indices.to(torch.int64)
-    visible = (ids >= 0) & (ids * block_size <= position.view(1, -1, 1))
-    topk = ids.shape[-1]
-    earlier = torch.ones(topk, topk, dtype=torch.bool, device=ids.device).tril(-1)
-    repeat = ((ids[..., :, None] == ids[..., None, :]) & earlier).any(-1)
+    # `id <= p(t) // block_size` is the visibility test without multiplying (possibly huge) ids.
+    last_block = torch.div(position, block_size, rounding_mode="floor").view(1, -1, 1)
+    visible = (block_indices >= 0) & (block_indices <= last_block)
+    repeat = (block_indices.unsqueeze(-1) == block_indices.unsqueeze(-2)).tril(-1).any(-1)
     return visible & ~repeat
 
 
@@ -93,6 +93,11 @@ def build_schedule(
 ) -> Schedule:
     """Build the KV-outer schedule of `block_indices` on its device, without a host sync.
 
+    It runs before every forward and backward, and in eager mode each ATen call costs a host-side
+    launch (about 20 us on an H200 host, more than the kernels themselves below T = 64K), so it
+    is written with few calls: scans and `searchsorted` instead of scatters, int32 tables
+    computed directly. `tests/test_schedule.py` bounds the count.
+
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
         cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]`.
@@ -104,76 +109,67 @@ def build_schedule(
     num_kv_heads, num_queries, topk = block_indices.shape
     device = block_indices.device
     num_docs = max(0, cu_seqlens_q.numel() - 1)
+    num_entries = block_indices.numel()
     bucket_bound = max_buckets(num_kv_heads, num_keys, num_docs, block_size)
-    item_bound = max_items(block_indices.numel(), bucket_bound, entries_per_item)
+    item_bound = max_items(num_entries, bucket_bound, entries_per_item)
     docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
-
-    ids = block_indices.to(torch.int64)
     valid = valid_entries(block_indices, docs.position, block_size)
-    key_row = docs.key_start.view(1, -1, 1) + ids * block_size
-    head = torch.arange(num_kv_heads, device=device, dtype=torch.int64).view(-1, 1, 1)
-    # One integer per bucket; invalid entries get a key past every real one and sort last. The
-    # stable sort keeps each bucket's entries in query order.
-    past_all = num_kv_heads * max(1, num_keys)
-    bucket_key = torch.where(valid, head * max(1, num_keys) + key_row, past_all).view(-1)
-    sorted_key, order = torch.sort(bucket_key, stable=True)
-    per_head = num_queries * topk
-    entry_query = (order % max(1, per_head)).to(torch.int32)
 
-    sorted_valid = sorted_key < past_all
-    starts_bucket = sorted_valid.clone()
-    starts_bucket[1:] &= sorted_key[1:] != sorted_key[:-1]
-    entry_bucket = torch.cumsum(starts_bucket, 0) - 1
-    # Entries of buckets beyond the bound (impossible for well-formed documents) go to an
-    # overflow row that no item reads, so no table is ever written out of range.
-    entry_bucket = torch.where(sorted_valid, entry_bucket.clamp(max=bucket_bound), bucket_bound)
+    # One integer per bucket, `head * Tk + packed key row of the block`; invalid entries get a
+    # key past every real one and sort last. The stable sort keeps each bucket in query order.
+    key_stride = max(1, num_keys)
+    past_all = num_kv_heads * key_stride
+    heads = torch.arange(0, past_all, key_stride, device=device, dtype=torch.int64).view(-1, 1)
+    row_of_query = (docs.key_start + heads).unsqueeze(-1)
+    bucket_key = torch.add(row_of_query, block_indices, alpha=block_size).masked_fill_(~valid, past_all)
+    sorted_key, order = torch.sort(bucket_key.view(-1), stable=True)
+    entry_query = (order % max(1, num_queries * topk)).to(torch.int32)
 
-    counts = torch.zeros(bucket_bound + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, entry_bucket, torch.ones_like(entry_bucket))
-    counts = counts[:bucket_bound]
-    bucket_ptr = torch.zeros(bucket_bound + 1, dtype=torch.int64, device=device)
-    torch.cumsum(counts, 0, out=bucket_ptr[1:])
+    # 1-based bucket of each sorted entry. Invalid entries, and entries of buckets beyond the
+    # bound (impossible for well-formed documents), go to the overflow bucket `bound + 1`, which
+    # no item reads, so no table is ever written or read out of range.
+    # (`masked_fill_` rather than `where` with a scalar: no host-to-device copy of the scalar.)
+    starts_bucket = sorted_key != F.pad(sorted_key[:-1], (1, 0), value=-1)
+    overflow = bucket_bound + 1
+    entry_bucket = torch.cumsum(starts_bucket, 0).clamp_(max=overflow).masked_fill_(sorted_key >= past_all, overflow)
+    bucket_ptr = torch.searchsorted(
+        entry_bucket, torch.arange(1, bucket_bound + 2, device=device, dtype=torch.int64), out_int32=True
+    )
+    bucket_end = bucket_ptr[1:]
+    counts = bucket_end - bucket_ptr[:-1]
+    real_bucket = counts > 0
 
-    first_of_bucket = torch.where(starts_bucket & (entry_bucket < bucket_bound), entry_bucket, bucket_bound)
-    bucket_head = _scatter_rows(first_of_bucket, sorted_key // max(1, num_keys), bucket_bound)
-    bucket_key_row = _scatter_rows(first_of_bucket, sorted_key % max(1, num_keys), bucket_bound)
-    bucket_block = _scatter_rows(first_of_bucket, ids.view(-1)[order], bucket_bound)
+    # Each bucket's fields come from its first entry; a sentinel row keeps the gather in range
+    # for empty buckets (which point one past the last valid entry) and for empty inputs.
+    first_entry = bucket_ptr[:-1]
+    first_key = F.pad(sorted_key, (0, 1), value=0).index_select(0, first_entry) * real_bucket
+    first_order = F.pad(order, (0, 1), value=num_entries).index_select(0, first_entry)
+    flat_ids = F.pad(block_indices.reshape(-1), (0, 1), value=0)
+    bucket_block = flat_ids.index_select(0, first_order) * real_bucket
 
-    items_per_bucket = (counts + entries_per_item - 1) // entries_per_item
-    item_ptr = torch.cumsum(items_per_bucket, 0)  # inclusive
-    item = torch.arange(item_bound, device=device, dtype=torch.int64)
-    item_bucket = torch.searchsorted(item_ptr, item, right=True)
-    real = item_bucket < bucket_bound
-    item_bucket = item_bucket.clamp(max=bucket_bound - 1)
-    first_item = item_ptr[item_bucket] - items_per_bucket[item_bucket]
-    item_start = bucket_ptr[item_bucket] + (item - first_item) * entries_per_item
-    item_end = torch.minimum(item_start + entries_per_item, bucket_ptr[item_bucket + 1])
-    item_start = torch.where(real, item_start, 0)
-    item_end = torch.where(real, item_end, 0)
-
-    num_buckets = (counts > 0).sum().view(1)
-    num_items = item_ptr[-1:]
-    as_int32 = lambda x: x.to(torch.int32)  # noqa: E731
+    # Items: bucket b holds ceil(count / N) of them. Item i >= num_items lands in the last bucket
+    # at or past its end, so the `minimum`s leave it empty (start == end).
+    items_per_bucket = (counts + (entries_per_item - 1)) // entries_per_item
+    item_ptr = torch.cumsum(items_per_bucket, 0, dtype=torch.int32)
+    item = torch.arange(item_bound, device=device, dtype=torch.int32)
+    item_bucket = torch.searchsorted(item_ptr, item, right=True, out_int32=True).clamp_(max=bucket_bound - 1)
+    first_item_of_bucket = item_ptr - items_per_bucket
+    item_rank = item - first_item_of_bucket.index_select(0, item_bucket)
+    item_start = bucket_ptr.index_select(0, item_bucket) + item_rank * entries_per_item
+    end_of_bucket = bucket_end.index_select(0, item_bucket)
     return Schedule(
         entry_query=entry_query,
-        bucket_ptr=as_int32(bucket_ptr),
-        bucket_head=as_int32(bucket_head),
-        bucket_key_row=as_int32(bucket_key_row),
-        bucket_block=as_int32(bucket_block),
-        item_bucket=as_int32(item_bucket),
-        item_start=as_int32(item_start),
-        item_end=as_int32(item_end),
-        position=as_int32(docs.position),
-        num_buckets=as_int32(num_buckets),
-        num_items=as_int32(num_items),
+        bucket_ptr=bucket_ptr,
+        bucket_head=(first_key // key_stride).to(torch.int32),
+        bucket_key_row=(first_key % key_stride).to(torch.int32),
+        bucket_block=bucket_block,
+        item_bucket=item_bucket,
+        item_start=torch.minimum(item_start, end_of_bucket),
+        item_end=torch.minimum(item_start + entries_per_item, end_of_bucket),
+        position=docs.position.to(torch.int32),
+        num_buckets=real_bucket.sum(dtype=torch.int32).view(1),
+        num_items=item_ptr[-1:],
     )
-
-
-def _scatter_rows(rows: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
-    """`out[rows[i]] = values[i]` into `[size]`, with row `size` as a discard slot."""
-    out = torch.zeros(size + 1, dtype=values.dtype, device=values.device)
-    out.scatter_(0, rows, values)
-    return out[:size]
 
 
 def build_schedule_python(
