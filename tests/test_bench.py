@@ -328,11 +328,11 @@ def test_topk_share_is_what_a_one_slot_selection_saves():
     def timed(phase, ms):
         return Row("torch_msa", phase, OK, ms, 20)
 
-    within = _result_with({"T=65536": [timed("select", 4.0), timed("select topk=1", 3.7)]})
+    within = _result_with({"T=65536": [timed("select", 4.0), timed("select topk=2", 3.7)]})
     [share] = [o for o in targets.evaluate(within) if o.label == "top-k under 10% of selection"]
     assert share.verdict == targets.REACHED and share.values == pytest.approx({"T=65536": 0.075})
-    over = _result_with({"T=32768": [timed("select", 1.0), timed("select topk=1", 0.95)],
-                         "T=65536": [timed("select", 4.0), timed("select topk=1", 2.0)]})
+    over = _result_with({"T=32768": [timed("select", 1.0), timed("select topk=2", 0.95)],
+                         "T=65536": [timed("select", 4.0), timed("select topk=2", 2.0)]})
     [share] = [o for o in targets.evaluate(over) if o.label == "top-k under 10% of selection"]
     assert share.verdict == targets.NOT_REACHED
     assert "worst T=65536: 50% of the selection (5.0x the 10% budget)" in share.detail
@@ -349,7 +349,7 @@ def test_cli_on_cpu_prints_the_table_and_targets_and_writes_json(tmp_path, capsy
     stdout = captured.out
     assert "torch_msa benchmark" in stdout and "T=128: 1 document, 128 tokens" in stdout
     for impl, phase in (("math dense", "fwd"), ("math dense", "fwd+bwd"), ("FlexAttention", "fwd"),
-                        ("torch_msa", "select"), ("torch_msa", "select topk=1"), ("torch_msa", "fwd"),
+                        ("torch_msa", "select"), ("torch_msa", "select topk=2"), ("torch_msa", "fwd"),
                         ("torch_msa", "bwd"),
                         ("torch_msa", "select+fwd+bwd")):
         words = [*impl.split(), *phase.split()]
