@@ -94,9 +94,9 @@ def build_schedule(
     """Build the KV-outer schedule of `block_indices` on its device, without a host sync.
 
     It runs before every forward and backward, and in eager mode each ATen call costs a host-side
-    launch (about 20 us on an H200 host, more than the kernels themselves below T = 64K), so it
-    is written with few calls: scans and `searchsorted` instead of scatters, int32 tables
-    computed directly. `tests/test_schedule.py` bounds the count.
+    launch (about 20 us each on an H200 host; below T = 64K the launches take longer than the
+    kernels), so it is written with few calls: scans and `searchsorted` instead of scatters, int32
+    tables computed directly. `tests/test_schedule.py` bounds the count.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
