@@ -324,7 +324,7 @@ def test_targets_reached_missed_and_not_measured():
     assert text.count("\n  [") == len(outcomes)
 
 
-def test_topk_share_is_what_a_one_slot_selection_saves():
+def test_topk_share_is_what_a_top1_selection_saves():
     def timed(phase, ms):
         return Row("torch_msa", phase, OK, ms, 20)
 

@@ -119,8 +119,8 @@ def build_schedule(
     # key past every real one and sort last. The stable sort keeps each bucket in query order.
     key_stride = max(1, num_keys)
     past_all = num_kv_heads * key_stride
-    heads = torch.arange(0, past_all, key_stride, device=device, dtype=torch.int64).view(-1, 1)
-    row_of_query = (docs.key_start + heads).unsqueeze(-1)
+    head_offsets = torch.arange(0, past_all, key_stride, device=device, dtype=torch.int64).view(-1, 1)
+    row_of_query = (docs.key_start + head_offsets).unsqueeze(-1)
     bucket_key = torch.add(row_of_query, block_indices, alpha=block_size).masked_fill_(~valid, past_all)
     sorted_key, order = torch.sort(bucket_key.view(-1), stable=True)
     entry_query = (order % max(1, num_queries * topk)).to(torch.int32)
@@ -131,7 +131,8 @@ def build_schedule(
     # (`masked_fill_` rather than `where` with a scalar: no host-to-device copy of the scalar.)
     starts_bucket = sorted_key != F.pad(sorted_key[:-1], (1, 0), value=-1)
     overflow = bucket_bound + 1
-    entry_bucket = torch.cumsum(starts_bucket, 0).clamp_(max=overflow).masked_fill_(sorted_key >= past_all, overflow)
+    entry_bucket = torch.cumsum(starts_bucket, 0).clamp_(max=overflow)
+    entry_bucket.masked_fill_(sorted_key >= past_all, overflow)
     bucket_ptr = torch.searchsorted(
         entry_bucket, torch.arange(1, bucket_bound + 2, device=device, dtype=torch.int64), out_int32=True
     )
@@ -147,7 +148,7 @@ def build_schedule(
     flat_ids = F.pad(block_indices.reshape(-1), (0, 1), value=0)
     bucket_block = flat_ids.index_select(0, first_order) * real_bucket
 
-    # Items: bucket b holds ceil(count / N) of them. Item i >= num_items lands in the last bucket
+    # Items: bucket b holds ceil(count / entries_per_item) of them. Item i >= num_items lands in the last bucket
     # at or past its end, so the `minimum`s leave it empty (start == end).
     items_per_bucket = (counts + (entries_per_item - 1)) // entries_per_item
     item_ptr = torch.cumsum(items_per_bucket, 0, dtype=torch.int32)
