@@ -7,7 +7,7 @@ What runs where:
 - CPU with nvidia-cutlass-dsl: every CuTe kernel compiles for sm_90a and sm_100a without a GPU
   (a kernel that fails to lower fails here), and the launch arguments have exactly the types
   the kernels were compiled for.
-- CPU with triton: the table-consuming Triton backward (`tests/hopper_task_consumer.py`) under
+- CPU with triton: the table-consuming Triton backward (`tests/triton_task_consumer.py`) under
   the Triton interpreter, fed by the plain-torch tables, against the reference gradients.
 - CUDA (an H200 for the neutral kernels): the CuTe kernels against the torch equivalents (the
   tables exactly), and the consumer fed by the CuTe pipeline against the reference at M3 shapes.
@@ -370,7 +370,7 @@ def check_consumer_against_reference(pipeline, layout, heads, dim, block_size, t
     the fp32 results must agree with the fp32 reference to accumulation-order noise; the
     `dtype` results must be exactly their rounding.
     """
-    from tests.hopper_task_consumer import consume_tasks
+    from tests.triton_task_consumer import consume_tasks
 
     num_heads, num_kv_heads = heads
     block_indices, cu_q, cu_k, num_keys = _selection(layout, num_kv_heads, topk, block_size, device)

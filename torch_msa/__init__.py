@@ -5,13 +5,13 @@ it imports neither triton nor cutlass (optional backends bind on first use).
 """
 
 from . import ops  # noqa: F401  (registers torch.ops.msa.*)
-from . import hopper, sm100
+from . import sm100, triton
 from .api import msa_attention, select_blocks, sparse_attention, validate_inputs
 from .backends import BACKEND_ENV, Backend, BackendError, UnavailableError, UnsupportedInputs, register_backend, resolve
 from .validation import DEBUG_ENV
 
 # Optional backends: registering imports neither triton nor cutlass; they bind on first use.
-hopper.register()
+triton.register()
 sm100.register()
 
 __version__ = "0.1.0"

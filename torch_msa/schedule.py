@@ -1,4 +1,4 @@
-"""The key-to-query schedule shared by the KV-outer kernels (Hopper Triton, SM100 CuTe).
+"""The key-to-query schedule shared by the KV-outer kernels (Triton, SM100 CuTe).
 
 MSA kernels run KV-outer: a program owns one KV head's key block and walks the queries that
 chose it, so K/V of the block are loaded once and dK/dV stay on chip. This module turns the

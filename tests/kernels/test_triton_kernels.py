@@ -4,7 +4,7 @@ On a CUDA host these run the compiled kernels; on CPU they run under the Triton 
 (`TRITON_INTERPRET=1`, set by `tests/test_triton_interpret.py` for a subprocess, because the
 interpreter must be chosen before triton is imported). The interpreter does not compute bf16
 `tl.dot` correctly (triton 3.8), so the small cases use fp32 and fp16; bf16 is covered at M3
-shapes by `tests/test_hopper_cuda.py`.
+shapes by `tests/test_triton_cuda.py`.
 """
 
 import os
@@ -14,7 +14,7 @@ import torch
 
 from tests import dense
 from torch_msa import reference, testing
-from torch_msa.hopper import backward_sm90, forward_sm90, select_sm90
+from torch_msa.triton import backward_kernel, forward_kernel, select_kernel
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETING else "cuda"
@@ -62,7 +62,7 @@ def test_forward_and_backward_match_reference(case):
     v = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
     out_ref, lse_ref = reference.forward(q, k, v, *args)
-    out, lse = forward_sm90.forward(q, k, v, *args)
+    out, lse = forward_kernel.forward(q, k, v, *args)
     tolerance = TOLERANCE[dtype]
     _close(out, out_ref, tolerance, "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
@@ -71,7 +71,7 @@ def test_forward_and_backward_match_reference(case):
     grad_out = torch.randn_like(q)
     grad_lse = torch.randn(num_queries, num_heads, device=DEVICE)
     expected = reference.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse)
-    actual = backward_sm90.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse)
+    actual = backward_kernel.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse)
     for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
         assert got.dtype == want.dtype and got.shape == want.shape
         _close(got, want, 4 * tolerance, name)
@@ -86,7 +86,7 @@ def test_backward_without_grad_lse_matches_reference():
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, 0.3)
     out, lse = reference.forward(q, k, v, *args)
     grad_out = torch.randn_like(q)
-    for got, want in zip(backward_sm90.backward(grad_out, q, k, v, out, lse, *args),
+    for got, want in zip(backward_kernel.backward(grad_out, q, k, v, out, lse, *args),
                          reference.backward(grad_out, q, k, v, out, lse, *args)):
         _close(got, want, 1e-4, "gradient")
 
@@ -106,7 +106,7 @@ def test_selection_matches_reference(case, dtype):
     index_q = torch.randn(num_queries, num_heads, index_dim, device=DEVICE, dtype=dtype)
     index_k = torch.randn(num_keys, 1, index_dim, device=DEVICE, dtype=dtype)
     args = (index_q, index_k, cu_q, cu_k, max_q, max_k, topk, block_size)
-    chosen = select_sm90.select_blocks(*args)
+    chosen = select_kernel.select_blocks(*args)
     dense.check_selection(chosen.cpu(), index_q.cpu(), index_k.cpu(), cu_q.cpu(), cu_k.cpu(), topk, block_size)
     assert torch.equal(chosen, reference.select_blocks(*args))
 
@@ -117,4 +117,4 @@ def test_selection_ties_prefer_the_lower_block():
     index_q = torch.randint(-1, 2, (num_queries, 2, 16), device=DEVICE).float()
     index_k = torch.randint(-1, 2, (num_keys, 1, 16), device=DEVICE).float()
     args = (index_q, index_k, cu_q, cu_k, max_q, max_k, 3, 64)
-    assert torch.equal(select_sm90.select_blocks(*args), reference.select_blocks(*args))
+    assert torch.equal(select_kernel.select_blocks(*args), reference.select_blocks(*args))

@@ -66,7 +66,7 @@ def msa_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
                           skip or "the same scoring keeping one scored block, to measure the share of the top-k")
 
         try:
-            from torch_msa.hopper.forward_sm90 import schedule_for, tile_shape
+            from torch_msa.triton.forward_kernel import schedule_for, tile_shape
         except ImportError as error:
             yield Measurement("schedule", None, None, f"the Triton backend is not importable ({error})")
         else:

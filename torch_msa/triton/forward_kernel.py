@@ -1,4 +1,4 @@
-"""`msa::forward` on Hopper: KV-outer sparse attention with a combine pass.
+"""`msa::forward` in Triton: KV-outer sparse attention with a combine pass.
 
 Pass 1 (`_blocks_kernel`): one program per schedule item, i.e. one KV head's key block and a run
 of the queries that chose it. K and V of the block are loaded once; the queries are taken

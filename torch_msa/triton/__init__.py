@@ -1,7 +1,7 @@
-"""The Triton backend, tuned for Hopper (H100/H200/H800, SM90): all three MSA ops on CUDA.
+"""The Triton backend: all three MSA ops on CUDA capability 8.0 and newer, tuned on Hopper (SM90).
 
-Kernels, one module per op: `select_sm90.py` (index scoring + top-k), `forward_sm90.py`
-(KV-outer attention + combine), `backward_sm90.py` (KV-outer dQ/dK/dV). They share the key-to-query
+Kernels, one module per op: `select_kernel.py` (index scoring + top-k), `forward_kernel.py`
+(KV-outer attention + combine), `backward_kernel.py` (KV-outer dQ/dK/dV). They share the key-to-query
 schedule of `torch_msa/schedule.py`.
 
 Importing this package imports no triton: the kernel modules load on the first call, and the
@@ -43,14 +43,14 @@ def _kernels(module: str):
 
 def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size):
     check_served("index_q", index_q.dtype)
-    return _kernels("select_sm90").select_blocks(
+    return _kernels("select_kernel").select_blocks(
         index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size
     )
 
 
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
     check_served("q", q.dtype, q.shape[1] // k.shape[1])
-    return _kernels("forward_sm90").forward(
+    return _kernels("forward_kernel").forward(
         q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale
     )
 
@@ -58,7 +58,7 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
              max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
     check_served("q", q.dtype, q.shape[1] // k.shape[1])
-    return _kernels("backward_sm90").backward(
+    return _kernels("backward_kernel").backward(
         grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse,
     )

@@ -1,4 +1,4 @@
-"""The Triton (Hopper) backend at M3 shapes against the reference. Skipped without CUDA; run on
+"""The Triton backend at M3 shapes against the reference. Skipped without CUDA; run on
 the H200 before resolving kernel work.
 
 Tolerances: bf16 inputs, fp32 accumulation on both sides; outputs and gradients are compared by

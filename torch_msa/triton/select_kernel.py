@@ -1,4 +1,4 @@
-"""`msa::select_blocks` on Hopper: causal index scoring fused with an exp-free top-k.
+"""`msa::select_blocks` in Triton: causal index scoring fused with an exp-free top-k.
 
 One program owns a tile of consecutive query tokens of one document and all their index heads
 (rows = tokens x heads, 128 rows for M3), so each index-key block is loaded once for every head.

@@ -1,4 +1,4 @@
-"""`msa::backward` on Hopper: KV-outer, dK/dV on chip, dQ through fp32 atomics.
+"""`msa::backward` in Triton: KV-outer, dK/dV on chip, dQ through fp32 atomics.
 
 `_delta_kernel` computes `delta = rowsum(dO * O) - grad_lse` per (query, head) in fp32.
 
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..backends import UnsupportedInputs
 from .common import dot_precision
-from .forward_sm90 import LOG2_E, schedule_for, tile_shape
+from .forward_kernel import LOG2_E, schedule_for, tile_shape
 
 _ROWS = 128
 _BLOCK_N = 64

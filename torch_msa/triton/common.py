@@ -1,4 +1,4 @@
-"""What the Hopper kernels share: which inputs they serve and how their GEMMs round."""
+"""What the Triton kernels share: which inputs they serve and how their GEMMs round."""
 
 import torch
 
