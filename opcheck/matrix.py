@@ -95,7 +95,34 @@ def samples(device: str = "cpu") -> list[Sample]:
                 index_k = torch.randn(k.shape[0], 1, 32, dtype=dtype, device=device).requires_grad_(requires_grad)
                 result.append(Sample(f"select_blocks-{tag}", "select_blocks",
                                      (index_q, index_k, *docs, topk, block_size)))
+                if (num_heads, dtype) in KL_CONFIGS:
+                    result.extend(_indexer_kl_samples(tag, q, k, lse, index_q, index_k, block_indices, docs,
+                                                      block_size, scale, requires_grad))
     return result
+
+
+# The loss's samples use the GQA fp32 and the bf16 configurations (its code paths do not depend
+# on the others' head counts or block sizes beyond these); the dense support only the first.
+KL_CONFIGS = ((8, torch.float32), (4, torch.bfloat16))
+KL_DENSE_CONFIG = KL_CONFIGS[0]
+
+
+def _indexer_kl_samples(tag, q, k, lse, index_q, index_k, block_indices, docs, block_size, scale, requires_grad):
+    """Sparse support with the attention's lse, dense support with its own normaliser, and the backward."""
+    index_scale = index_q.shape[-1] ** -0.5
+    sparse = (q, k, lse, index_q, index_k, block_indices, *docs, block_size, scale, index_scale)
+    dense = (q, k, None, index_q, index_k, None, *docs, block_size, scale, index_scale)
+    samples = [Sample(f"indexer_kl-sparse-{tag}", "indexer_kl", sparse)]
+    if (q.shape[1], q.dtype) == KL_DENSE_CONFIG:
+        samples.append(Sample(f"indexer_kl-dense-{tag}", "indexer_kl", dense))
+    with torch.no_grad():
+        _, teacher_lse, index_lse, mass = torch.ops.msa.indexer_kl(*sparse)
+    grad_loss = torch.ones((), dtype=index_lse.dtype, device=q.device).requires_grad_(requires_grad)
+    samples.append(Sample(f"indexer_kl_backward-{tag}", "indexer_kl_backward",
+                          (grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, mass, block_indices, *docs,
+                           block_size, scale, index_scale),
+                          NO_DOUBLE_BACKWARD_CHECKS if requires_grad else CHECKS))
+    return samples
 
 
 def run(sample: Sample) -> None:

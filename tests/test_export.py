@@ -19,6 +19,16 @@ class Attention(torch.nn.Module):
         return torch_msa.msa_attention(q, k, v, index_q, index_k, topk=TOPK, block_size=BLOCK_SIZE)
 
 
+class AttentionWithIndexLoss(torch.nn.Module):
+    """The training-time graph: attention, then the index branch's KL loss on its selection."""
+
+    def forward(self, q, k, v, index_q, index_k):
+        out, lse, block_indices = torch_msa.msa_attention(q, k, v, index_q, index_k, topk=TOPK, block_size=BLOCK_SIZE,
+                                                          return_lse=True, return_block_indices=True)
+        loss = torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k, block_indices, block_size=BLOCK_SIZE)
+        return out, loss
+
+
 def _inputs(tokens: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     shapes = [(tokens, 4, 64), (tokens, 2, 64), (tokens, 2, 64), (tokens, 2, 32), (tokens, 1, 32)]
@@ -116,3 +126,17 @@ return [v5]""")
                 x = _inputs(tokens, seed=tokens)
                 torch.testing.assert_close(runner(*x), Attention()(*x))
         print(f"AOTInductor compile and package: {compiled:.1f} s")
+
+    def test_index_loss_exports_and_roundtrips(self):
+        tokens = torch.export.Dim("tokens", min=130, max=1000)
+        exported = torch.export.export(AttentionWithIndexLoss(), _inputs(300),
+                                       dynamic_shapes=tuple({0: tokens} for _ in range(5)))
+        targets = {node.target for node in exported.graph.nodes if node.op == "call_function"}
+        self.assertIn(torch.ops.msa.indexer_kl.default, targets)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "msa_kl.pt2"
+            torch.export.save(exported, path)
+            loaded = torch.export.load(path).module()
+        x = _inputs(400, seed=4)
+        for got, want in zip(loaded(*x), AttentionWithIndexLoss()(*x)):
+            torch.testing.assert_close(got, want)

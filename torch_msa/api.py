@@ -14,6 +14,8 @@ Every function traces under `torch.compile(fullgraph=True)` and `torch.export` w
 break or a host sync.
 """
 
+import warnings
+
 import torch
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.msa.*)
@@ -117,6 +119,24 @@ def sparse_attention(
     return (out, lse) if return_lse else out
 
 
+_warned_untrained_index = False
+
+
+def _warn_index_inputs_get_no_gradient(index_q, index_k) -> None:
+    global _warned_untrained_index
+    if _warned_untrained_index or torch.compiler.is_compiling():
+        return
+    if index_q.requires_grad or index_k.requires_grad:
+        _warned_untrained_index = True
+        warnings.warn(
+            "torch_msa.msa_attention: index_q / index_k require grad, but the block selection is not "
+            "differentiable and they get no gradient from the attention. Train the index branch with "
+            "torch_msa.indexer_kl_loss (pass return_lse=True, return_block_indices=True to get its inputs), "
+            "or torch_msa.indexer_kl_loss_dense for the dense warm-up; see the README, 'Training the index branch'.",
+            stacklevel=3,
+        )
+
+
 def msa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,19 +151,111 @@ def msa_attention(
     topk: int = DEFAULT_TOPK,
     block_size: int = DEFAULT_BLOCK_SIZE,
     softmax_scale: float | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+    return_block_indices: bool = False,
+):
     """MiniMax Sparse Attention: `select_blocks` (no gradient) then `sparse_attention`.
 
-    Shapes as in `select_blocks` and `sparse_attention`, with `Hi == Hkv`. Returns `out [Tq, Hq, D]`.
+    Shapes as in `select_blocks` and `sparse_attention`, with `Hi == Hkv`. Returns `out [Tq, Hq, D]`;
+    with `return_lse` and/or `return_block_indices`, a tuple `(out, lse?, block_indices?)` in that
+    order: `lse [Tq, Hq]` as in `sparse_attention` and the int32 `block_indices [Hkv, Tq, topk]`
+    used, the inputs of `indexer_kl_loss` without recomputing the selection.
+
+    `index_q` and `index_k` receive no gradient here (a one-time warning says so when they
+    require grad): the index branch is trained with `indexer_kl_loss`.
     """
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
     _rows("index_q", index_q, "[Tq, Hi, Di]")
     _rows("index_k", index_k, "[Tk, 1, Di]")
     if index_q.dim() == 3 and k.dim() == 3 and index_q.shape[1] != k.shape[1]:
         raise ValueError(f"index_q: expected Hi = {k.shape[1]} index heads (one per KV head of k), got {index_q.shape[1]}")
+    _warn_index_inputs_get_no_gradient(index_q, index_k)
     block_indices = torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size)
-    out, _ = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale))
-    return out
+    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale))
+    if not (return_lse or return_block_indices):
+        return out
+    return (out,) + ((lse,) if return_lse else ()) + ((block_indices,) if return_block_indices else ())
+
+
+def _index_scale(index_q, index_softmax_scale):
+    return index_q.shape[-1] ** -0.5 if index_softmax_scale is None else index_softmax_scale
+
+
+def indexer_kl_loss(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    block_indices: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    softmax_scale: float | None = None,
+    index_softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """The index branch's KL distillation loss over the selected support.
+
+    For query `t` and index head `r`, on `J(t, r)` (the visible keys of `block_indices[r, t]`, read
+    as a set like the attention does): teacher `P_t = mean over the G query heads of KV head r of
+    exp(softmax_scale <q, k> - lse)`, the main attention's probabilities; student
+    `P_s = softmax over J of index_softmax_scale <index_q[t, r], index_k[j]>`.
+
+    Args:
+        q: `[Tq, Hq, D]`, k: `[Tk, Hkv, D]`: the main branch's queries and keys (bf16/fp16/fp32/fp64).
+        lse: `[Tq, Hq]` from `sparse_attention(..., return_lse=True)` or
+            `msa_attention(..., return_lse=True)` (fp32; fp64 for fp64 q).
+        index_q: `[Tq, Hi, Di]` with `Hi == Hkv`; index_k: `[Tk, 1, Di]` (same dtype as each other).
+        block_indices: int32 `[Hkv, Tq, topk]`, the selection the attention used.
+        softmax_scale: the attention's, defaults to `D ** -0.5`; index_softmax_scale: defaults
+            to `Di ** -0.5`.
+
+    Returns:
+        A 0-D tensor, fp32 (fp64 for fp64 index inputs): the mean over `(t, r)` of
+        `KL(P_t || P_s)`, 0 when `Tq == 0`. Gradients flow to `index_q` and `index_k` only: the
+        teacher (`q`, `k`, `lse`) is a constant of this loss.
+    """
+    docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
+    if not isinstance(block_indices, torch.Tensor):
+        raise TypeError(f"block_indices: expected a torch.Tensor [Hkv, Tq, topk], got {type(block_indices).__name__}")
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse: expected a torch.Tensor [Tq, Hq], got {type(lse).__name__}")
+    loss, _, _, _ = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, block_indices, *docs, block_size,
+                                             _scale(q, softmax_scale), _index_scale(index_q, index_softmax_scale))
+    return loss
+
+
+def indexer_kl_loss_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    lse: torch.Tensor | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    softmax_scale: float | None = None,
+    index_softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """The same loss over the full causal support, for the dense warm-up stage.
+
+    `J(t, r)` is every key `j <= p(t)` of `t`'s document, and the teacher is the dense causal
+    attention's probabilities. `lse` (`[Tq, Hq]`, natural log) is that attention's
+    log-sum-exp when the caller has it; omitted, it is computed here (public SDPA does not return
+    it). Memory stays bounded: queries in chunks, keys in spans, never a `T x T` buffer.
+    `block_size` only sizes the key spans. Returns a 0-D tensor as `indexer_kl_loss` does;
+    gradients flow to `index_q` and `index_k` only.
+    """
+    docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
+    loss, _, _, _ = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, None, *docs, block_size,
+                                             _scale(q, softmax_scale), _index_scale(index_q, index_softmax_scale))
+    return loss
 
 
 def validate_inputs(

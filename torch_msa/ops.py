@@ -16,6 +16,7 @@ import torch
 from . import backends, validation
 from ._schemas import NAMESPACE, SCHEMAS
 from .contract import compute_dtype
+from .reference_kl import loss_dtype
 
 _DISPATCH_KEY = "CompositeExplicitAutograd"
 _library = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -74,6 +75,27 @@ def _backward_kernel(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, c
     return backends.call("backward", q.device, *args)
 
 
+def _indexer_kl_kernel(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
+                       max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale):
+    args = (q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
+            max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale)
+    validation.check_indexer_kl(*args)
+    if validation.debug_enabled():
+        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size)
+    return backends.call("indexer_kl", q.device, *args)
+
+
+def _indexer_kl_backward_kernel(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
+                                cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                                index_softmax_scale):
+    args = (grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale)
+    validation.check_indexer_kl_backward(*args)
+    if validation.debug_enabled():
+        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size)
+    return backends.call("indexer_kl_backward", q.device, *args)
+
+
 # Fake kernels: contiguous outputs, exactly as every backend returns them.
 def _select_blocks_fake(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size):
     validation.check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size)
@@ -90,6 +112,25 @@ def _backward_fake(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_
     validation.check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
                               max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _indexer_kl_fake(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale):
+    validation.check_indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale)
+    dtype = loss_dtype(index_q.dtype)
+    per_index_head = index_q.shape[:2]
+    return (q.new_empty((), dtype=dtype), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype)),
+            q.new_empty(per_index_head, dtype=dtype), q.new_empty(per_index_head, dtype=dtype))
+
+
+def _indexer_kl_backward_fake(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
+                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                              index_softmax_scale):
+    validation.check_indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass,
+                                         block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         block_size, softmax_scale, index_softmax_scale)
+    return index_q.new_empty(index_q.shape), index_k.new_empty(index_k.shape)
 
 
 def _forward_setup_context(ctx, inputs, output):
@@ -115,9 +156,35 @@ def _forward_backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
+def _indexer_kl_setup_context(ctx, inputs, output):
+    (q, k, _, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
+     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale) = inputs
+    _, teacher_lse, index_lse, teacher_mass = output
+    ctx.save_for_backward(q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
+                          cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+    ctx.block_size, ctx.softmax_scale, ctx.index_softmax_scale = block_size, softmax_scale, index_softmax_scale
+    ctx.set_materialize_grads(False)
+
+
+def _indexer_kl_backward(ctx, grad_loss, *unused_grads):
+    """Gradients reach index_q and index_k only: the teacher (q, k, lse) is a constant of the loss,
+    and the auxiliary outputs are not differentiable."""
+    if grad_loss is None:
+        return (None,) * 13
+    q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    d_index_q, d_index_k = torch.ops.msa.indexer_kl_backward(
+        grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
+        cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.softmax_scale,
+        ctx.index_softmax_scale,
+    )
+    return None, None, None, d_index_q, d_index_k, None, None, None, None, None, None, None, None
+
+
 def _no_double_backward(ctx, *grads):
     raise NotImplementedError(
-        "msa::backward is not differentiable: double backward through MSA attention is not supported"
+        "msa::backward and msa::indexer_kl_backward are not differentiable: double backward through "
+        "them is not supported"
     )
 
 
@@ -126,8 +193,10 @@ def _backward_setup_context(ctx, inputs, output):
 
 
 def _register() -> None:
-    kernels = {"select_blocks": _select_blocks_kernel, "forward": _forward_kernel, "backward": _backward_kernel}
-    fakes = {"select_blocks": _select_blocks_fake, "forward": _forward_fake, "backward": _backward_fake}
+    kernels = {"select_blocks": _select_blocks_kernel, "forward": _forward_kernel, "backward": _backward_kernel,
+               "indexer_kl": _indexer_kl_kernel, "indexer_kl_backward": _indexer_kl_backward_kernel}
+    fakes = {"select_blocks": _select_blocks_fake, "forward": _forward_fake, "backward": _backward_fake,
+             "indexer_kl": _indexer_kl_fake, "indexer_kl_backward": _indexer_kl_backward_fake}
     for name in SCHEMAS:
         # With the C++ stub loaded, this replaces its "import torch_msa" kernel on the same key.
         _library.impl(name, kernels[name], _DISPATCH_KEY)
@@ -137,8 +206,12 @@ def _register() -> None:
         f"{NAMESPACE}::forward", _forward_backward, setup_context=_forward_setup_context, lib=_library
     )
     torch.library.register_autograd(
-        f"{NAMESPACE}::backward", _no_double_backward, setup_context=_backward_setup_context, lib=_library
+        f"{NAMESPACE}::indexer_kl", _indexer_kl_backward, setup_context=_indexer_kl_setup_context, lib=_library
     )
+    for name in ("backward", "indexer_kl_backward"):
+        torch.library.register_autograd(
+            f"{NAMESPACE}::{name}", _no_double_backward, setup_context=_backward_setup_context, lib=_library
+        )
 
 
 _register()

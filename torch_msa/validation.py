@@ -254,3 +254,56 @@ def _check_block_ids(block_indices, cu_seqlens_q, cu_seqlens_k, num_queries, num
             f"block_indices[{r}, {t}]: expected the local block {int(visible_blocks[0, t, 0]) - 1} as the last valid id, "
             f"got {ids[r, t].tolist()}"
         )
+
+
+def _finite_float(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (float, int)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite float, got {value}")
+
+
+def _lse_like(name: str, x, q) -> None:
+    _tensor(name, x, 2, "[Tq, Hq]")
+    if list(x.shape) != list(q.shape[:2]):
+        raise ValueError(f"{name}: expected shape {list(q.shape[:2])} ([Tq, Hq] of q), got {_shape(x)}")
+    lse_dtype = compute_dtype(q.dtype)
+    _dtype(name, x, (lse_dtype,), str(lse_dtype))
+    _same_device(name, x, "q", q)
+
+
+def check_indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale) -> None:
+    """Metadata checks of `msa::indexer_kl` (no host sync); `lse` / `block_indices` may be None."""
+    # k stands in for v: the loss reads no values.
+    check_forward(q, k, k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
+    if lse is not None:
+        _lse_like("lse", lse, q)
+    check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, block_size)
+    if list(index_q.shape[:2]) != [q.shape[0], k.shape[1]]:
+        raise ValueError(
+            f"index_q: expected [Tq, Hi] = [{q.shape[0]}, {k.shape[1]}] (one index head per KV head), "
+            f"got {list(index_q.shape[:2])}"
+        )
+    if index_k.shape[0] != k.shape[0]:
+        raise ValueError(f"index_k: expected Tk = {k.shape[0]} rows (the rows of k), got {index_k.shape[0]}")
+    _same_device("index_q", index_q, "q", q)
+    _finite_float("index_softmax_scale", index_softmax_scale)
+
+
+def check_indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
+                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                              index_softmax_scale) -> None:
+    """Metadata checks of `msa::indexer_kl_backward` (no host sync)."""
+    check_indexer_kl(q, k, teacher_lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale)
+    loss_dtype = compute_dtype(index_q.dtype)
+    _tensor("grad_loss", grad_loss, 0, "[] (a scalar)")
+    _dtype("grad_loss", grad_loss, (loss_dtype,), str(loss_dtype))
+    _same_device("grad_loss", grad_loss, "q", q)
+    for name, x in (("index_lse", index_lse), ("teacher_mass", teacher_mass)):
+        _tensor(name, x, 2, "[Tq, Hi]")
+        if list(x.shape) != list(index_q.shape[:2]):
+            raise ValueError(f"{name}: expected shape {list(index_q.shape[:2])} ([Tq, Hi] of index_q), got {_shape(x)}")
+        _dtype(name, x, (loss_dtype,), str(loss_dtype))
+        _same_device(name, x, "q", q)

@@ -97,7 +97,7 @@ def msa_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
             )
             del out, lse
 
-        skip = too_slow(*backends.OPS)
+        skip = too_slow("select_blocks", "forward", "backward")
         leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
         skewed = inputs.selection == "skewed"
 

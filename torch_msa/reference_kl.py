@@ -1,0 +1,247 @@
+"""Pure-PyTorch reference of the index branch's KL distillation loss (`msa::indexer_kl` and
+`msa::indexer_kl_backward`).
+
+For query `t` and index head `r` (index head `r` serves KV head `r` and its `G` query heads
+`h = G * r + g`), over the support `J(t, r)`:
+
+* sparse (`block_indices` given): the keys of the selected blocks visible to `t`, read as a set
+  exactly as the attention reads them (`-1`, repeated and invisible ids add nothing);
+* dense (`block_indices=None`): every key `j <= p(t)` of `t`'s document.
+
+Teacher `P_t[j] = mean_g exp(softmax_scale <q[t, h], k[j, r]> - lse[t, h])`, a constant; `lse`
+omitted, it is the log-sum-exp of those scores over the support (what the attention over the
+same support returns). Student `P_s[j] = exp(u[j] - lse_s)` with
+`u[j] = index_softmax_scale <index_q[t, r], index_k[j, 0]>` and `lse_s = logsumexp_J u`.
+
+`loss = sum_(t, r) KL(P_t || P_s) / (Tq * Hi)` (`0` when `Tq == 0`). With `A = sum_J P_t (log P_t - u)`
+and the teacher's mass `M = sum_J P_t` (1 when `lse` is the attention's over `J`):
+`KL = A + M * lse_s` and `dKL / du[j] = M * P_s[j] - P_t[j]`, the exact gradient. Both
+accumulate over spans of the support, so memory stays bounded: queries are processed in chunks,
+the dense support in spans of keys, and nothing of size `T x T` is built. Invalid slots are
+removed with `where`, so a NaN in one document never reaches another.
+"""
+
+import math
+
+import torch
+
+from .contract import compute_dtype
+from .documents import QueryDocuments, locate_queries
+from .reference import _chunk_rows, _chunks, _finite_or_zero, _heads_first, _KeyGather, _tokens_first
+
+
+def loss_dtype(index_dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the loss, the student's lse and the teacher's mass: fp64 for fp64 index inputs, else fp32."""
+    return compute_dtype(index_dtype)
+
+
+class _Span:
+    """A span of the support of one query chunk: `token_rows` (packed key rows, `[H', C, N]`,
+    `H'` 1 when every head shares it) and `valid` (same shape, bool)."""
+
+    def __init__(self, token_rows: torch.Tensor, valid: torch.Tensor):
+        self.token_rows = token_rows
+        self.valid = valid
+
+
+def _sparse_span(block_indices, docs: QueryDocuments, start, end, num_kv_heads, block_size) -> _Span:
+    gather = _KeyGather(block_indices, docs, start, end, num_kv_heads, block_size)
+    token_rows = (gather.rows // num_kv_heads).view(gather.shape)
+    return _Span(token_rows, gather.valid.view(gather.shape))
+
+
+def _dense_spans(docs: QueryDocuments, start, end, max_seqlen_k, span_keys, device):
+    position = docs.position[start:end, None]
+    for first in range(0, max_seqlen_k, span_keys):
+        offsets = torch.arange(first, min(max_seqlen_k, first + span_keys), device=device)
+        valid = offsets <= position
+        token_rows = torch.where(valid, docs.key_start[start:end, None] + offsets, 0)
+        yield _Span(token_rows[None], valid[None])
+
+
+class _Problem:
+    """The inputs of one loss evaluation and the per-chunk pieces both passes share."""
+
+    def __init__(self, q, k, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+                 block_size, softmax_scale, index_softmax_scale):
+        self.q, self.k, self.index_q, self.index_k = q, k, index_q, index_k
+        self.block_indices, self.block_size, self.max_seqlen_k = block_indices, block_size, max_seqlen_k
+        self.softmax_scale, self.index_softmax_scale = softmax_scale, index_softmax_scale
+        self.num_queries, self.num_heads, self.dim = q.shape
+        self.num_keys, self.num_kv_heads, _ = k.shape
+        self.index_dim = index_q.shape[-1]
+        self.dtype = torch.promote_types(compute_dtype(q.dtype), loss_dtype(index_q.dtype))
+        self.device = q.device
+        self.docs = locate_queries(cu_seqlens_q, cu_seqlens_k, self.num_queries, self.num_keys)
+        self.k_flat = k.reshape(-1, self.dim)
+        self.index_keys = index_k.reshape(self.num_keys, self.index_dim)
+        # Bytes one (query, support key) pair holds: gathered keys (native + compute copies),
+        # teacher scores and probabilities, index keys, student terms and a gradient row.
+        per_key = (self.num_kv_heads * (self.dim + 2 * self.index_dim) * (q.element_size() + 8)
+                   + self.num_heads * 24)
+        if block_indices is None:
+            keys_bound = max(1, max_seqlen_k)
+            self.span_keys = min(keys_bound, max(block_size, _chunk_rows(keys_bound, per_key, self.device)))
+        else:
+            self.span_keys = block_indices.shape[-1] * block_size
+        self.row_bytes = self.span_keys * per_key
+
+    def chunks(self):
+        return _chunks(self.num_queries, self.row_bytes, self.device)
+
+    def spans(self, start, end):
+        if self.block_indices is None:
+            yield from _dense_spans(self.docs, start, end, self.max_seqlen_k, self.span_keys, self.device)
+        else:
+            yield _sparse_span(self.block_indices, self.docs, start, end, self.num_kv_heads, self.block_size)
+
+    def teacher_scores(self, start, end, span: _Span) -> torch.Tensor:
+        """`softmax_scale q k^T` over the span, `[Hkv, C, G, N]`, `-inf` outside the support."""
+        heads = torch.arange(self.num_kv_heads, device=self.device).view(-1, 1, 1)
+        rows = torch.where(span.valid, span.token_rows * self.num_kv_heads + heads, 0)
+        keys = self.k_flat.index_select(0, rows.reshape(-1)).view(*rows.shape, self.dim).to(self.dtype)
+        query = _heads_first(self.q[start:end], self.num_kv_heads, self.dtype) * self.softmax_scale
+        scores = torch.matmul(query, keys.transpose(-1, -2))
+        return scores.masked_fill(~span.valid[:, :, None, :], -math.inf)
+
+    def index_keys_of(self, span: _Span) -> torch.Tensor:
+        """`[H', C, N, Di]` index keys of the span (row 0 at invalid slots)."""
+        keys = self.index_keys.index_select(0, span.token_rows.reshape(-1))
+        return keys.view(*span.token_rows.shape, self.index_dim).to(self.dtype)
+
+    def index_queries(self, start, end) -> torch.Tensor:
+        """`[Hi, C, 1, Di]` index queries of the chunk."""
+        return self.index_q[start:end].to(self.dtype).transpose(0, 1).unsqueeze(-2)
+
+    def student_logits(self, index_queries, index_keys, span: _Span) -> torch.Tensor:
+        """`u`, `[Hi, C, N]`, `-inf` outside the support."""
+        logits = torch.matmul(index_queries, index_keys.transpose(-1, -2))[:, :, 0] * self.index_softmax_scale
+        return logits.masked_fill(~span.valid, -math.inf)
+
+    def teacher_probs(self, scores, teacher_lse) -> torch.Tensor:
+        """`P_t`, `[Hkv, C, N]`: the mean over the group of `exp(score - lse)` (0 outside the support)."""
+        return scores.sub_(_finite_or_zero(teacher_lse)[..., None]).exp_().mean(-2)
+
+
+def _teacher_lse(problem: _Problem, start, end) -> torch.Tensor:
+    """`[Hkv, C, G]` log-sum-exp of the teacher's scores over the support."""
+    lse = torch.full((problem.num_kv_heads, end - start, problem.num_heads // problem.num_kv_heads), -math.inf,
+                     dtype=problem.dtype, device=problem.device)
+    for span in problem.spans(start, end):
+        lse = torch.logaddexp(lse, torch.logsumexp(problem.teacher_scores(start, end, span), -1))
+    return lse
+
+
+def indexer_kl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor | None,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    block_indices: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    block_size: int,
+    softmax_scale: float,
+    index_softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss and what its backward needs.
+
+    Args:
+        q: `[Tq, Hq, D]`, k: `[Tk, Hkv, D]`: the main branch's queries and keys.
+        lse: `[Tq, Hq]` the main attention's log-sum-exp (fp32; fp64 for fp64 q), or None.
+        index_q: `[Tq, Hi, Di]` with `Hi == Hkv`; index_k: `[Tk, 1, Di]`.
+        block_indices: int32 `[Hkv, Tq, topk]`, or None for the dense support.
+
+    Returns:
+        `loss` (0-D), `teacher_lse [Tq, Hq]` (the lse used, in lse's dtype), `index_lse [Tq, Hi]`
+        (the student's log-sum-exp over the support, `-inf` where it is empty) and
+        `teacher_mass [Tq, Hi]` (`sum_J P_t`). The loss, index_lse and teacher_mass are fp32
+        (fp64 for fp64 index inputs).
+    """
+    problem = _Problem(q, k, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+                       block_size, softmax_scale, index_softmax_scale)
+    out_dtype = loss_dtype(index_q.dtype)
+    num_queries, num_index_heads = index_q.shape[:2]
+    index_lse = torch.full((num_queries, num_index_heads), -math.inf, dtype=out_dtype, device=q.device)
+    teacher_mass = torch.zeros((num_queries, num_index_heads), dtype=out_dtype, device=q.device)
+    teacher_lse = (torch.full((num_queries, problem.num_heads), -math.inf, dtype=compute_dtype(q.dtype), device=q.device)
+                   if lse is None else lse.clone())
+    divergence = torch.zeros((num_queries, num_index_heads), dtype=problem.dtype, device=q.device)
+    if num_queries == 0 or problem.num_keys == 0:
+        return divergence.sum().to(out_dtype), teacher_lse, index_lse, teacher_mass
+    for start, end in problem.chunks():
+        if lse is None:
+            chunk_lse = _teacher_lse(problem, start, end)
+            teacher_lse[start:end] = _tokens_first(chunk_lse).to(teacher_lse.dtype)
+        else:
+            chunk_lse = _heads_first(lse[start:end], problem.num_kv_heads, problem.dtype)
+        index_queries = problem.index_queries(start, end)
+        student_lse = torch.full((num_index_heads, end - start), -math.inf, dtype=problem.dtype, device=q.device)
+        weighted = torch.zeros_like(student_lse)  # A
+        mass = torch.zeros_like(student_lse)  # M
+        for span in problem.spans(start, end):
+            probs = problem.teacher_probs(problem.teacher_scores(start, end, span), chunk_lse)
+            logits = problem.student_logits(index_queries, problem.index_keys_of(span), span)
+            student_lse = torch.logaddexp(student_lse, torch.logsumexp(logits, -1))
+            positive = probs > 0
+            log_probs = torch.where(positive, probs, 1).log()
+            weighted += torch.where(positive, probs * (log_probs - torch.where(positive, logits, 0)), 0).sum(-1)
+            mass += probs.sum(-1)
+        chunk_divergence = weighted + torch.where(mass > 0, mass * _finite_or_zero(student_lse), 0)
+        divergence[start:end] = chunk_divergence.transpose(0, 1)
+        index_lse[start:end] = student_lse.transpose(0, 1).to(out_dtype)
+        teacher_mass[start:end] = mass.transpose(0, 1).to(out_dtype)
+    loss = divergence.sum() / (num_queries * num_index_heads)
+    return loss.to(out_dtype), teacher_lse, index_lse, teacher_mass
+
+
+def indexer_kl_backward(
+    grad_loss: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    index_lse: torch.Tensor,
+    teacher_mass: torch.Tensor,
+    block_indices: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    block_size: int,
+    softmax_scale: float,
+    index_softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(d index_q [Tq, Hi, Di], d index_k [Tk, 1, Di])` in the index inputs' dtype.
+
+    `d u[j] = grad_loss * (M * P_s[j] - P_t[j]) / (Tq * Hi)` on the support, then
+    `d index_q[t, r] = index_softmax_scale * sum_j du[j] index_k[j]` and
+    `d index_k[j] = index_softmax_scale * sum_(t, r) du[j] index_q[t, r]`.
+    """
+    problem = _Problem(q, k, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+                       block_size, softmax_scale, index_softmax_scale)
+    num_queries, num_index_heads = index_q.shape[:2]
+    d_index_q = torch.zeros(index_q.shape, dtype=problem.dtype, device=q.device)
+    d_index_k = torch.zeros((problem.num_keys, problem.index_dim), dtype=problem.dtype, device=q.device)
+    if num_queries > 0 and problem.num_keys > 0:
+        coefficient = grad_loss.to(problem.dtype) * (index_softmax_scale / (num_queries * num_index_heads))
+        for start, end in problem.chunks():
+            chunk_lse = _heads_first(teacher_lse[start:end], problem.num_kv_heads, problem.dtype)
+            student_lse = _finite_or_zero(index_lse[start:end].to(problem.dtype).transpose(0, 1))[..., None]
+            mass = teacher_mass[start:end].to(problem.dtype).transpose(0, 1)[..., None]
+            index_queries = problem.index_queries(start, end)  # [Hi, C, 1, Di]
+            for span in problem.spans(start, end):
+                probs = problem.teacher_probs(problem.teacher_scores(start, end, span), chunk_lse)
+                index_keys = problem.index_keys_of(span)
+                logits = problem.student_logits(index_queries, index_keys, span)
+                grad_logits = torch.where(span.valid, mass * (logits - student_lse).exp() - probs, 0) * coefficient
+                d_index_q[start:end] += torch.matmul(grad_logits[:, :, None, :], index_keys)[:, :, 0].transpose(0, 1)
+                contribution = torch.where(span.valid[..., None], grad_logits[..., None] * index_queries, 0)
+                if span.token_rows.shape[0] == 1:
+                    contribution = contribution.sum(0, keepdim=True)
+                d_index_k.index_add_(0, span.token_rows.reshape(-1), contribution.reshape(-1, problem.index_dim))
+    return d_index_q.to(index_q.dtype), d_index_k.view(index_k.shape).to(index_k.dtype)
