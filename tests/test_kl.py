@@ -306,3 +306,13 @@ def test_training_the_index_branch_lowers_the_loss_and_finds_the_teacher_blocks(
     assert dense_after < 0.3 * dense_before, (dense_before, dense_after)
     assert sparse_after < 0.3 * sparse_before, (sparse_before, sparse_after)
     assert overlap_after > max(0.75, overlap_before + 0.15), (overlap_before, overlap_after)
+
+
+def test_kl_timing_rows_run_on_cpu():
+    from torch_msa.bench.kl import measure_kl
+    from torch_msa.testing import Shape
+
+    shape = Shape(query_heads=4, kv_heads=2, head_dim=64, index_dim=16, block_size=BLOCK, topk=2)
+    results = measure_kl(256, shape, "cpu", torch.float32, dense=True, warmup=0, iters=1)
+    assert set(results) == {"attention step", "sparse KL fwd+bwd", "dense SDPA fwd+bwd", "dense KL fwd+bwd"}
+    assert all(ms > 0 for ms in results.values())

@@ -64,9 +64,31 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     )
 
 
+def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               block_size, softmax_scale, index_softmax_scale):
+    check_served("q", q.dtype, q.shape[1] // k.shape[1])
+    check_served("index_q", index_q.dtype)
+    return _kernels("kl_kernel").indexer_kl(
+        q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        block_size, softmax_scale, index_softmax_scale,
+    )
+
+
+def indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
+                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                        index_softmax_scale):
+    check_served("q", q.dtype, q.shape[1] // k.shape[1])
+    check_served("index_q", index_q.dtype)
+    return _kernels("kl_kernel").indexer_kl_backward(
+        grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
+    )
+
+
 BACKEND = Backend(
     name=NAME,
-    ops={"select_blocks": select_blocks, "forward": forward, "backward": backward},
+    ops={"select_blocks": select_blocks, "forward": forward, "backward": backward,
+         "indexer_kl": indexer_kl, "indexer_kl_backward": indexer_kl_backward},
     priority=10,
     device_types=("cuda",),
     available=available,

@@ -1,0 +1,78 @@
+"""The Triton KL kernels (`torch_msa/triton/kl_kernel.py`) against the reference at small shapes.
+
+Run natively on a CUDA host, or on CPU under the Triton interpreter by
+`tests/test_triton_interpret.py`; fp32 and fp16 only (the interpreter's bf16 `tl.dot` is wrong,
+see `test_triton_kernels.py`).
+"""
+
+import os
+
+import pytest
+import torch
+
+from torch_msa import reference, reference_kl, testing
+from torch_msa.backends import UnsupportedInputs
+from torch_msa.triton import kl_kernel
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETING else "cuda"
+if not INTERPRETING and not torch.cuda.is_available():
+    pytest.skip("needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter", allow_module_level=True)
+
+# (q lengths, k lengths, Hq, Hkv, D, Di, block, topk, dtype)
+CASES = {
+    "pack-empty-1-token-suffix": ([40, 0, 1, 90], [140, 5, 1, 90], 4, 2, 64, 32, 64, 3, torch.float32),
+    "group3-fp16-d128": ([70], [200], 6, 2, 128, 16, 64, 2, torch.float16),
+    "mha-topk-beyond-blocks": ([130], [130], 2, 2, 64, 16, 64, 16, torch.float32),
+    "group16-tokens8": ([50, 20], [150, 20], 16, 1, 64, 16, 64, 2, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kl_forward_and_backward_match_reference(case):
+    q_lens, k_lens, num_heads, num_kv_heads, dim, index_dim, block_size, topk, dtype = CASES[case]
+    cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens, DEVICE)
+    num_queries, num_keys = sum(q_lens), sum(k_lens)
+    block_indices = testing.random_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    if topk > 1:  # out-of-contract ids are read as a set
+        block_indices[0, :, -1] = block_indices[0, :, 0]
+        block_indices[-1, ::3, 0] = 10_000
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
+    index_q = torch.randn(num_queries, num_kv_heads, index_dim, device=DEVICE, dtype=dtype)
+    index_k = torch.randn(num_keys, 1, index_dim, device=DEVICE, dtype=dtype)
+    docs = (cu_q, cu_k, max(q_lens), max(k_lens))
+    scales = (dim**-0.5, index_dim**-0.5)
+    _, lse = reference.forward(q, k, v, block_indices, *docs, block_size, scales[0])
+    args = (q, k, lse, index_q, index_k, block_indices, *docs, block_size, *scales)
+    expected = reference_kl.indexer_kl(*args)
+    got = kl_kernel.indexer_kl(*args)
+    tolerance = 2e-5 if dtype == torch.float32 else 3e-3
+    for name, a, b in zip(("loss", "teacher_lse", "index_lse", "teacher_mass"), got, expected):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance, msg=lambda m: f"{name}: {m}")
+
+    grad_loss = torch.tensor(1.7, device=DEVICE)
+    _, teacher_lse, index_lse, mass = expected
+    backward_args = (grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, mass, block_indices, *docs,
+                     block_size, *scales)
+    for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backward_args),
+                          reference_kl.indexer_kl_backward(*backward_args)):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        scale = b.float().abs().max().item()
+        torch.testing.assert_close(a.float(), b.float(), rtol=4 * tolerance, atol=4 * tolerance * scale,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_kl_kernels_decline_what_they_do_not_serve():
+    q = torch.zeros(4, 2, 64, device=DEVICE)
+    index_q = torch.zeros(4, 2, 16, device=DEVICE)
+    ids = torch.zeros(2, 4, 1, dtype=torch.int32, device=DEVICE)
+    lse = torch.zeros(4, 2, device=DEVICE)
+    with pytest.raises(UnsupportedInputs, match="dense support"):
+        kl_kernel.check_inputs(q, lse, index_q, None)
+    with pytest.raises(UnsupportedInputs, match="no lse"):
+        kl_kernel.check_inputs(q, None, index_q, ids)
+    with pytest.raises(UnsupportedInputs, match="index head dim 24"):
+        kl_kernel.check_inputs(q, lse, torch.zeros(4, 2, 24, device=DEVICE), ids)

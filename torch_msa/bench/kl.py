@@ -1,0 +1,109 @@
+"""`python -m torch_msa.bench.kl`: the index branch's KL loss against the attention it distils.
+
+For each length (one document, M3 shapes, bf16) it times, with the benchmark's timer:
+
+* `attention step`: select + sparse attention forward + backward (`msa_attention`, `lse` and the
+  selection returned, `out.backward`), the training step the loss rides on;
+* `sparse KL fwd+bwd`: `indexer_kl_loss` on that step's `lse` and selection, then its backward;
+* `dense KL fwd+bwd` (warm-up stage, with `--dense`): `indexer_kl_loss_dense` computing its own
+  teacher normaliser, against a dense causal SDPA forward + backward (cuDNN on CUDA when
+  available).
+
+and prints the KL rows as a share of their reference step and the backend serving each op.
+"""
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import torch_msa
+
+from ..testing import M3, Shape, pick_device
+from .timing import free_memory, measure
+
+
+def _inputs(tokens: int, shape: Shape, device, dtype, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size, grad=False):
+        return torch.randn(*size, generator=g, device=device, dtype=dtype).requires_grad_(grad)
+
+    q = randn(tokens, shape.query_heads, shape.head_dim, grad=True)
+    k = randn(tokens, shape.kv_heads, shape.head_dim, grad=True)
+    v = randn(tokens, shape.kv_heads, shape.head_dim, grad=True)
+    index_q = randn(tokens, shape.kv_heads, shape.index_dim, grad=True)
+    index_k = randn(tokens, 1, shape.index_dim, grad=True)
+    return q, k, v, index_q, index_k
+
+
+def measure_kl(tokens: int, shape: Shape = M3, device=None, dtype=torch.bfloat16, dense: bool = False,
+               warmup: int = 2, iters: int = 5) -> dict[str, float]:
+    """Median milliseconds of each row (see the module docstring) at `tokens` tokens."""
+    device = torch.device(device) if device is not None else pick_device(None)
+    q, k, v, index_q, index_k = _inputs(tokens, shape, device, dtype)
+    blocks = dict(topk=shape.topk, block_size=shape.block_size)
+    grad_out = torch.randn_like(q)
+
+    def attention_step():
+        out, lse, block_indices = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), **blocks,
+                                                          return_lse=True, return_block_indices=True)
+        out.backward(grad_out)
+        return lse, block_indices
+
+    results = {"attention step": measure(attention_step, device, warmup, iters).median_ms}
+    lse, block_indices = attention_step()
+    lse, block_indices = lse.detach(), block_indices
+
+    def sparse_kl():
+        torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse, index_q, index_k, block_indices,
+                                  block_size=shape.block_size).backward()
+
+    results["sparse KL fwd+bwd"] = measure(sparse_kl, device, warmup, iters).median_ms
+    if dense:
+        def dense_kl():
+            torch_msa.indexer_kl_loss_dense(q.detach(), k.detach(), index_q, index_k,
+                                            block_size=shape.block_size).backward()
+
+        def sdpa_step():
+            qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            context = torch.nn.attention.sdpa_kernel(
+                [torch.nn.attention.SDPBackend.CUDNN_ATTENTION, torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+                 torch.nn.attention.SDPBackend.MATH])
+            with context:
+                out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            out.backward(grad_out.transpose(0, 1).unsqueeze(0))
+
+        results["dense SDPA fwd+bwd"] = measure(sdpa_step, device, warmup, iters).median_ms
+        # The dense loss runs on the reference (seconds at 32K): one timed call.
+        results["dense KL fwd+bwd"] = measure(dense_kl, device, 0, 1).median_ms
+    del q, k, v, index_q, index_k, lse, block_indices
+    free_memory(device)
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_msa.bench.kl", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqlen", type=int, nargs="+", default=[32768, 65536], help="tokens (one document)")
+    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    parser.add_argument("--dense", action="store_true", help="also time the dense warm-up loss against SDPA")
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    device = pick_device(args.device)
+    print("backends:", {op: torch_msa.resolve(op, device).name for op in ("forward", "indexer_kl", "indexer_kl_backward")})
+    for tokens in args.seqlen:
+        results = measure_kl(tokens, device=device, dense=args.dense, iters=args.iters)
+        step, sdpa = results["attention step"], results.get("dense SDPA fwd+bwd")
+        for name, ms in results.items():
+            share = ""
+            if name == "sparse KL fwd+bwd":
+                share = f"  {100 * ms / step:5.1f}% of the attention step (target <= 20%)"
+            elif name == "dense KL fwd+bwd":
+                share = f"  {ms / sdpa:5.2f}x dense SDPA fwd+bwd (target <= 3x)"
+            print(f"T={tokens:>6}  {name:<20} {ms:10.2f} ms{share}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""`msa::indexer_kl` and `msa::indexer_kl_backward` in Triton, on the sparse support, KV-outer.
+
+Both kernels walk the shared KV-outer schedule (`torch_msa/schedule.py`): one program owns one KV
+head's key block and a run of the queries that chose it, loads the block's keys and index keys
+once, and takes the queries `TOKENS` at a time with all `G` query heads of the KV head (the
+attention kernels' tile). Per tile the teacher scores are one `[TOKENS * G, BLOCK]` GEMM; the
+teacher probability of a (query, key) pair is the mean over the tile rows of its `G` heads. The
+index logits are computed on the same rows (each row carries its token's index query), which
+keeps every GEMM at least 16 rows high whatever `G` is.
+
+Forward: each (KV head, query, slot) entry gets partial sums over its block, natural log except
+the student's running max (log2 domain): the max and sum of `exp2` of the index logits,
+`A = sum P_t (log P_t - u)` and `M = sum P_t`. A few PyTorch ops then combine the `topk` partials
+of each (query, index head) into the student's lse and `KL = A + M * lse_s` (`topk` floats per
+pair: no kernel needed).
+
+Backward: the same tiles recompute `P_t` and `P_s`, form `du = M * P_s - P_t` on the block's
+visible keys and reduce it twice by GEMM: into `d index_q` (fp32 atomics, one row per query) and
+into the block's `d index_k`, kept in registers over the item and added once. The atomics make the
+result order-dependent in the last bits, so under `torch.use_deterministic_algorithms(True)` the
+backward declines and the registry falls back to the reference.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backends import UnsupportedInputs
+from ..reference_kl import loss_dtype
+from .common import dot_precision
+from .forward_kernel import LOG2_E, schedule_for, tile_shape
+
+_LAUNCH = dict(num_warps=8, num_stages=2)
+
+
+def check_inputs(q, lse, index_q, block_indices) -> None:
+    """Decline, before any launch, what these kernels do not serve (the reference does)."""
+    if block_indices is None:
+        raise UnsupportedInputs("the dense support (block_indices=None): the Triton KL kernels serve the sparse one")
+    if lse is None:
+        raise UnsupportedInputs("no lse: the Triton KL kernels take the attention's lse")
+    index_dim = index_q.shape[-1]
+    if index_dim < 16 or index_dim > 256 or index_dim & (index_dim - 1):
+        raise UnsupportedInputs(f"index head dim {index_dim} (the Triton KL kernels take a power of two in [16, 256])")
+
+
+@triton.jit
+def _tile(
+    q, k_block, index_q, index_keys, lse, entry_query, position, first, end, kv_head, key_position, key_ok,
+    qk_scale, index_scale,
+    stride_q_token, stride_q_head, stride_iq_token, stride_iq_head,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
+    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+):
+    """One tile of `TOKENS` entries: teacher probabilities `[TOKENS, BLOCK]`, index logits (log2
+    domain, `-inf` off the support) `[TOKENS, BLOCK]`, the per-row index queries `[ROWS, Di]`, and
+    per token: the entry, the query token, whether it is real."""
+    rows = tl.arange(0, TOKENS * GROUP_P2)
+    row_token = rows // GROUP_P2
+    group_head = rows % GROUP_P2
+    entry = first + row_token
+    row_ok = (entry < end) & (group_head < GROUP)
+    token = (tl.load(entry_query + entry, mask=row_ok, other=0) // TOPK).to(tl.int64)
+    pos = tl.load(position + token, mask=row_ok, other=-1)
+    query_head = kv_head * GROUP + group_head
+    dims = tl.arange(0, DIM)
+    index_dims = tl.arange(0, INDEX_DIM)
+    q_rows = tl.load(q + token[:, None] * stride_q_token + query_head[:, None] * stride_q_head + dims[None, :],
+                     mask=row_ok[:, None], other=0.0)
+    iq_rows = tl.load(index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + index_dims[None, :],
+                      mask=row_ok[:, None], other=0.0)
+    row_lse = tl.load(lse + token * (NUM_KV_HEADS * GROUP) + query_head, mask=row_ok, other=0.0) * 1.4426950408889634
+    # A query whose key set is empty (lse = -inf) shifts by 0, as in the attention backward.
+    row_lse = tl.where((row_lse == float("inf")) | (row_lse == float("-inf")), 0.0, row_lse)
+
+    visible = (key_position[None, :] <= pos[:, None]) & key_ok[None, :] & row_ok[:, None]
+    scores = tl.dot(q_rows, tl.trans(k_block), input_precision=PRECISION) * qk_scale
+    probs = tl.where(visible, tl.exp2(scores - row_lse[:, None]), 0.0)
+    teacher = tl.sum(tl.reshape(probs, (TOKENS, GROUP_P2, BLOCK)), axis=1) * (1.0 / GROUP)
+    logits = tl.dot(iq_rows, tl.trans(index_keys), input_precision=INDEX_PRECISION) * index_scale
+    logits = tl.where(visible, logits, float("-inf"))
+    student_logits = tl.max(tl.reshape(logits, (TOKENS, GROUP_P2, BLOCK)), axis=1)
+
+    tokens = tl.arange(0, TOKENS)
+    token_entry = first + tokens
+    token_ok = token_entry < end
+    token_query = tl.load(entry_query + token_entry, mask=token_ok, other=0)
+    return teacher, student_logits, iq_rows, token_query, token_ok
+
+
+@triton.jit
+def _forward_kernel(
+    q, k, lse, index_q, index_k, part_max, part_sum, part_weighted, part_mass,
+    entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
+    num_queries, num_keys, qk_scale, index_scale,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_iq_token, stride_iq_head, stride_ik_token,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
+    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+):
+    item = tl.program_id(0)
+    start = tl.load(item_start + item)
+    end = tl.load(item_end + item)
+    if start >= end:
+        return
+    bucket = tl.load(item_bucket + item)
+    kv_head = tl.load(bucket_head + bucket)
+    block = tl.load(bucket_block + bucket)
+    offsets = tl.arange(0, BLOCK)
+    key_row = (tl.load(bucket_key_row + bucket) + offsets).to(tl.int64)
+    key_ok = key_row < num_keys
+    k_block = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + tl.arange(0, DIM)[None, :],
+                      mask=key_ok[:, None], other=0.0)
+    index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + tl.arange(0, INDEX_DIM)[None, :],
+                         mask=key_ok[:, None], other=0.0)
+    key_position = block * BLOCK + offsets
+
+    for first in range(start, end, TOKENS):
+        teacher, logits, _, query, token_ok = _tile(
+            q, k_block, index_q, index_keys, lse, entry_query, position, first, end, kv_head, key_position, key_ok,
+            qk_scale, index_scale, stride_q_token, stride_q_head, stride_iq_token, stride_iq_head,
+            NUM_KV_HEADS, GROUP, GROUP_P2, TOKENS, TOPK, BLOCK, DIM, INDEX_DIM, PRECISION, INDEX_PRECISION,
+        )
+        row_max = tl.max(logits, axis=1)
+        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        total = tl.sum(tl.exp2(logits - shift[:, None]), axis=1)
+        positive = teacher > 0.0
+        log_teacher = tl.log(tl.where(positive, teacher, 1.0))
+        natural_logits = tl.where(positive, logits, 0.0) * 0.6931471805599453
+        weighted = tl.sum(tl.where(positive, teacher * (log_teacher - natural_logits), 0.0), axis=1)
+        mass = tl.sum(teacher, axis=1)
+        # Partials are laid out [Hkv, Tq, topk], like block_indices.
+        partial = kv_head.to(tl.int64) * num_queries * TOPK + query
+        tl.store(part_max + partial, row_max, mask=token_ok)
+        tl.store(part_sum + partial, total, mask=token_ok)
+        tl.store(part_weighted + partial, weighted, mask=token_ok)
+        tl.store(part_mass + partial, mass, mask=token_ok)
+
+
+@triton.jit
+def _backward_kernel(
+    q, k, lse, index_q, index_k, index_lse, teacher_mass, coefficient, d_index_q, d_index_k,
+    entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
+    num_keys, qk_scale, index_scale,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_iq_token, stride_iq_head, stride_ik_token,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
+    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+):
+    item = tl.program_id(0)
+    start = tl.load(item_start + item)
+    end = tl.load(item_end + item)
+    if start >= end:
+        return
+    bucket = tl.load(item_bucket + item)
+    kv_head = tl.load(bucket_head + bucket)
+    block = tl.load(bucket_block + bucket)
+    offsets = tl.arange(0, BLOCK)
+    index_dims = tl.arange(0, INDEX_DIM)
+    key_row = (tl.load(bucket_key_row + bucket) + offsets).to(tl.int64)
+    key_ok = key_row < num_keys
+    k_block = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + tl.arange(0, DIM)[None, :],
+                      mask=key_ok[:, None], other=0.0)
+    index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + index_dims[None, :],
+                         mask=key_ok[:, None], other=0.0)
+    key_position = block * BLOCK + offsets
+    scale = tl.load(coefficient)
+    d_keys = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
+
+    rows = tl.arange(0, TOKENS * GROUP_P2)
+    leader = (rows % GROUP_P2) == 0  # one row per token carries its gradient
+    for first in range(start, end, TOKENS):
+        teacher, logits, iq_rows, query, token_ok = _tile(
+            q, k_block, index_q, index_keys, lse, entry_query, position, first, end, kv_head, key_position, key_ok,
+            qk_scale, index_scale, stride_q_token, stride_q_head, stride_iq_token, stride_iq_head,
+            NUM_KV_HEADS, GROUP, GROUP_P2, TOKENS, TOPK, BLOCK, DIM, INDEX_DIM, PRECISION, INDEX_PRECISION,
+        )
+        token = (query // TOPK).to(tl.int64)
+        pair = token * NUM_KV_HEADS + kv_head
+        student_lse = tl.load(index_lse + pair, mask=token_ok, other=0.0) * 1.4426950408889634
+        student_lse = tl.where((student_lse == float("inf")) | (student_lse == float("-inf")), 0.0, student_lse)
+        mass = tl.load(teacher_mass + pair, mask=token_ok, other=0.0)
+        on_support = logits != float("-inf")
+        student = mass[:, None] * tl.exp2(logits - student_lse[:, None])
+        d_logits = tl.where(on_support & token_ok[:, None], student - teacher, 0.0) * scale
+        d_rows = tl.reshape(tl.broadcast_to(d_logits[:, None, :], (TOKENS, GROUP_P2, BLOCK)), (TOKENS * GROUP_P2, BLOCK))
+        d_rows = tl.where(leader[:, None], d_rows, 0.0).to(index_keys.dtype)
+        d_keys += tl.dot(tl.trans(d_rows), iq_rows, input_precision=INDEX_PRECISION)
+        d_queries = tl.dot(d_rows, index_keys, input_precision=INDEX_PRECISION)
+        row_pair = tl.reshape(tl.broadcast_to(pair[:, None], (TOKENS, GROUP_P2)), (TOKENS * GROUP_P2,))
+        row_ok = tl.reshape(tl.broadcast_to(token_ok[:, None], (TOKENS, GROUP_P2)), (TOKENS * GROUP_P2,)) & leader
+        tl.atomic_add(d_index_q + row_pair[:, None] * INDEX_DIM + index_dims[None, :], d_queries,
+                      mask=row_ok[:, None], sem="relaxed")
+    tl.atomic_add(d_index_k + key_row[:, None] * INDEX_DIM + index_dims[None, :], d_keys,
+                  mask=key_ok[:, None], sem="relaxed")
+
+
+def _launch(kernel, q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, softmax_scale,
+            index_softmax_scale, *outputs):
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    tokens, group_p2 = tile_shape(num_heads, num_kv_heads)
+    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens)
+    q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
+    scalars = (num_queries, num_keys) if kernel is _forward_kernel else (num_keys,)
+    kernel[(schedule.item_start.numel(),)](
+        q, k, lse, index_q, index_k, *outputs,
+        schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
+        schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
+        *scalars, softmax_scale * LOG2_E, index_softmax_scale * LOG2_E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), index_q.stride(0), index_q.stride(1), index_k.stride(0),
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, GROUP_P2=group_p2, TOKENS=tokens,
+        TOPK=block_indices.shape[-1], BLOCK=block_size, DIM=dim, INDEX_DIM=index_q.shape[-1],
+        PRECISION=dot_precision(q.dtype), INDEX_PRECISION=dot_precision(index_q.dtype),
+        **_LAUNCH,
+    )
+
+
+def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               block_size, softmax_scale, index_softmax_scale):
+    """Same contract as `torch_msa.reference_kl.indexer_kl` (sparse support, `lse` given)."""
+    check_inputs(q, lse, index_q, block_indices)
+    num_queries, num_index_heads = index_q.shape[:2]
+    dtype = loss_dtype(index_q.dtype)
+    lse = lse.contiguous()
+    shape = (num_index_heads, num_queries, block_indices.shape[-1])
+    part_max = torch.full(shape, -math.inf, dtype=torch.float32, device=q.device)
+    part_sum, part_weighted, part_mass = (torch.zeros(shape, dtype=torch.float32, device=q.device) for _ in range(3))
+    if num_queries > 0 and k.shape[0] > 0:
+        _launch(_forward_kernel, q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, block_size,
+                softmax_scale, index_softmax_scale, part_max, part_sum, part_weighted, part_mass)
+    used = part_sum > 0
+    slot_lse = torch.where(used, (part_max + torch.where(used, part_sum, 1).log2()) * math.log(2), -math.inf)
+    index_lse = torch.logsumexp(slot_lse, -1)  # [Hi, Tq]
+    mass = part_mass.sum(-1)
+    divergence = part_weighted.sum(-1) + torch.where(mass > 0, mass * index_lse.masked_fill(mass <= 0, 0), 0)
+    loss = divergence.sum() / max(1, num_queries * num_index_heads)
+    return loss.to(dtype), lse.clone(), index_lse.t().to(dtype).contiguous(), mass.t().to(dtype).contiguous()
+
+
+def indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
+                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                        index_softmax_scale):
+    """Same contract as `torch_msa.reference_kl.indexer_kl_backward` (sparse support)."""
+    check_inputs(q, teacher_lse, index_q, block_indices)
+    if torch.are_deterministic_algorithms_enabled():
+        raise UnsupportedInputs("deterministic algorithms were requested and the Triton KL backward adds with atomics")
+    num_queries, num_index_heads, index_dim = index_q.shape
+    d_index_q = torch.zeros((num_queries, num_index_heads, index_dim), dtype=torch.float32, device=q.device)
+    d_index_k = torch.zeros((k.shape[0], 1, index_dim), dtype=torch.float32, device=q.device)
+    if num_queries > 0 and k.shape[0] > 0:
+        # du = grad * (M P_s - P_t) / (Tq Hi); the index scale of the logits is folded in too.
+        coefficient = (grad_loss.float() * (index_softmax_scale / (num_queries * num_index_heads))).reshape(1)
+        _launch(_backward_kernel, q, k, teacher_lse.contiguous(), index_q, index_k, block_indices, cu_seqlens_q,
+                cu_seqlens_k, block_size, softmax_scale, index_softmax_scale,
+                index_lse.float().contiguous(), teacher_mass.float().contiguous(), coefficient, d_index_q, d_index_k)
+    return d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)
