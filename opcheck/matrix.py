@@ -95,16 +95,18 @@ def samples(device: str = "cpu") -> list[Sample]:
                 index_k = torch.randn(k.shape[0], 1, 32, dtype=dtype, device=device).requires_grad_(requires_grad)
                 result.append(Sample(f"select_blocks-{tag}", "select_blocks",
                                      (index_q, index_k, *docs, topk, block_size)))
-                if (num_heads, dtype) in KL_CONFIGS:
+                if (num_heads, dtype) == KL_CONFIGS[0] or (
+                        (num_heads, dtype) == KL_CONFIGS[1] and layout.name == KL_BF16_LAYOUT):
                     result.extend(_indexer_kl_samples(tag, q, k, lse, index_q, index_k, block_indices, docs,
                                                       block_size, scale, requires_grad))
     return result
 
 
-# The loss's samples use the GQA fp32 and the bf16 configurations (its code paths do not depend
-# on the others' head counts or block sizes beyond these); the dense support only the first.
+# The loss's samples (each is seconds of CI): the GQA fp32 configuration on every layout, with the
+# sparse and the dense support; bf16 (fp32 loss from bf16 inputs) on the varlen pack, sparse only.
 KL_CONFIGS = ((8, torch.float32), (4, torch.bfloat16))
 KL_DENSE_CONFIG = KL_CONFIGS[0]
+KL_BF16_LAYOUT = "varlen"
 
 
 def _indexer_kl_samples(tag, q, k, lse, index_q, index_k, block_indices, docs, block_size, scale, requires_grad):
