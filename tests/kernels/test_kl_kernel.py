@@ -24,7 +24,8 @@ CASES = {
     "pack-empty-1-token-suffix": ([40, 0, 1, 90], [140, 5, 1, 90], 4, 2, 64, 32, 64, 3, torch.float32),
     "group3-fp16-d128": ([70], [200], 6, 2, 128, 16, 64, 2, torch.float16),
     "mha-topk-beyond-blocks": ([130], [130], 2, 2, 64, 16, 64, 16, torch.float32),
-    "group16-tokens8": ([50, 20], [150, 20], 16, 1, 64, 16, 64, 2, torch.float32),
+    "group16-two-head-passes": ([50, 20], [150, 20], 16, 1, 64, 16, 64, 2, torch.float32),
+    "group32-four-head-passes": ([30], [100], 32, 1, 64, 16, 64, 2, torch.float32),
 }
 
 

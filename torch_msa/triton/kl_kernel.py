@@ -2,11 +2,10 @@
 
 Both kernels walk the shared KV-outer schedule (`torch_msa/schedule.py`): one program owns one KV
 head's key block and a run of the queries that chose it, loads the block's keys and index keys
-once, and takes the queries `TOKENS` at a time with all `G` query heads of the KV head (the
-attention kernels' tile). Per tile the teacher scores are one `[TOKENS * G, BLOCK]` GEMM; the
-teacher probability of a (query, key) pair is the mean over the tile rows of its `G` heads. The
-index logits are computed on the same rows (each row carries its token's index query), which
-keeps every GEMM at least 16 rows high whatever `G` is.
+once, and takes the queries `TOKENS` at a time (at least 16, so the index GEMMs `[TOKENS, Di] x
+[Di, BLOCK]` are full-height). The teacher probability of a (query, key) pair is the mean over the
+query's `G` heads; the heads are taken `HEADS_PER_PASS` at a time, one `[TOKENS * HEADS_PER_PASS,
+BLOCK]` score GEMM per pass (128 rows: for M3, 16 tokens x 8 heads, two passes).
 
 Forward: each (KV head, query, slot) entry gets partial sums over its block, natural log except
 the student's running max (log2 domain): the max and sum of `exp2` of the index logits,
@@ -30,7 +29,7 @@ import triton.language as tl
 from ..backends import UnsupportedInputs
 from ..reference_kl import loss_dtype
 from .common import dot_precision
-from .forward_kernel import LOG2_E, schedule_for, tile_shape
+from .forward_kernel import LOG2_E, schedule_for
 
 _LAUNCH = dict(num_warps=8, num_stages=2)
 
@@ -46,49 +45,62 @@ def check_inputs(q, lse, index_q, block_indices) -> None:
         raise UnsupportedInputs(f"index head dim {index_dim} (the Triton KL kernels take a power of two in [16, 256])")
 
 
+def kl_tile_shape(num_heads: int, num_kv_heads: int, rows: int = 128) -> tuple[int, int]:
+    """`(tokens, heads_per_pass)`: the queries of one tile (at least 16, so the index GEMMs are
+    full-height) and how many of their query heads one teacher GEMM of about `rows` rows takes."""
+    group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
+    tokens = max(16, rows // group_p2)
+    return tokens, max(1, min(group_p2, rows // tokens))
+
+
 @triton.jit
 def _tile(
     q, k_block, index_q, index_keys, lse, entry_query, position, first, end, kv_head, key_position, key_ok,
     qk_scale, index_scale,
     stride_q_token, stride_q_head, stride_iq_token, stride_iq_head,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PASS: tl.constexpr, TOKENS: tl.constexpr,
     TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
     PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
 ):
     """One tile of `TOKENS` entries: teacher probabilities `[TOKENS, BLOCK]`, index logits (log2
-    domain, `-inf` off the support) `[TOKENS, BLOCK]`, the per-row index queries `[ROWS, Di]`, and
-    per token: the entry, the query token, whether it is real."""
-    rows = tl.arange(0, TOKENS * GROUP_P2)
-    row_token = rows // GROUP_P2
-    group_head = rows % GROUP_P2
-    entry = first + row_token
-    row_ok = (entry < end) & (group_head < GROUP)
-    token = (tl.load(entry_query + entry, mask=row_ok, other=0) // TOPK).to(tl.int64)
-    pos = tl.load(position + token, mask=row_ok, other=-1)
-    query_head = kv_head * GROUP + group_head
-    dims = tl.arange(0, DIM)
-    index_dims = tl.arange(0, INDEX_DIM)
-    q_rows = tl.load(q + token[:, None] * stride_q_token + query_head[:, None] * stride_q_head + dims[None, :],
-                     mask=row_ok[:, None], other=0.0)
-    iq_rows = tl.load(index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + index_dims[None, :],
-                      mask=row_ok[:, None], other=0.0)
-    row_lse = tl.load(lse + token * (NUM_KV_HEADS * GROUP) + query_head, mask=row_ok, other=0.0) * 1.4426950408889634
-    # A query whose key set is empty (lse = -inf) shifts by 0, as in the attention backward.
-    row_lse = tl.where((row_lse == float("inf")) | (row_lse == float("-inf")), 0.0, row_lse)
-
-    visible = (key_position[None, :] <= pos[:, None]) & key_ok[None, :] & row_ok[:, None]
-    scores = tl.dot(q_rows, tl.trans(k_block), input_precision=PRECISION) * qk_scale
-    probs = tl.where(visible, tl.exp2(scores - row_lse[:, None]), 0.0)
-    teacher = tl.sum(tl.reshape(probs, (TOKENS, GROUP_P2, BLOCK)), axis=1) * (1.0 / GROUP)
-    logits = tl.dot(iq_rows, tl.trans(index_keys), input_precision=INDEX_PRECISION) * index_scale
-    logits = tl.where(visible, logits, float("-inf"))
-    student_logits = tl.max(tl.reshape(logits, (TOKENS, GROUP_P2, BLOCK)), axis=1)
-
+    domain, `-inf` off the support) `[TOKENS, BLOCK]`, the index queries `[TOKENS, Di]`, and per
+    token its `t * topk + slot` and whether it is real."""
     tokens = tl.arange(0, TOKENS)
-    token_entry = first + tokens
-    token_ok = token_entry < end
-    token_query = tl.load(entry_query + token_entry, mask=token_ok, other=0)
-    return teacher, student_logits, iq_rows, token_query, token_ok
+    token_ok = first + tokens < end
+    query = tl.load(entry_query + first + tokens, mask=token_ok, other=0)
+    token = (query // TOPK).to(tl.int64)
+    pos = tl.load(position + token, mask=token_ok, other=-1)
+    visible = (key_position[None, :] <= pos[:, None]) & key_ok[None, :] & token_ok[:, None]
+
+    # The teacher: the G heads of each token, HEADS_PER_PASS at a time, one GEMM per pass.
+    rows = tl.arange(0, TOKENS * HEADS_PER_PASS)
+    row_token_ok = first + rows // HEADS_PER_PASS < end
+    row_token = (tl.load(entry_query + first + rows // HEADS_PER_PASS, mask=row_token_ok, other=0) // TOPK).to(tl.int64)
+    row_pos = tl.load(position + row_token, mask=row_token_ok, other=-1)
+    dims = tl.arange(0, DIM)
+    teacher = tl.zeros((TOKENS, BLOCK), tl.float32)
+    for first_head in range(0, GROUP, HEADS_PER_PASS):
+        group_head = first_head + rows % HEADS_PER_PASS
+        row_ok = row_token_ok & (group_head < GROUP)
+        query_head = kv_head * GROUP + group_head
+        q_rows = tl.load(q + row_token[:, None] * stride_q_token + query_head[:, None] * stride_q_head + dims[None, :],
+                         mask=row_ok[:, None], other=0.0)
+        row_lse = tl.load(lse + row_token * (NUM_KV_HEADS * GROUP) + query_head, mask=row_ok, other=0.0)
+        row_lse = row_lse * 1.4426950408889634
+        # A query whose key set is empty (lse = -inf) shifts by 0, as in the attention backward.
+        row_lse = tl.where((row_lse == float("inf")) | (row_lse == float("-inf")), 0.0, row_lse)
+        scores = tl.dot(q_rows, tl.trans(k_block), input_precision=PRECISION) * qk_scale
+        row_visible = (key_position[None, :] <= row_pos[:, None]) & key_ok[None, :] & row_ok[:, None]
+        probs = tl.where(row_visible, tl.exp2(scores - row_lse[:, None]), 0.0)
+        teacher += tl.sum(tl.reshape(probs, (TOKENS, HEADS_PER_PASS, BLOCK)), axis=1)
+    teacher = teacher * (1.0 / GROUP)
+
+    index_queries = tl.load(
+        index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + tl.arange(0, INDEX_DIM)[None, :],
+        mask=token_ok[:, None], other=0.0)
+    logits = tl.dot(index_queries, tl.trans(index_keys), input_precision=INDEX_PRECISION) * index_scale
+    logits = tl.where(visible, logits, float("-inf"))
+    return teacher, logits, index_queries, query, token_ok
 
 
 @triton.jit
@@ -97,7 +109,7 @@ def _forward_kernel(
     entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
     num_queries, num_keys, qk_scale, index_scale,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_iq_token, stride_iq_head, stride_ik_token,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PASS: tl.constexpr, TOKENS: tl.constexpr,
     TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
     PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
 ):
@@ -122,7 +134,7 @@ def _forward_kernel(
         teacher, logits, _, query, token_ok = _tile(
             q, k_block, index_q, index_keys, lse, entry_query, position, first, end, kv_head, key_position, key_ok,
             qk_scale, index_scale, stride_q_token, stride_q_head, stride_iq_token, stride_iq_head,
-            NUM_KV_HEADS, GROUP, GROUP_P2, TOKENS, TOPK, BLOCK, DIM, INDEX_DIM, PRECISION, INDEX_PRECISION,
+            NUM_KV_HEADS, GROUP, HEADS_PER_PASS, TOKENS, TOPK, BLOCK, DIM, INDEX_DIM, PRECISION, INDEX_PRECISION,
         )
         row_max = tl.max(logits, axis=1)
         shift = tl.where(row_max == float("-inf"), 0.0, row_max)
@@ -146,7 +158,7 @@ def _backward_kernel(
     entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
     num_keys, qk_scale, index_scale,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_iq_token, stride_iq_head, stride_ik_token,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PASS: tl.constexpr, TOKENS: tl.constexpr,
     TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
     PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
 ):
@@ -170,30 +182,23 @@ def _backward_kernel(
     scale = tl.load(coefficient)
     d_keys = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
 
-    rows = tl.arange(0, TOKENS * GROUP_P2)
-    leader = (rows % GROUP_P2) == 0  # one row per token carries its gradient
     for first in range(start, end, TOKENS):
-        teacher, logits, iq_rows, query, token_ok = _tile(
+        teacher, logits, index_queries, query, token_ok = _tile(
             q, k_block, index_q, index_keys, lse, entry_query, position, first, end, kv_head, key_position, key_ok,
             qk_scale, index_scale, stride_q_token, stride_q_head, stride_iq_token, stride_iq_head,
-            NUM_KV_HEADS, GROUP, GROUP_P2, TOKENS, TOPK, BLOCK, DIM, INDEX_DIM, PRECISION, INDEX_PRECISION,
+            NUM_KV_HEADS, GROUP, HEADS_PER_PASS, TOKENS, TOPK, BLOCK, DIM, INDEX_DIM, PRECISION, INDEX_PRECISION,
         )
-        token = (query // TOPK).to(tl.int64)
-        pair = token * NUM_KV_HEADS + kv_head
+        pair = (query // TOPK).to(tl.int64) * NUM_KV_HEADS + kv_head
         student_lse = tl.load(index_lse + pair, mask=token_ok, other=0.0) * 1.4426950408889634
         student_lse = tl.where((student_lse == float("inf")) | (student_lse == float("-inf")), 0.0, student_lse)
         mass = tl.load(teacher_mass + pair, mask=token_ok, other=0.0)
         on_support = logits != float("-inf")
         student = mass[:, None] * tl.exp2(logits - student_lse[:, None])
-        d_logits = tl.where(on_support & token_ok[:, None], student - teacher, 0.0) * scale
-        d_rows = tl.reshape(tl.broadcast_to(d_logits[:, None, :], (TOKENS, GROUP_P2, BLOCK)), (TOKENS * GROUP_P2, BLOCK))
-        d_rows = tl.where(leader[:, None], d_rows, 0.0).to(index_keys.dtype)
-        d_keys += tl.dot(tl.trans(d_rows), iq_rows, input_precision=INDEX_PRECISION)
-        d_queries = tl.dot(d_rows, index_keys, input_precision=INDEX_PRECISION)
-        row_pair = tl.reshape(tl.broadcast_to(pair[:, None], (TOKENS, GROUP_P2)), (TOKENS * GROUP_P2,))
-        row_ok = tl.reshape(tl.broadcast_to(token_ok[:, None], (TOKENS, GROUP_P2)), (TOKENS * GROUP_P2,)) & leader
-        tl.atomic_add(d_index_q + row_pair[:, None] * INDEX_DIM + index_dims[None, :], d_queries,
-                      mask=row_ok[:, None], sem="relaxed")
+        d_logits = (tl.where(on_support, student - teacher, 0.0) * scale).to(index_keys.dtype)
+        d_keys += tl.dot(tl.trans(d_logits), index_queries, input_precision=INDEX_PRECISION)
+        d_queries = tl.dot(d_logits, index_keys, input_precision=INDEX_PRECISION)
+        tl.atomic_add(d_index_q + pair[:, None] * INDEX_DIM + index_dims[None, :], d_queries,
+                      mask=token_ok[:, None], sem="relaxed")
     tl.atomic_add(d_index_k + key_row[:, None] * INDEX_DIM + index_dims[None, :], d_keys,
                   mask=key_ok[:, None], sem="relaxed")
 
@@ -202,7 +207,7 @@ def _launch(kernel, q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu
             index_softmax_scale, *outputs):
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
-    tokens, group_p2 = tile_shape(num_heads, num_kv_heads)
+    tokens, heads_per_pass = kl_tile_shape(num_heads, num_kv_heads)
     schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens)
     q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
     scalars = (num_queries, num_keys) if kernel is _forward_kernel else (num_keys,)
@@ -212,7 +217,7 @@ def _launch(kernel, q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu
         schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
         *scalars, softmax_scale * LOG2_E, index_softmax_scale * LOG2_E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), index_q.stride(0), index_q.stride(1), index_k.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, GROUP_P2=group_p2, TOKENS=tokens,
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEADS_PER_PASS=heads_per_pass, TOKENS=tokens,
         TOPK=block_indices.shape[-1], BLOCK=block_size, DIM=dim, INDEX_DIM=index_q.shape[-1],
         PRECISION=dot_precision(q.dtype), INDEX_PRECISION=dot_precision(index_q.dtype),
         **_LAUNCH,
