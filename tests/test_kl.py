@@ -110,23 +110,33 @@ def test_dense_loss_and_gradients_match_the_oracle(given_lse):
 
 
 def test_dense_loss_spans_keys_with_bounded_memory(monkeypatch):
-    """A budget of a few rows forces several key spans and query chunks; the loss is unchanged."""
+    """A small budget and short key spans force many chunks of a few queries and several spans per
+    chunk; each holds at most the budget, and the loss and gradients are unchanged."""
     q, k, _, index_q, index_k, _, docs = _problem(**CASE)
     whole = torch_msa.indexer_kl_loss_dense(q, k, index_q, index_k, *docs, block_size=BLOCK)
-    from torch_msa import reference
-    monkeypatch.setattr(reference, "_CHUNK_BYTES_CPU", 1 << 20)
-    spans = []
-    original = torch_msa.reference_kl._dense_spans
+    whole_grads = torch.autograd.grad(whole, (index_q, index_k))
+    from torch_msa import reference, reference_kl
+    budget, span_keys = 64 << 10, 100
+    monkeypatch.setattr(reference, "_CHUNK_BYTES_CPU", budget)
+    monkeypatch.setattr(reference_kl, "_DENSE_SPAN_KEYS", span_keys)
+    shapes = []
+    original = reference_kl._dense_spans
 
-    def counting(*args):
+    def recording(*args):
         for span in original(*args):
-            spans.append(span.token_rows.numel())
+            shapes.append(tuple(span.valid.shape))
             yield span
 
-    monkeypatch.setattr(torch_msa.reference_kl, "_dense_spans", counting)
+    monkeypatch.setattr(reference_kl, "_dense_spans", recording)
     split = torch_msa.indexer_kl_loss_dense(q, k, index_q, index_k, *docs, block_size=BLOCK)
-    assert len(spans) > 4 and max(spans) * 4 * 64 * 2 <= 1 << 20
+    split_grads = torch.autograd.grad(split, (index_q, index_k))
+    pair_bytes = 16 * q.shape[1] + 32 * k.shape[1]
+    spans_per_chunk = math.ceil(k.shape[0] / span_keys)
+    assert len(shapes) > 2 * spans_per_chunk
+    assert all(queries * keys * pair_bytes <= budget for _, queries, keys in shapes)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
+    for a, b in zip(split_grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_gradcheck_fp64():

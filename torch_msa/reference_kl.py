@@ -17,8 +17,11 @@ same support returns). Student `P_s[j] = exp(u[j] - lse_s)` with
 and the teacher's mass `M = sum_J P_t` (1 when `lse` is the attention's over `J`):
 `KL = A + M * lse_s` and `dKL / du[j] = M * P_s[j] - P_t[j]`, the exact gradient. Both
 accumulate over spans of the support, so memory stays bounded: queries are processed in chunks,
-the dense support in spans of keys, and nothing of size `T x T` is built. Invalid slots are
-removed with `where`, so a NaN in one document never reaches another.
+and nothing of size `T x T` is built. The sparse support gathers each query's selected keys
+(`topk * block_size` of them); the dense one walks the packed keys in spans shared by the whole
+chunk, so its scores are plain GEMMs, and masks what lies outside each query's document or
+causal horizon. Invalid slots are removed with `where` (and the dense backward's GEMM operands
+are made finite), so a NaN in one document never reaches another.
 """
 
 import math
@@ -36,27 +39,38 @@ def loss_dtype(index_dtype: torch.dtype) -> torch.dtype:
 
 
 class _Span:
-    """A span of the support of one query chunk: `token_rows` (packed key rows, `[H', C, N]`,
-    `H'` 1 when every head shares it) and `valid` (same shape, bool)."""
+    """A span of the support of one query chunk: `token_rows` (packed key rows) and `valid`
+    (bool). Gathered per query (`[Hkv, C, N]`), or `shared` by the chunk's queries
+    (`token_rows [N]`, `valid [1, C, N]`)."""
 
-    def __init__(self, token_rows: torch.Tensor, valid: torch.Tensor):
+    def __init__(self, token_rows: torch.Tensor, valid: torch.Tensor, shared: bool):
         self.token_rows = token_rows
         self.valid = valid
+        self.shared = shared
 
 
 def _sparse_span(block_indices, docs: QueryDocuments, start, end, num_kv_heads, block_size) -> _Span:
     gather = _KeyGather(block_indices, docs, start, end, num_kv_heads, block_size)
     token_rows = (gather.rows // num_kv_heads).view(gather.shape)
-    return _Span(token_rows, gather.valid.view(gather.shape))
+    return _Span(token_rows, gather.valid.view(gather.shape), shared=False)
 
 
-def _dense_spans(docs: QueryDocuments, start, end, max_seqlen_k, span_keys, device):
-    position = docs.position[start:end, None]
-    for first in range(0, max_seqlen_k, span_keys):
-        offsets = torch.arange(first, min(max_seqlen_k, first + span_keys), device=device)
-        valid = offsets <= position
-        token_rows = torch.where(valid, docs.key_start[start:end, None] + offsets, 0)
-        yield _Span(token_rows[None], valid[None])
+def _dense_spans(docs: QueryDocuments, start, end, num_keys, span_keys, device):
+    key_start = docs.key_start[start:end, None]
+    last_key = key_start + docs.position[start:end, None]  # < key_start for a query that sees nothing
+    for first in range(0, num_keys, span_keys):
+        rows = torch.arange(first, min(num_keys, first + span_keys), device=device)
+        valid = (rows >= key_start) & (rows <= last_key)
+        yield _Span(rows, valid[None], shared=True)
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, 0)
+
+
+# Keys per span of the dense support: long enough for efficient GEMMs, short enough that a chunk
+# still holds many queries.
+_DENSE_SPAN_KEYS = 2048
 
 
 class _Problem:
@@ -75,14 +89,16 @@ class _Problem:
         self.docs = locate_queries(cu_seqlens_q, cu_seqlens_k, self.num_queries, self.num_keys)
         self.k_flat = k.reshape(-1, self.dim)
         self.index_keys = index_k.reshape(self.num_keys, self.index_dim)
-        # Bytes one (query, support key) pair holds: gathered keys (native + compute copies),
-        # teacher scores and probabilities, index keys, student terms and a gradient row.
-        per_key = (self.num_kv_heads * (self.dim + 2 * self.index_dim) * (q.element_size() + 8)
-                   + self.num_heads * 24)
         if block_indices is None:
-            keys_bound = max(1, max_seqlen_k)
-            self.span_keys = min(keys_bound, max(block_size, _chunk_rows(keys_bound, per_key, self.device)))
+            # Bytes one (query, key) pair of a shared span holds: scores and probabilities of the
+            # query heads, logits and gradient terms of the index heads.
+            per_key = 16 * self.num_heads + 32 * self.num_kv_heads
+            self.span_keys = max(1, min(self.num_keys, _DENSE_SPAN_KEYS))
         else:
+            # Bytes one (query, support key) pair holds: gathered keys (native + compute copies),
+            # teacher scores and probabilities, index keys, student terms and a gradient row.
+            per_key = (self.num_kv_heads * (self.dim + 2 * self.index_dim) * (q.element_size() + 8)
+                       + self.num_heads * 24)
             self.span_keys = block_indices.shape[-1] * block_size
         self.row_bytes = self.span_keys * per_key
 
@@ -91,32 +107,42 @@ class _Problem:
 
     def spans(self, start, end):
         if self.block_indices is None:
-            yield from _dense_spans(self.docs, start, end, self.max_seqlen_k, self.span_keys, self.device)
+            yield from _dense_spans(self.docs, start, end, self.num_keys, self.span_keys, self.device)
         else:
             yield _sparse_span(self.block_indices, self.docs, start, end, self.num_kv_heads, self.block_size)
 
     def teacher_scores(self, start, end, span: _Span) -> torch.Tensor:
         """`softmax_scale q k^T` over the span, `[Hkv, C, G, N]`, `-inf` outside the support."""
         heads = torch.arange(self.num_kv_heads, device=self.device).view(-1, 1, 1)
-        rows = torch.where(span.valid, span.token_rows * self.num_kv_heads + heads, 0)
-        keys = self.k_flat.index_select(0, rows.reshape(-1)).view(*rows.shape, self.dim).to(self.dtype)
         query = _heads_first(self.q[start:end], self.num_kv_heads, self.dtype) * self.softmax_scale
-        scores = torch.matmul(query, keys.transpose(-1, -2))
+        if span.shared:
+            keys = self.k[span.token_rows].to(self.dtype).transpose(0, 1)  # [Hkv, N, D]
+            count, group = query.shape[1], query.shape[2]
+            scores = torch.matmul(query.reshape(self.num_kv_heads, count * group, self.dim), keys.transpose(-1, -2))
+            scores = scores.view(self.num_kv_heads, count, group, -1)
+        else:
+            rows = torch.where(span.valid, span.token_rows * self.num_kv_heads + heads, 0)
+            keys = self.k_flat.index_select(0, rows.reshape(-1)).view(*rows.shape, self.dim).to(self.dtype)
+            scores = torch.matmul(query, keys.transpose(-1, -2))
         return scores.masked_fill(~span.valid[:, :, None, :], -math.inf)
 
     def index_keys_of(self, span: _Span) -> torch.Tensor:
-        """`[H', C, N, Di]` index keys of the span (row 0 at invalid slots)."""
+        """Index keys of the span in the compute dtype: `[N, Di]` when shared, else `[Hkv, C, N, Di]`
+        (row 0 at invalid slots)."""
         keys = self.index_keys.index_select(0, span.token_rows.reshape(-1))
         return keys.view(*span.token_rows.shape, self.index_dim).to(self.dtype)
 
     def index_queries(self, start, end) -> torch.Tensor:
-        """`[Hi, C, 1, Di]` index queries of the chunk."""
-        return self.index_q[start:end].to(self.dtype).transpose(0, 1).unsqueeze(-2)
+        """`[Hi, C, Di]` index queries of the chunk."""
+        return self.index_q[start:end].to(self.dtype).transpose(0, 1)
 
     def student_logits(self, index_queries, index_keys, span: _Span) -> torch.Tensor:
         """`u`, `[Hi, C, N]`, `-inf` outside the support."""
-        logits = torch.matmul(index_queries, index_keys.transpose(-1, -2))[:, :, 0] * self.index_softmax_scale
-        return logits.masked_fill(~span.valid, -math.inf)
+        if span.shared:
+            logits = torch.matmul(index_queries, index_keys.t())
+        else:
+            logits = torch.matmul(index_queries[:, :, None, :], index_keys.transpose(-1, -2))[:, :, 0]
+        return (logits * self.index_softmax_scale).masked_fill(~span.valid, -math.inf)
 
     def teacher_probs(self, scores, teacher_lse) -> torch.Tensor:
         """`P_t`, `[Hkv, C, N]`: the mean over the group of `exp(score - lse)` (0 outside the support)."""
@@ -233,15 +259,20 @@ def indexer_kl_backward(
             chunk_lse = _heads_first(teacher_lse[start:end], problem.num_kv_heads, problem.dtype)
             student_lse = _finite_or_zero(index_lse[start:end].to(problem.dtype).transpose(0, 1))[..., None]
             mass = teacher_mass[start:end].to(problem.dtype).transpose(0, 1)[..., None]
-            index_queries = problem.index_queries(start, end)  # [Hi, C, 1, Di]
+            index_queries = problem.index_queries(start, end)  # [Hi, C, Di]
             for span in problem.spans(start, end):
                 probs = problem.teacher_probs(problem.teacher_scores(start, end, span), chunk_lse)
                 index_keys = problem.index_keys_of(span)
                 logits = problem.student_logits(index_queries, index_keys, span)
                 grad_logits = torch.where(span.valid, mass * (logits - student_lse).exp() - probs, 0) * coefficient
-                d_index_q[start:end] += torch.matmul(grad_logits[:, :, None, :], index_keys)[:, :, 0].transpose(0, 1)
-                contribution = torch.where(span.valid[..., None], grad_logits[..., None] * index_queries, 0)
-                if span.token_rows.shape[0] == 1:
-                    contribution = contribution.sum(0, keepdim=True)
-                d_index_k.index_add_(0, span.token_rows.reshape(-1), contribution.reshape(-1, problem.index_dim))
+                if span.shared:
+                    # GEMMs over the chunk's queries and the span's keys: finite operands, so a
+                    # NaN of one document cannot reach another through a zero weight.
+                    d_index_q[start:end] += torch.matmul(grad_logits, _finite(index_keys)).transpose(0, 1)
+                    key_grad = torch.matmul(grad_logits.transpose(-1, -2), _finite(index_queries)).sum(0)
+                    d_index_k.index_add_(0, span.token_rows, key_grad)
+                else:
+                    d_index_q[start:end] += torch.matmul(grad_logits[:, :, None, :], index_keys)[:, :, 0].transpose(0, 1)
+                    contribution = torch.where(span.valid[..., None], grad_logits[..., None] * index_queries[:, :, None, :], 0)
+                    d_index_k.index_add_(0, span.token_rows.reshape(-1), contribution.reshape(-1, problem.index_dim))
     return d_index_q.to(index_q.dtype), d_index_k.view(index_k.shape).to(index_k.dtype)
