@@ -182,6 +182,18 @@ def test_nan_in_one_document_stays_there():
     assert d_index_q[:first_doc_queries].isnan().any()
     assert not d_index_q[first_doc_queries:].isnan().any() and not d_index_k[first_doc_keys:].isnan().any()
 
+    # The dense support multiplies whole spans of packed keys: NaN keys and index keys of document
+    # 0 must not reach the others either.
+    with torch.no_grad():
+        k[:first_doc_keys] = math.nan
+        index_k[:first_doc_keys] = math.nan
+    dense_args = (None, *docs, BLOCK, 64**-0.5, 16**-0.5)
+    loss, teacher_lse, index_lse, mass = torch.ops.msa.indexer_kl(q, k, None, index_q, index_k, *dense_args)
+    assert not index_lse[first_doc_queries:].isnan().any() and not teacher_lse[first_doc_queries:].isnan().any()
+    d_index_q, d_index_k = torch.ops.msa.indexer_kl_backward(torch.tensor(1.0), q, k, teacher_lse, index_q, index_k,
+                                                             index_lse, mass, *dense_args)
+    assert not d_index_q[first_doc_queries:].isnan().any() and not d_index_k[first_doc_keys:].isnan().any()
+
 
 def test_no_queries_gives_zero():
     q, k, v, index_q, index_k, block_indices, docs = _problem((0,), (9,), 4, 2, 64, 16, 2)
