@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..backends import UnsupportedInputs
 from .common import dot_precision
-from .forward_kernel import LOG2_E, schedule_for, tile_shape
+from .forward_kernel import LOG2_E, item_horizon, schedule_for, tile_shape
 
 _ROWS = 128
 _BLOCK_N = 64
@@ -75,12 +75,13 @@ def _blocks_kernel(
     dims = tl.arange(0, DIM)
     offsets = tl.arange(0, BLOCK_N)
     key_row = (first_key + offsets).to(tl.int64)
-    key_ok = key_row < num_keys
+    key_position = block * BLOCK + slice_start + offsets
+    # As in the forward: keys of the next document (the block's tail) are neither read nor written.
+    key_ok = (key_position <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
     keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
                    mask=key_ok[:, None], other=0.0)
     values = tl.load(v + key_row[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
                      mask=key_ok[:, None], other=0.0)
-    key_position = block * BLOCK + slice_start + offsets
     dk = tl.zeros((BLOCK_N, DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, DIM), tl.float32)
 
@@ -109,7 +110,8 @@ def _blocks_kernel(
         probs = tl.where(visible, tl.exp2(scores - row_lse[:, None]), 0.0)
         dv += tl.dot(tl.trans(probs.to(d_out.dtype)), d_out, input_precision=PRECISION)
         d_probs = tl.dot(d_out, tl.trans(values), input_precision=PRECISION)
-        d_scores = (probs * (d_probs - row_delta[:, None])).to(q_rows.dtype)
+        # `where`, not `probs *`: a non-finite dP of a hidden key must not reach dQ through 0 * NaN.
+        d_scores = tl.where(visible, probs * (d_probs - row_delta[:, None]), 0.0).to(q_rows.dtype)
         dk += tl.dot(tl.trans(d_scores), q_rows, input_precision=PRECISION)
         dq = tl.dot(d_scores, keys, input_precision=PRECISION) * softmax_scale
         tl.atomic_add(dq_acc + head_row[:, None] * DIM + dims[None, :], dq, mask=row_ok[:, None], sem="relaxed")

@@ -43,6 +43,17 @@ def schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size
 
 
 @triton.jit
+def item_horizon(entry_query, position, end, TOPK: tl.constexpr):
+    """The last key position any query of an item sees: that of its last entry.
+
+    An item's entries all belong to one document and are sorted by query, so this bounds the
+    keys the item may read to its own document, at or before its last query's position.
+    """
+    last_token = (tl.load(entry_query + end - 1) // TOPK).to(tl.int64)
+    return tl.load(position + last_token)
+
+
+@triton.jit
 def _blocks_kernel(
     q, k, v, partial_out, partial_lse,
     entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
@@ -64,12 +75,14 @@ def _blocks_kernel(
     dims = tl.arange(0, DIM)
     offsets = tl.arange(0, BLOCK)
     key_row = (first_key + offsets).to(tl.int64)
-    key_ok = key_row < num_keys
+    key_position = block * BLOCK + offsets
+    # Keys past the item's last causal position are not read: the tail of a block belongs to the
+    # next document, and a NaN there would survive `0 * NaN` in the P @ V product.
+    key_ok = (key_position <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
     keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
                    mask=key_ok[:, None], other=0.0)
     values = tl.load(v + key_row[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
                      mask=key_ok[:, None], other=0.0)
-    key_position = block * BLOCK + offsets
 
     rows = tl.arange(0, TOKENS * GROUP_P2)
     row_token = rows // GROUP_P2
