@@ -23,6 +23,7 @@ from .common import check_served
 
 NAME = "triton"
 MIN_CAPABILITY = (8, 0)
+INSTALL_COMMAND = "pip install triton"
 
 
 @functools.cache
@@ -30,11 +31,29 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def available(device: torch.device) -> bool:
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return False
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the backend cannot serve `device`, or None if it can."""
+    if device.type != "cuda":
+        return f"it serves CUDA devices only, not {device.type}"
+    if not _triton_installed():
+        return f"triton is not installed ({INSTALL_COMMAND}; it ships with Linux x86_64 torch)"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available (torch.cuda.is_available() is False)"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= MIN_CAPABILITY
+    capability = _capability(index)
+    if capability < MIN_CAPABILITY:
+        return (f"cuda:{index} has compute capability {capability[0]}.{capability[1]} < "
+                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, the least the Triton kernels need")
+    return None
+
+
+def available(device: torch.device) -> bool:
+    return unavailable_reason(device) is None
 
 
 def _kernels(module: str):
@@ -70,6 +89,7 @@ BACKEND = Backend(
     priority=10,
     device_types=("cuda",),
     available=available,
+    unavailable_reason=unavailable_reason,
 )
 
 

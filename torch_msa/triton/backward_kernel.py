@@ -23,10 +23,17 @@ import triton.language as tl
 from ..backends import UnsupportedInputs
 from .common import dot_precision
 from .forward_kernel import LOG2_E, item_horizon, schedule_for, tile_shape
+from .launch import LaunchConfig, launch
 
-_ROWS = 128
-_BLOCK_N = 64
-_BLOCKS_LAUNCH = dict(num_warps=8, num_stages=3)
+# Tuned on SM90 first (128 query rows, 64-key slices, 3 stages); the others fit sm_100 (whose
+# pipelined tiles are twice as large), then the 99 KB of sm_86/sm_89/sm_120, then fp32 tiles.
+BLOCKS_CONFIGS = (
+    LaunchConfig(rows=128, block_n=64, num_stages=3),
+    LaunchConfig(rows=128, block_n=64, num_stages=1),
+    LaunchConfig(rows=64, block_n=64, num_stages=1),
+    LaunchConfig(rows=64, block_n=32, num_stages=1),
+)
+DELTA_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4, rows=64),)
 
 
 @triton.jit
@@ -137,24 +144,34 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
         q, k, v, grad_out, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad_out, out))
         lse = lse.contiguous()
         delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=q.device)
-        rows = 64
-        _delta_kernel[(triton.cdiv(num_queries * num_heads, rows),)](
-            grad_out, out, grad_lse.contiguous() if grad_lse is not None else delta, delta, num_queries * num_heads,
-            grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, DIM=dim, ROWS=rows, HAS_GRAD_LSE=grad_lse is not None,
-        )
-        tokens, group_p2 = tile_shape(num_heads, num_kv_heads, _ROWS)
-        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens)
-        block_n = min(_BLOCK_N, block_size)
-        _blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
-            q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc,
-            schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
-            schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-            num_keys, softmax_scale, softmax_scale * LOG2_E,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            grad_out.stride(0), grad_out.stride(1),
-            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
-            TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=dim, PRECISION=dot_precision(q.dtype),
-            **_BLOCKS_LAUNCH,
-        )
+        # The schedule's item size follows the tuned tile, whatever tile the device can afford.
+        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size,
+                                tile_shape(num_heads, num_kv_heads, BLOCKS_CONFIGS[0].rows)[0])
+        shape_key = (q.device, q.dtype, dim, block_size, group, topk)
+
+        def launch_delta(config):
+            _delta_kernel[(triton.cdiv(num_queries * num_heads, config.rows),)](
+                grad_out, out, grad_lse.contiguous() if grad_lse is not None else delta, delta, num_queries * num_heads,
+                grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, DIM=dim, ROWS=config.rows, HAS_GRAD_LSE=grad_lse is not None,
+                **config.options,
+            )
+
+        def launch_blocks(config):
+            tokens, group_p2 = tile_shape(num_heads, num_kv_heads, config.rows)
+            block_n = min(config.block_n, block_size)
+            _blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
+                q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc,
+                schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
+                schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
+                num_keys, softmax_scale, softmax_scale * LOG2_E,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                grad_out.stride(0), grad_out.stride(1),
+                NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
+                TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=dim, PRECISION=dot_precision(q.dtype),
+                **config.options,
+            )
+
+        launch("backward._delta_kernel", shape_key, DELTA_CONFIGS, launch_delta)
+        launch("backward._blocks_kernel", shape_key, BLOCKS_CONFIGS, launch_blocks)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)

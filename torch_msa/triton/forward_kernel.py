@@ -23,11 +23,14 @@ import triton.language as tl
 from ..contract import compute_dtype
 from ..schedule import build_schedule
 from .common import dot_precision
+from .launch import LaunchConfig, launch
 
 LOG2_E = math.log2(math.e)
-_ROWS = 128  # query rows (tokens x heads) per tile
-_ITEM_TILES = 16  # tiles per schedule item: bounds a program's work, keeps K/V reuse high
-_BLOCKS_LAUNCH = dict(num_warps=8, num_stages=3)
+_ROWS = 128  # query rows (tokens x heads) per tile of the tuned configuration
+_ITEM_TILES = 16  # tiles of `_ROWS` rows per schedule item: bounds a program's work, keeps K/V reuse high
+# Tuned on SM90 first; fewer rows and no pipelining for devices with less shared memory.
+BLOCKS_CONFIGS = (LaunchConfig(rows=_ROWS, num_stages=3), LaunchConfig(rows=64, num_stages=1))
+COMBINE_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4),)
 
 
 def tile_shape(num_heads: int, num_kv_heads: int, rows: int = _ROWS) -> tuple[int, int]:
@@ -161,25 +164,34 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if num_keys == 0:
         return out.zero_(), lse.fill_(-math.inf)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    tokens, group_p2 = tile_shape(num_heads, num_kv_heads)
-    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens)
+    # The schedule's item size follows the tuned tile, whatever tile the device can afford.
+    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size,
+                            tile_shape(num_heads, num_kv_heads)[0])
     partial_out = torch.empty((num_queries * num_kv_heads * topk * group, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((num_queries * num_kv_heads * topk * group,), -math.inf, dtype=torch.float32, device=q.device)
-    precision = dot_precision(q.dtype)
-    _blocks_kernel[(schedule.item_start.numel(),)](
-        q, k, v, partial_out, partial_lse,
-        schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
-        schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-        num_keys, softmax_scale * LOG2_E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
-        TOPK=topk, BLOCK=block_size, DIM=dim, PRECISION=precision,
-        **_BLOCKS_LAUNCH,
-    )
-    _combine_kernel[(num_queries, num_kv_heads)](
-        partial_out, partial_lse, out, lse,
-        out.stride(0), out.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOPK=topk, DIM=dim,
-        num_warps=4,
-    )
+    shape_key = (q.device, q.dtype, dim, block_size, group, topk)
+
+    def launch_blocks(config):
+        tokens, group_p2 = tile_shape(num_heads, num_kv_heads, config.rows)
+        _blocks_kernel[(schedule.item_start.numel(),)](
+            q, k, v, partial_out, partial_lse,
+            schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
+            schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
+            num_keys, softmax_scale * LOG2_E,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
+            TOPK=topk, BLOCK=block_size, DIM=dim, PRECISION=dot_precision(q.dtype),
+            **config.options,
+        )
+
+    def launch_combine(config):
+        _combine_kernel[(num_queries, num_kv_heads)](
+            partial_out, partial_lse, out, lse,
+            out.stride(0), out.stride(1),
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), TOPK=topk, DIM=dim,
+            **config.options,
+        )
+
+    launch("forward._blocks_kernel", shape_key, BLOCKS_CONFIGS, launch_blocks)
+    launch("forward._combine_kernel", shape_key, COMBINE_CONFIGS, launch_combine)
     return out, lse
