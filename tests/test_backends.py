@@ -234,3 +234,15 @@ def test_a_cuda_fallback_to_the_reference_says_it_is_the_slow_path(fake_cuda, st
     with pytest.warns(UserWarning, match="'picky_cuda' does not serve these msa::forward inputs \\(only D = 128\\); "
                                          "falling back to 'reference' \\(the slow path\\)"):
         backends.call("forward", device, *_cpu_inputs())
+
+
+def test_inputs_a_forced_backend_declines_fall_back_with_a_warning(stand_in, monkeypatch):
+    def picky_forward(*args):
+        raise torch_msa.UnsupportedInputs("only bf16")
+
+    stand_in(torch_msa.Backend("picky_forced", {"forward": picky_forward}, device_types=("cpu",)))
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "picky_forced")
+    monkeypatch.setattr(backends, "_warned", set())
+    with pytest.warns(UserWarning, match="'picky_forced' does not serve these msa::forward inputs \\(only bf16\\); "
+                                         "falling back to 'reference'$"):
+        torch_msa.sparse_attention(*_inputs(), block_size=64)

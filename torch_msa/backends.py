@@ -10,8 +10,9 @@ Resolution: if `TORCH_MSA_BACKEND` names a backend, that backend serves every op
 does not implement resolve as usual. Otherwise the highest-priority available backend that
 serves the op wins, skipping opt-in backends (those with an `opt_in_note`), which serve only
 when forced. The pure-PyTorch reference serves every op on every device at priority 0.
-A backend may decline particular inputs by raising `UnsupportedInputs` before it launches
-anything; the call then falls through to the next backend, with a warning printed once. A CUDA
+A backend, forced or not, may decline particular inputs by raising `UnsupportedInputs` before
+it writes any output; the call then falls through to the next backend of the default order,
+with a warning printed once. A CUDA
 tensor that ends up on the reference (no GPU backend available, or every one declined) gets a
 one-time warning that this is the slow path, with the reason.
 """
@@ -101,7 +102,10 @@ def registered_backends() -> list[str]:
 
 
 def candidates(op: str, device: torch.device) -> list[Backend]:
-    """Backends that may serve `op` on `device`, best first, honouring `TORCH_MSA_BACKEND`."""
+    """Backends that may serve `op` on `device`, best first, honouring `TORCH_MSA_BACKEND`.
+
+    A forced backend comes first; the others follow only as fallbacks for inputs it declines.
+    """
     forced = os.environ.get(BACKEND_ENV, "").strip()
     if forced:
         backend = _BACKENDS.get(forced)
@@ -116,11 +120,17 @@ def candidates(op: str, device: torch.device) -> list[Backend]:
                     f"{BACKEND_ENV}={forced!r} cannot serve msa::{op} on {device}: {backend.why_not(op, device)}; "
                     f"backends that can: {', '.join(able)}"
                 )
-            return [backend]
+            return [backend] + [b for b in _by_default(op, device, notes=False) if b is not backend]
+    return _by_default(op, device, notes=not forced)
+
+
+def _by_default(op: str, device: torch.device, notes: bool) -> list[Backend]:
+    """The backends serving `op` on `device` without forcing, best first; opt-in ones are passed
+    over (with their one-time note when `notes`)."""
     found = []
     for backend in _ordered():
-        if backend.opt_in_note is not None and backend.name != forced:
-            if op in backend.ops and (backend.device_types is None or device.type in backend.device_types):
+        if backend.opt_in_note is not None:
+            if notes and op in backend.ops and (backend.device_types is None or device.type in backend.device_types):
                 note = backend.opt_in_note(device)
                 if note:
                     _warn_once(("opt-in", backend.name), f"torch_msa: {note}")
@@ -166,8 +176,6 @@ def call(op: str, device: torch.device, *args):
 
 def _no_fast_path(op: str, device: torch.device) -> str:
     """Why no backend other than the reference serves `op` on `device`."""
-    if os.environ.get(BACKEND_ENV, "").strip() == REFERENCE:
-        return f"{BACKEND_ENV}={REFERENCE!r}"
     reasons = [f"{b.name}: {b.why_not(op, device)}" for b in _ordered()
                if b.name != REFERENCE and op in b.ops and b.opt_in_note is None]
     return "; ".join(reasons) or "no other backend is registered"
