@@ -6,8 +6,9 @@ schedule of `torch_msa/schedule.py`.
 
 Importing this package imports no triton: the kernel modules load on the first call, and the
 backend reports itself unavailable on a host without triton. It serves CUDA devices of compute
-capability 8.0 or newer (the kernels use only portable `tl.dot`; they are tuned and measured on
-SM90) with bf16, fp16 or fp32 inputs and at most 128 query heads per KV head; other inputs get
+capability 8.0 or newer, SM100 included (the kernels use only portable `tl.dot`; they are tuned
+and measured on SM90, and `launch.py` picks per device a configuration that fits its shared
+memory) with bf16, fp16 or fp32 inputs and at most 128 query heads per KV head; other inputs get
 `UnsupportedInputs`, so the registry falls back to the reference with a one-time warning. Under
 `torch.use_deterministic_algorithms(True)` the backward declines too (it adds with atomics).
 """
