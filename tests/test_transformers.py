@@ -207,3 +207,17 @@ def test_sparse_attention_dropout_is_refused(hf_model):
     model.train()
     with pytest.raises(ValueError, match="dropout: .*expected 0.0, got 0.1"):
         model(_batch([SEQLEN])[0])
+
+
+def test_training_example_runs_and_learns():
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[1] / "examples" / "train_tiny_m3.py"
+    result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--steps", "4", "--seqlen", "192"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    losses = [float(x) for x in re.findall(r"loss (\S+)", result.stdout)]
+    assert len(losses) == 4 and losses[-1] < losses[0], result.stdout
