@@ -81,6 +81,7 @@ def main(argv=None) -> int:
         return 2
 
     import torch_msa
+    from torch_msa.bench.cli import git_commit
     from torch_msa.integrations.transformers import use_torch_msa
 
     hf = build_model(args.layers, args.hidden, args.vocab)
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
             else:
                 print(f"{seqlen:>8} {name:>10} {'OOM':>10} {'':>9}", flush=True)
     if args.json:
-        meta = {"torch_msa": torch_msa.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+        meta = {"torch_msa": torch_msa.__version__, "git_commit": git_commit(), "torch": torch.__version__, "device": torch.cuda.get_device_name(),
                 "layers": args.layers, "hidden": args.hidden}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)

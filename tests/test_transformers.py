@@ -221,3 +221,21 @@ def test_training_example_runs_and_learns():
     assert result.returncode == 0, result.stderr
     losses = [float(x) for x in re.findall(r"loss (\S+)", result.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0], result.stdout
+
+
+def test_vision_language_model_switches_only_its_text_model():
+    from transformers import MiniMaxM3SparseForConditionalGeneration, MiniMaxM3VLConfig
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = MiniMaxM3VLConfig(text_config=_config().to_dict(), vision_config=vision, projector_hidden_size=64)
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    reference = MiniMaxM3SparseForConditionalGeneration(config)
+    model = use_torch_msa(copy.deepcopy(reference))
+    assert model.config.text_config._attn_implementation == ATTENTION_NAME
+    assert model.config.vision_config._attn_implementation != ATTENTION_NAME
+    ids, mask = _batch([SEQLEN, 150])
+    with torch.no_grad():
+        theirs = reference(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        ours = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    _assert_close("logits", ours, theirs)

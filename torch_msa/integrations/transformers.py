@@ -251,7 +251,9 @@ def _check_indexer_config(indexer: MiniMaxM3VLIndexer) -> None:
 
 
 def use_torch_msa(model: torch.nn.Module) -> torch.nn.Module:
-    """Switch a HF MiniMax-M3 model (`MiniMaxM3VLForCausalLM`, its text model, or the VL model) to torch_msa, in place.
+    """Switch a HF MiniMax-M3 model to torch_msa, in place: `MiniMaxM3VLForCausalLM`, `MiniMaxM3VLTextModel`,
+    or the vision-language `MiniMaxM3SparseForConditionalGeneration` / `MiniMaxM3VLModel` (only the text
+    model switches; the vision tower keeps its attention).
 
     The sparse layers' indexers become `TorchMSAIndexer` (selection by `torch_msa.select_blocks`)
     and the text model's attention implementation becomes `"torch_msa"`. Parameters and
