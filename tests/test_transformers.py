@@ -239,3 +239,27 @@ def test_vision_language_model_switches_only_its_text_model():
         theirs = reference(input_ids=ids, attention_mask=mask).logits[mask.bool()]
         ours = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
     _assert_close("logits", ours, theirs)
+
+
+def _decode(model, ids, mask, prefill):
+    """Logits of the last token of a prefill of `prefill` tokens, then of each token decoded from the cache."""
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=position_ids[:, :prefill],
+                    use_cache=True)
+        logits, cache = [out.logits[:, -1]], out.past_key_values
+        for t in range(prefill, ids.shape[1]):
+            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=position_ids[:, t:t + 1],
+                        past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, dim=1)
+
+
+def test_decoding_a_left_padded_batch_equals_hf_on_each_sequence_alone(hf_model):
+    lengths, prefill = [SEQLEN, 150], SEQLEN - 6  # 6 tokens decoded from the cache
+    ids, mask = _batch(lengths, left=True)
+    ours = _decode(_torch_msa_model(hf_model, "torch_msa"), ids, mask, prefill)
+    for row, length in enumerate(lengths):
+        alone = ids[row:row + 1, SEQLEN - length:]
+        theirs = _decode(hf_model, alone, torch.ones_like(alone), prefill - (SEQLEN - length))
+        _assert_close(f"row {row}", ours[row], theirs[0])

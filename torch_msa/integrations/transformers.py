@@ -25,9 +25,9 @@ token, as `generate` does, for the RoPE positions to match exactly too). Left pa
 `use_torch_msa`'s indexer. Packed rows (several documents in one row through `position_ids`) are
 not read: a row is one document.
 
-Supported: training and prefill (queries and keys of the same length; with a 2-D or 4-D mask),
-and decoding from a cache for unpadded batches (no mask). Not supported: attention dropout in
-sparse layers, masks with other patterns than causal + padding.
+Supported: training, prefill and decoding from a cache (`generate`; padded batches left-padded,
+as `generate` wants them), with no mask, a 2-D padding mask or a 4-D causal padding mask. Not
+supported: attention dropout in sparse layers, masks with other patterns than causal + padding.
 """
 
 from dataclasses import dataclass
@@ -121,32 +121,41 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
         return PendingSelection(index_q, index_k, self.topk_blocks, self.block_size)
 
 
-def _real_tokens_of_4d(attention_mask: torch.Tensor) -> torch.Tensor:
-    """`[B, S]` bool real-token mask of a causal padding mask `[B, 1 or H, S, S]` (bool keep, or additive 0 = keep)."""
+def _real_keys_of_4d(attention_mask: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """`[B, Sk]` bool real-key mask of a causal padding mask `[B, 1 or H, Sq, Sk]` (bool keep, or additive 0 = keep)."""
     keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-    # A real token sees itself; HF's padding masks hide padding keys from every query.
-    return keep[:, 0].diagonal(dim1=-2, dim2=-1)
+    if q_len == k_len:
+        # A real token sees itself (robust to masks that also hide padding queries' rows).
+        return keep[:, 0].diagonal(dim1=-2, dim2=-1)
+    # Decoding: the last query is real and sees every real key.
+    return keep[:, 0, -1]
 
 
 def _documents(attention_mask, batch: int, q_len: int, k_len: int, device):
-    """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` of the packed rows `[B * S]`."""
+    """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` of the packed rows `[B * Sq]`, `[B * Sk]`.
+
+    With a mask, each row is two documents (`padded_cu_seqlens`); the queries are the last `Sq`
+    slots of the row, so each document's queries are the suffix of its keys that they cover.
+    """
     if attention_mask is None:
         steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
         return steps * q_len, steps * k_len, q_len, k_len
     if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask: expected None or a torch.Tensor [B, S] or [B, 1, S, S], got {type(attention_mask).__name__}")
-    if q_len != k_len:
-        raise ValueError(
-            f"attention_mask: torch_msa reads a padding mask only when queries and keys have the same length "
-            f"(training, prefill); got {q_len} queries and {k_len} keys (decoding a padded batch from a cache)")
+        raise TypeError(f"attention_mask: expected None or a torch.Tensor [B, S] or [B, 1, Sq, Sk], got {type(attention_mask).__name__}")
     if attention_mask.dim() == 4:
-        if tuple(attention_mask.shape[-2:]) != (q_len, k_len) or attention_mask.shape[0] != batch:
+        if attention_mask.shape[0] != batch or tuple(attention_mask.shape[-2:]) != (q_len, k_len):
             raise ValueError(f"attention_mask: expected a 4-D mask [{batch}, 1, {q_len}, {k_len}], got {tuple(attention_mask.shape)}")
-        attention_mask = _real_tokens_of_4d(attention_mask)
+        attention_mask = _real_keys_of_4d(attention_mask, q_len, k_len)
     elif attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, k_len):
         raise ValueError(f"attention_mask: expected [{batch}, {k_len}] or [{batch}, 1, {q_len}, {k_len}], got {tuple(attention_mask.shape)}")
-    cu_seqlens, max_seqlen = padded_cu_seqlens(attention_mask)
-    return cu_seqlens, cu_seqlens, max_seqlen, max_seqlen
+    cu_seqlens_k, max_seqlen_k = padded_cu_seqlens(attention_mask)
+    if q_len == k_len:
+        return cu_seqlens_k, cu_seqlens_k, max_seqlen_k, max_seqlen_k
+    first_k = cu_seqlens_k[1::2] - cu_seqlens_k[0:-1:2]
+    first_q = (first_k - (k_len - q_len)).clamp(min=0)
+    lengths_q = torch.stack([first_q, q_len - first_q], dim=1).flatten()
+    cu_seqlens_q = torch.nn.functional.pad(torch.cumsum(lengths_q, dim=0, dtype=torch.int32), (1, 0))
+    return cu_seqlens_q, cu_seqlens_k, q_len, max_seqlen_k
 
 
 def _causal_padding_mask(padding: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
