@@ -263,3 +263,12 @@ def test_decoding_a_left_padded_batch_equals_hf_on_each_sequence_alone(hf_model)
         alone = ids[row:row + 1, SEQLEN - length:]
         theirs = _decode(hf_model, alone, torch.ones_like(alone), prefill - (SEQLEN - length))
         _assert_close(f"row {row}", ours[row], theirs[0])
+
+
+def test_a_static_cache_is_refused(hf_model):
+    from transformers import StaticCache
+
+    model = _torch_msa_model(hf_model, "torch_msa")
+    cache = StaticCache(config=model.config, max_cache_len=SEQLEN)
+    with pytest.raises(ValueError, match="past_key_values: torch_msa decodes from a DynamicCache; got a static cache"):
+        model(_batch([128])[0][:, :128], past_key_values=cache, use_cache=True)

@@ -25,8 +25,8 @@ token, as `generate` does, for the RoPE positions to match exactly too). Left pa
 `use_torch_msa`'s indexer. Packed rows (several documents in one row through `position_ids`) are
 not read: a row is one document.
 
-Supported: training, prefill and decoding from a cache (`generate`; padded batches left-padded,
-as `generate` wants them), with no mask, a 2-D padding mask or a 4-D causal padding mask. Not
+Supported: training, prefill and decoding from a `DynamicCache` (`generate`; padded batches
+left-padded, as `generate` wants them; not from a static cache), with no mask, a 2-D padding mask or a 4-D causal padding mask. Not
 supported: attention dropout in sparse layers, masks with other patterns than causal + padding.
 """
 
@@ -38,7 +38,11 @@ try:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
-    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLIndexer, apply_rotary_pos_emb
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
+        MiniMaxM3VLIndexer,
+        MiniMaxM3VLSparseStaticCacheLayer,
+        apply_rotary_pos_emb,
+    )
 except ImportError as error:  # transformers missing, or older than its MiniMax-M3 model
     raise ImportError(
         'torch_msa.integrations.transformers needs transformers with MiniMax-M3 (>= 5.17, < 6): '
@@ -117,7 +121,13 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
         cos, sin = position_embeddings
         index_q, index_k = apply_rotary_pos_emb(index_q, index_k, cos[..., : self.head_dim], sin[..., : self.head_dim])
         if past_key_values is not None:
-            index_k = past_key_values.layers[self.layer_idx].update_index(index_k)
+            layer = past_key_values.layers[self.layer_idx]
+            if isinstance(layer, MiniMaxM3VLSparseStaticCacheLayer):
+                # A static cache's keys are a fixed-size buffer filled from the front; torch_msa's
+                # queries are the newest keys of their document, which that layout does not give.
+                raise ValueError("past_key_values: torch_msa decodes from a DynamicCache; got a static cache "
+                                 f"({type(layer).__name__})")
+            index_k = layer.update_index(index_k)
         return PendingSelection(index_q, index_k, self.topk_blocks, self.block_size)
 
 
