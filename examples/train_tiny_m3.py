@@ -1,6 +1,6 @@
 """Train a tiny MiniMax-M3 (HF transformers, random weights, synthetic tokens) with torch_msa.
 
-    pip install "torch_msa[hf]"
+    pip install ".[hf]"                         # from a checkout of torch_msa
     python examples/train_tiny_m3.py            # CUDA when present, else CPU
     python examples/train_tiny_m3.py --device cpu --steps 5
 

@@ -20,14 +20,15 @@ Padding: each row's real tokens form one document that starts at position 0, and
 a second document that only sees itself (`torch_msa.padding.padded_cu_seqlens`: no host sync,
 static shapes). With right padding this equals HF exactly. With left padding HF's indexer
 anchors its blocks to absolute slots, so its result depends on the padding; torch_msa's result
-equals HF run on each sequence alone (pass `position_ids` counting from each row's first real
-token, as `generate` does, for the RoPE positions to match exactly too). Left padding needs
-`use_torch_msa`'s indexer. Packed rows (several documents in one row through `position_ids`) are
-not read: a row is one document.
+equals HF run on each sequence alone (RoPE is relative; pass `position_ids` counting from each
+row's first real token for the same positions too). Left padding needs `use_torch_msa`'s
+indexer. Packed rows (several documents in one row through `position_ids`) are not read: a row
+is one document.
 
 Supported: training, prefill and decoding from a `DynamicCache` (`generate`; padded batches
-left-padded, as `generate` wants them; not from a static cache), with no mask, a 2-D padding mask or a 4-D causal padding mask. Not
-supported: attention dropout in sparse layers, masks with other patterns than causal + padding.
+left-padded, as `generate` wants them; not from a static cache), with no mask, a 2-D padding
+mask or a 4-D causal padding mask. Not supported: attention dropout in sparse layers, masks with
+other patterns than causal + padding.
 """
 
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ try:
 except ImportError as error:  # transformers missing, or older than its MiniMax-M3 model
     raise ImportError(
         'torch_msa.integrations.transformers needs transformers with MiniMax-M3 (>= 5.17, < 6): '
-        'pip install "torch_msa[hf]"') from error
+        'install torch_msa with its hf extra (pip install ".[hf]" in a checkout)') from error
 
 from .. import api
 from ..padding import padded_cu_seqlens
