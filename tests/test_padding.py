@@ -94,7 +94,7 @@ def test_padded_documents_give_the_unpadded_attention(left):
 
     cu_seqlens, max_seqlen = padded_cu_seqlens(mask)
     in_place = attend(lambda x: x.reshape(batch * seqlen, *x.shape[2:]), cu_seqlens, max_seqlen).view(batch, seqlen, hq, dim)
-    _, indices, cu_unpadded, max_unpadded = unpad_input(q, mask)
+    _, _, cu_unpadded, max_unpadded = unpad_input(q, mask)
     removed = attend(lambda x: unpad_input(x, mask)[0], cu_unpadded, max_unpadded)
     torch.testing.assert_close(in_place[mask.bool()], removed)
     assert torch.isfinite(in_place).all()

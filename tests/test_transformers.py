@@ -52,8 +52,9 @@ def _batch(lengths, left=False):
     ids = torch.randint(1, VOCAB, (len(lengths), SEQLEN), generator=generator)
     mask = torch.zeros(len(lengths), SEQLEN, dtype=torch.long)
     for row, length in enumerate(lengths):
-        mask[row, SEQLEN - length:] = 1 if left else 0
-        if not left:
+        if left:
+            mask[row, SEQLEN - length:] = 1
+        else:
             mask[row, :length] = 1
     return ids * mask, mask
 
