@@ -19,8 +19,6 @@ import torch
 from ..schedule import valid_entries
 from ..testing import Shape
 
-# Measured bf16 matrix rate of one H200 (docs/performance.md); "% of peak" is relative to it.
-H200_BF16_TFLOPS = 790.0
 BACKWARD_TO_FORWARD = 2.5
 
 
