@@ -6,7 +6,7 @@ it imports neither triton nor cutlass (optional backends bind on first use).
 
 from . import ops  # noqa: F401  (registers torch.ops.msa.*)
 from . import sm100, triton
-from .api import msa_attention, select_blocks, sparse_attention, validate_inputs
+from .api import build_plan, msa_attention, select_blocks, sparse_attention, validate_inputs
 from .backends import BACKEND_ENV, Backend, BackendError, UnavailableError, UnsupportedInputs, register_backend, resolve
 from .validation import DEBUG_ENV
 
@@ -23,6 +23,7 @@ __all__ = [
     "BackendError",
     "UnavailableError",
     "UnsupportedInputs",
+    "build_plan",
     "msa_attention",
     "register_backend",
     "resolve",

@@ -22,7 +22,7 @@ import torch
 from . import reference
 
 BACKEND_ENV = "TORCH_MSA_BACKEND"
-OPS = ("select_blocks", "forward", "backward")
+OPS = ("select_blocks", "plan", "forward", "backward")
 
 
 class BackendError(RuntimeError):
@@ -41,7 +41,7 @@ class UnavailableError(ImportError):
 class Backend:
     """Op implementations sharing a name and a device gate.
 
-    `ops` maps op names (`"select_blocks"`, `"forward"`, `"backward"`) to callables with the op's
+    `ops` maps op names (`OPS`) to callables with the op's
     positional signature. `available(device)` is consulted lazily, so optional dependencies are
     imported only when a device first asks; `device_types=None` means any device.
     """
@@ -133,7 +133,8 @@ def _ordered() -> list[Backend]:
 register_backend(
     Backend(
         name="reference",
-        ops={"select_blocks": reference.select_blocks, "forward": reference.forward, "backward": reference.backward},
+        ops={"select_blocks": reference.select_blocks, "plan": reference.plan, "forward": reference.forward,
+             "backward": reference.backward},
         priority=0,
     )
 )

@@ -19,7 +19,6 @@ position (`id < nvb`), and it is the first occurrence of that id in the row; inv
 dropped, which is how out-of-contract ids can never reach a kernel.
 """
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -61,13 +60,16 @@ class Schedule(NamedTuple):
 
 
 def max_buckets(num_kv_heads: int, num_keys: int, num_docs: int, block_size: int) -> int:
-    """Upper bound of the distinct (kv head, key block) pairs: every document's blocks, per head."""
-    return max(1, num_kv_heads * min(num_keys, math.ceil(num_keys / block_size) + num_docs))
+    """Upper bound of the distinct (kv head, key block) pairs: every document's blocks, per head.
+
+    Integer arithmetic only, so it also takes SymInts (the fake kernel of `msa::plan`)."""
+    blocks = (num_keys + block_size - 1) // block_size + num_docs
+    return torch.sym_max(1, num_kv_heads * torch.sym_min(num_keys, blocks))
 
 
 def max_items(num_entries: int, num_buckets: int, entries_per_item: int) -> int:
     """Upper bound of the items: each bucket adds at most one partial item."""
-    return math.ceil(num_entries / entries_per_item) + num_buckets
+    return (num_entries + entries_per_item - 1) // entries_per_item + num_buckets
 
 
 def valid_entries(block_indices: torch.Tensor, position: torch.Tensor, block_size: int) -> torch.Tensor:

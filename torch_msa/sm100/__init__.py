@@ -129,8 +129,18 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
+def plan(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size, entries_per_item):
+    """`msa::plan` on this device: the Triton build (triton ships with CUDA torch on Linux)."""
+    from ..triton.plan_kernel import build_plan
+
+    return build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item)
+
+
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+            plan=None):
     """`msa::forward` through the official flat forward: `(out [Tq, 64, 128] bf16, lse [Tq, 64] fp32)`.
+
+    The official forward builds its own key-to-query CSR, so `plan` is not read.
 
     Raises:
         UnsupportedInputs: outside the official configuration, during CUDA-graph capture, or for
@@ -197,8 +207,11 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
     """`msa::backward` through our CuTe DSL `run_backward`: `(dq, dk, dv)` in bfloat16.
+
+    Its tasks hold 8 queries each (`tasks.TASK_ROWS`), a finer split than the plans the public
+    API builds, so it builds its own schedule and does not read `plan`.
 
     `run_backward` receives packed THD tensors and `canonical_block_indices` (ascending distinct
     in-horizon ids, then `-1`); it builds its 128-aligned K/V workspace itself.
@@ -237,7 +250,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
 
 BACKEND = Backend(
     name=NAME,
-    ops={"forward": forward, "backward": backward},
+    ops={"plan": plan, "forward": forward, "backward": backward},
     priority=PRIORITY,
     device_types=("cuda",),
     available=available,

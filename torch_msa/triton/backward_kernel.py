@@ -120,8 +120,9 @@ def _blocks_kernel(
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
-    """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype."""
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
+    """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype.
+    `plan` (from `msa::plan`, any item size) spares building the schedule."""
     if torch.are_deterministic_algorithms_enabled():
         raise UnsupportedInputs("deterministic algorithms were requested and the Triton backward adds with atomics")
     num_queries, num_heads, dim = q.shape
@@ -142,7 +143,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
             NUM_HEADS=num_heads, DIM=dim, ROWS=rows, HAS_GRAD_LSE=grad_lse is not None,
         )
         tokens, group_p2 = tile_shape(num_heads, num_kv_heads, _ROWS)
-        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens)
+        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan)
         block_n = min(_BLOCK_N, block_size)
         _blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
             q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc,
