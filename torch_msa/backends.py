@@ -6,7 +6,7 @@ A backend is a named bundle of op implementations with the devices it serves. Th
 present without recompiling anything.
 
 Resolution: if `TORCH_MSA_BACKEND` names a backend, that backend must serve the op on the device
-(else `BackendError` lists the ones that can); otherwise the highest-priority available backend
+(else `BackendError` lists the ones that can; a backend without a `plan` op gets another's plan); otherwise the highest-priority available backend
 that serves it wins. The pure-PyTorch reference serves every op on every device at priority 0.
 A backend may decline particular inputs by raising `UnsupportedInputs` before it launches
 anything; the call then falls through to the next backend, with a warning printed once.
@@ -23,6 +23,9 @@ from . import reference
 
 BACKEND_ENV = "TORCH_MSA_BACKEND"
 OPS = ("select_blocks", "plan", "forward", "backward")
+# Ops whose output any backend's kernels accept: a forced backend that lacks one does not block
+# the call, the op resolves as if nothing were forced.
+SHARED_OPS = ("plan",)
 
 
 class BackendError(RuntimeError):
@@ -89,6 +92,8 @@ def candidates(op: str, device: torch.device) -> list[Backend]:
             raise BackendError(
                 f"{BACKEND_ENV}={forced!r} names no backend; registered: {', '.join(registered_backends())}"
             )
+        if op in SHARED_OPS and op not in backend.ops:
+            return [b for b in _ordered() if b.serves(op, device)]
         if not backend.serves(op, device):
             able = [b.name for b in _ordered() if b.serves(op, device)]
             raise BackendError(
