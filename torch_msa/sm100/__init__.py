@@ -129,13 +129,6 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-def plan(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size, entries_per_item):
-    """`msa::plan` on this device: the Triton build (triton ships with CUDA torch on Linux)."""
-    from ..triton.plan_kernel import build_plan
-
-    return build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item)
-
-
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
             plan=None):
     """`msa::forward` through the official flat forward: `(out [Tq, 64, 128] bf16, lse [Tq, 64] fp32)`.
@@ -250,7 +243,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
 
 BACKEND = Backend(
     name=NAME,
-    ops={"plan": plan, "forward": forward, "backward": backward},
+    ops={"forward": forward, "backward": backward},
     priority=PRIORITY,
     device_types=("cuda",),
     available=available,
