@@ -145,13 +145,21 @@ def test_plan_build_equals_reference_tables(case, entries_per_item):
 
 
 def test_plan_build_equals_reference_on_malformed_documents():
-    # Unsorted boundaries, a document past the keys, and no documents at all.
-    for q_bounds, k_bounds in (([0, 90, 40, 131], [0, 140, 100, 236]), ([0, 50, 131], [0, 60, 400]), ([0], [0])):
+    # (cu_seqlens_q, cu_seqlens_k, Tk): unsorted boundaries, a document past the keys, no
+    # documents, no keys, and overlapping documents with more key blocks than the bucket bound.
+    cases = (
+        ([0, 90, 40, 131], [0, 140, 100, 236], 236),
+        ([0, 50, 131], [0, 60, 400], 236),
+        ([0], [0], 236),
+        ([0, 131], [0, 0], 0),
+        ([0, 200, 200, 400, 400, 600], [0, 200, 1, 200, 2, 200], 200),
+    )
+    for q_bounds, k_bounds, num_keys in cases:
         cu_q = torch.tensor(q_bounds, dtype=torch.int32, device=DEVICE)
         cu_k = torch.tensor(k_bounds, dtype=torch.int32, device=DEVICE)
-        block_indices = torch.randint(-2, 5, (2, 131, 4), dtype=torch.int32, device=DEVICE)
-        expected = pack(build_schedule(block_indices, cu_q, cu_k, 236, 64, 8))
-        assert torch.equal(plan_kernel.build_plan(block_indices, cu_q, cu_k, 236, 64, 8), expected), q_bounds
+        block_indices = torch.randint(-2, 5, (2, max(131, q_bounds[-1]), 4), dtype=torch.int32, device=DEVICE)
+        expected = pack(build_schedule(block_indices, cu_q, cu_k, num_keys, 64, 8))
+        assert torch.equal(plan_kernel.build_plan(block_indices, cu_q, cu_k, num_keys, 64, 8), expected), q_bounds
 
 
 def test_forward_and_backward_read_a_given_plan():

@@ -31,8 +31,14 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    # Cached: every op call asks, and the lookup walks sys.path (about 0.1 ms, more than a launch).
+    return importlib.util.find_spec("triton") is not None
+
+
 def available(device: torch.device) -> bool:
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+    if device.type != "cuda" or not _triton_installed():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index) >= MIN_CAPABILITY
