@@ -97,10 +97,9 @@ def _bucket_starts_kernel(sorted_key, order, entry_query, starts, num_entries, e
 
 
 @triton.jit
-def _lower_bound(sorted_key, num_entries, value, search_steps, BLOCK: tl.constexpr):
-    """Per lane, the first index of `sorted_key[:num_entries]` whose key is `>= value`."""
-    low = tl.zeros((BLOCK,), tl.int32)
-    high = tl.zeros((BLOCK,), tl.int32) + num_entries
+def _lower_bound(sorted_key, low, high, value, search_steps):
+    """Per lane, the first index in `[low, high)` of `sorted_key` whose key is `>= value`
+    (`high` if none); lanes with `low == high` load nothing."""
     for _ in range(search_steps):
         active = low < high
         middle = low + ((high - low) >> 1)
@@ -120,8 +119,10 @@ def _bucket_tables_kernel(
 ):
     lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     total = tl.load(entry_bucket + num_entries - 1)  # buckets, the bound not applied
-    num_valid = tl.max(_lower_bound(sorted_key, num_entries, past_all + tl.zeros((BLOCK,), tl.int64),
-                                    search_steps, BLOCK), axis=0)
+    # One lane searches; the others start with an empty range.
+    lanes = tl.arange(0, BLOCK)
+    num_valid = tl.max(_lower_bound(sorted_key, tl.zeros((BLOCK,), tl.int32), tl.where(lanes == 0, num_entries, 0),
+                                    past_all, search_steps), axis=0)
 
     # Lanes as entries: the first entry of bucket b writes its row (b <= bound: the offset of
     # bucket `bound` ends the last real one when the bound overflows).
@@ -137,7 +138,8 @@ def _bucket_tables_kernel(
     token = (flat // TOPK) % num_queries
     block = tl.load(block_indices + head * stride_head + token * stride_token + (flat % TOPK) * stride_slot,
                     mask=real, other=0)
-    end = _lower_bound(sorted_key, num_entries, key + 1, search_steps, BLOCK)
+    end = _lower_bound(sorted_key, tl.where(first, lane + 1, num_entries), num_entries + tl.zeros((BLOCK,), tl.int32),
+                       key + 1, search_steps)
     tl.store(bucket_head + bucket, (key // key_stride).to(tl.int32), mask=real)
     tl.store(bucket_key_row + bucket, (key % key_stride).to(tl.int32), mask=real)
     tl.store(bucket_block + bucket, block, mask=real)
@@ -219,7 +221,9 @@ def build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, 
     key_stride = max(1, num_keys)
     past_all = num_kv_heads * key_stride
     strides = block_indices.stride()
-    bucket_key = torch.empty(num_entries, dtype=torch.int64, device=device)
+    # 32-bit keys where they fit sort faster and give the same stable order.
+    key_dtype = torch.int32 if past_all < 2**31 - 1 else torch.int64
+    bucket_key = torch.empty(num_entries, dtype=key_dtype, device=device)
     topk_p2 = triton.next_power_of_2(topk)
     tokens = max(1, _SLOT_TILE // topk_p2)
     _entry_keys_kernel[(triton.cdiv(num_queries, tokens), num_kv_heads)](
