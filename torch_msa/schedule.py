@@ -95,10 +95,12 @@ def build_schedule(
 ) -> Schedule:
     """Build the KV-outer schedule of `block_indices` on its device, without a host sync.
 
-    It runs before every forward and backward, and in eager mode each ATen call costs a host-side
-    launch (about 20 us each on an H200 host; below T = 64K the launches take longer than the
-    kernels), so it is written with few calls: scans and `searchsorted` instead of scatters, int32
-    tables computed directly. `tests/test_schedule.py` bounds the count.
+    This is the reference build (`msa::plan` of the reference backend, packed by
+    `torch_msa.plan.pack`); the Triton backend writes the same tables with a few kernels
+    (`torch_msa/triton/plan_kernel.py`), because in eager mode each ATen call here costs a
+    host-side launch (about 20 us each on an H200 host). It is still written with few calls:
+    scans and `searchsorted` instead of scatters, int32 tables computed directly.
+    `tests/test_schedule.py` bounds the count.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.

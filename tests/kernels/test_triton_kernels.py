@@ -139,9 +139,11 @@ def test_plan_build_equals_reference_tables(case, entries_per_item):
     expected = pack(build_schedule(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item))
     got = plan_kernel.build_plan(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item)
     assert torch.equal(got, expected)
-    # Strided selections (a head-sliced view) are read through their strides.
+    # Strided selections and boundaries are read through their strides.
     strided = block_indices.transpose(0, 1).contiguous().transpose(0, 1)
-    assert torch.equal(plan_kernel.build_plan(strided, cu_q, cu_k, num_keys, block_size, entries_per_item), expected)
+    cu_q_strided, cu_k_strided = (torch.stack((cu, -cu), 1)[:, 0] for cu in (cu_q, cu_k))
+    assert torch.equal(plan_kernel.build_plan(strided, cu_q_strided, cu_k_strided, num_keys, block_size, entries_per_item),
+                       expected)
 
 
 def test_plan_build_equals_reference_on_malformed_documents():

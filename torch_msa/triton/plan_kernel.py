@@ -204,6 +204,8 @@ def build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, 
     num_kv_heads, num_queries, topk = block_indices.shape
     num_docs = cu_seqlens_q.numel() - 1
     num_entries = block_indices.numel()
+    # The kernels read the boundaries as dense arrays (block_indices through its strides).
+    cu_seqlens_q, cu_seqlens_k = (cu if cu.is_contiguous() else cu.contiguous() for cu in (cu_seqlens_q, cu_seqlens_k))
     if num_entries == 0:
         # Nothing to sort: the reference's few calls on empty tensors.
         return pack(build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item))
