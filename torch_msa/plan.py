@@ -15,6 +15,9 @@ with `N = Hkv * Tq * topk`, `MB = max_buckets(...)` and `MI = max_items(N, MB, e
 Every size but `MI` follows from the shapes of the op's own arguments, and `MI` from the plan's
 length, so a consumer splits the plan without being told `entries_per_item` and without a host
 sync. The item size only bounds the work of one program; every kernel walks an item of any size.
+
+A plan is opaque: pass what `msa::plan` returned for the same arguments. Its length is checked
+against the shapes; its values are trusted, so a hand-made plan is not a supported input.
 """
 
 from collections.abc import Sequence
@@ -78,4 +81,5 @@ def unpack(plan: torch.Tensor, block_indices: torch.Tensor, num_keys: int, num_d
             f"shape {list(block_indices.shape)}, Tk = {num_keys}, B = {num_docs}, block_size = {block_size}), "
             f"got {plan.numel()}"
         )
+    plan = plan if plan.is_contiguous() else plan.contiguous()  # the kernels index the tables densely
     return Schedule(*plan.split_with_sizes(section_sizes(block_indices.shape, num_keys, num_docs, block_size, item_rows)))
