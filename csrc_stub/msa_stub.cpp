@@ -30,11 +30,12 @@ struct StubOp {
 
 StubOp stub_ops[] = {
     {"select_blocks", "select_blocks(Tensor index_q, Tensor index_k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int topk, int block_size) -> Tensor", false},
-    {"forward", "forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale) -> (Tensor, Tensor)", false},
-    {"backward", "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None) -> (Tensor, Tensor, Tensor)", false},
+    {"plan", "plan(Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, SymInt num_keys, int block_size, int entries_per_item) -> Tensor", false},
+    {"forward", "forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? plan=None) -> (Tensor, Tensor)", false},
+    {"backward", "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None, Tensor? plan=None) -> (Tensor, Tensor, Tensor)", false},
 };
 
-// One boxed kernel serves all three ops: it never reads the arguments, and boxing spares
+// One boxed kernel serves every op: it never reads the arguments, and boxing spares
 // restating each schema as a C++ signature.
 void requires_torch_msa(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/) {
   TORCH_CHECK(

@@ -38,6 +38,14 @@ def test_reference_serves_every_op_on_cpu():
         assert torch_msa.resolve(op, torch.device("cpu")).name == "reference"
 
 
+def test_a_forced_backend_without_a_plan_op_gets_the_best_plan(stand_in, monkeypatch):
+    stand_in(torch_msa.Backend("no_plan", {"forward": backends._BACKENDS["reference"].ops["forward"]}))
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "no_plan")
+    assert torch_msa.resolve("plan", torch.device("cpu")).name == "reference"
+    assert torch_msa.resolve("forward", torch.device("cpu")).name == "no_plan"
+    torch_msa.sparse_attention(*_inputs(), block_size=64)
+
+
 def test_higher_priority_backend_wins_and_env_forces(stand_in, monkeypatch):
     calls = []
 

@@ -11,6 +11,7 @@ import torch
 
 import torch_msa
 from torch_msa import backends, reference
+from torch_msa.plan import entries_per_item
 from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -190,6 +191,9 @@ def test_no_host_sync_inside_the_ops():
         block_indices = torch.ops.msa.select_blocks(inputs["index_q"], inputs["index_k"], *inputs["docs"], 16, 128)
         out, lse = torch.ops.msa.forward(q, k, v, block_indices, *inputs["docs"], 128, 128**-0.5)
         torch.ops.msa.backward(out, q, k, v, out, lse, block_indices, *inputs["docs"], 128, 128**-0.5)
+        plan = torch.ops.msa.plan(block_indices, *inputs["docs"], k.shape[0], 128, entries_per_item(64, 4))
+        out, lse = torch.ops.msa.forward(q, k, v, block_indices, *inputs["docs"], 128, 128**-0.5, plan)
+        torch.ops.msa.backward(out, q, k, v, out, lse, block_indices, *inputs["docs"], 128, 128**-0.5, None, plan)
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
@@ -229,3 +233,31 @@ def test_a_non_finite_document_changes_no_other_document_at_m3_shapes(poisoned):
                 assert torch.equal(part, reference_part), f"{name} of document {doc} changed"
             else:
                 torch.testing.assert_close(part, reference_part, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed"])
+@pytest.mark.parametrize("layout", ["16K", "pack", "suffix-pack"])
+def test_plan_equals_the_reference_build(layout, kind):
+    """The Triton `msa::plan` writes exactly the pure-PyTorch build's tables, unused rows included."""
+    inputs = _inputs(layout)
+    block_indices = _selections(layout, inputs, kind)
+    block_indices[0, ::5, 3] = block_indices[0, ::5, 0]  # junk: a repeat, a far id, a negative id
+    block_indices[1, ::7, 2] = 1 << 30
+    block_indices[2, ::3, 1] = -4
+    num_keys = inputs["k"].shape[0]
+    for items in (8, entries_per_item(64, 4)):
+        args = (block_indices, *inputs["docs"], num_keys, 128, items)
+        assert torch.equal(torch.ops.msa.plan(*args), reference.plan(*args))
+
+
+def test_sparse_attention_with_a_shared_plan_matches_reference():
+    inputs = _inputs("pack")
+    q, k, v = (inputs[name].requires_grad_() for name in ("q", "k", "v"))
+    block_indices = _selections("pack", inputs, "index")
+    plan = torch_msa.build_plan(block_indices, *inputs["docs"], num_keys=k.shape[0], num_heads=64)
+    outs = [torch_msa.sparse_attention(q, k, v, block_indices, *inputs["docs"], plan=plan) for _ in range(2)]
+    want = reference.forward(q.detach(), k.detach(), v.detach(), block_indices, *inputs["docs"], 128, 128**-0.5)[0]
+    for out in outs:
+        assert _relative_error(out, want) < 1e-2
+    sum(out.float().square().sum() for out in outs).backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))

@@ -19,6 +19,7 @@ import torch
 from . import ops as _ops  # noqa: F401  (registers torch.ops.msa.*)
 from . import validation
 from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK
+from .plan import entries_per_item
 
 
 def _document_args(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -84,6 +85,44 @@ def select_blocks(
     return torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size)
 
 
+def build_plan(
+    block_indices: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    num_keys: int,
+    num_heads: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> torch.Tensor:
+    """The key-to-query schedule of `block_indices`, to build once and pass to `sparse_attention`.
+
+    `sparse_attention` builds one per call when given none, and its backward reuses it; build it
+    yourself to share it between calls on the same selection and documents (for example
+    several attention calls of one layer and step).
+
+    Args:
+        block_indices: int32 `[Hkv, Tq, topk]`.
+        num_keys: `Tk`, rows of the packed keys; num_heads: `Hq`, query heads (they size the
+            plan's work items).
+
+    Returns:
+        A 1-D int32 tensor (`msa::plan`; layout in `torch_msa/plan.py`), valid for calls with
+        these `block_indices`, documents, `Tk` and `block_size`.
+    """
+    _rows("block_indices", block_indices, "[Hkv, Tq, topk]")
+    num_queries = block_indices.shape[1] if block_indices.dim() == 3 else 0  # msa::plan names a wrong rank
+    docs = _document_args(num_queries, num_keys, block_indices.device, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, block_size)
+    return torch.ops.msa.plan(block_indices, *docs, num_keys, block_size,
+                              entries_per_item(num_heads, block_indices.shape[0]))
+
+
+def _plan_for(q, k, block_indices, docs, block_size):
+    return torch.ops.msa.plan(block_indices, *docs, k.shape[0], block_size, entries_per_item(q.shape[1], k.shape[1]))
+
+
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -97,6 +136,7 @@ def sparse_attention(
     block_size: int = DEFAULT_BLOCK_SIZE,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    plan: torch.Tensor | None = None,
 ):
     """Attention of each query over the keys of its selected blocks (causal inside the local one).
 
@@ -107,13 +147,17 @@ def sparse_attention(
         block_indices: int32 `[Hkv, Tq, topk]`, e.g. from `select_blocks`.
         softmax_scale: defaults to `D ** -0.5`.
         return_lse: also return the log-sum-exp.
+        plan: from `build_plan` on the same `block_indices` and documents; by default one is
+            built here. Either way the backward reuses it.
 
     Returns:
         `out [Tq, Hq, D]` in q's dtype, or `(out, lse)` with `lse [Tq, Hq]` (natural log, fp32;
         fp64 for fp64 inputs). Differentiable in q, k, v, including through `lse`.
     """
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
-    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale))
+    if plan is None:
+        plan = _plan_for(q, k, block_indices, docs, block_size)
+    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan)
     return (out, lse) if return_lse else out
 
 
@@ -142,7 +186,8 @@ def msa_attention(
     if index_q.dim() == 3 and k.dim() == 3 and index_q.shape[1] != k.shape[1]:
         raise ValueError(f"index_q: expected Hi = {k.shape[1]} index heads (one per KV head of k), got {index_q.shape[1]}")
     block_indices = torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size)
-    out, _ = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale))
+    plan = _plan_for(q, k, block_indices, docs, block_size)
+    out, _ = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan)
     return out
 
 

@@ -27,7 +27,7 @@ import torch
 from . import reference
 
 BACKEND_ENV = "TORCH_MSA_BACKEND"
-OPS = ("select_blocks", "forward", "backward")
+OPS = ("select_blocks", "plan", "forward", "backward")
 REFERENCE = "reference"
 
 
@@ -47,7 +47,7 @@ class UnavailableError(ImportError):
 class Backend:
     """Op implementations sharing a name and a device gate.
 
-    `ops` maps op names (`"select_blocks"`, `"forward"`, `"backward"`) to callables with the op's
+    `ops` maps op names (`OPS`) to callables with the op's
     positional signature. `available(device)` is consulted lazily, so optional dependencies are
     imported only when a device first asks; `device_types=None` means any device.
     `unavailable_reason(device)` says why `available` is False (what is missing, what to
@@ -194,7 +194,8 @@ def _ordered() -> list[Backend]:
 register_backend(
     Backend(
         name=REFERENCE,
-        ops={"select_blocks": reference.select_blocks, "forward": reference.forward, "backward": reference.backward},
+        ops={"select_blocks": reference.select_blocks, "plan": reference.plan, "forward": reference.forward,
+             "backward": reference.backward},
         priority=0,
     )
 )

@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of the three MSA ops: the oracle every backend is tested against.
+"""Pure-PyTorch reference of the MSA ops: the oracle every backend is tested against.
 
 It runs on any device, accumulates in fp32 (fp64 for fp64 inputs), never synchronises with the
 host, and never builds a `T x T` buffer: query tokens are processed in chunks whose working set
@@ -15,6 +15,8 @@ import torch
 
 from .contract import compute_dtype
 from .documents import QueryDocuments, locate_queries
+from .plan import pack
+from .schedule import build_schedule
 
 # Working-set budget of one query chunk. On CPU a small set keeps temporaries below glibc's
 # mmap threshold (fresh page faults dominated larger chunks); elsewhere fewer, larger launches
@@ -132,6 +134,20 @@ class _KeyGather:
         return flat.index_select(0, self.rows).view(*self.shape, flat.shape[-1]).to(dtype)
 
 
+def plan(
+    block_indices: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_keys: int,
+    block_size: int,
+    entries_per_item: int,
+) -> torch.Tensor:
+    """The plan (`torch_msa/plan.py`) of `block_indices`: `build_schedule`'s tables, packed."""
+    return pack(build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item))
+
+
 def _heads_first(x: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
     """`[C, Hq, ...]` -> `[Hkv, C, G, ...]` in `dtype` (query head h = G * r + g)."""
     count, num_heads = x.shape[:2]
@@ -172,10 +188,12 @@ def forward(
     max_seqlen_k: int,
     block_size: int,
     softmax_scale: float,
+    plan: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention forward. Returns `out [Tq, Hq, D]` (q's dtype) and `lse [Tq, Hq]`
     (natural log; fp32, fp64 for fp64 inputs). A query whose key set is empty (only possible
-    with out-of-contract inputs) gets `out = 0`, `lse = -inf`."""
+    with out-of-contract inputs) gets `out = 0`, `lse = -inf`. The reference works query-major
+    and does not read `plan`."""
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     cdtype = compute_dtype(q.dtype)
@@ -214,11 +232,13 @@ def backward(
     block_size: int,
     softmax_scale: float,
     grad_lse: torch.Tensor | None = None,
+    plan: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention backward: `(dq, dk, dv)` in the inputs' dtype, accumulated in fp32.
 
     `P = exp(S - lse)`, `dS = P * (dP - delta + grad_lse)` with `delta = rowsum(dO * O)`;
-    `grad_lse` (`[Tq, Hq]`) may be None when the loss does not depend on `lse`.
+    `grad_lse` (`[Tq, Hq]`) may be None when the loss does not depend on `lse`. `plan` is not
+    read (as in `forward`).
     """
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape

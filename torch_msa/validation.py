@@ -174,6 +174,32 @@ def check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_
         _same_device(name, x, "q", q)
 
 
+def check_plan_args(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
+                    entries_per_item) -> None:
+    """Metadata checks of `msa::plan` (no host sync)."""
+    _tensor("block_indices", block_indices, 3, "[Hkv, Tq, topk]")
+    _dtype("block_indices", block_indices, (INDEX_DTYPE,), "int32")
+    if block_indices.shape[0] < 1 or block_indices.shape[2] < 1:
+        raise ValueError(f"block_indices: expected shape [Hkv >= 1, Tq, topk >= 1], got {_shape(block_indices)}")
+    _documents(cu_seqlens_q, cu_seqlens_k, "block_indices", block_indices)
+    check_host_args(max_seqlen_q, max_seqlen_k, block_size)
+    _host_int("num_keys", num_keys, 0)
+    _host_int("entries_per_item", entries_per_item, 1)
+
+
+def check_plan(plan, block_indices) -> None:
+    """Metadata checks of the optional `plan` of `msa::forward` / `msa::backward` (no host sync):
+    a 1-D int32 tensor on the device of `block_indices`, as `msa::plan` returns it. Whether it
+    fits these shapes is checked where it is split (`torch_msa.plan.unpack`)."""
+    if plan is None:
+        return
+    if not isinstance(plan, torch.Tensor):
+        raise TypeError(f"plan: expected the torch.Tensor msa::plan returns (or None), got {type(plan).__name__}")
+    if plan.dim() != 1 or plan.dtype != INDEX_DTYPE:
+        raise ValueError(f"plan: expected a 1-D int32 tensor from msa::plan, got {plan.dtype} of shape {_shape(plan)}")
+    _same_device("plan", plan, "block_indices", block_indices)
+
+
 def _first(mask: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in mask.nonzero()[0])
 

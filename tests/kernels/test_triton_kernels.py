@@ -14,7 +14,9 @@ import torch
 
 from tests import dense
 from torch_msa import reference, testing
-from torch_msa.triton import backward_kernel, forward_kernel, select_kernel
+from torch_msa.plan import pack
+from torch_msa.schedule import build_schedule
+from torch_msa.triton import backward_kernel, forward_kernel, plan_kernel, select_kernel
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETING else "cuda"
@@ -199,3 +201,66 @@ def test_a_non_finite_document_changes_no_other_documents_selection(poisoned):
     for doc, rows in enumerate(_doc_rows(cu_q)):
         if doc != POISONED_DOC:
             assert torch.equal(got[:, rows.start:rows.stop], want[:, rows.start:rows.stop]), f"document {doc}"
+
+
+# (q lengths, k lengths, Hkv, block, topk); each with junk ids mixed in.
+PLAN_CASES = {
+    "pack-empty-and-1-token": ([40, 0, 1, 90], [140, 5, 1, 90], 2, 64, 4),
+    "suffix-pack-topk-16": ([5, 200], [300, 260], 3, 64, 16),
+    "one-doc-block-128": ([300], [300], 1, 128, 3),
+}
+
+
+@pytest.mark.parametrize("entries_per_item", [1, 16])
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_plan_build_equals_reference_tables(case, entries_per_item):
+    q_lens, k_lens, num_kv_heads, block_size, topk = PLAN_CASES[case]
+    cu_q, cu_k, _, num_keys, _, _ = _layout(q_lens, k_lens)
+    block_indices = _junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    expected = pack(build_schedule(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item))
+    got = plan_kernel.build_plan(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item)
+    assert torch.equal(got, expected)
+    # Strided selections and boundaries are read through their strides.
+    strided = block_indices.transpose(0, 1).contiguous().transpose(0, 1)
+    cu_q_strided, cu_k_strided = (torch.stack((cu, -cu), 1)[:, 0] for cu in (cu_q, cu_k))
+    assert torch.equal(plan_kernel.build_plan(strided, cu_q_strided, cu_k_strided, num_keys, block_size, entries_per_item),
+                       expected)
+
+
+def test_plan_build_equals_reference_on_malformed_documents():
+    # (cu_seqlens_q, cu_seqlens_k, Tk): unsorted boundaries, a document past the keys, no
+    # documents, no keys, and overlapping documents with more key blocks than the bucket bound.
+    cases = (
+        ([0, 90, 40, 131], [0, 140, 100, 236], 236),
+        ([0, 50, 131], [0, 60, 400], 236),
+        ([0], [0], 236),
+        ([0, 131], [0, 0], 0),
+        ([0, 200, 200, 400, 400, 600], [0, 200, 1, 200, 2, 200], 200),
+    )
+    for q_bounds, k_bounds, num_keys in cases:
+        cu_q = torch.tensor(q_bounds, dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor(k_bounds, dtype=torch.int32, device=DEVICE)
+        block_indices = torch.randint(-2, 5, (2, max(131, q_bounds[-1]), 4), dtype=torch.int32, device=DEVICE)
+        expected = pack(build_schedule(block_indices, cu_q, cu_k, num_keys, 64, 8))
+        assert torch.equal(plan_kernel.build_plan(block_indices, cu_q, cu_k, num_keys, 64, 8), expected), q_bounds
+
+
+def test_forward_and_backward_read_a_given_plan():
+    """A plan of any item size (here 8, the kernels build 128 for this shape) gives the results
+    of the reference."""
+    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES["pack-empty-and-1-token"]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout(q_lens, k_lens)
+    block_indices = _junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+    plan = plan_kernel.build_plan(block_indices, cu_q, cu_k, num_keys, block_size, 8)
+    out_ref, lse_ref = reference.forward(q, k, v, *args)
+    out, _ = forward_kernel.forward(q, k, v, *args, plan)
+    _close(out, out_ref, TOLERANCE[dtype], "out")
+    grad_out = torch.randn_like(q)
+    expected = reference.backward(grad_out, q, k, v, out_ref, lse_ref, *args)
+    actual = backward_kernel.backward(grad_out, q, k, v, out_ref, lse_ref, *args, None, plan)
+    for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
+        _close(got, want, 4 * TOLERANCE[dtype], name)

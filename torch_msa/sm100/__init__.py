@@ -163,8 +163,11 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+            plan=None):
     """`msa::forward` through the official flat forward: `(out [Tq, 64, 128] bf16, lse [Tq, 64] fp32)`.
+
+    The official forward builds its own key-to-query CSR, so `plan` is not read.
 
     Raises:
         UnsupportedInputs: outside the official configuration, during CUDA-graph capture, or for
@@ -231,8 +234,11 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
     """`msa::backward` through our CuTe DSL `run_backward`: `(dq, dk, dv)` in bfloat16.
+
+    Its tasks hold 8 queries each (`tasks.TASK_ROWS`), a finer split than the plans the public
+    API builds, so it builds its own schedule and does not read `plan`.
 
     `run_backward` receives packed THD tensors and `canonical_block_indices` (ascending distinct
     in-horizon ids, then `-1`); it builds its 128-aligned K/V workspace itself.

@@ -1,8 +1,9 @@
-"""The Triton backend: all three MSA ops on CUDA capability 8.0 and newer, tuned on Hopper (SM90).
+"""The Triton backend: every MSA op on CUDA capability 8.0 and newer, tuned on Hopper (SM90).
 
-Kernels, one module per op: `select_kernel.py` (index scoring + top-k), `forward_kernel.py`
-(KV-outer attention + combine), `backward_kernel.py` (KV-outer dQ/dK/dV). They share the key-to-query
-schedule of `torch_msa/schedule.py`.
+Kernels, one module per op: `select_kernel.py` (index scoring + top-k), `plan_kernel.py` (the
+key-to-query schedule of `torch_msa/schedule.py`, packed as a plan: `torch_msa/plan.py`),
+`forward_kernel.py` (KV-outer attention + combine), `backward_kernel.py` (KV-outer dQ/dK/dV).
+The forward and backward read the plan they are given, or build one.
 
 Importing this package imports no triton: the kernel modules load on the first call, and the
 backend reports itself unavailable on a host without triton. It serves CUDA devices of compute
@@ -34,6 +35,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 @functools.cache
 def _triton_installed() -> bool:
+    # Cached: every op call asks, and the lookup walks sys.path (about 0.1 ms, more than a launch).
     return importlib.util.find_spec("triton") is not None
 
 
@@ -68,25 +70,32 @@ def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     )
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
+def plan(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size, entries_per_item):
+    return _kernels("plan_kernel").build_plan(
+        block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item
+    )
+
+
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+            plan=None):
     check_served("q", q.dtype, q.shape[1] // k.shape[1])
     return _kernels("forward_kernel").forward(
-        q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale
+        q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, plan
     )
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
     check_served("q", q.dtype, q.shape[1] // k.shape[1])
     return _kernels("backward_kernel").backward(
         grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse,
+        max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse, plan,
     )
 
 
 BACKEND = Backend(
     name=NAME,
-    ops={"select_blocks": select_blocks, "forward": forward, "backward": backward},
+    ops={"select_blocks": select_blocks, "plan": plan, "forward": forward, "backward": backward},
     priority=10,
     device_types=("cuda",),
     available=available,

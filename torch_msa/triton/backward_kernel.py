@@ -129,8 +129,9 @@ def _blocks_kernel(
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
-    """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype."""
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
+    """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype.
+    `plan` (from `msa::plan`, any item size) spares building the schedule."""
     if torch.are_deterministic_algorithms_enabled():
         raise UnsupportedInputs("deterministic algorithms were requested and the Triton backward adds with atomics")
     num_queries, num_heads, dim = q.shape
@@ -144,9 +145,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
         q, k, v, grad_out, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad_out, out))
         lse = lse.contiguous()
         delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=q.device)
-        # The schedule's item size follows the tuned tile, whatever tile the device can afford.
-        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size,
-                                tile_shape(num_heads, num_kv_heads, BLOCKS_CONFIGS[0].rows)[0])
+        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan)
         shape_key = (q.device, q.dtype, dim, block_size, group, topk)
 
         def launch_delta(config):

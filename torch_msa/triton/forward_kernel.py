@@ -21,13 +21,13 @@ import triton
 import triton.language as tl
 
 from ..contract import compute_dtype
-from ..schedule import build_schedule
+from ..plan import entries_per_item, unpack
 from .common import dot_precision
 from .launch import LaunchConfig, launch
+from .plan_kernel import build_plan
 
 LOG2_E = math.log2(math.e)
 _ROWS = 128  # query rows (tokens x heads) per tile of the tuned configuration
-_ITEM_TILES = 16  # tiles of `_ROWS` rows per schedule item: bounds a program's work, keeps K/V reuse high
 # Tuned on SM90 first; fewer rows and no pipelining for devices with less shared memory.
 BLOCKS_CONFIGS = (LaunchConfig(rows=_ROWS, num_stages=3), LaunchConfig(rows=64, num_stages=1))
 COMBINE_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4),)
@@ -40,9 +40,13 @@ def tile_shape(num_heads: int, num_kv_heads: int, rows: int = _ROWS) -> tuple[in
     return max(1, rows // heads_p2), heads_p2
 
 
-def schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens):
-    """The shared KV-outer schedule with items of `_ITEM_TILES` query tiles of `tokens` queries."""
-    return build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens * _ITEM_TILES)
+def schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan=None):
+    """The KV-outer schedule the kernels walk: `plan`'s, or (`None`) a new plan's, with the items
+    the public API builds (`torch_msa.plan.entries_per_item`)."""
+    if plan is None:
+        plan = build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size,
+                          entries_per_item(num_heads, block_indices.shape[0]))
+    return unpack(plan, block_indices, num_keys, cu_seqlens_q.numel() - 1, block_size)
 
 
 @triton.jit
@@ -151,8 +155,10 @@ def _combine_kernel(
     tl.store(lse + token * NUM_KV_HEADS * GROUP + query_head, natural, mask=head_ok)
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
-    """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32."""
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+            plan=None):
+    """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
+    `plan` (from `msa::plan`, any item size) spares building the schedule."""
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -164,9 +170,7 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if num_keys == 0:
         return out.zero_(), lse.fill_(-math.inf)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    # The schedule's item size follows the tuned tile, whatever tile the device can afford.
-    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size,
-                            tile_shape(num_heads, num_kv_heads)[0])
+    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan)
     partial_out = torch.empty((num_queries * num_kv_heads * topk * group, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((num_queries * num_kv_heads * topk * group,), -math.inf, dtype=torch.float32, device=q.device)
     shape_key = (q.device, q.dtype, dim, block_size, group, topk)
