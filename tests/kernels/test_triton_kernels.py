@@ -14,7 +14,7 @@ import torch
 
 from tests import dense
 from torch_msa import reference, testing
-from torch_msa.triton import backward_kernel, forward_kernel, select_kernel
+from torch_msa.triton import backward_deterministic_kernel, backward_kernel, forward_kernel, select_kernel
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETING else "cuda"
@@ -89,6 +89,52 @@ def test_backward_without_grad_lse_matches_reference():
     for got, want in zip(backward_kernel.backward(grad_out, q, k, v, out, lse, *args),
                          reference.backward(grad_out, q, k, v, out, lse, *args)):
         _close(got, want, 1e-4, "gradient")
+
+
+DETERMINISTIC_CASES = ("pack-empty-and-1-token", "suffix-pack-group3")
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES)
+def test_deterministic_backward_matches_reference_and_repeats_bitwise(case, monkeypatch):
+    """Junk and repeated ids, grad_lse, a pack with an empty and a 1-token document, Lq < Lk.
+
+    Items of one tile split every bucket the queries share, so the reduction of dK/dV sums
+    several items whose last positions differ."""
+    monkeypatch.setattr(backward_deterministic_kernel, "_ITEM_TILES", 1)
+    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES[case]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout(q_lens, k_lens)
+    block_indices = _junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    schedule = forward_kernel.build_schedule(block_indices, cu_q, cu_k, num_keys, block_size, 64)
+    assert (schedule.bucket_ptr.diff() > 64).any(), "no bucket is split over several items"
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+    out, lse = reference.forward(q, k, v, *args)
+    grad_out = torch.randn_like(q)
+    grad_lse = torch.randn(num_queries, num_heads, device=DEVICE)
+    expected = reference.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
+    first = backward_deterministic_kernel.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
+    second = backward_deterministic_kernel.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
+    for name, got, again, want in zip(("dq", "dk", "dv"), first, second, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        _close(got, want, 4 * TOLERANCE[dtype], name)
+        assert torch.equal(got, again), f"{name} differs between two runs"
+
+
+def test_deterministic_backward_of_a_skewed_selection_without_grad_lse(monkeypatch):
+    """Every query picks block 0 and its newest blocks: block 0's bucket spans many items."""
+    monkeypatch.setattr(backward_deterministic_kernel, "_ITEM_TILES", 1)
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout([150, 60], [300, 60])
+    num_heads, num_kv_heads, dim, block_size, topk = 4, 1, 64, 64, 3
+    block_indices = testing.skewed_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=torch.float16)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, 0.3)
+    out, lse = reference.forward(q, k, v, *args)
+    grad_out = torch.randn_like(q)
+    expected = reference.backward(grad_out, q, k, v, out, lse, *args)
+    for name, got, want in zip(("dq", "dk", "dv"), backward_deterministic_kernel.backward(grad_out, q, k, v, out, lse, *args), expected):
+        _close(got, want, 4 * TOLERANCE[torch.float16], name)
 
 
 SELECT_CASES = {

@@ -12,8 +12,8 @@ Splitting the 128-key block into `BLOCK_N` slices keeps the two fp32 accumulator
 register file.
 
 The atomics make the result order-dependent in the last bits, so under
-`torch.use_deterministic_algorithms(True)` this backend declines and the registry falls back to
-the deterministic reference.
+`torch.use_deterministic_algorithms(True)` the backend serves the backward with
+`backward_deterministic_kernel.py` instead, and this one declines.
 """
 
 import torch
@@ -132,7 +132,8 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
              max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype."""
     if torch.are_deterministic_algorithms_enabled():
-        raise UnsupportedInputs("deterministic algorithms were requested and the Triton backward adds with atomics")
+        raise UnsupportedInputs("deterministic algorithms were requested and this Triton backward adds with atomics "
+                                "(backward_deterministic_kernel serves them)")
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
