@@ -6,6 +6,9 @@ relative Frobenius error (`||got - want|| / ||want||`), which is about 1e-3 for 
 grows to O(1) for any wrong row, so 1e-2 separates the two.
 """
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 
@@ -229,3 +232,63 @@ def test_a_non_finite_document_changes_no_other_document_at_m3_shapes(poisoned):
                 assert torch.equal(part, reference_part), f"{name} of document {doc} changed"
             else:
                 torch.testing.assert_close(part, reference_part, atol=2e-2, rtol=2e-2)
+
+
+@contextlib.contextmanager
+def _deterministic_mode():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _backward_inputs(layout, kind):
+    inputs = _inputs(layout)
+    block_indices = _selections(layout, inputs, kind)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    args = (block_indices, *inputs["docs"], 128, 128**-0.5)
+    out, lse = reference.forward(q, k, v, *args)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    grad_out = torch.randn(q.shape, generator=generator, device="cuda", dtype=q.dtype)
+    grad_lse = torch.randn(lse.shape, generator=generator, device="cuda")
+    return [grad_out, q, k, v, out, lse, *args, grad_lse]
+
+
+def _assert_matches_reference(got, args):
+    # The reference runs outside deterministic mode: its cuBLAS GEMMs would need CUBLAS_WORKSPACE_CONFIG.
+    for name, g, w in zip(("dq", "dk", "dv"), got, reference.backward(*args)):
+        error = _relative_error(g, w)
+        assert error < 1e-2, f"{name}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["index", "random", "skewed"])
+@pytest.mark.parametrize("layout", ["4K", "pack", "suffix-pack"])
+def test_deterministic_backward_matches_reference_and_repeats_bitwise(layout, kind):
+    """Under torch.use_deterministic_algorithms(True) the Triton backend serves the backward with
+    its deterministic kernels (no fallback warning): close to the reference, and bitwise equal
+    over repeated runs (the skewed selection splits block 0 of every document over many items)."""
+    args = _backward_inputs(layout, kind)
+    assert torch_msa.resolve("backward", torch.device("cuda")).name == "triton"
+    backends._warned.clear()
+    with _deterministic_mode(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch_msa")  # a fallback would warn
+        runs = [torch.ops.msa.backward(*args) for _ in range(4)]
+    _assert_matches_reference(runs[0], args)
+    for again in runs[1:]:
+        for name, got, repeated in zip(("dq", "dk", "dv"), runs[0], again):
+            assert torch.equal(got, repeated), f"{name} differs between runs"
+
+
+def test_deterministic_backward_skips_out_of_contract_ids():
+    args = _backward_inputs("pack", "random")
+    block_indices = args[6].clone()
+    block_indices[0, :, 3] = 1 << 30
+    block_indices[1, :, 2] = -(1 << 30)
+    block_indices[2, :, 1] = block_indices[2, :, 0]
+    args[6] = block_indices
+    with _deterministic_mode():
+        got = torch.ops.msa.backward(*args)
+    torch.cuda.synchronize()
+    _assert_matches_reference(got, args)

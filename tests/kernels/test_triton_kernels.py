@@ -193,7 +193,7 @@ def _assert_other_docs_unchanged(name, got, want, rows_per_doc, exact):
         assert part.isfinite().all(), f"{name} of document {doc} has non-finite values"
         if exact:
             assert torch.equal(part, clean), f"{name} of document {doc} changed"
-        else:  # the backward adds with atomics: order-dependent in the last bits on a GPU
+        else:  # the default backward adds with atomics: order-dependent in the last bits on a GPU
             torch.testing.assert_close(part, clean, rtol=1e-5, atol=1e-5, msg=f"{name} of document {doc} changed")
 
 
@@ -219,14 +219,19 @@ def test_a_non_finite_document_changes_no_other_document(poisoned):
 
     def run(x):
         out, lse = forward_kernel.forward(x["q"], x["k"], x["v"], *args)
-        grads = backward_kernel.backward(x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args, x["grad_lse"])
-        return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads))}
+        backward_args = (x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args, x["grad_lse"])
+        grads = backward_kernel.backward(*backward_args)
+        deterministic = backward_deterministic_kernel.backward(*backward_args)
+        return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads)),
+                **dict(zip(("deterministic dq", "deterministic dk", "deterministic dv"), deterministic))}
 
     want, got = run(clean), run(dirty)
     for name in ("out", "lse"):
         _assert_other_docs_unchanged(name, got[name], want[name], query_rows, exact=True)
     for name, rows_per_doc in (("dq", query_rows), ("dk", key_rows), ("dv", key_rows)):
         _assert_other_docs_unchanged(name, got[name], want[name], rows_per_doc, exact=INTERPRETING)
+        _assert_other_docs_unchanged(f"deterministic {name}", got[f"deterministic {name}"],
+                                     want[f"deterministic {name}"], rows_per_doc, exact=True)
 
 
 @pytest.mark.parametrize("poisoned", ["index_q", "index_k"])
