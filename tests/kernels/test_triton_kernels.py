@@ -14,6 +14,7 @@ import torch
 
 from tests import dense
 from torch_msa import reference, testing
+from torch_msa.schedule import build_schedule
 from torch_msa.triton import backward_deterministic_kernel, backward_kernel, forward_kernel, select_kernel
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -104,8 +105,10 @@ def test_deterministic_backward_matches_reference_and_repeats_bitwise(case, monk
     q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES[case]
     cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout(q_lens, k_lens)
     block_indices = _junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
-    schedule = forward_kernel.build_schedule(block_indices, cu_q, cu_k, num_keys, block_size, 64)
-    assert (schedule.bucket_ptr.diff() > 64).any(), "no bucket is split over several items"
+    entries_per_item = forward_kernel.tile_shape(num_heads, num_kv_heads,
+                                                 backward_deterministic_kernel.KEY_BLOCKS_CONFIGS[0].rows)[0]
+    bucket_sizes = build_schedule(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item).bucket_ptr.diff()
+    assert (bucket_sizes > entries_per_item).any(), "no bucket is split over several items"
     q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
