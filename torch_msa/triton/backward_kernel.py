@@ -132,8 +132,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
              max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype."""
     if torch.are_deterministic_algorithms_enabled():
-        raise UnsupportedInputs("deterministic algorithms were requested and this Triton backward adds with atomics "
-                                "(backward_deterministic_kernel serves them)")
+        raise UnsupportedInputs("deterministic algorithms were requested and the Triton backward adds with atomics")
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
