@@ -136,7 +136,8 @@ def test_deterministic_backward_of_a_skewed_selection_without_grad_lse(monkeypat
     out, lse = reference.forward(q, k, v, *args)
     grad_out = torch.randn_like(q)
     expected = reference.backward(grad_out, q, k, v, out, lse, *args)
-    for name, got, want in zip(("dq", "dk", "dv"), backward_deterministic_kernel.backward(grad_out, q, k, v, out, lse, *args), expected):
+    grads = backward_deterministic_kernel.backward(grad_out, q, k, v, out, lse, *args)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
         _close(got, want, 4 * TOLERANCE[torch.float16], name)
 
 
