@@ -47,6 +47,16 @@ def _relative_error(got, want):
     return ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()
 
 
+@contextlib.contextmanager
+def _deterministic_mode():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
 def _selections(layout, inputs, kind):
     cu_q, cu_k = inputs["docs"][:2]
     if kind == "index":
@@ -164,8 +174,10 @@ def test_kernels_run_on_the_current_stream():
     assert torch.equal(got, expected)
 
 
-def test_memory_stays_linear_in_tokens():
-    """Forward + backward at 32K: the extra memory is O(T) (no T x T buffer would fit in 2 GB)."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_memory_stays_linear_in_tokens(deterministic):
+    """Forward + backward at 32K: the extra memory is O(T) (no T x T buffer would fit in 2 GB),
+    also for the deterministic backward's dK/dV workspace."""
     cu_q, cu_k = cu_seqlens([32768], [32768], "cuda")
     tq = 32768
     q = torch.randn(tq, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -175,8 +187,9 @@ def test_memory_stays_linear_in_tokens():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    out = torch_msa.sparse_attention(q, k, v, block_indices, cu_q, cu_k, tq, tq)
-    out.float().sum().backward()
+    with _deterministic_mode() if deterministic else contextlib.nullcontext():
+        out = torch_msa.sparse_attention(q, k, v, block_indices, cu_q, cu_k, tq, tq)
+        out.float().sum().backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     per_token = extra / tq
@@ -232,16 +245,6 @@ def test_a_non_finite_document_changes_no_other_document_at_m3_shapes(poisoned):
                 assert torch.equal(part, reference_part), f"{name} of document {doc} changed"
             else:
                 torch.testing.assert_close(part, reference_part, atol=2e-2, rtol=2e-2)
-
-
-@contextlib.contextmanager
-def _deterministic_mode():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
 
 
 def _backward_inputs(layout, kind):
