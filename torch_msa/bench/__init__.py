@@ -15,5 +15,7 @@ of the H200's 790 TF/s, the speedup over the dense baseline, and the targets of 
 
 Modules: `flops` (formulas), `problems` (layouts, inputs, selections), `timing` (how one
 measurement is timed), `flex_mask` (the BlockMask), `peers` and `msa` (what is timed),
-`runner`, `results`, `targets`, `report` (table, JSON, PNG), `cli`.
+`runner`, `results`, `targets`, `report` (table, JSON, PNG), `cli`. `deterministic` is a separate
+command (`python -m torch_msa.bench.deterministic`): the backward with and without
+`torch.use_deterministic_algorithms(True)`.
 """
