@@ -44,7 +44,9 @@ def _kernel_times(call, device: torch.device) -> list[tuple[str, float]]:
         call()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    rows = [(event.key, event.device_time_total / 1e3) for event in profile.key_averages() if event.device_time_total > 0]
+    # Self time: an operator's own device time is 0, its kernels carry the time.
+    rows = [(event.key, event.self_device_time_total / 1e3) for event in profile.key_averages()
+            if event.self_device_time_total > 0]
     return sorted(rows, key=lambda row: -row[1])
 
 
