@@ -206,7 +206,8 @@ def test_sm100_is_opt_in_with_a_one_time_note(fake_cuda, monkeypatch):
         warnings.simplefilter("error")  # the note is printed once
         assert [torch_msa.resolve(op, blackwell).name for op in backends.OPS] == ["triton"] * len(backends.OPS)
     monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm100")
-    assert [torch_msa.resolve(op, blackwell).name for op in backends.OPS] == ["triton", "sm100", "sm100"]
+    assert {op: torch_msa.resolve(op, blackwell).name for op in backends.OPS} == {
+        "select_blocks": "triton", "plan": "triton", "forward": "sm100", "backward": "sm100"}
 
 
 def test_the_sm100_note_says_what_to_install_and_appears_only_on_sm100(fake_cuda):
@@ -256,3 +257,18 @@ def test_inputs_a_forced_backend_declines_fall_back_with_a_warning(stand_in, mon
     with pytest.warns(UserWarning, match="'picky_forced' does not serve these msa::forward inputs \\(only bf16\\); "
                                          "falling back to 'reference'$"):
         torch_msa.sparse_attention(*_inputs(), block_size=64)
+
+
+def test_deterministic_mode_serves_the_deterministic_backward(monkeypatch):
+    """The backend picks the kernel per call from `torch.are_deterministic_algorithms_enabled()`."""
+    pytest.importorskip("triton", reason="triton is not installed (it ships with Linux x86_64 torch)")
+    from torch_msa.triton import backward_deterministic_kernel, backward_kernel
+
+    calls = []
+    monkeypatch.setattr(backward_deterministic_kernel, "backward", lambda *args: calls.append("deterministic"))
+    monkeypatch.setattr(backward_kernel, "backward", lambda *args: calls.append("atomic"))
+    q, k = torch.zeros(1, 2, 64), torch.zeros(1, 1, 64)
+    for enabled in (True, False):
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda enabled=enabled: enabled)
+        triton_backend.backward(q, q, k, k, q, None, None, None, None, 1, 1, 64, 1.0)
+    assert calls == ["deterministic", "atomic"]

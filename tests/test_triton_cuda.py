@@ -6,6 +6,9 @@ relative Frobenius error (`||got - want|| / ||want||`), which is about 1e-3 for 
 grows to O(1) for any wrong row, so 1e-2 separates the two.
 """
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 
@@ -43,6 +46,16 @@ def _inputs(layout, seed=0):
 def _relative_error(got, want):
     want = want.double()
     return ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()
+
+
+@contextlib.contextmanager
+def _deterministic_mode():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 def _selections(layout, inputs, kind):
@@ -162,8 +175,10 @@ def test_kernels_run_on_the_current_stream():
     assert torch.equal(got, expected)
 
 
-def test_memory_stays_linear_in_tokens():
-    """Forward + backward at 32K: the extra memory is O(T) (no T x T buffer would fit in 2 GB)."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_memory_stays_linear_in_tokens(deterministic):
+    """Forward + backward at 32K: the extra memory is O(T) (no T x T buffer would fit in 2 GB),
+    also for the deterministic backward's dK/dV workspace."""
     cu_q, cu_k = cu_seqlens([32768], [32768], "cuda")
     tq = 32768
     q = torch.randn(tq, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -173,8 +188,9 @@ def test_memory_stays_linear_in_tokens():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    out = torch_msa.sparse_attention(q, k, v, block_indices, cu_q, cu_k, tq, tq)
-    out.float().sum().backward()
+    with _deterministic_mode() if deterministic else contextlib.nullcontext():
+        out = torch_msa.sparse_attention(q, k, v, block_indices, cu_q, cu_k, tq, tq)
+        out.float().sum().backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     per_token = extra / tq
@@ -261,3 +277,53 @@ def test_sparse_attention_with_a_shared_plan_matches_reference():
         assert _relative_error(out, want) < 1e-2
     sum(out.float().square().sum() for out in outs).backward()
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def _backward_inputs(layout, kind):
+    inputs = _inputs(layout)
+    block_indices = _selections(layout, inputs, kind)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    args = (block_indices, *inputs["docs"], 128, 128**-0.5)
+    out, lse = reference.forward(q, k, v, *args)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    grad_out = torch.randn(q.shape, generator=generator, device="cuda", dtype=q.dtype)
+    grad_lse = torch.randn(lse.shape, generator=generator, device="cuda")
+    return [grad_out, q, k, v, out, lse, *args, grad_lse]
+
+
+def _assert_matches_reference(got, args):
+    # The reference runs outside deterministic mode: its cuBLAS GEMMs would need CUBLAS_WORKSPACE_CONFIG.
+    for name, g, w in zip(("dq", "dk", "dv"), got, reference.backward(*args)):
+        error = _relative_error(g, w)
+        assert error < 1e-2, f"{name}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["index", "random", "skewed"])
+@pytest.mark.parametrize("layout", ["4K", "pack", "suffix-pack"])
+def test_deterministic_backward_matches_reference_and_repeats_bitwise(layout, kind):
+    """Under torch.use_deterministic_algorithms(True) the Triton backend serves the backward with
+    its deterministic kernels (no fallback warning): close to the reference, and bitwise equal
+    over repeated runs (the skewed selection splits block 0 of every document over many items)."""
+    args = _backward_inputs(layout, kind)
+    assert torch_msa.resolve("backward", torch.device("cuda")).name == "triton"
+    backends._warned.clear()
+    with _deterministic_mode(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch_msa")  # a fallback would warn
+        runs = [torch.ops.msa.backward(*args) for _ in range(4)]
+    _assert_matches_reference(runs[0], args)
+    for again in runs[1:]:
+        for name, got, repeated in zip(("dq", "dk", "dv"), runs[0], again):
+            assert torch.equal(got, repeated), f"{name} differs between runs"
+
+
+def test_deterministic_backward_skips_out_of_contract_ids():
+    args = _backward_inputs("pack", "random")
+    block_indices = args[6].clone()
+    block_indices[0, :, 3] = 1 << 30
+    block_indices[1, :, 2] = -(1 << 30)
+    block_indices[2, :, 1] = block_indices[2, :, 0]
+    args[6] = block_indices
+    with _deterministic_mode():
+        got = torch.ops.msa.backward(*args)
+    torch.cuda.synchronize()
+    _assert_matches_reference(got, args)

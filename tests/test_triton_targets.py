@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (it ships
 
 import torch_msa  # noqa: E402
 from torch_msa import backends  # noqa: E402
-from torch_msa.triton import backward_kernel, forward_kernel, launch, select_kernel  # noqa: E402
+from torch_msa.triton import backward_deterministic_kernel, backward_kernel, forward_kernel, launch, select_kernel  # noqa: E402
 
 # Shared memory per block (opt-in maximum) of each architecture, from the CUDA C++ Programming
 # Guide's table of compute capabilities.
@@ -70,6 +70,34 @@ def _backward_blocks(config):
     return backward_kernel._blocks_kernel, types, constants
 
 
+def _deterministic_key_blocks(config):
+    tokens, group_p2 = forward_kernel.tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
+    types = dict.fromkeys(("q", "k", "v", "grad_out"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
+    types |= dict.fromkeys(("lse", "delta", "dk_part", "dv_part"), "*fp32")
+    types |= {"softmax_scale": "fp32", "qk_scale": "fp32"}
+    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=group_p2, TOKENS=tokens, TOPK=M3["topk"],
+                     BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"], PRECISION="tf32")
+    return backward_deterministic_kernel._key_blocks_kernel, types, constants
+
+
+def _deterministic_key_reduce(config):
+    types = dict.fromkeys(("dk_part", "dv_part"), "*fp32") | dict.fromkeys(("dk", "dv"), "*bf16")
+    types |= dict.fromkeys(("entry_query", "item_end", "bucket_ptr", "bucket_first_item", "bucket_head",
+                            "bucket_key_row", "bucket_block", "position"), "*i32")
+    constants = dict(TOPK=M3["topk"], BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"])
+    return backward_deterministic_kernel._key_reduce_kernel, types, constants
+
+
+def _deterministic_query(config):
+    types = dict.fromkeys(("q", "k", "v", "grad_out", "dq"), "*bf16") | dict.fromkeys(("lse", "delta"), "*fp32")
+    types |= {"block_indices": "*i32", "key_start": "*i64", "position": "*i64", "softmax_scale": "fp32",
+              "qk_scale": "fp32"}
+    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=GROUP, TOPK=M3["topk"],
+                     TOPK_P2=M3["topk"], BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"],
+                     PRECISION="tf32")
+    return backward_deterministic_kernel._query_kernel, types, constants
+
+
 def _select(config):
     heads_p2 = triton.next_power_of_2(M3["index_heads"])
     types = {"index_q": "*bf16", "index_k": "*bf16", "cu_seqlens_q": "*i32", "key_start": "*i64",
@@ -85,6 +113,11 @@ KERNELS = {
     "forward._combine_kernel": (_forward_combine, forward_kernel.COMBINE_CONFIGS),
     "backward._delta_kernel": (_backward_delta, backward_kernel.DELTA_CONFIGS),
     "backward._blocks_kernel": (_backward_blocks, backward_kernel.BLOCKS_CONFIGS),
+    "backward_deterministic._key_blocks_kernel": (_deterministic_key_blocks,
+                                                  backward_deterministic_kernel.KEY_BLOCKS_CONFIGS),
+    "backward_deterministic._key_reduce_kernel": (_deterministic_key_reduce,
+                                                  backward_deterministic_kernel.KEY_REDUCE_CONFIGS),
+    "backward_deterministic._query_kernel": (_deterministic_query, backward_deterministic_kernel.QUERY_CONFIGS),
     "select._select_kernel": (_select, select_kernel.CONFIGS),
 }
 

@@ -16,7 +16,7 @@ from tests import dense
 from torch_msa import reference, testing
 from torch_msa.plan import pack
 from torch_msa.schedule import build_schedule
-from torch_msa.triton import backward_kernel, forward_kernel, plan_kernel, select_kernel
+from torch_msa.triton import backward_deterministic_kernel, backward_kernel, forward_kernel, plan_kernel, select_kernel
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETING else "cuda"
@@ -93,6 +93,55 @@ def test_backward_without_grad_lse_matches_reference():
         _close(got, want, 1e-4, "gradient")
 
 
+DETERMINISTIC_CASES = ("pack-empty-and-1-token", "suffix-pack-group3")
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES)
+def test_deterministic_backward_matches_reference_and_repeats_bitwise(case, monkeypatch):
+    """Junk and repeated ids, grad_lse, a pack with an empty and a 1-token document, Lq < Lk.
+
+    Items of one tile split every bucket the queries share, so the reduction of dK/dV sums
+    several items whose last positions differ."""
+    monkeypatch.setattr(backward_deterministic_kernel, "_ITEM_TILES", 1)
+    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES[case]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout(q_lens, k_lens)
+    block_indices = _junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    entries_per_item = forward_kernel.tile_shape(num_heads, num_kv_heads,
+                                                 backward_deterministic_kernel.KEY_BLOCKS_CONFIGS[0].rows)[0]
+    bucket_sizes = build_schedule(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item).bucket_ptr.diff()
+    assert (bucket_sizes > entries_per_item).any(), "no bucket is split over several items"
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+    out, lse = reference.forward(q, k, v, *args)
+    grad_out = torch.randn_like(q)
+    grad_lse = torch.randn(num_queries, num_heads, device=DEVICE)
+    expected = reference.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
+    first = backward_deterministic_kernel.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
+    second = backward_deterministic_kernel.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
+    for name, got, again, want in zip(("dq", "dk", "dv"), first, second, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        _close(got, want, 4 * TOLERANCE[dtype], name)
+        assert torch.equal(got, again), f"{name} differs between two runs"
+
+
+def test_deterministic_backward_of_a_skewed_selection_without_grad_lse(monkeypatch):
+    """Every query picks block 0 and its newest blocks: block 0's bucket spans many items."""
+    monkeypatch.setattr(backward_deterministic_kernel, "_ITEM_TILES", 1)
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout([150, 60], [300, 60])
+    num_heads, num_kv_heads, dim, block_size, topk = 4, 1, 64, 64, 3
+    block_indices = testing.skewed_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=torch.float16)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, 0.3)
+    out, lse = reference.forward(q, k, v, *args)
+    grad_out = torch.randn_like(q)
+    expected = reference.backward(grad_out, q, k, v, out, lse, *args)
+    grads = backward_deterministic_kernel.backward(grad_out, q, k, v, out, lse, *args)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
+        _close(got, want, 4 * TOLERANCE[torch.float16], name)
+
+
 SELECT_CASES = {
     "pack": ([40, 0, 1, 300], [140, 5, 1, 300], 2, 32, 64, 4),
     "suffix-non-pow2-dim": ([30, 170], [400, 170], 3, 48, 64, 3),
@@ -149,7 +198,7 @@ def _assert_other_docs_unchanged(name, got, want, rows_per_doc, exact):
         assert part.isfinite().all(), f"{name} of document {doc} has non-finite values"
         if exact:
             assert torch.equal(part, clean), f"{name} of document {doc} changed"
-        else:  # the backward adds with atomics: order-dependent in the last bits on a GPU
+        else:  # the default backward adds with atomics: order-dependent in the last bits on a GPU
             torch.testing.assert_close(part, clean, rtol=1e-5, atol=1e-5, msg=f"{name} of document {doc} changed")
 
 
@@ -175,14 +224,19 @@ def test_a_non_finite_document_changes_no_other_document(poisoned):
 
     def run(x):
         out, lse = forward_kernel.forward(x["q"], x["k"], x["v"], *args)
-        grads = backward_kernel.backward(x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args, x["grad_lse"])
-        return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads))}
+        backward_args = (x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args, x["grad_lse"])
+        grads = backward_kernel.backward(*backward_args)
+        deterministic = backward_deterministic_kernel.backward(*backward_args)
+        return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads)),
+                **dict(zip(("deterministic dq", "deterministic dk", "deterministic dv"), deterministic))}
 
     want, got = run(clean), run(dirty)
     for name in ("out", "lse"):
         _assert_other_docs_unchanged(name, got[name], want[name], query_rows, exact=True)
     for name, rows_per_doc in (("dq", query_rows), ("dk", key_rows), ("dv", key_rows)):
         _assert_other_docs_unchanged(name, got[name], want[name], rows_per_doc, exact=INTERPRETING)
+        _assert_other_docs_unchanged(f"deterministic {name}", got[f"deterministic {name}"],
+                                     want[f"deterministic {name}"], rows_per_doc, exact=True)
 
 
 @pytest.mark.parametrize("poisoned", ["index_q", "index_k"])

@@ -2,16 +2,17 @@
 
 Kernels, one module per op: `select_kernel.py` (index scoring + top-k), `plan_kernel.py` (the
 key-to-query schedule of `torch_msa/schedule.py`, packed as a plan: `torch_msa/plan.py`),
-`forward_kernel.py` (KV-outer attention + combine), `backward_kernel.py` (KV-outer dQ/dK/dV).
-The forward and backward read the plan they are given, or build one.
+`forward_kernel.py` (KV-outer attention + combine), `backward_kernel.py` (KV-outer dQ/dK/dV, adding
+with atomics) and `backward_deterministic_kernel.py` (KV-outer dK/dV reduced in a fixed order,
+query-outer dQ), which serves the backward under `torch.use_deterministic_algorithms(True)`.
+The forward and the default backward read the plan they are given, or build one.
 
 Importing this package imports no triton: the kernel modules load on the first call, and the
 backend reports itself unavailable on a host without triton. It serves CUDA devices of compute
 capability 8.0 or newer, SM100 included (the kernels use only portable `tl.dot`; they are tuned
 and measured on SM90, and `launch.py` picks per device a configuration that fits its shared
 memory) with bf16, fp16 or fp32 inputs and at most 128 query heads per KV head; other inputs get
-`UnsupportedInputs`, so the registry falls back to the reference with a one-time warning. Under
-`torch.use_deterministic_algorithms(True)` the backward declines too (it adds with atomics).
+`UnsupportedInputs`, so the registry falls back to the reference with a one-time warning.
 """
 
 import functools
@@ -87,7 +88,9 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
              max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
     check_served("q", q.dtype, q.shape[1] // k.shape[1])
-    return _kernels("backward_kernel").backward(
+    # Decided per call, like torch's own kernels: the flag may change between steps.
+    module = "backward_deterministic_kernel" if torch.are_deterministic_algorithms_enabled() else "backward_kernel"
+    return _kernels(module).backward(
         grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse, plan,
     )

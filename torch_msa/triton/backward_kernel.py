@@ -12,8 +12,8 @@ Splitting the 128-key block into `BLOCK_N` slices keeps the two fp32 accumulator
 register file.
 
 The atomics make the result order-dependent in the last bits, so under
-`torch.use_deterministic_algorithms(True)` this backend declines and the registry falls back to
-the deterministic reference.
+`torch.use_deterministic_algorithms(True)` the backend serves the backward with
+`backward_deterministic_kernel.py` instead, and this one declines.
 """
 
 import torch
