@@ -160,7 +160,7 @@ def test_value_checks(changes, message, monkeypatch):
 def test_validate_inputs_accepts_good_input_and_index_inputs():
     good = _good()
     torch_msa.validate_inputs(**good, index_q=torch.randn(T, 2, 32), index_k=torch.randn(T, 1, 32), topk=2, block_size=64)
-    with pytest.raises(ValueError, match=r"index_q: expected \[Tq, Hi\] = \[150, 2\]"):
+    with pytest.raises(ValueError, match=r"index_q: expected Hi = 2 index heads \(one per KV head of k\), got 3"):
         torch_msa.validate_inputs(**good, index_q=torch.randn(T, 3, 32), index_k=torch.randn(T, 1, 32), block_size=64)
     with pytest.raises(ValueError, match="index_k: expected a tensor"):
         torch_msa.validate_inputs(**good, index_q=torch.randn(T, 2, 32), block_size=64)
