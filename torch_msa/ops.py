@@ -12,6 +12,7 @@ backend adds no guard and no graph break.
 """
 
 import torch
+from torch._functorch.utils import enable_single_level_autograd_function
 
 from . import backends, validation
 from ._schemas import NAMESPACE, SCHEMAS
@@ -125,6 +126,89 @@ def _backward_setup_context(ctx, inputs, output):
     pass
 
 
+def _no_forward_ad(op: str):
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(
+            f"torch_msa: {op} does not support forward-mode AD (torch.func.jvp, jacfwd, "
+            "torch.autograd.forward_ad); use reverse mode (backward(), torch.func.grad, vjp or jacrev)"
+        )
+
+    return staticmethod(jvp)
+
+
+def _below_autograd(op):
+    def forward(*args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    return staticmethod(forward)
+
+
+# The Autograd kernels are single-level autograd Functions (forward and setup_context apart)
+# applied from inside the dispatcher, as the graph nodes of built-in ops are. That is what lets
+# torch.func.grad / vjp / jacrev differentiate the ops level by level; the Function that
+# `torch.library.register_autograd` generates combines forward and ctx, which torch.func
+# rejects. Forward-mode AD has no formula: `jvp` raises instead of leaving a zero tangent.
+class _ForwardAutograd(torch.autograd.function._SingleLevelFunction):
+    forward = _below_autograd(torch.ops.msa.forward.default)
+    setup_context = staticmethod(_forward_setup_context)
+    backward = staticmethod(_forward_backward)
+    jvp = _no_forward_ad("msa::forward")
+
+
+class _BackwardAutograd(torch.autograd.function._SingleLevelFunction):
+    forward = _below_autograd(torch.ops.msa.backward.default)
+    setup_context = staticmethod(_backward_setup_context)
+    backward = staticmethod(_no_double_backward)
+    jvp = _no_forward_ad("msa::backward")
+
+
+def _differentiated(args) -> bool:
+    """Whether autograd must see this call: an input requires grad (in grad mode) or carries a
+    forward-mode tangent, or a torch.func transform is active (its tensors are wrapped)."""
+    tensors = [x for x in args if isinstance(x, torch.Tensor)]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        return True
+    if torch._C._are_functorch_transforms_active():
+        return True
+    return any(torch.autograd.forward_ad.unpack_dual(x).tangent is not None for x in tensors)
+
+
+def _autograd_kernel(function, op):
+    def kernel(keyset, *args):
+        if _differentiated(args):
+            with enable_single_level_autograd_function():
+                return function.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+    return kernel
+
+
+# Autocast follows scaled_dot_product_attention: the attention forward runs in the autocast
+# dtype (q, k, v cast like any lower-precision op: floating, not fp64); the selection and the
+# backward run with autocast off, so selection scores, lse and grad_lse stay fp32.
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+_AUTOCAST_CAST_ARGS = {"select_blocks": (), "forward": (0, 1, 2), "backward": ()}
+
+
+def _autocast_kernel(op, device_type: str, cast_args: tuple[int, ...]):
+    def kernel(keyset, *args):
+        if cast_args:
+            dtype = torch.get_autocast_dtype(device_type)
+            args = tuple(
+                x.to(dtype) if i in cast_args and _autocast_eligible(x, device_type) else x for i, x in enumerate(args)
+            )
+        with torch.autocast(device_type, enabled=False):
+            return op(*args)
+
+    return kernel
+
+
+def _autocast_eligible(x: torch.Tensor, device_type: str) -> bool:
+    return x.device.type == device_type and x.is_floating_point() and x.dtype != torch.float64
+
+
 def _register() -> None:
     kernels = {"select_blocks": _select_blocks_kernel, "forward": _forward_kernel, "backward": _backward_kernel}
     fakes = {"select_blocks": _select_blocks_fake, "forward": _forward_fake, "backward": _backward_fake}
@@ -133,12 +217,14 @@ def _register() -> None:
         _library.impl(name, kernels[name], _DISPATCH_KEY)
     for name in SCHEMAS:
         torch.library.register_fake(f"{NAMESPACE}::{name}", fakes[name], lib=_library)
-    torch.library.register_autograd(
-        f"{NAMESPACE}::forward", _forward_backward, setup_context=_forward_setup_context, lib=_library
-    )
-    torch.library.register_autograd(
-        f"{NAMESPACE}::backward", _no_double_backward, setup_context=_backward_setup_context, lib=_library
-    )
+    for name, function in (("forward", _ForwardAutograd), ("backward", _BackwardAutograd)):
+        op = getattr(torch.ops.msa, name).default
+        _library.impl(name, _autograd_kernel(function, op), "Autograd", with_keyset=True)
+    for name in SCHEMAS:
+        op = getattr(torch.ops.msa, name).default
+        for device_type in _AUTOCAST_DEVICE_TYPES:
+            key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+            _library.impl(name, _autocast_kernel(op, device_type, _AUTOCAST_CAST_ARGS[name]), key, with_keyset=True)
 
 
 _register()
