@@ -14,7 +14,7 @@ backend adds no guard and no graph break.
 import torch
 from torch._functorch.utils import enable_single_level_autograd_function
 
-from . import backends, validation
+from . import backends, flops, validation
 from ._schemas import NAMESPACE, SCHEMAS
 from .contract import compute_dtype
 
@@ -225,6 +225,7 @@ def _register() -> None:
         for device_type in _AUTOCAST_DEVICE_TYPES:
             key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
             _library.impl(name, _autocast_kernel(op, device_type, _AUTOCAST_CAST_ARGS[name]), key, with_keyset=True)
+    flops.register()
 
 
 _register()
