@@ -13,6 +13,7 @@ backend adds no guard and no graph break.
 
 import torch
 from torch._functorch.utils import enable_single_level_autograd_function
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from . import backends, flops, validation
 from ._schemas import NAMESPACE, SCHEMAS
@@ -137,11 +138,23 @@ def _no_forward_ad(op: str):
 
 
 def _below_autograd(op):
-    def forward(*args):
-        with torch._C._AutoDispatchBelowAutograd():
+    def forward(grad_modes, *args):
+        # autograd.Function runs its forward with grad modes off; the outer levels of nested
+        # torch.func transforms must see the caller's, or they would record nothing.
+        backward_ad, forward_ad = grad_modes
+        with torch.set_grad_enabled(backward_ad), _set_fwd_grad_enabled(forward_ad), \
+                torch._C._AutoDispatchBelowAutograd():
             return op(*args)
 
     return staticmethod(forward)
+
+
+def _without_grad_modes(setup_context):
+    return staticmethod(lambda ctx, inputs, output: setup_context(ctx, inputs[1:], output))
+
+
+def _no_grad_for_grad_modes(backward):
+    return staticmethod(lambda ctx, *grads: (None, *backward(ctx, *grads)))
 
 
 # The Autograd kernels are single-level autograd Functions (forward and setup_context apart)
@@ -151,14 +164,14 @@ def _below_autograd(op):
 # rejects. Forward-mode AD has no formula: `jvp` raises instead of leaving a zero tangent.
 class _ForwardAutograd(torch.autograd.function._SingleLevelFunction):
     forward = _below_autograd(torch.ops.msa.forward.default)
-    setup_context = staticmethod(_forward_setup_context)
-    backward = staticmethod(_forward_backward)
+    setup_context = _without_grad_modes(_forward_setup_context)
+    backward = _no_grad_for_grad_modes(_forward_backward)
     jvp = _no_forward_ad("msa::forward")
 
 
 class _BackwardAutograd(torch.autograd.function._SingleLevelFunction):
     forward = _below_autograd(torch.ops.msa.backward.default)
-    setup_context = staticmethod(_backward_setup_context)
+    setup_context = _without_grad_modes(_backward_setup_context)
     backward = staticmethod(_no_double_backward)
     jvp = _no_forward_ad("msa::backward")
 
@@ -177,8 +190,9 @@ def _differentiated(args) -> bool:
 def _autograd_kernel(function, op):
     def kernel(keyset, *args):
         if _differentiated(args):
+            grad_modes = (torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled())
             with enable_single_level_autograd_function():
-                return function.apply(*args)
+                return function.apply(grad_modes, *args)
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 

@@ -188,7 +188,8 @@ def check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen
 
 def check_index_inputs(index_q, index_k, q, k) -> None:
     """The index inputs of `msa_attention` against q and k: `index_q [Tq, Hkv, Di]` with q's rows,
-    `index_k [Tk, 1, Di]` with k's rows, both in q's dtype and on q's device (no host sync)."""
+    `index_k [Tk, 1, Di]` with k's rows, both on q's device in one float dtype, which may differ
+    from q's (no host sync)."""
     _float_tensor("q", q, "[Tq, Hq, D]")
     _float_tensor("k", k, "[Tk, Hkv, D]")
     _float_tensor("index_q", index_q, "[Tq, Hi, Di]")
@@ -203,9 +204,9 @@ def check_index_inputs(index_q, index_k, q, k) -> None:
         raise ValueError(
             f"index_q: expected Hi = {_concrete(k.shape[1])} index heads (one per KV head of k), got {_concrete(index_q.shape[1])}"
         )
+    if index_k.dtype != index_q.dtype:
+        raise TypeError(f"index_k: expected dtype {index_q.dtype} (the dtype of index_q), got {index_k.dtype}")
     for name, x in (("index_q", index_q), ("index_k", index_k)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {x.dtype}")
         _same_device(name, x, "q", q)
 
 
