@@ -1,4 +1,5 @@
-"""Registration of the `msa::` ops: schemas, kernels, fake kernels and autograd.
+"""Registration of the `msa::` ops: schemas, kernels, fake kernels, autograd, autocast and
+FLOP formulas.
 
 The schemas are defined here unless the process already holds them (the C++ stub of
 `csrc_stub/`, loaded to deserialise an exported artifact without Python); in that case the
@@ -207,7 +208,7 @@ _AUTOCAST_CAST_ARGS = {"select_blocks": (), "forward": (0, 1, 2), "backward": ()
 
 
 def _autocast_kernel(op, device_type: str, cast_args: tuple[int, ...]):
-    def kernel(keyset, *args):
+    def kernel(*args):
         if cast_args:
             dtype = torch.get_autocast_dtype(device_type)
             args = tuple(
@@ -238,7 +239,7 @@ def _register() -> None:
         op = getattr(torch.ops.msa, name).default
         for device_type in _AUTOCAST_DEVICE_TYPES:
             key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-            _library.impl(name, _autocast_kernel(op, device_type, _AUTOCAST_CAST_ARGS[name]), key, with_keyset=True)
+            _library.impl(name, _autocast_kernel(op, device_type, _AUTOCAST_CAST_ARGS[name]), key)
     flops.register()
 
 
