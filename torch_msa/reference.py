@@ -134,7 +134,8 @@ class _KeyGather:
     def take(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gather `[Hkv, C, N, D]` rows of `flat` (`[Tk * Hkv, D]`) in `dtype`, zeros in invalid slots."""
         gathered = flat.index_select(0, self.rows).reshape(*self.shape, flat.shape[-1])
-        return torch.where(self._invalid_slots, 0, gathered.to(dtype))
+        # A fresh tensor (index_select's output or its cast): zeroed in place.
+        return gathered.to(dtype).masked_fill_(self._invalid_slots, 0)
 
 
 def _heads_first(x: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
