@@ -181,10 +181,7 @@ def msa_attention(
     Shapes as in `select_blocks` and `sparse_attention`, with `Hi == Hkv`. Returns `out [Tq, Hq, D]`.
     """
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
-    _rows("index_q", index_q, "[Tq, Hi, Di]")
-    _rows("index_k", index_k, "[Tk, 1, Di]")
-    if index_q.dim() == 3 and k.dim() == 3 and index_q.shape[1] != k.shape[1]:
-        raise ValueError(f"index_q: expected Hi = {k.shape[1]} index heads (one per KV head of k), got {index_q.shape[1]}")
+    validation.check_index_inputs(index_q, index_k, q, k)
     block_indices = torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size)
     plan = _plan_for(q, k, block_indices, docs, block_size)
     out, _ = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan)
@@ -216,16 +213,12 @@ def validate_inputs(
     inputs. Use it in eager code when debugging; it is not meant for compiled regions.
     """
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
-    scale = _scale(q, softmax_scale)
-    validation.check_forward(q, k, v, block_indices, *docs, block_size, scale)
+    validation.check_attention(q, k, v, *docs, block_size, _scale(q, softmax_scale))
+    if block_indices is not None:
+        validation.check_block_indices(block_indices, q, k)
     if (index_q is None) != (index_k is None):
         raise ValueError(f"{'index_k' if index_k is None else 'index_q'}: expected a tensor when the other index input is given, got None")
     if index_q is not None:
+        validation.check_index_inputs(index_q, index_k, q, k)
         validation.check_select_blocks(index_q, index_k, *docs, topk, block_size)
-        if index_q.shape[:2] != (q.shape[0], k.shape[1]):
-            raise ValueError(
-                f"index_q: expected [Tq, Hi] = [{q.shape[0]}, {k.shape[1]}] (Hi == Hkv), got {list(index_q.shape[:2])}"
-            )
-        if index_k.shape[0] != k.shape[0]:
-            raise ValueError(f"index_k: expected Tk = {k.shape[0]} rows (the rows of k), got {index_k.shape[0]}")
     validation.check_values(docs[0], docs[1], q.shape[0], k.shape[0], docs[2], docs[3], block_indices, block_size)
