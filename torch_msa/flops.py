@@ -48,14 +48,14 @@ def select_blocks_flops(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen
 
 
 def forward_flops(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,
-                  softmax_scale, out_shape=None) -> int:
+                  softmax_scale, plan=None, out_shape=None) -> int:
     """`msa::forward`: `Tq * topk * block_size` pairs per query head."""
     num_queries, query_heads, head_dim = q
     return attention_forward(query_heads, head_dim, num_queries * block_indices[2] * block_size)
 
 
 def backward_flops(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   block_size, softmax_scale, grad_lse=None, out_shape=None) -> int:
+                   block_size, softmax_scale, grad_lse=None, plan=None, out_shape=None) -> int:
     """`msa::backward`: the forward's pairs at the backward's cost per pair."""
     num_queries, query_heads, head_dim = q
     return attention_backward(query_heads, head_dim, num_queries * block_indices[2] * block_size)

@@ -126,7 +126,7 @@ def build_schedule(
     head_offsets = torch.arange(0, past_all, key_stride, device=device, dtype=torch.int64).view(-1, 1)
     row_of_query = (docs.key_start + head_offsets).unsqueeze(-1)
     bucket_key = torch.add(row_of_query, block_indices, alpha=block_size).masked_fill_(~valid, past_all)
-    sorted_key, order = torch.sort(bucket_key.view(-1), stable=True)
+    sorted_key, order = torch.sort(bucket_key.reshape(-1), stable=True)
     entry_query = (order % max(1, num_queries * topk)).to(torch.int32)
 
     # 1-based bucket of each sorted entry. Invalid entries, and entries of buckets beyond the
