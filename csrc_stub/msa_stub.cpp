@@ -30,8 +30,9 @@ struct StubOp {
 
 StubOp stub_ops[] = {
     {"select_blocks", "select_blocks(Tensor index_q, Tensor index_k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int topk, int block_size) -> Tensor", false},
-    {"forward", "forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale) -> (Tensor, Tensor)", false},
-    {"backward", "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None) -> (Tensor, Tensor, Tensor)", false},
+    {"plan", "plan(Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, SymInt num_keys, int block_size, int entries_per_item) -> Tensor", false},
+    {"forward", "forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? plan=None) -> (Tensor, Tensor)", false},
+    {"backward", "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None, Tensor? plan=None) -> (Tensor, Tensor, Tensor)", false},
     {"indexer_kl", "indexer_kl(Tensor q, Tensor k, Tensor? lse, Tensor index_q, Tensor index_k, Tensor? block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, float index_softmax_scale) -> (Tensor, Tensor, Tensor, Tensor)", false},
     {"indexer_kl_backward", "indexer_kl_backward(Tensor grad_loss, Tensor q, Tensor k, Tensor teacher_lse, Tensor index_q, Tensor index_k, Tensor index_lse, Tensor teacher_mass, Tensor? block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, float index_softmax_scale) -> (Tensor, Tensor)", false},
 };

@@ -2,7 +2,8 @@
 
 Each sample is one op call: GQA ratios, head dims, block sizes, dtypes, varlen packs with empty
 and one-token documents, queries that are a strict suffix of their keys, with and without
-`requires_grad`. `tests/test_opcheck.py` runs the whole matrix; `python -m opcheck` prints it
+`requires_grad`. `msa::plan` (integer inputs only) runs without; forward and backward run
+without a plan, and with one from `msa::plan` where inputs require grad. `tests/test_opcheck.py` runs the whole matrix; `python -m opcheck` prints it
 with its results.
 """
 
@@ -11,6 +12,7 @@ import dataclasses
 import torch
 
 import torch_msa  # noqa: F401  (registers torch.ops.msa.*)
+from torch_msa.plan import entries_per_item
 from torch_msa.testing import cu_seqlens, random_block_indices
 
 # opcheck's four utilities; test_autograd_registration needs an autograd kernel where inputs
@@ -83,13 +85,17 @@ def samples(device: str = "cpu") -> list[Sample]:
                 q, k, v, block_indices, docs = _attention_inputs(
                     layout, num_heads, num_kv_heads, dim, block_size, topk, dtype, requires_grad, device)
                 scale = dim**-0.5
-                result.append(Sample(f"forward-{tag}", "forward", (q, k, v, block_indices, *docs, block_size, scale)))
+                plan_args = (block_indices, *docs, k.shape[0], block_size, entries_per_item(num_heads, num_kv_heads))
+                if not requires_grad:
+                    result.append(Sample(f"plan-{tag}", "plan", plan_args))
+                plan = (torch.ops.msa.plan(*plan_args),) if requires_grad else ()
+                result.append(Sample(f"forward-{tag}", "forward", (q, k, v, block_indices, *docs, block_size, scale, *plan)))
                 with torch.no_grad():
                     out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, scale)
                 grad_out = torch.randn_like(out).requires_grad_(requires_grad)
                 grad_lse = torch.randn_like(lse) if requires_grad else None
                 result.append(Sample(f"backward-{tag}", "backward",
-                                     (grad_out, q, k, v, out, lse, block_indices, *docs, block_size, scale, grad_lse),
+                                     (grad_out, q, k, v, out, lse, block_indices, *docs, block_size, scale, grad_lse, *plan),
                                      NO_DOUBLE_BACKWARD_CHECKS if requires_grad else CHECKS))
                 index_q = torch.randn(q.shape[0], num_kv_heads, 32, dtype=dtype, device=device).requires_grad_(requires_grad)
                 index_k = torch.randn(k.shape[0], 1, 32, dtype=dtype, device=device).requires_grad_(requires_grad)

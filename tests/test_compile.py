@@ -98,3 +98,48 @@ def test_backend_resolution_happens_at_run_time(monkeypatch):
         assert calls == ["spy"] and counter.frame_count == 1
     finally:
         torch_msa.backends.unregister_backend("spy")
+
+
+def _compile_error(fn, *args) -> str:
+    """The message of the error that compiling `fn` on `args` raises."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    try:
+        compiled(*args)
+    except Exception as error:  # noqa: BLE001  (Dynamo wraps the op's ValueError in its own types)
+        return str(error)
+    raise AssertionError("no error")
+
+
+def test_bad_shapes_under_dynamic_shapes_show_concrete_values():
+    def attention(q, k, v, block_indices):
+        return torch_msa.sparse_attention(q, k, v, block_indices, block_size=64)
+
+    message = _compile_error(attention, torch.randn(120, 4, 96), torch.randn(120, 2, 96), torch.randn(120, 2, 96),
+                             torch.zeros(2, 120, 1, dtype=torch.int32))
+    assert "q: expected head dim D in (64, 128), got 96 (shape [120, 4, 96])" in message, message
+
+    def msa(q, k, v, index_q, index_k):
+        return torch_msa.msa_attention(q, k, v, index_q, index_k, topk=2, block_size=64)
+
+    message = _compile_error(msa, torch.randn(110, 4, 64), torch.randn(110, 2, 64), torch.randn(110, 2, 64),
+                             torch.randn(110, 2, 16), torch.randn(109, 1, 16))
+    assert "index_k: expected Tk = 110 rows (the rows of k), got 109 (shape [109, 1, 16])" in message, message
+
+
+def test_max_seqlen_from_item_inside_the_compiled_region():
+    """A data-dependent max_seqlen is accepted (checked when the graph runs, not guarded on)."""
+
+    def fn(q, k, v, index_q, index_k, cu_q, cu_k):
+        max_q = (cu_q[1:] - cu_q[:-1]).max().item()
+        max_k = (cu_k[1:] - cu_k[:-1]).max().item()
+        return torch_msa.msa_attention(q, k, v, index_q, index_k, cu_q, cu_k, max_q, max_k, topk=2, block_size=64)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    inputs = _inputs([90, 0, 243], [150, 7, 243])
+    args = [x.detach() for x in inputs[:5]] + inputs[5:7]
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        got = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)(*args)
+    torch.testing.assert_close(got, fn(*args), rtol=0, atol=0)
+    assert counter.frame_count == 1

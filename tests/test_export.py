@@ -97,15 +97,17 @@ class TestExport(expecttest.TestCase):
         graph = _exported().graph
         targets = {node.target for node in graph.nodes if node.op == "call_function"}
         self.assertIn(torch.ops.msa.select_blocks.default, targets)
+        self.assertIn(torch.ops.msa.plan.default, targets)
         self.assertIn(torch.ops.msa.forward.default, targets)
         self.assertExpectedInline(_render(graph), """\
 v0 = aten.arange.default(2)
 v1 = aten.mul.Tensor(v0, T)
 v2 = aten.mul.Tensor(v0, T)
 v3 = msa.select_blocks.default(index_q, index_k, v1, v2, T, T, 2, 64)
-v4 = msa.forward.default(q, k, v, v3, v1, v2, T, T, 64, 0.125)
-v5 = getitem(v4, 0)
-return [v5]""")
+v4 = msa.plan.default(v3, v1, v2, T, T, T, 64, 1024)
+v5 = msa.forward.default(q, k, v, v3, v1, v2, T, T, 64, 0.125, v4)
+v6 = getitem(v5, 0)
+return [v6]""")
 
     def test_save_load_roundtrip(self):
         with tempfile.TemporaryDirectory() as tmp:

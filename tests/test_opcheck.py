@@ -2,6 +2,7 @@
 fake tensors, AOT dispatch with dynamic shapes)."""
 
 import pytest
+import torch
 
 from opcheck.matrix import run, samples
 from torch_msa import backends
@@ -16,7 +17,14 @@ def test_opcheck(sample):
 
 def test_matrix_covers_every_op_with_and_without_grad():
     seen = {(s.op, any(getattr(a, "requires_grad", False) for a in s.args)) for s in MATRIX}
-    assert seen == {(op, grad) for op in backends.OPS for grad in (False, True)}
+    float_ops = ("select_blocks", "forward", "backward", "indexer_kl", "indexer_kl_backward")
+    assert seen == {(op, grad) for op in float_ops for grad in (False, True)} | {("plan", False)}
+
+
+def test_matrix_passes_plans_to_forward_and_backward():
+    with_plan = {s.op for s in MATRIX if s.op in ("forward", "backward")
+                 and isinstance(s.args[-1], torch.Tensor) and s.args[-1].dtype == torch.int32}
+    assert with_plan == {"forward", "backward"}
 
 
 def test_double_backward_raises_clearly():

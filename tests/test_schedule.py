@@ -2,8 +2,11 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import torch_msa
 from torch_msa import testing
+from torch_msa.plan import plan_numel, unpack
 from torch_msa.schedule import build_schedule, build_schedule_python, max_buckets
 
 LAYOUTS = {
@@ -72,8 +75,6 @@ def test_build_schedule_stays_a_few_host_launches():
     """Eager mode pays a host launch per ATen call before every forward and backward: on an H200
     the schedule is host-bound (enqueue time equals device time), and the first version's 138
     calls took 2.4 ms at T = 8K in the bench, more than the forward's kernels."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     class CountCalls(TorchDispatchMode):
         calls = 0
 
@@ -86,3 +87,95 @@ def test_build_schedule_stays_a_few_host_launches():
     with CountCalls():
         build_schedule(block_indices, cu_q, cu_k, 500, 64, 128)
     assert CountCalls.calls <= 112
+
+
+def test_plan_op_packs_the_schedule_and_splits_back():
+    cu_q, cu_k = testing.cu_seqlens([40, 0, 1, 90], [140, 5, 1, 90])
+    block_indices = testing.random_block_indices(cu_q, cu_k, 2, 4, 64)
+    plan = torch.ops.msa.plan(block_indices, cu_q, cu_k, 90, 140, 236, 64, 8)
+    expected = build_schedule(block_indices, cu_q, cu_k, 236, 64, 8)
+    assert plan.dtype == torch.int32 and plan.numel() == plan_numel(block_indices.shape, 236, 4, 64, 8)
+    for got, want in zip(unpack(plan, block_indices, 236, 4, 64), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_plan_fake_has_the_real_length():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cu_q, cu_k = testing.cu_seqlens([5, 200], [300, 260])
+    block_indices = testing.random_block_indices(cu_q, cu_k, 3, 5, 64)
+    real = torch.ops.msa.plan(block_indices, cu_q, cu_k, 200, 300, 560, 64, 16)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.msa.plan(*(mode.from_tensor(x) for x in (block_indices, cu_q, cu_k)), 200, 300, 560, 64, 16)
+    assert fake.shape == real.shape and fake.dtype == real.dtype
+
+
+def test_a_plan_of_other_shapes_is_refused():
+    cu_q, cu_k = testing.cu_seqlens([300], [300])
+    block_indices = testing.random_block_indices(cu_q, cu_k, 2, 3, 64)
+    plan = torch.ops.msa.plan(block_indices, cu_q, cu_k, 300, 300, 300, 64, 8)
+    with pytest.raises(ValueError, match="plan: expected .* int32 entries"):
+        unpack(plan[:-4], block_indices, 300, 1, 64)
+    with pytest.raises(ValueError, match="plan: expected a 1-D int32 tensor"):
+        q = torch.randn(300, 2, 64)
+        k = torch.randn(300, 2, 64)
+        torch.ops.msa.forward(q, k, k, block_indices, cu_q, cu_k, 300, 300, 64, 0.125, plan.float())
+
+
+def test_sparse_attention_builds_one_plan_for_forward_and_backward(monkeypatch):
+    calls = []
+    original = torch_msa.backends._BACKENDS["reference"].ops["backward"]
+
+    def backward(*args):
+        calls.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setitem(torch_msa.backends._BACKENDS["reference"].ops, "backward", backward)
+    cu_q, cu_k = testing.cu_seqlens([100], [100])
+    block_indices = testing.random_block_indices(cu_q, cu_k, 1, 2, 64)
+    q, k, v = (torch.randn(100, 2, 64, requires_grad=True) for _ in range(3))
+    with CountOps() as counted:
+        out = torch_msa.sparse_attention(q, k[:, :1], v[:, :1], block_indices, cu_q, cu_k, block_size=64)
+        out.sum().backward()
+    assert counted.count(torch.ops.msa.plan.default) == 1
+    assert len(calls) == 1 and calls[0].dtype == torch.int32, "the backward receives the forward's plan"
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the ATen / custom op calls dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+    def count(self, func):
+        return self.calls.count(func)
+
+
+def test_triton_plan_build_stays_a_few_host_calls(monkeypatch):
+    """The Triton build's host work, counted without a GPU: ATen calls and kernel launches (the
+    kernels replaced by counters). Each costs a host-side launch in eager mode."""
+    pytest.importorskip("triton")
+    from torch_msa.triton import plan_kernel
+
+    launches = []
+
+    class Launcher:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(self.name)
+
+    for name in ("_entry_keys_kernel", "_bucket_starts_kernel", "_bucket_tables_kernel", "_item_tables_kernel"):
+        monkeypatch.setattr(plan_kernel, name, Launcher(name))
+    cu_q, cu_k = testing.cu_seqlens([300, 200], [300, 200])
+    block_indices = testing.random_block_indices(cu_q, cu_k, 4, 16, 64)
+    with CountOps() as counted:
+        plan_kernel.build_plan(block_indices, cu_q, cu_k, 500, 64, 128)
+    assert len(launches) == 4
+    assert len(counted.calls) <= 8, counted.calls

@@ -14,16 +14,22 @@ class TestSchemas(expecttest.TestCase):
             """msa::select_blocks(Tensor index_q, Tensor index_k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int topk, int block_size) -> Tensor""",
         )
 
+    def test_plan(self):
+        self.assertExpectedInline(
+            str(torch.ops.msa.plan.default._schema),
+            """msa::plan(Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, SymInt num_keys, int block_size, int entries_per_item) -> Tensor""",
+        )
+
     def test_forward(self):
         self.assertExpectedInline(
             str(torch.ops.msa.forward.default._schema),
-            """msa::forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale) -> (Tensor, Tensor)""",
+            """msa::forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? plan=None) -> (Tensor, Tensor)""",
         )
 
     def test_backward(self):
         self.assertExpectedInline(
             str(torch.ops.msa.backward.default._schema),
-            """msa::backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None) -> (Tensor, Tensor, Tensor)""",
+            """msa::backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None, Tensor? plan=None) -> (Tensor, Tensor, Tensor)""",
         )
 
     def test_indexer_kl(self):

@@ -589,7 +589,8 @@ def test_forward_sends_only_self_attention_packs(official, monkeypatch):
 
 
 def test_unsupported_inputs_fall_back_to_the_reference_with_a_warning(monkeypatch):
-    cpu_twin = dataclasses.replace(sm100.BACKEND, device_types=("cpu",), available=lambda device: True)
+    # Not opt-in, so that default resolution tries it.
+    cpu_twin = dataclasses.replace(sm100.BACKEND, device_types=("cpu",), available=lambda device: True, opt_in_note=None)
     monkeypatch.setitem(backends._BACKENDS, sm100.NAME, cpu_twin)
     monkeypatch.setattr(backends, "_warned", set())
     q, k, v = torch.randn(70, 4, 64), torch.randn(70, 2, 64), torch.randn(70, 2, 64)

@@ -118,6 +118,7 @@ def test_stub_only_raises_import_hint(stub_library):
         t = torch.zeros(1)
         calls = {
             "select_blocks": lambda: torch.ops.msa.select_blocks(t, t, t, t, 1, 1, 1, 64),
+            "plan": lambda: torch.ops.msa.plan(t, t, t, 1, 1, 1, 64, 1),
             "forward": lambda: torch.ops.msa.forward(t, t, t, t, t, t, 1, 1, 64, 1.0),
             "backward": lambda: torch.ops.msa.backward(t, t, t, t, t, t, t, t, t, 1, 1, 64, 1.0),
             "indexer_kl": lambda: torch.ops.msa.indexer_kl(t, t, t, t, t, t, t, t, 1, 1, 64, 1.0, 1.0),
@@ -232,7 +233,7 @@ def test_exported_program_with_stub(stub_library, tmp_path):
         stub_library, program, data,
     ))
     result = _last_json(out)
-    assert result["targets"] == ["msa.forward.default", "msa.select_blocks.default"]
+    assert result["targets"] == ["msa.forward.default", "msa.plan.default", "msa.select_blocks.default"]
     assert result["stub_error"] is not None, "the exported program ran with only the stub loaded"
     kind, message = result["stub_error"]
     assert kind == "RuntimeError" and "import torch_msa" in message, result["stub_error"]

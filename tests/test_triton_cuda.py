@@ -6,11 +6,15 @@ relative Frobenius error (`||got - want|| / ||want||`), which is about 1e-3 for 
 grows to O(1) for any wrong row, so 1e-2 separates the two.
 """
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 
 import torch_msa
 from torch_msa import backends, reference
+from torch_msa.plan import entries_per_item
 from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -42,6 +46,16 @@ def _inputs(layout, seed=0):
 def _relative_error(got, want):
     want = want.double()
     return ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()
+
+
+@contextlib.contextmanager
+def _deterministic_mode():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 def _selections(layout, inputs, kind):
@@ -161,8 +175,10 @@ def test_kernels_run_on_the_current_stream():
     assert torch.equal(got, expected)
 
 
-def test_memory_stays_linear_in_tokens():
-    """Forward + backward at 32K: the extra memory is O(T) (no T x T buffer would fit in 2 GB)."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_memory_stays_linear_in_tokens(deterministic):
+    """Forward + backward at 32K: the extra memory is O(T) (no T x T buffer would fit in 2 GB),
+    also for the deterministic backward's dK/dV workspace."""
     cu_q, cu_k = cu_seqlens([32768], [32768], "cuda")
     tq = 32768
     q = torch.randn(tq, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -172,8 +188,9 @@ def test_memory_stays_linear_in_tokens():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    out = torch_msa.sparse_attention(q, k, v, block_indices, cu_q, cu_k, tq, tq)
-    out.float().sum().backward()
+    with _deterministic_mode() if deterministic else contextlib.nullcontext():
+        out = torch_msa.sparse_attention(q, k, v, block_indices, cu_q, cu_k, tq, tq)
+        out.float().sum().backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     per_token = extra / tq
@@ -190,5 +207,123 @@ def test_no_host_sync_inside_the_ops():
         block_indices = torch.ops.msa.select_blocks(inputs["index_q"], inputs["index_k"], *inputs["docs"], 16, 128)
         out, lse = torch.ops.msa.forward(q, k, v, block_indices, *inputs["docs"], 128, 128**-0.5)
         torch.ops.msa.backward(out, q, k, v, out, lse, block_indices, *inputs["docs"], 128, 128**-0.5)
+        plan = torch.ops.msa.plan(block_indices, *inputs["docs"], k.shape[0], 128, entries_per_item(64, 4))
+        out, lse = torch.ops.msa.forward(q, k, v, block_indices, *inputs["docs"], 128, 128**-0.5, plan)
+        torch.ops.msa.backward(out, q, k, v, out, lse, block_indices, *inputs["docs"], 128, 128**-0.5, None, plan)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("poisoned", ["q", "k", "v", "grad_out"])
+def test_a_non_finite_document_changes_no_other_document_at_m3_shapes(poisoned):
+    """NaN/Inf in one document of the "pack" layout (whose documents end mid-block) leaves every
+    other document's outputs and gradients finite and equal to a clean run's (gradients within
+    the atomics' reordering)."""
+    inputs = _inputs("pack")
+    cu_q, cu_k = inputs["docs"][:2]
+    block_indices = _selections("pack", inputs, "random")
+    args = (block_indices, *inputs["docs"], 128, 128**-0.5)
+    poisoned_doc = 1
+    clean = dict(q=inputs["q"], k=inputs["k"], v=inputs["v"], grad_out=torch.randn_like(inputs["q"]))
+    bounds = (cu_k if poisoned in ("k", "v") else cu_q).tolist()
+    dirty = dict(clean)
+    dirty[poisoned] = clean[poisoned].clone()
+    dirty[poisoned][bounds[poisoned_doc]:bounds[poisoned_doc + 1]:2] = float("nan")
+    dirty[poisoned][bounds[poisoned_doc] + 1:bounds[poisoned_doc + 1]:2] = float("inf")
+
+    def run(x):
+        out, lse = torch.ops.msa.forward(x["q"], x["k"], x["v"], *args)
+        grads = torch.ops.msa.backward(x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args)
+        return dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+
+    want, got = run(clean), run(dirty)
+    query_bounds, key_bounds = cu_q.tolist(), cu_k.tolist()
+    for name in want:
+        bounds = key_bounds if name in ("dk", "dv") else query_bounds
+        for doc in range(len(bounds) - 1):
+            if doc == poisoned_doc:
+                continue
+            part, reference_part = (x[name][bounds[doc]:bounds[doc + 1]].float() for x in (got, want))
+            assert part.isfinite().all(), f"{name} of document {doc} is not finite"
+            if name in ("out", "lse"):
+                assert torch.equal(part, reference_part), f"{name} of document {doc} changed"
+            else:
+                torch.testing.assert_close(part, reference_part, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed"])
+@pytest.mark.parametrize("layout", ["16K", "pack", "suffix-pack"])
+def test_plan_equals_the_reference_build(layout, kind):
+    """The Triton `msa::plan` writes exactly the pure-PyTorch build's tables, unused rows included."""
+    inputs = _inputs(layout)
+    block_indices = _selections(layout, inputs, kind)
+    block_indices[0, ::5, 3] = block_indices[0, ::5, 0]  # junk: a repeat, a far id, a negative id
+    block_indices[1, ::7, 2] = 1 << 30
+    block_indices[2, ::3, 1] = -4
+    num_keys = inputs["k"].shape[0]
+    for items in (8, entries_per_item(64, 4)):
+        args = (block_indices, *inputs["docs"], num_keys, 128, items)
+        assert torch.equal(torch.ops.msa.plan(*args), reference.plan(*args))
+
+
+def test_sparse_attention_with_a_shared_plan_matches_reference():
+    inputs = _inputs("pack")
+    q, k, v = (inputs[name].requires_grad_() for name in ("q", "k", "v"))
+    block_indices = _selections("pack", inputs, "index")
+    plan = torch_msa.build_plan(block_indices, *inputs["docs"], num_keys=k.shape[0], num_heads=64)
+    outs = [torch_msa.sparse_attention(q, k, v, block_indices, *inputs["docs"], plan=plan) for _ in range(2)]
+    want = reference.forward(q.detach(), k.detach(), v.detach(), block_indices, *inputs["docs"], 128, 128**-0.5)[0]
+    for out in outs:
+        assert _relative_error(out, want) < 1e-2
+    sum(out.float().square().sum() for out in outs).backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def _backward_inputs(layout, kind):
+    inputs = _inputs(layout)
+    block_indices = _selections(layout, inputs, kind)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    args = (block_indices, *inputs["docs"], 128, 128**-0.5)
+    out, lse = reference.forward(q, k, v, *args)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    grad_out = torch.randn(q.shape, generator=generator, device="cuda", dtype=q.dtype)
+    grad_lse = torch.randn(lse.shape, generator=generator, device="cuda")
+    return [grad_out, q, k, v, out, lse, *args, grad_lse]
+
+
+def _assert_matches_reference(got, args):
+    # The reference runs outside deterministic mode: its cuBLAS GEMMs would need CUBLAS_WORKSPACE_CONFIG.
+    for name, g, w in zip(("dq", "dk", "dv"), got, reference.backward(*args)):
+        error = _relative_error(g, w)
+        assert error < 1e-2, f"{name}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["index", "random", "skewed"])
+@pytest.mark.parametrize("layout", ["4K", "pack", "suffix-pack"])
+def test_deterministic_backward_matches_reference_and_repeats_bitwise(layout, kind):
+    """Under torch.use_deterministic_algorithms(True) the Triton backend serves the backward with
+    its deterministic kernels (no fallback warning): close to the reference, and bitwise equal
+    over repeated runs (the skewed selection splits block 0 of every document over many items)."""
+    args = _backward_inputs(layout, kind)
+    assert torch_msa.resolve("backward", torch.device("cuda")).name == "triton"
+    backends._warned.clear()
+    with _deterministic_mode(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch_msa")  # a fallback would warn
+        runs = [torch.ops.msa.backward(*args) for _ in range(4)]
+    _assert_matches_reference(runs[0], args)
+    for again in runs[1:]:
+        for name, got, repeated in zip(("dq", "dk", "dv"), runs[0], again):
+            assert torch.equal(got, repeated), f"{name} differs between runs"
+
+
+def test_deterministic_backward_skips_out_of_contract_ids():
+    args = _backward_inputs("pack", "random")
+    block_indices = args[6].clone()
+    block_indices[0, :, 3] = 1 << 30
+    block_indices[1, :, 2] = -(1 << 30)
+    block_indices[2, :, 1] = block_indices[2, :, 0]
+    args[6] = block_indices
+    with _deterministic_mode():
+        got = torch.ops.msa.backward(*args)
+    torch.cuda.synchronize()
+    _assert_matches_reference(got, args)

@@ -51,6 +51,7 @@ ATTENTION_CASES = [
     (dict(max_seqlen_q=-1), ValueError, ["max_seqlen_q:", ">= 0", "-1"]),
     (dict(max_seqlen_k=10.5), TypeError, ["max_seqlen_k:", "int", "float"]),
     (dict(block_size=32), ValueError, ["block_size:", "(64, 128)", "32"]),
+    (dict(block_indices=None), TypeError, ["block_indices:", "torch.Tensor", "NoneType"]),
 ]
 
 
@@ -71,6 +72,7 @@ SELECT_CASES = [
     (dict(topk=True), TypeError, ["topk:", "int", "bool"]),
     (dict(block_size=256), ValueError, ["block_size:", "(64, 128)", "256"]),
     (dict(cu_seqlens_q=torch.tensor([0, 150], dtype=torch.int32)), ValueError, ["cu_seqlens_k:", "2 boundaries", "3"]),
+    (dict(index_q=torch.randn(T, 2, 0), index_k=torch.randn(T, 1, 0)), ValueError, ["index_q:", "Di >= 1", "[150, 2, 0]"]),
 ]
 
 
@@ -82,10 +84,36 @@ def test_select_bad_input(changes, error, fragments):
         assert fragment in str(raised.value), f"{fragment!r} not in {raised.value}"
 
 
-def test_msa_attention_index_heads_must_match_kv_heads():
+# msa_attention checks its index inputs against q and k (the selection alone cannot).
+INDEX_CASES = [
+    (dict(index_q=torch.randn(T, 4, 32)), ValueError, ["index_q:", "Hi = 2 index heads", "got 4"]),
+    (dict(index_q=torch.randn(T - 1, 2, 32)), ValueError, ["index_q:", "Tq = 150 rows (the rows of q)", "got 149"]),
+    (dict(index_k=torch.randn(T - 1, 1, 32)), ValueError, ["index_k:", "Tk = 150 rows (the rows of k)", "got 149"]),
+    (dict(index_k=torch.randn(T, 1, 32, dtype=torch.float64)), TypeError, ["index_k:", "torch.float32", "torch.float64"]),
+    (dict(index_q=torch.randn(T, 2, 32, device="meta")), ValueError, ["index_q:", "device cpu", "meta"]),
+    (dict(index_k=torch.randn(T, 1, 32, device="meta")), ValueError, ["index_k:", "device cpu", "meta"]),
+    (dict(index_k=torch.randn(T, 32)), ValueError, ["index_k:", "3-D", "[150, 32]"]),
+    (dict(index_q=torch.randn(T, 2, 0), index_k=torch.randn(T, 1, 0)), ValueError, ["index_q:", "Di >= 1", "[150, 2, 0]"]),
+]
+
+
+@pytest.mark.parametrize("changes,error,fragments", INDEX_CASES, ids=[c[2][0] + str(i) for i, c in enumerate(INDEX_CASES)])
+def test_msa_attention_checks_the_index_inputs(changes, error, fragments):
     good = _good()
-    with pytest.raises(ValueError, match=r"index_q: expected Hi = 2 .* got 4"):
-        torch_msa.msa_attention(good["q"], good["k"], good["v"], torch.randn(T, 4, 32), torch.randn(T, 1, 32))
+    index = {"index_q": torch.randn(T, 2, 32), "index_k": torch.randn(T, 1, 32), **changes}
+    with pytest.raises(error) as raised:
+        torch_msa.msa_attention(good["q"], good["k"], good["v"], index["index_q"], index["index_k"],
+                                good["cu_seqlens_q"], good["cu_seqlens_k"], 100, 100, topk=2, block_size=64)
+    for fragment in fragments:
+        assert fragment in str(raised.value), f"{fragment!r} not in {raised.value}"
+
+
+def test_index_inputs_may_have_their_own_dtype():
+    good = _good()
+    out = torch_msa.msa_attention(good["q"].bfloat16(), good["k"].bfloat16(), good["v"].bfloat16(),
+                                  torch.randn(T, 2, 32), torch.randn(T, 1, 32), good["cu_seqlens_q"],
+                                  good["cu_seqlens_k"], 100, 100, topk=2, block_size=64)
+    assert out.dtype == torch.bfloat16
 
 
 def test_backward_op_bad_input():
@@ -160,7 +188,7 @@ def test_value_checks(changes, message, monkeypatch):
 def test_validate_inputs_accepts_good_input_and_index_inputs():
     good = _good()
     torch_msa.validate_inputs(**good, index_q=torch.randn(T, 2, 32), index_k=torch.randn(T, 1, 32), topk=2, block_size=64)
-    with pytest.raises(ValueError, match=r"index_q: expected \[Tq, Hi\] = \[150, 2\]"):
+    with pytest.raises(ValueError, match=r"index_q: expected Hi = 2 index heads \(one per KV head of k\), got 3"):
         torch_msa.validate_inputs(**good, index_q=torch.randn(T, 3, 32), index_k=torch.randn(T, 1, 32), block_size=64)
     with pytest.raises(ValueError, match="index_k: expected a tensor"):
         torch_msa.validate_inputs(**good, index_q=torch.randn(T, 2, 32), block_size=64)

@@ -6,7 +6,16 @@ it imports neither triton nor cutlass (optional backends bind on first use).
 
 from . import ops  # noqa: F401  (registers torch.ops.msa.*)
 from . import sm100, triton
-from .api import indexer_kl_loss, indexer_kl_loss_dense, msa_attention, select_blocks, sparse_attention, validate_inputs
+from .api import (
+    build_plan,
+    indexer_kl_loss,
+    indexer_kl_loss_dense,
+    msa_attention,
+    select_blocks,
+    sparse_attention,
+    validate_inputs,
+)
+from .padding import check_padding_mask, pad_input, padded_cu_seqlens, unpad_input
 from .backends import BACKEND_ENV, Backend, BackendError, UnavailableError, UnsupportedInputs, register_backend, resolve
 from .validation import DEBUG_ENV
 
@@ -23,12 +32,17 @@ __all__ = [
     "BackendError",
     "UnavailableError",
     "UnsupportedInputs",
+    "build_plan",
+    "check_padding_mask",
     "indexer_kl_loss",
     "indexer_kl_loss_dense",
     "msa_attention",
+    "pad_input",
+    "padded_cu_seqlens",
     "register_backend",
     "resolve",
     "select_blocks",
     "sparse_attention",
+    "unpad_input",
     "validate_inputs",
 ]

@@ -391,8 +391,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16",
                         help="dtype of q, k, v and the index inputs (default: bf16)")
     parser.add_argument("--backend",
-                        help=f"force a backend for this run (sets {backends.BACKEND_ENV}); "
-                             f"registered: {', '.join(backends.registered_backends())}")
+                        help=f"force a backend for the ops it implements (sets {backends.BACKEND_ENV}); the other "
+                             f"ops resolve as usual; registered: {', '.join(backends.registered_backends())}")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     return parser
 
@@ -431,13 +431,19 @@ def _print_header(problem: Problem, args, resolved: dict[str, str]) -> None:
           "(queries are the causal suffix of each document's keys)", flush=True)
 
 
+def resolve_ops(device: torch.device) -> dict[str, str]:
+    """The backend serving each op on `device`. A forced backend serves the ops it implements
+    (or raises `BackendError` saying why it cannot); the others resolve as usual."""
+    return {op: torch_msa.resolve(op, device).name for op in backends.OPS}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.backend is not None:
         os.environ[backends.BACKEND_ENV] = args.backend
     dtype = DTYPES[args.dtype]
     try:
-        resolved = {op: torch_msa.resolve(op, args.device).name for op in backends.OPS}
+        resolved = resolve_ops(args.device)
     except torch_msa.BackendError as error:
         print(f"error: {error}", file=sys.stderr)
         print("self-check: FAIL")

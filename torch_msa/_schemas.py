@@ -11,18 +11,24 @@ SCHEMAS: dict[str, str] = {
         "select_blocks(Tensor index_q, Tensor index_k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "SymInt max_seqlen_q, SymInt max_seqlen_k, int topk, int block_size) -> Tensor"
     ),
+    # The key-to-query schedule of one layer's selection, built once per step and passed to
+    # forward and backward as their trailing optional `plan` (layout: torch_msa/plan.py).
+    "plan": (
+        "plan(Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+        "SymInt max_seqlen_k, SymInt num_keys, int block_size, int entries_per_item) -> Tensor"
+    ),
     "forward": (
         "forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, "
-        "float softmax_scale) -> (Tensor, Tensor)"
+        "float softmax_scale, Tensor? plan=None) -> (Tensor, Tensor)"
     ),
     # `grad_lse` (trailing, optional) lets autograd fold the gradient of `lse` into dS instead
     # of dropping it: dS = P * (dP - delta + grad_lse).
     "backward": (
         "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
-        "SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None) "
-        "-> (Tensor, Tensor, Tensor)"
+        "SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None, "
+        "Tensor? plan=None) -> (Tensor, Tensor, Tensor)"
     ),
     # The index branch's KL distillation loss. `lse` omitted: the teacher's normaliser is computed
     # over the support; `block_indices` omitted: the support is every visible key (dense warm-up).

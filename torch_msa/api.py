@@ -21,6 +21,7 @@ import torch
 from . import ops as _ops  # noqa: F401  (registers torch.ops.msa.*)
 from . import validation
 from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK
+from .plan import entries_per_item
 
 
 def _document_args(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -86,6 +87,44 @@ def select_blocks(
     return torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size)
 
 
+def build_plan(
+    block_indices: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    num_keys: int,
+    num_heads: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> torch.Tensor:
+    """The key-to-query schedule of `block_indices`, to build once and pass to `sparse_attention`.
+
+    `sparse_attention` builds one per call when given none, and its backward reuses it; build it
+    yourself to share it between calls on the same selection and documents (for example
+    several attention calls of one layer and step).
+
+    Args:
+        block_indices: int32 `[Hkv, Tq, topk]`.
+        num_keys: `Tk`, rows of the packed keys; num_heads: `Hq`, query heads (they size the
+            plan's work items).
+
+    Returns:
+        A 1-D int32 tensor (`msa::plan`; layout in `torch_msa/plan.py`), valid for calls with
+        these `block_indices`, documents, `Tk` and `block_size`.
+    """
+    _rows("block_indices", block_indices, "[Hkv, Tq, topk]")
+    num_queries = block_indices.shape[1] if block_indices.dim() == 3 else 0  # msa::plan names a wrong rank
+    docs = _document_args(num_queries, num_keys, block_indices.device, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, block_size)
+    return torch.ops.msa.plan(block_indices, *docs, num_keys, block_size,
+                              entries_per_item(num_heads, block_indices.shape[0]))
+
+
+def _plan_for(q, k, block_indices, docs, block_size):
+    return torch.ops.msa.plan(block_indices, *docs, k.shape[0], block_size, entries_per_item(q.shape[1], k.shape[1]))
+
+
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -99,6 +138,7 @@ def sparse_attention(
     block_size: int = DEFAULT_BLOCK_SIZE,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    plan: torch.Tensor | None = None,
 ):
     """Attention of each query over the keys of its selected blocks (causal inside the local one).
 
@@ -109,13 +149,17 @@ def sparse_attention(
         block_indices: int32 `[Hkv, Tq, topk]`, e.g. from `select_blocks`.
         softmax_scale: defaults to `D ** -0.5`.
         return_lse: also return the log-sum-exp.
+        plan: from `build_plan` on the same `block_indices` and documents; by default one is
+            built here. Either way the backward reuses it.
 
     Returns:
         `out [Tq, Hq, D]` in q's dtype, or `(out, lse)` with `lse [Tq, Hq]` (natural log, fp32;
         fp64 for fp64 inputs). Differentiable in q, k, v, including through `lse`.
     """
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
-    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale))
+    if plan is None:
+        plan = _plan_for(q, k, block_indices, docs, block_size)
+    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan)
     return (out, lse) if return_lse else out
 
 
@@ -165,13 +209,11 @@ def msa_attention(
     require grad): the index branch is trained with `indexer_kl_loss`.
     """
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
-    _rows("index_q", index_q, "[Tq, Hi, Di]")
-    _rows("index_k", index_k, "[Tk, 1, Di]")
-    if index_q.dim() == 3 and k.dim() == 3 and index_q.shape[1] != k.shape[1]:
-        raise ValueError(f"index_q: expected Hi = {k.shape[1]} index heads (one per KV head of k), got {index_q.shape[1]}")
+    validation.check_index_inputs(index_q, index_k, q, k)
     _warn_index_inputs_get_no_gradient(index_q, index_k)
     block_indices = torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size)
-    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale))
+    plan = _plan_for(q, k, block_indices, docs, block_size)
+    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan)
     if not (return_lse or return_block_indices):
         return out
     return (out,) + ((lse,) if return_lse else ()) + ((block_indices,) if return_block_indices else ())
@@ -283,16 +325,12 @@ def validate_inputs(
     inputs. Use it in eager code when debugging; it is not meant for compiled regions.
     """
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
-    scale = _scale(q, softmax_scale)
-    validation.check_forward(q, k, v, block_indices, *docs, block_size, scale)
+    validation.check_attention(q, k, v, *docs, block_size, _scale(q, softmax_scale))
+    if block_indices is not None:
+        validation.check_block_indices(block_indices, q, k)
     if (index_q is None) != (index_k is None):
         raise ValueError(f"{'index_k' if index_k is None else 'index_q'}: expected a tensor when the other index input is given, got None")
     if index_q is not None:
+        validation.check_index_inputs(index_q, index_k, q, k)
         validation.check_select_blocks(index_q, index_k, *docs, topk, block_size)
-        if index_q.shape[:2] != (q.shape[0], k.shape[1]):
-            raise ValueError(
-                f"index_q: expected [Tq, Hi] = [{q.shape[0]}, {k.shape[1]}] (Hi == Hkv), got {list(index_q.shape[:2])}"
-            )
-        if index_k.shape[0] != k.shape[0]:
-            raise ValueError(f"index_k: expected Tk = {k.shape[0]} rows (the rows of k), got {index_k.shape[0]}")
     validation.check_values(docs[0], docs[1], q.shape[0], k.shape[0], docs[2], docs[3], block_indices, block_size)

@@ -5,11 +5,16 @@ A backend is a named bundle of op implementations with the devices it serves. Th
 `torch.compile` and `torch.export`), so the choice follows `TORCH_MSA_BACKEND` and the devices
 present without recompiling anything.
 
-Resolution: if `TORCH_MSA_BACKEND` names a backend, that backend must serve the op on the device
-(else `BackendError` lists the ones that can); otherwise the highest-priority available backend
-that serves it wins. The pure-PyTorch reference serves every op on every device at priority 0.
-A backend may decline particular inputs by raising `UnsupportedInputs` before it launches
-anything; the call then falls through to the next backend, with a warning printed once.
+Resolution: if `TORCH_MSA_BACKEND` names a backend, that backend serves every op it implements
+(if it cannot serve one on the device, `BackendError` says why, never a silent fallback); ops it
+does not implement resolve as usual. Otherwise the highest-priority available backend that
+serves the op wins, skipping opt-in backends (those with an `opt_in_note`), which serve only
+when forced. The pure-PyTorch reference serves every op on every device at priority 0.
+A backend, forced or not, may decline particular inputs by raising `UnsupportedInputs` before
+it writes any output; the call then falls through to the next backend of the default order,
+with a warning printed once. A CUDA
+tensor that ends up on the reference (no GPU backend available, or every one declined) gets a
+one-time warning that this is the slow path, with the reason.
 """
 
 import dataclasses
@@ -22,7 +27,8 @@ import torch
 from . import reference, reference_kl
 
 BACKEND_ENV = "TORCH_MSA_BACKEND"
-OPS = ("select_blocks", "forward", "backward", "indexer_kl", "indexer_kl_backward")
+OPS = ("select_blocks", "plan", "forward", "backward", "indexer_kl", "indexer_kl_backward")
+REFERENCE = "reference"
 
 
 class BackendError(RuntimeError):
@@ -44,6 +50,10 @@ class Backend:
     `ops` maps op names (those of `OPS`) to callables with the op's
     positional signature. `available(device)` is consulted lazily, so optional dependencies are
     imported only when a device first asks; `device_types=None` means any device.
+    `unavailable_reason(device)` says why `available` is False (what is missing, what to
+    install), for error messages. A backend with `opt_in_note` serves only when
+    `TORCH_MSA_BACKEND` names it; `opt_in_note(device)` is the note printed once when default
+    resolution passes it over on a device where it could be enabled (None: nothing to say).
     """
 
     name: str
@@ -51,6 +61,8 @@ class Backend:
     priority: int = 0
     device_types: tuple[str, ...] | None = None
     available: Callable[[torch.device], bool] = lambda device: True
+    unavailable_reason: Callable[[torch.device], str | None] | None = None
+    opt_in_note: Callable[[torch.device], str | None] | None = None
 
     def serves(self, op: str, device: torch.device) -> bool:
         if op not in self.ops:
@@ -59,9 +71,18 @@ class Backend:
             return False
         return self.available(device)
 
+    def why_not(self, op: str, device: torch.device) -> str:
+        """Why this backend does not serve `op` on `device` (for a backend that does not)."""
+        if op not in self.ops:
+            return f"it does not implement msa::{op}"
+        if self.device_types is not None and device.type not in self.device_types:
+            return f"it serves {'/'.join(self.device_types)} devices only, not {device.type}"
+        reason = self.unavailable_reason(device) if self.unavailable_reason is not None else None
+        return reason or f"it is not available on {device}"
+
 
 _BACKENDS: dict[str, Backend] = {}
-_warned: set[tuple[str, str, str]] = set()
+_warned: set[tuple] = set()
 
 
 def register_backend(backend: Backend) -> None:
@@ -81,7 +102,10 @@ def registered_backends() -> list[str]:
 
 
 def candidates(op: str, device: torch.device) -> list[Backend]:
-    """Backends that may serve `op` on `device`, best first, honouring `TORCH_MSA_BACKEND`."""
+    """Backends that may serve `op` on `device`, best first, honouring `TORCH_MSA_BACKEND`.
+
+    A forced backend comes first; the others follow only as fallbacks for inputs it declines.
+    """
     forced = os.environ.get(BACKEND_ENV, "").strip()
     if forced:
         backend = _BACKENDS.get(forced)
@@ -89,13 +113,31 @@ def candidates(op: str, device: torch.device) -> list[Backend]:
             raise BackendError(
                 f"{BACKEND_ENV}={forced!r} names no backend; registered: {', '.join(registered_backends())}"
             )
-        if not backend.serves(op, device):
-            able = [b.name for b in _ordered() if b.serves(op, device)]
-            raise BackendError(
-                f"{BACKEND_ENV}={forced!r} cannot serve msa::{op} on {device}; backends that can: {', '.join(able)}"
-            )
-        return [backend]
-    return [b for b in _ordered() if b.serves(op, device)]
+        if op in backend.ops:
+            if not backend.serves(op, device):
+                able = [b.name for b in _ordered() if b.serves(op, device)]
+                raise BackendError(
+                    f"{BACKEND_ENV}={forced!r} cannot serve msa::{op} on {device}: {backend.why_not(op, device)}; "
+                    f"backends that can: {', '.join(able)}"
+                )
+            return [backend] + [b for b in _by_default(op, device, notes=False) if b is not backend]
+    return _by_default(op, device, notes=not forced)
+
+
+def _by_default(op: str, device: torch.device, notes: bool) -> list[Backend]:
+    """The backends serving `op` on `device` without forcing, best first; opt-in ones are passed
+    over (with their one-time note when `notes`)."""
+    found = []
+    for backend in _ordered():
+        if backend.opt_in_note is not None:
+            if notes and op in backend.ops and (backend.device_types is None or device.type in backend.device_types):
+                note = backend.opt_in_note(device)
+                if note:
+                    _warn_once(("opt-in", backend.name), f"torch_msa: {note}")
+            continue
+        if backend.serves(op, device):
+            found.append(backend)
+    return found
 
 
 def resolve(op: str, device: torch.device) -> Backend:
@@ -109,21 +151,40 @@ def resolve(op: str, device: torch.device) -> Backend:
 def call(op: str, device: torch.device, *args):
     """Run `op` on the best backend that accepts these inputs."""
     found = candidates(op, device)
-    for backend in found:
+    for position, backend in enumerate(found):
         try:
-            return backend.ops[op](*args)
+            result = backend.ops[op](*args)
         except UnsupportedInputs as why:
             if backend is found[-1]:
                 raise BackendError(f"backend {backend.name!r} cannot serve these msa::{op} inputs: {why}") from why
-            key = (backend.name, op, str(why))
-            if key not in _warned:
-                _warned.add(key)
-                warnings.warn(
-                    f"torch_msa: backend {backend.name!r} does not serve these msa::{op} inputs ({why}); "
-                    f"falling back to {found[found.index(backend) + 1].name!r}",
-                    stacklevel=2,
-                )
+            following = found[position + 1].name
+            slow = " (the slow path)" if following == REFERENCE and device.type == "cuda" else ""
+            _warn_once(
+                (backend.name, op, str(why)),
+                f"torch_msa: backend {backend.name!r} does not serve these msa::{op} inputs ({why}); "
+                f"falling back to {following!r}{slow}",
+            )
+            continue
+        if backend.name == REFERENCE and len(found) == 1 and device.type == "cuda":
+            _warn_once(
+                (REFERENCE, op, device.type),
+                f"torch_msa: msa::{op} on {device} runs on the reference backend, the slow path: {_no_fast_path(op, device)}",
+            )
+        return result
     raise BackendError(f"no backend serves msa::{op} on {device}")
+
+
+def _no_fast_path(op: str, device: torch.device) -> str:
+    """Why no backend other than the reference serves `op` on `device`."""
+    reasons = [f"{b.name}: {b.why_not(op, device)}" for b in _ordered()
+               if b.name != REFERENCE and op in b.ops and b.opt_in_note is None]
+    return "; ".join(reasons) or "no other backend is registered"
+
+
+def _warn_once(key: tuple, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
 
 
 def _ordered() -> list[Backend]:
@@ -132,9 +193,10 @@ def _ordered() -> list[Backend]:
 
 register_backend(
     Backend(
-        name="reference",
-        ops={"select_blocks": reference.select_blocks, "forward": reference.forward, "backward": reference.backward,
-             "indexer_kl": reference_kl.indexer_kl, "indexer_kl_backward": reference_kl.indexer_kl_backward},
+        name=REFERENCE,
+        ops={"select_blocks": reference.select_blocks, "plan": reference.plan, "forward": reference.forward,
+             "backward": reference.backward, "indexer_kl": reference_kl.indexer_kl,
+             "indexer_kl_backward": reference_kl.indexer_kl_backward},
         priority=0,
     )
 )

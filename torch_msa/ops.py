@@ -1,4 +1,5 @@
-"""Registration of the `msa::` ops: schemas, kernels, fake kernels and autograd.
+"""Registration of the `msa::` ops: schemas, kernels, fake kernels, autograd, autocast and
+FLOP formulas.
 
 The schemas are defined here unless the process already holds them (the C++ stub of
 `csrc_stub/`, loaded to deserialise an exported artifact without Python); in that case the
@@ -12,10 +13,13 @@ backend adds no guard and no graph break.
 """
 
 import torch
+from torch._functorch.utils import enable_single_level_autograd_function
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
-from . import backends, validation
+from . import backends, flops, validation
 from ._schemas import NAMESPACE, SCHEMAS
-from .contract import compute_dtype
+from .contract import INDEX_DTYPE, compute_dtype
+from .plan import plan_numel
 from .reference_kl import loss_dtype
 
 _DISPATCH_KEY = "CompositeExplicitAutograd"
@@ -57,22 +61,35 @@ def _select_blocks_kernel(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seql
     )
 
 
-def _forward_kernel(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
+def _plan_kernel(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
+                 entries_per_item):
+    args = (block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size, entries_per_item)
+    validation.check_plan_args(*args)
+    if validation.debug_enabled():
+        validation.check_values(cu_seqlens_q, cu_seqlens_k, block_indices.shape[1], num_keys, max_seqlen_q, max_seqlen_k,
+                                block_indices, block_size)
+    return backends.call("plan", block_indices.device, *args)
+
+
+def _forward_kernel(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                    plan=None):
     args = (q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
     validation.check_forward(*args)
+    validation.check_plan(plan, block_indices)
     if validation.debug_enabled():
         validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size)
-    return backends.call("forward", q.device, *args)
+    return backends.call("forward", q.device, *args, plan)
 
 
 def _backward_kernel(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
+                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
     args = (grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse)
     validation.check_backward(*args)
+    validation.check_plan(plan, block_indices)
     if validation.debug_enabled():
         validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size)
-    return backends.call("backward", q.device, *args)
+    return backends.call("backward", q.device, *args, plan)
 
 
 def _indexer_kl_kernel(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
@@ -102,15 +119,26 @@ def _select_blocks_fake(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen
     return index_q.new_empty((index_q.shape[1], index_q.shape[0], topk), dtype=torch.int32)
 
 
-def _forward_fake(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
+def _plan_fake(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
+               entries_per_item):
+    validation.check_plan_args(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
+                     entries_per_item)
+    numel = plan_numel(block_indices.shape, num_keys, cu_seqlens_q.shape[0] - 1, block_size, entries_per_item)
+    return block_indices.new_empty((numel,), dtype=INDEX_DTYPE)
+
+
+def _forward_fake(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                  plan=None):
     validation.check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
+    validation.check_plan(plan, block_indices)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype))
 
 
 def _backward_fake(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
+                   max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
     validation.check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
                               max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse)
+    validation.check_plan(plan, block_indices)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -134,9 +162,10 @@ def _indexer_kl_backward_fake(grad_loss, q, k, teacher_lse, index_q, index_k, in
 
 
 def _forward_setup_context(ctx, inputs, output):
-    q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale = inputs
+    q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, plan = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k)
+    # The plan travels with the saved tensors, so the backward reuses the forward's schedule.
+    ctx.save_for_backward(q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, plan)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.block_size, ctx.softmax_scale = block_size, softmax_scale
     # Unused outputs then arrive as None: a loss that ignores lse costs no zero-filled grad_lse.
@@ -144,16 +173,16 @@ def _forward_setup_context(ctx, inputs, output):
 
 
 def _forward_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, plan = ctx.saved_tensors
     if grad_out is None and grad_lse is None:
-        return (None,) * 10
+        return (None,) * 11
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.msa.backward(
         grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-        ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.softmax_scale, grad_lse,
+        ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.softmax_scale, grad_lse, plan,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * 8
 
 
 def _indexer_kl_setup_context(ctx, inputs, output):
@@ -192,26 +221,130 @@ def _backward_setup_context(ctx, inputs, output):
     pass
 
 
+def _no_forward_ad(op: str):
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(
+            f"torch_msa: {op} does not support forward-mode AD (torch.func.jvp, jacfwd, "
+            "torch.autograd.forward_ad); use reverse mode (backward(), torch.func.grad, vjp or jacrev)"
+        )
+
+    return staticmethod(jvp)
+
+
+def _below_autograd(op):
+    def forward(grad_modes, *args):
+        # autograd.Function runs its forward with grad modes off; the outer levels of nested
+        # torch.func transforms must see the caller's, or they would record nothing.
+        backward_ad, forward_ad = grad_modes
+        with torch.set_grad_enabled(backward_ad), _set_fwd_grad_enabled(forward_ad), \
+                torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    return staticmethod(forward)
+
+
+def _without_grad_modes(setup_context):
+    return staticmethod(lambda ctx, inputs, output: setup_context(ctx, inputs[1:], output))
+
+
+def _no_grad_for_grad_modes(backward):
+    return staticmethod(lambda ctx, *grads: (None, *backward(ctx, *grads)))
+
+
+# The Autograd kernels are single-level autograd Functions (forward and setup_context apart)
+# applied from inside the dispatcher, as the graph nodes of built-in ops are. That is what lets
+# torch.func.grad / vjp / jacrev differentiate the ops level by level; the Function that
+# `torch.library.register_autograd` generates combines forward and ctx, which torch.func
+# rejects. Forward-mode AD has no formula: `jvp` raises instead of leaving a zero tangent.
+class _ForwardAutograd(torch.autograd.function._SingleLevelFunction):
+    forward = _below_autograd(torch.ops.msa.forward.default)
+    setup_context = _without_grad_modes(_forward_setup_context)
+    backward = _no_grad_for_grad_modes(_forward_backward)
+    jvp = _no_forward_ad("msa::forward")
+
+
+class _BackwardAutograd(torch.autograd.function._SingleLevelFunction):
+    forward = _below_autograd(torch.ops.msa.backward.default)
+    setup_context = _without_grad_modes(_backward_setup_context)
+    backward = staticmethod(_no_double_backward)
+    jvp = _no_forward_ad("msa::backward")
+
+
+def _differentiated(args) -> bool:
+    """Whether autograd must see this call: an input requires grad (in grad mode) or carries a
+    forward-mode tangent, or a torch.func transform is active (its tensors are wrapped)."""
+    tensors = [x for x in args if isinstance(x, torch.Tensor)]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        return True
+    if torch._C._are_functorch_transforms_active():
+        return True
+    return any(torch.autograd.forward_ad.unpack_dual(x).tangent is not None for x in tensors)
+
+
+def _autograd_kernel(function, op):
+    def kernel(keyset, *args):
+        if _differentiated(args):
+            grad_modes = (torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled())
+            with enable_single_level_autograd_function():
+                return function.apply(grad_modes, *args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+    return kernel
+
+
+# Autocast follows scaled_dot_product_attention: the attention forward runs in the autocast
+# dtype (q, k, v cast like any lower-precision op: floating, not fp64); the selection and the
+# backward run with autocast off, so selection scores, lse and grad_lse stay fp32.
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+_AUTOCAST_CAST_ARGS = {"select_blocks": (), "plan": (), "forward": (0, 1, 2), "backward": (),
+                       "indexer_kl": (), "indexer_kl_backward": ()}
+
+
+def _autocast_kernel(op, device_type: str, cast_args: tuple[int, ...]):
+    def kernel(*args):
+        if cast_args:
+            dtype = torch.get_autocast_dtype(device_type)
+            args = tuple(
+                x.to(dtype) if i in cast_args and _autocast_eligible(x, device_type) else x for i, x in enumerate(args)
+            )
+        with torch.autocast(device_type, enabled=False):
+            return op(*args)
+
+    return kernel
+
+
+def _autocast_eligible(x: torch.Tensor, device_type: str) -> bool:
+    return x.device.type == device_type and x.is_floating_point() and x.dtype != torch.float64
+
+
 def _register() -> None:
-    kernels = {"select_blocks": _select_blocks_kernel, "forward": _forward_kernel, "backward": _backward_kernel,
-               "indexer_kl": _indexer_kl_kernel, "indexer_kl_backward": _indexer_kl_backward_kernel}
-    fakes = {"select_blocks": _select_blocks_fake, "forward": _forward_fake, "backward": _backward_fake,
+    kernels = {"select_blocks": _select_blocks_kernel, "plan": _plan_kernel, "forward": _forward_kernel,
+               "backward": _backward_kernel, "indexer_kl": _indexer_kl_kernel,
+               "indexer_kl_backward": _indexer_kl_backward_kernel}
+    fakes = {"select_blocks": _select_blocks_fake, "plan": _plan_fake, "forward": _forward_fake, "backward": _backward_fake,
              "indexer_kl": _indexer_kl_fake, "indexer_kl_backward": _indexer_kl_backward_fake}
     for name in SCHEMAS:
         # With the C++ stub loaded, this replaces its "import torch_msa" kernel on the same key.
         _library.impl(name, kernels[name], _DISPATCH_KEY)
     for name in SCHEMAS:
         torch.library.register_fake(f"{NAMESPACE}::{name}", fakes[name], lib=_library)
-    torch.library.register_autograd(
-        f"{NAMESPACE}::forward", _forward_backward, setup_context=_forward_setup_context, lib=_library
-    )
+    for name, function in (("forward", _ForwardAutograd), ("backward", _BackwardAutograd)):
+        op = getattr(torch.ops.msa, name).default
+        _library.impl(name, _autograd_kernel(function, op), "Autograd", with_keyset=True)
+    # The loss differentiates only to the index inputs; torch.library's autograd suffices there.
     torch.library.register_autograd(
         f"{NAMESPACE}::indexer_kl", _indexer_kl_backward, setup_context=_indexer_kl_setup_context, lib=_library
     )
-    for name in ("backward", "indexer_kl_backward"):
-        torch.library.register_autograd(
-            f"{NAMESPACE}::{name}", _no_double_backward, setup_context=_backward_setup_context, lib=_library
-        )
+    torch.library.register_autograd(
+        f"{NAMESPACE}::indexer_kl_backward", _no_double_backward, setup_context=_backward_setup_context, lib=_library
+    )
+    for name in SCHEMAS:
+        op = getattr(torch.ops.msa, name).default
+        for device_type in _AUTOCAST_DEVICE_TYPES:
+            key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+            _library.impl(name, _autocast_kernel(op, device_type, _AUTOCAST_CAST_ARGS[name]), key)
+    flops.register()
 
 
 _register()

@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of the three MSA ops: the oracle every backend is tested against.
+"""Pure-PyTorch reference of the MSA ops: the oracle every backend is tested against.
 
 It runs on any device, accumulates in fp32 (fp64 for fp64 inputs), never synchronises with the
 host, and never builds a `T x T` buffer: query tokens are processed in chunks whose working set
@@ -15,6 +15,8 @@ import torch
 
 from .contract import compute_dtype
 from .documents import QueryDocuments, locate_queries
+from .plan import pack
+from .schedule import build_schedule
 
 # Working-set budget of one query chunk. On CPU a small set keeps temporaries below glibc's
 # mmap threshold (fresh page faults dominated larger chunks); elsewhere fewer, larger launches
@@ -82,7 +84,7 @@ def select_blocks(
             key_offsets = torch.arange(first_block * block_size, (first_block + count) * block_size, device=device)
             visible = key_offsets <= position
             rows = torch.where(visible, docs.key_start[start:end, None] + key_offsets, 0)
-            gathered = keys.index_select(0, rows.view(-1)).view(end - start, -1, index_dim).to(cdtype)
+            gathered = keys.index_select(0, rows.reshape(-1)).reshape(end - start, -1, index_dim).to(cdtype)
             scores = torch.matmul(query, gathered.transpose(1, 2)).mul_(scale).masked_fill_(~visible[:, None, :], -math.inf)
             block_score[..., first_block:first_block + count] = scores.view(end - start, num_heads, count, block_size).amax(-1)
         visible_blocks = torch.where(position >= 0, position // block_size + 1, 0)  # nvb
@@ -106,30 +108,50 @@ class _KeyGather:
     """The keys one chunk of queries may read, per KV head, as `N = topk * block_size` slots.
 
     `rows` index the `[Tk * Hkv, D]` view of k / v; `valid` marks slots that are in the query's
-    key set `K(t, r)`; invalid slots point at row 0 and are masked to `-inf` scores.
+    key set `K(t, r)`. An invalid slot reads row 0 but takes zeros in its place (`take`), so a
+    non-finite value there never meets the slot's zero weight (`0 * NaN = NaN`); gradients of
+    invalid slots go to a scratch row past the end (`scatter_rows`), never into a document.
     """
 
     def __init__(self, block_indices: torch.Tensor, docs: QueryDocuments, start: int, end: int,
-                 num_kv_heads: int, block_size: int):
+                 num_kv_heads: int, block_size: int, num_rows: int):
         ids = block_indices[:, start:end].to(torch.int64)  # [Hkv, C, topk]
         topk = ids.shape[-1]
         repeated = torch.ones(topk, topk, dtype=torch.bool, device=ids.device).tril(-1)
         duplicate = ((ids[..., :, None] == ids[..., None, :]) & repeated).any(-1)
-        position = docs.position[start:end].view(1, -1, 1, 1)
+        position = docs.position[start:end].reshape(1, -1, 1, 1)
         offsets = torch.arange(block_size, device=ids.device)
         key_pos = ids[..., None] * block_size + offsets  # [Hkv, C, topk, bs]
         valid = (ids >= 0) & ~duplicate
         valid = valid[..., None] & (key_pos <= position)
-        head = torch.arange(num_kv_heads, device=ids.device).view(-1, 1, 1, 1)
-        rows = (docs.key_start[start:end].view(1, -1, 1, 1) + key_pos) * num_kv_heads + head
+        head = torch.arange(num_kv_heads, device=ids.device).reshape(-1, 1, 1, 1)
+        rows = (docs.key_start[start:end].reshape(1, -1, 1, 1) + key_pos) * num_kv_heads + head
         count = end - start
-        self.valid = valid.view(num_kv_heads, count, 1, topk * block_size)
-        self.rows = torch.where(valid, rows, 0).view(-1)
         self.shape = (num_kv_heads, count, topk * block_size)
+        self.valid = valid.reshape(num_kv_heads, count, 1, topk * block_size)
+        self.rows = torch.where(valid, rows, 0).reshape(-1)
+        self.scatter_rows = torch.where(valid, rows, num_rows).reshape(-1)
+        self._invalid_slots = ~valid.reshape(*self.shape, 1)
 
     def take(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Gather `[Hkv, C, N, D]` rows of `flat` (`[Tk * Hkv, D]`) in `dtype`."""
-        return flat.index_select(0, self.rows).view(*self.shape, flat.shape[-1]).to(dtype)
+        """Gather `[Hkv, C, N, D]` rows of `flat` (`[Tk * Hkv, D]`) in `dtype`, zeros in invalid slots."""
+        gathered = flat.index_select(0, self.rows).reshape(*self.shape, flat.shape[-1])
+        # A fresh tensor (index_select's output or its cast): zeroed in place.
+        return gathered.to(dtype).masked_fill_(self._invalid_slots, 0)
+
+
+def plan(
+    block_indices: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_keys: int,
+    block_size: int,
+    entries_per_item: int,
+) -> torch.Tensor:
+    """The plan (`torch_msa/plan.py`) of `block_indices`: `build_schedule`'s tables, packed."""
+    return pack(build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item))
 
 
 def _heads_first(x: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -172,10 +194,12 @@ def forward(
     max_seqlen_k: int,
     block_size: int,
     softmax_scale: float,
+    plan: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention forward. Returns `out [Tq, Hq, D]` (q's dtype) and `lse [Tq, Hq]`
     (natural log; fp32, fp64 for fp64 inputs). A query whose key set is empty (only possible
-    with out-of-contract inputs) gets `out = 0`, `lse = -inf`."""
+    with out-of-contract inputs) gets `out = 0`, `lse = -inf`. The reference works query-major
+    and does not read `plan`."""
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     cdtype = compute_dtype(q.dtype)
@@ -188,7 +212,7 @@ def forward(
     keys_per_query = block_indices.shape[-1] * block_size
     row_bytes = _attention_row_bytes(num_heads, num_kv_heads, keys_per_query, dim, buffers=1)
     for start, end in _chunks(num_queries, row_bytes, q.device):
-        gather = _KeyGather(block_indices, docs, start, end, num_kv_heads, block_size)
+        gather = _KeyGather(block_indices, docs, start, end, num_kv_heads, block_size, k_flat.shape[0])
         scores = _scores(q[start:end], gather.take(k_flat, cdtype), gather, softmax_scale)
         row_max = _finite_or_zero(scores.amax(-1, keepdim=True))
         weights = scores.sub_(row_max).exp_()  # [Hkv, C, G, N], unnormalised
@@ -214,25 +238,28 @@ def backward(
     block_size: int,
     softmax_scale: float,
     grad_lse: torch.Tensor | None = None,
+    plan: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention backward: `(dq, dk, dv)` in the inputs' dtype, accumulated in fp32.
 
     `P = exp(S - lse)`, `dS = P * (dP - delta + grad_lse)` with `delta = rowsum(dO * O)`;
-    `grad_lse` (`[Tq, Hq]`) may be None when the loss does not depend on `lse`.
+    `grad_lse` (`[Tq, Hq]`) may be None when the loss does not depend on `lse`. `plan` is not
+    read (as in `forward`).
     """
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     cdtype = compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    dk_acc = torch.zeros(num_keys * num_kv_heads, dim, dtype=cdtype, device=q.device)
-    dv_acc = torch.zeros(num_keys * num_kv_heads, dim, dtype=cdtype, device=q.device)
+    # One scratch row past the end takes the gradients of invalid slots.
+    dk_acc = torch.zeros(num_keys * num_kv_heads + 1, dim, dtype=cdtype, device=q.device)
+    dv_acc = torch.zeros(num_keys * num_kv_heads + 1, dim, dtype=cdtype, device=q.device)
     if num_queries > 0 and num_keys > 0:
         docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
         k_flat, v_flat = k.reshape(-1, dim), v.reshape(-1, dim)
         keys_per_query = block_indices.shape[-1] * block_size
         row_bytes = _attention_row_bytes(num_heads, num_kv_heads, keys_per_query, dim, buffers=3)
         for start, end in _chunks(num_queries, row_bytes, q.device):
-            gather = _KeyGather(block_indices, docs, start, end, num_kv_heads, block_size)
+            gather = _KeyGather(block_indices, docs, start, end, num_kv_heads, block_size, k_flat.shape[0])
             d_out = _heads_first(grad_out[start:end], num_kv_heads, cdtype)  # [Hkv, C, G, D]
             delta = (d_out * _heads_first(out[start:end], num_kv_heads, cdtype)).sum(-1, keepdim=True)
             if grad_lse is not None:
@@ -243,6 +270,6 @@ def backward(
             grad_scores = torch.matmul(d_out, value.transpose(-1, -2)).sub_(delta).mul_(probs).mul_(softmax_scale)
             dq[start:end] = _tokens_first(torch.matmul(grad_scores, key)).to(q.dtype)
             query = _heads_first(q[start:end], num_kv_heads, cdtype)
-            dk_acc.index_add_(0, gather.rows, torch.matmul(grad_scores.transpose(-1, -2), query).view(-1, dim))
-            dv_acc.index_add_(0, gather.rows, torch.matmul(probs.transpose(-1, -2), d_out).view(-1, dim))
-    return dq, dk_acc.view(k.shape).to(k.dtype), dv_acc.view(v.shape).to(v.dtype)
+            dk_acc.index_add_(0, gather.scatter_rows, torch.matmul(grad_scores.transpose(-1, -2), query).reshape(-1, dim))
+            dv_acc.index_add_(0, gather.scatter_rows, torch.matmul(probs.transpose(-1, -2), d_out).reshape(-1, dim))
+    return dq, dk_acc[:-1].view(k.shape).to(k.dtype), dv_acc[:-1].view(v.shape).to(v.dtype)

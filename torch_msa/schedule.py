@@ -19,7 +19,6 @@ position (`id < nvb`), and it is the first occurrence of that id in the row; inv
 dropped, which is how out-of-contract ids can never reach a kernel.
 """
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -61,13 +60,16 @@ class Schedule(NamedTuple):
 
 
 def max_buckets(num_kv_heads: int, num_keys: int, num_docs: int, block_size: int) -> int:
-    """Upper bound of the distinct (kv head, key block) pairs: every document's blocks, per head."""
-    return max(1, num_kv_heads * min(num_keys, math.ceil(num_keys / block_size) + num_docs))
+    """Upper bound of the distinct (kv head, key block) pairs: every document's blocks, per head.
+
+    Integer arithmetic only, so it also takes SymInts (the fake kernel of `msa::plan`)."""
+    blocks = (num_keys + block_size - 1) // block_size + num_docs
+    return torch.sym_max(1, num_kv_heads * torch.sym_min(num_keys, blocks))
 
 
 def max_items(num_entries: int, num_buckets: int, entries_per_item: int) -> int:
     """Upper bound of the items: each bucket adds at most one partial item."""
-    return math.ceil(num_entries / entries_per_item) + num_buckets
+    return (num_entries + entries_per_item - 1) // entries_per_item + num_buckets
 
 
 def valid_entries(block_indices: torch.Tensor, position: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -93,10 +95,12 @@ def build_schedule(
 ) -> Schedule:
     """Build the KV-outer schedule of `block_indices` on its device, without a host sync.
 
-    It runs before every forward and backward, and in eager mode each ATen call costs a host-side
-    launch (about 20 us each on an H200 host; below T = 64K the launches take longer than the
-    kernels), so it is written with few calls: scans and `searchsorted` instead of scatters, int32
-    tables computed directly. `tests/test_schedule.py` bounds the count.
+    This is the reference build (`msa::plan` of the reference backend, packed by
+    `torch_msa.plan.pack`); the Triton backend writes the same tables with a few kernels
+    (`torch_msa/triton/plan_kernel.py`), because in eager mode each ATen call here costs a
+    host-side launch (about 20 us each on an H200 host). It is still written with few calls:
+    scans and `searchsorted` instead of scatters, int32 tables computed directly.
+    `tests/test_schedule.py` bounds the count.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
@@ -122,7 +126,7 @@ def build_schedule(
     head_offsets = torch.arange(0, past_all, key_stride, device=device, dtype=torch.int64).view(-1, 1)
     row_of_query = (docs.key_start + head_offsets).unsqueeze(-1)
     bucket_key = torch.add(row_of_query, block_indices, alpha=block_size).masked_fill_(~valid, past_all)
-    sorted_key, order = torch.sort(bucket_key.view(-1), stable=True)
+    sorted_key, order = torch.sort(bucket_key.reshape(-1), stable=True)
     entry_query = (order % max(1, num_queries * topk)).to(torch.int32)
 
     # 1-based bucket of each sorted entry. Invalid entries, and entries of buckets beyond the

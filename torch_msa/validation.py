@@ -8,13 +8,15 @@ Two tiers:
 * `check_values` reads tensor contents (a host sync). It runs when `TORCH_MSA_DEBUG=1` and from
   `torch_msa.validate_inputs`.
 
-Every message names the argument and says what was expected and what was given.
+Every message names the argument and says what was expected and what was given, in concrete
+numbers even while tracing with dynamic shapes (a symbolic size shows the example's value).
 """
 
 import math
 import os
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .contract import FLOAT_DTYPES, INDEX_DTYPE, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, compute_dtype
 from .documents import locate_queries
@@ -27,8 +29,24 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _concrete(value):
+    """A size for a message, as a plain int where one is known: while tracing with dynamic shapes
+    it shows the value of the example being traced rather than a symbol such as `s0`."""
+    if isinstance(value, torch.SymInt):  # fake kernels: the hint, if the size has one
+        hint = value.node.hint
+        return value if hint is None else int(hint)
+    # Under Dynamo a symbolic size passes for an int; int() specialises it, which is harmless on
+    # the way to raising.
+    return int(value)
+
+
+def _sizes(sizes) -> str:
+    # f-strings, not str(list): Dynamo formats a specialised size only through format().
+    return "[" + ", ".join([f"{_concrete(size)}" for size in sizes]) + "]"
+
+
 def _shape(x: torch.Tensor) -> str:
-    return str(list(x.shape))
+    return _sizes(x.shape)
 
 
 def _tensor(name: str, x, rank: int, layout: str) -> None:
@@ -50,7 +68,7 @@ def _same_device(name: str, x: torch.Tensor, reference_name: str, reference: tor
 
 def _dim(name: str, actual, expected, what: str) -> None:
     if actual != expected:
-        raise ValueError(f"{name}: expected {what} {expected}, got {actual}")
+        raise ValueError(f"{name}: expected {what} {_concrete(expected)}, got {_concrete(actual)}")
 
 
 def _float_tensor(name: str, x, layout: str) -> None:
@@ -61,8 +79,11 @@ def _float_tensor(name: str, x, layout: str) -> None:
 def _host_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    if guard_or_false(value < minimum):
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {_concrete(value)}")
+    # A data-dependent value (`.item()` in a compiled region) is unknown while tracing: the bound
+    # becomes a check of the running graph instead of a guard that cannot be decided.
+    torch._check(value >= minimum, lambda: f"{name}: expected an int >= {minimum}")
 
 
 def _block_size(block_size) -> None:
@@ -100,8 +121,8 @@ def _documents(cu_seqlens_q, cu_seqlens_k, anchor_name, anchor) -> None:
             raise ValueError(f"{name}: expected at least one boundary ([B + 1] with B >= 0), got shape {_shape(cu)}")
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(
-            f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} boundaries (as many as cu_seqlens_q), "
-            f"got {cu_seqlens_k.shape[0]}"
+            f"cu_seqlens_k: expected {_concrete(cu_seqlens_q.shape[0])} boundaries (as many as cu_seqlens_q), "
+            f"got {_concrete(cu_seqlens_k.shape[0])}"
         )
 
 
@@ -113,6 +134,8 @@ def check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen
     _dim("index_k.shape[2]", index_k.shape[2], index_q.shape[2], "the index head dim of index_q,")
     if index_q.shape[1] < 1:
         raise ValueError(f"index_q: expected at least one index head, got shape {_shape(index_q)}")
+    if index_q.shape[2] < 1:
+        raise ValueError(f"index_q: expected an index head dim Di >= 1, got shape {_shape(index_q)}")
     if index_k.dtype != index_q.dtype:
         raise TypeError(f"index_k: expected dtype {index_q.dtype} (the dtype of index_q), got {index_k.dtype}")
     _same_device("index_k", index_k, "index_q", index_q)
@@ -120,8 +143,8 @@ def check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen
     check_host_args(max_seqlen_q, max_seqlen_k, block_size, topk=topk)
 
 
-def check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale) -> None:
-    """Metadata checks of `msa::forward` (no host sync); `block_indices=None` skips its checks."""
+def check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale) -> None:
+    """Metadata checks of `msa::forward` other than `block_indices` (no host sync)."""
     _float_tensor("q", q, "[Tq, Hq, D]")
     _float_tensor("k", k, "[Tk, Hkv, D]")
     _float_tensor("v", v, "[Tk, Hkv, D]")
@@ -133,23 +156,58 @@ def check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen
         raise ValueError(f"v: expected shape {_shape(k)} (the shape of k), got {_shape(v)}")
     num_heads, num_kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     if dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"q: expected head dim D in {SUPPORTED_HEAD_DIMS}, got {dim} (shape {_shape(q)})")
+        raise ValueError(f"q: expected head dim D in {SUPPORTED_HEAD_DIMS}, got {_concrete(dim)} (shape {_shape(q)})")
     _dim("k.shape[2]", k.shape[2], dim, "the head dim of q,")
     if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
         raise ValueError(
-            f"k: expected a number of KV heads Hkv that divides Hq = {num_heads}, got Hkv = {num_kv_heads}"
+            f"k: expected a number of KV heads Hkv that divides Hq = {_concrete(num_heads)}, "
+            f"got Hkv = {_concrete(num_kv_heads)}"
         )
-    if block_indices is not None:
-        _tensor("block_indices", block_indices, 3, "[Hkv, Tq, topk]")
-        _dtype("block_indices", block_indices, (INDEX_DTYPE,), "int32")
-        _same_device("block_indices", block_indices, "q", q)
-        if block_indices.shape[0] != num_kv_heads or block_indices.shape[1] != q.shape[0] or block_indices.shape[2] < 1:
-            raise ValueError(
-                f"block_indices: expected shape [Hkv, Tq, topk] = [{num_kv_heads}, {q.shape[0]}, topk >= 1], "
-                f"got {_shape(block_indices)}"
-            )
     _documents(cu_seqlens_q, cu_seqlens_k, "q", q)
     check_host_args(max_seqlen_q, max_seqlen_k, block_size, softmax_scale=softmax_scale)
+
+
+def check_block_indices(block_indices, q, k) -> None:
+    """Metadata checks of `block_indices [Hkv, Tq, topk]` against q and k (no host sync)."""
+    _tensor("block_indices", block_indices, 3, "[Hkv, Tq, topk]")
+    _dtype("block_indices", block_indices, (INDEX_DTYPE,), "int32")
+    _same_device("block_indices", block_indices, "q", q)
+    num_kv_heads, num_queries = k.shape[1], q.shape[0]
+    if block_indices.shape[0] != num_kv_heads or block_indices.shape[1] != num_queries or block_indices.shape[2] < 1:
+        raise ValueError(
+            f"block_indices: expected shape [Hkv, Tq, topk] = [{_concrete(num_kv_heads)}, {_concrete(num_queries)}, "
+            f"topk >= 1], got {_shape(block_indices)}"
+        )
+
+
+def check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale) -> None:
+    """Metadata checks of `msa::forward` (no host sync)."""
+    check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
+    check_block_indices(block_indices, q, k)
+
+
+def check_index_inputs(index_q, index_k, q, k) -> None:
+    """The index inputs of `msa_attention` against q and k: `index_q [Tq, Hkv, Di]` with q's rows,
+    `index_k [Tk, 1, Di]` with k's rows, both on q's device in one float dtype, which may differ
+    from q's (no host sync)."""
+    _float_tensor("q", q, "[Tq, Hq, D]")
+    _float_tensor("k", k, "[Tk, Hkv, D]")
+    _float_tensor("index_q", index_q, "[Tq, Hi, Di]")
+    _float_tensor("index_k", index_k, "[Tk, 1, Di]")
+    for name, x, rows, source, source_name in (("index_q", index_q, "Tq", q, "q"), ("index_k", index_k, "Tk", k, "k")):
+        if x.shape[0] != source.shape[0]:
+            raise ValueError(
+                f"{name}: expected {rows} = {_concrete(source.shape[0])} rows (the rows of {source_name}), "
+                f"got {_concrete(x.shape[0])} (shape {_shape(x)})"
+            )
+    if index_q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"index_q: expected Hi = {_concrete(k.shape[1])} index heads (one per KV head of k), got {_concrete(index_q.shape[1])}"
+        )
+    if index_k.dtype != index_q.dtype:
+        raise TypeError(f"index_k: expected dtype {index_q.dtype} (the dtype of index_q), got {index_k.dtype}")
+    for name, x in (("index_q", index_q), ("index_k", index_k)):
+        _same_device(name, x, "q", q)
 
 
 def check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
@@ -169,9 +227,35 @@ def check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_
             continue
         _tensor(name, x, 2, "[Tq, Hq]")
         if list(x.shape) != list(q.shape[:2]):
-            raise ValueError(f"{name}: expected shape {list(q.shape[:2])} ([Tq, Hq] of q), got {_shape(x)}")
+            raise ValueError(f"{name}: expected shape {_sizes(q.shape[:2])} ([Tq, Hq] of q), got {_shape(x)}")
         _dtype(name, x, (lse_dtype,), str(lse_dtype))
         _same_device(name, x, "q", q)
+
+
+def check_plan_args(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
+                    entries_per_item) -> None:
+    """Metadata checks of `msa::plan` (no host sync)."""
+    _tensor("block_indices", block_indices, 3, "[Hkv, Tq, topk]")
+    _dtype("block_indices", block_indices, (INDEX_DTYPE,), "int32")
+    if block_indices.shape[0] < 1 or block_indices.shape[2] < 1:
+        raise ValueError(f"block_indices: expected shape [Hkv >= 1, Tq, topk >= 1], got {_shape(block_indices)}")
+    _documents(cu_seqlens_q, cu_seqlens_k, "block_indices", block_indices)
+    check_host_args(max_seqlen_q, max_seqlen_k, block_size)
+    _host_int("num_keys", num_keys, 0)
+    _host_int("entries_per_item", entries_per_item, 1)
+
+
+def check_plan(plan, block_indices) -> None:
+    """Metadata checks of the optional `plan` of `msa::forward` / `msa::backward` (no host sync):
+    a 1-D int32 tensor on the device of `block_indices`, as `msa::plan` returns it. Whether it
+    fits these shapes is checked where it is split (`torch_msa.plan.unpack`)."""
+    if plan is None:
+        return
+    if not isinstance(plan, torch.Tensor):
+        raise TypeError(f"plan: expected the torch.Tensor msa::plan returns (or None), got {type(plan).__name__}")
+    if plan.dim() != 1 or plan.dtype != INDEX_DTYPE:
+        raise ValueError(f"plan: expected a 1-D int32 tensor from msa::plan, got {plan.dtype} of shape {_shape(plan)}")
+    _same_device("plan", plan, "block_indices", block_indices)
 
 
 def _first(mask: torch.Tensor) -> tuple[int, ...]:

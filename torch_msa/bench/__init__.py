@@ -1,7 +1,7 @@
-"""The benchmark of issue 3: `python -m torch_msa.bench`.
+"""The benchmark: `python -m torch_msa.bench`.
 
-In one process, on the same random inputs and block indices (M3 shapes: Hq=64, Hkv=4, D=128,
-block 128, top-16, bf16, index heads 4 x 128), it times
+In one process, on the same random inputs and block indices (M3 shapes by default: Hq=64, Hkv=4,
+D=128, block 128, top-16, bf16, index heads 4 x 128; `--heads` sets other head counts), it times
 
 * dense causal SDPA forced to cuDNN and to flash (the math backend on CPU): the baseline;
 * fla's `parallel_nsa` selected-block attention (optional package `fla-core`);
@@ -11,9 +11,12 @@ block 128, top-16, bf16, index heads 4 x 128), it times
 
 for single documents of 8K to 128K tokens and a varlen pack, and reports milliseconds,
 effective TF/s by the FLOP formulas of `docs/performance.md` (valid elements only), the fraction
-of the H200's 790 TF/s, the speedup over the dense baseline, and the targets of issue 3.
+of the device's dense bf16 rate (`devices`), the speedup over the dense baseline, and the
+performance goals (`targets`).
 
 Modules: `flops` (formulas), `problems` (layouts, inputs, selections), `timing` (how one
 measurement is timed), `flex_mask` (the BlockMask), `peers` and `msa` (what is timed),
-`runner`, `results`, `targets`, `report` (table, JSON, PNG), `cli`.
+`runner`, `results`, `targets`, `devices` (peak rates, L2), `report` (table, JSON, PNG), `cli`.
+`deterministic` is a separate command (`python -m torch_msa.bench.deterministic`): the backward
+with and without `torch.use_deterministic_algorithms(True)`.
 """

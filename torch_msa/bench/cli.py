@@ -1,10 +1,12 @@
 """`python -m torch_msa.bench`: the command line of the benchmark."""
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import os
 import platform
+import subprocess
 import sys
 
 import torch
@@ -12,8 +14,8 @@ import torch
 import torch_msa
 
 from . import msa, peers, report, targets
-from ..testing import M3, pick_device
-from .flops import H200_BF16_TFLOPS
+from ..testing import M3, Shape, pick_device
+from .devices import device_peak
 from .problems import SELECTIONS, ProblemSpec, parse_pack, parse_seqlens
 from .results import BenchResult
 from .runner import Config, run_problem
@@ -23,8 +25,10 @@ FULL_SEQLENS = (8192, 32768, 65536, 131072)
 FULL_PACK = (16384,) * 8
 QUICK_SEQLENS = (8192, 65536)
 CPU_SEQLENS = (512,)
+CPU_QUICK_SEQLENS = (128,)
 DEFAULT_WARMUP, DEFAULT_ITERS = 5, 20
 QUICK_WARMUP, QUICK_ITERS = 3, 10
+CPU_QUICK_WARMUP, CPU_QUICK_ITERS = 0, 1
 MIN_RUNS = 10  # a measurement cut by --row-budget keeps at least this many timed runs
 
 
@@ -33,9 +37,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m torch_msa.bench",
         description="Times torch_msa against dense SDPA (cuDNN, flash), fla parallel_nsa and FlexAttention "
                     "with the exact MSA mask, in one process, on the same inputs and block indices "
-                    "(M3 shapes: Hq=64, Hkv=4, D=128, block 128, top-16, bf16, index heads 4 x 128). "
-                    "Prints a table (ms, effective TF/s, % of 790, speedup vs the dense baseline) and "
-                    "the targets of issue 3, and writes bench.json, bench.txt and bench.png.",
+                    "(M3 shapes by default: Hq=64, Hkv=4, D=128, block 128, top-16, bf16, index heads 4 x 128). "
+                    "Prints a table (ms, effective TF/s, % of the device's dense bf16 rate, speedup vs the "
+                    "dense baseline) and the performance goals of docs/performance.md, and writes bench.json, "
+                    "bench.txt and bench.png.",
     )
     parser.add_argument("--seqlens", nargs="+", metavar="T",
                         help="single-document lengths, e.g. 8K 32K or 8192,32768 (K = 1024). Default on "
@@ -44,8 +49,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="a varlen pack of documents: comma-separated NxL or L items, e.g. 8x16K or "
                              "2x4K,8K; 'none' for no pack. Given alone, no single document runs")
     parser.add_argument("--quick", action="store_true",
-                        help=f"8K and 64K only, no pack, {QUICK_WARMUP} warm-ups and {QUICK_ITERS} runs "
-                             "(explicit options still win)")
+                        help=f"on CUDA: 8K and 64K only, no pack, {QUICK_WARMUP} warm-ups and {QUICK_ITERS} runs; "
+                             f"on CPU: a smoke test of {CPU_QUICK_SEQLENS[0]} tokens, one run each, no peers "
+                             "but the dense baseline (explicit options still win)")
+    parser.add_argument("--heads", metavar="HQ/HKV", default=f"{M3.query_heads}/{M3.kv_heads}",
+                        help="query and KV heads, e.g. 16/1 for one of 4 tensor-parallel shards of M3; the index "
+                             f"heads follow the KV heads (default {M3.query_heads}/{M3.kv_heads})")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--out", default="bench_out", help="directory of bench.json, bench.txt, bench.png "
                                                           "(default: bench_out)")
@@ -74,13 +83,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(str(error))
     try:
+        args.shape = parse_heads(args.heads)
         seqlens = parse_seqlens(args.seqlens) if args.seqlens is not None else None
         pack = parse_pack(args.pack) if args.pack is not None else None
     except ValueError as error:
         parser.error(str(error))
+    on_cpu = args.device.type != "cuda"
     if args.seqlens is None and args.pack is None:
         if args.quick:
-            seqlens, pack = list(QUICK_SEQLENS), None
+            seqlens, pack = list(CPU_QUICK_SEQLENS if on_cpu else QUICK_SEQLENS), None
         elif args.device.type == "cuda":
             seqlens, pack = list(FULL_SEQLENS), FULL_PACK
         else:
@@ -91,10 +102,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not problems:
         parser.error("argument --seqlens/--pack: nothing to run")
     args.problems = tuple(problems)
+    if args.quick and on_cpu:
+        args.skip_peers = True
     if args.warmup is None:
-        args.warmup = QUICK_WARMUP if args.quick else DEFAULT_WARMUP
+        args.warmup = (CPU_QUICK_WARMUP if on_cpu else QUICK_WARMUP) if args.quick else DEFAULT_WARMUP
     if args.iters is None:
-        args.iters = QUICK_ITERS if args.quick else DEFAULT_ITERS
+        args.iters = (CPU_QUICK_ITERS if on_cpu else QUICK_ITERS) if args.quick else DEFAULT_ITERS
     if args.warmup < 0:
         parser.error(f"argument --warmup: expected >= 0, got {args.warmup}")
     if args.iters < 1:
@@ -102,6 +115,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.row_budget < 0:
         parser.error(f"argument --row-budget: expected >= 0 seconds, got {args.row_budget}")
     return args
+
+
+def parse_heads(text: str) -> Shape:
+    """`"16/1"` -> M3's shape with 16 query heads and 1 KV head (and index head)."""
+    query, _, kv = text.partition("/")
+    if not (query.strip().isdigit() and kv.strip().isdigit()):
+        raise ValueError(f"--heads: expected query heads / KV heads such as 64/4 or 16/1, got {text!r}")
+    query_heads, kv_heads = int(query), int(kv)
+    if kv_heads < 1 or query_heads < kv_heads or query_heads % kv_heads:
+        raise ValueError(f"--heads: expected KV heads >= 1 dividing the query heads, got {query_heads}/{kv_heads}")
+    return dataclasses.replace(M3, query_heads=query_heads, kv_heads=kv_heads)
+
+
+def describe_shape(shape: Shape) -> str:
+    return (f"Hq={shape.query_heads} Hkv={shape.kv_heads} D={shape.head_dim}, block {shape.block_size}, "
+            f"top-{shape.topk}, bf16, index heads {shape.kv_heads} x {shape.index_dim}")
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout torch_msa runs from (with `-dirty` for local changes), or None outside git."""
+    source = os.path.dirname(os.path.abspath(torch_msa.__file__))
+    try:
+        commit = subprocess.run(["git", "-C", source, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", source, "status", "--porcelain", "--untracked-files=no", "."],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if dirty else "") if commit else None
 
 
 def _version(package: str) -> str | None:
@@ -121,8 +163,12 @@ def _served(device: torch.device) -> dict[str, str]:
 def _meta(args, argv) -> dict:
     device = args.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    peak = device_peak(device)
+    shape = args.shape
     return {
         "command": "python -m torch_msa.bench " + " ".join(argv),
+        "torch_msa": torch_msa.__version__,
+        "git_commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": name,
         "python": platform.python_version(),
@@ -132,14 +178,16 @@ def _meta(args, argv) -> dict:
         "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
         "fla_core": peers.fla_version(),
         "torch_msa_backends": _served(device),
-        "shape": {"query_heads": M3.query_heads, "kv_heads": M3.kv_heads, "head_dim": M3.head_dim,
-                  "index_heads": M3.kv_heads, "index_dim": M3.index_dim, "block_size": M3.block_size,
-                  "topk": M3.topk, "dtype": "bfloat16"},
+        "shape": {"query_heads": shape.query_heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
+                  "index_heads": shape.kv_heads, "index_dim": shape.index_dim, "block_size": shape.block_size,
+                  "topk": shape.topk, "dtype": "bfloat16"},
+        "shape_text": describe_shape(shape),
         "selection": args.selection,
         "timing": {"warmup": args.warmup, "iters": args.iters, "statistic": "median",
                    "clock": "CUDA events" if device.type == "cuda" else "time.perf_counter",
                    "row_budget_s": args.row_budget or None, "inputs_rotated": False},
-        "peak_tflops": H200_BF16_TFLOPS,
+        "peak_tflops": None if peak is None else peak.tflops,
+        "peak_source": None if peak is None else peak.source,
     }
 
 
@@ -154,12 +202,12 @@ def _header(meta: dict, args) -> str:
         "torch_msa benchmark",
         f"  device     {meta['device']}   torch {meta['torch']}   triton {meta['triton']}   "
         f"fla-core {meta['fla_core'] or 'not installed'}",
-        f"  torch_msa  {served}",
-        "  shapes     Hq=64 Hkv=4 D=128, block 128, top-16, bf16, index heads 4 x 128",
+        f"  torch_msa  {meta['torch_msa']} ({meta['git_commit'] or 'not a git checkout'})   {served}",
+        f"  shapes     {meta['shape_text']}",
         f"  selection  {meta['selection']}",
         f"  timing     {timing['clock']}, {timing['warmup']} warm-ups, median of {timing['iters']} runs "
-        f"(budget {timing['row_budget_s'] or 'none'} s per measurement); inputs not rotated (at 8K and above "
-        "q alone exceeds 2x the 60 MB L2)",
+        f"(budget {timing['row_budget_s'] or 'none'} s per measurement); inputs not rotated (a problem whose "
+        "q, k, v fit twice in the L2 says so)",
         *warning,
     ])
 
@@ -178,7 +226,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     meta = _meta(args, argv)
-    config = Config(device=args.device, problems=args.problems, shape=M3, selection=args.selection,
+    config = Config(device=args.device, problems=args.problems, shape=args.shape, selection=args.selection,
                     warmup=args.warmup, iters=args.iters, budget_s=args.row_budget or None, min_runs=MIN_RUNS,
                     skip_peers=args.skip_peers, max_reference_tokens=args.max_reference_tokens, seed=args.seed)
     header = _header(meta, args)

@@ -1,7 +1,8 @@
-"""FLOP accounting of the benchmark: the formulas of `docs/performance.md`, valid elements only.
+"""FLOP accounting of the benchmark: the per-pair costs of `torch_msa.flops`, valid elements only.
 
 Every number counts only the (query, key) pairs a kernel must compute, so sparse and dense rows
-are comparable:
+are comparable (the formulas registered with `torch.utils.flop_counter` count nominal pairs, an
+upper bound of these):
 
 * MSA attention reads `S = sum_t keys(t)` pairs per query head group, where `keys(t)` is the
   number of keys query `t` really sees through its selected blocks (causal inside the local
@@ -16,11 +17,10 @@ import dataclasses
 
 import torch
 
+from .. import flops
 from ..schedule import valid_entries
 from ..testing import Shape
 
-# Measured bf16 matrix rate of one H200 (docs/performance.md); "% of peak" is relative to it.
-H200_BF16_TFLOPS = 790.0
 BACKWARD_TO_FORWARD = 2.5
 
 
@@ -74,16 +74,15 @@ def work(shape: Shape, lengths, block_indices: torch.Tensor, position: torch.Ten
     pairs_per_head = selected_keys(block_indices, position, shape.block_size).sum().item()
     attended = pairs_per_head / block_indices.shape[0]
     dense_pairs = causal_pairs(lengths)
-    forward = 4.0 * shape.query_heads * shape.head_dim * attended
-    dense_forward = 4.0 * shape.query_heads * shape.head_dim * dense_pairs
+    dense_forward = float(flops.attention_forward(shape.query_heads, shape.head_dim, dense_pairs))
     return Work(
         attended_pairs=attended,
         causal_pairs=dense_pairs,
-        msa_forward=forward,
-        msa_backward=2.0 * (3 * shape.head_dim + 2 * shape.head_dim) * shape.query_heads * attended,
-        index_scoring=2.0 * shape.index_dim * shape.kv_heads * dense_pairs,
+        msa_forward=float(flops.attention_forward(shape.query_heads, shape.head_dim, attended)),
+        msa_backward=float(flops.attention_backward(shape.query_heads, shape.head_dim, attended)),
+        index_scoring=float(flops.index_scoring(shape.kv_heads, shape.index_dim, dense_pairs)),
         dense_forward=dense_forward,
-        dense_backward=BACKWARD_TO_FORWARD * dense_forward,
+        dense_backward=float(flops.attention_backward(shape.query_heads, shape.head_dim, dense_pairs)),
     )
 
 

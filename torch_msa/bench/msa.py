@@ -5,10 +5,11 @@
   `1 - (topk=2) / select` is a lower bound of the top-k's share of the selection. (With
   `topk=1` only the local block is kept: no output reads a score, and the compiler drops the
   scoring GEMMs, which would overstate the share.)
-* `schedule`: the Triton forward's key-to-query tables (`torch_msa/schedule.py`, shared by the
-  KV-outer kernels), timed on its own (it also runs inside the forward and the backward);
-  skipped with a note where triton is missing.
-* `fwd`, `bwd`: `msa::forward` and `msa::backward` called directly on the problem's indices.
+* `schedule`: `msa::plan`, the key-to-query tables of the KV-outer kernels (`torch_msa/plan.py`),
+  timed on its own; `sparse_attention` builds it once per call and autograd hands it to the
+  backward.
+* `fwd`, `bwd`: `msa::forward` and `msa::backward` called directly on the problem's indices,
+  without a plan (so each builds its own, as a caller without a plan pays).
 * `select+fwd+bwd`: `select_blocks -> sparse_attention -> autograd backward`, the number the
   speedup targets use; its peak device memory above the inputs is recorded too. Under the skewed
   selection the step still runs `select_blocks` but attends with the skewed indices.
@@ -22,6 +23,7 @@ import torch
 
 import torch_msa
 from torch_msa import backends
+from torch_msa.plan import entries_per_item
 
 from .problems import Inputs
 from .subject import Measurement, Subject
@@ -65,18 +67,12 @@ def msa_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
                           work.index_scoring,
                           skip or "the same scoring keeping one scored block, to measure the share of the top-k")
 
-        try:
-            from torch_msa.triton.forward_kernel import schedule_for, tile_shape
-        except ImportError as error:
-            yield Measurement("schedule", None, None, f"the Triton backend is not importable ({error})")
-        else:
-            tokens_per_tile, _ = tile_shape(shape.query_heads, shape.kv_heads)
-            yield Measurement(
-                "schedule",
-                lambda: schedule_for(block_indices, inputs.cu_seqlens, inputs.cu_seqlens, inputs.spec.tokens,
-                                     block_size, tokens_per_tile),
-                None, "the Triton forward's key-to-query schedule (torch_msa/schedule.py), timed alone",
-            )
+        def plan():
+            return torch.ops.msa.plan(block_indices, *documents, k.shape[0], block_size,
+                                      entries_per_item(shape.query_heads, shape.kv_heads))
+
+        yield Measurement("schedule", plan, None, "msa::plan, the key-to-query schedule of one step (torch_msa/plan.py), "
+                          "timed alone")
 
         def forward():
             return torch.ops.msa.forward(q, k, v, block_indices, *documents, block_size, scale)

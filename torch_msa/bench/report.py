@@ -4,7 +4,6 @@ import json
 import math
 import os
 
-from .flops import H200_BF16_TFLOPS
 from .results import OK, BenchResult, ProblemResult, Row
 
 PLOT_IMPLS = ("cudnn dense", "flash dense", "math dense", "fla parallel_nsa", "FlexAttention", "torch_msa")
@@ -32,28 +31,33 @@ def _describe_problem(problem: ProblemResult) -> str:
 def format_table(result: BenchResult) -> str:
     """The table: per problem, one line per (implementation, phase)."""
     baseline = result.problems[0].baseline if result.problems else "baseline"
+    peak = result.peak_tflops
+    peak_column = f"% of {peak:.0f}" if peak else "% of peak"
     header = (f"  {'implementation':<17} {'phase':<15} {'ms':>11} {'runs':>5} {'TF/s':>8} "
-              f"{'% of ' + format(H200_BF16_TFLOPS, '.0f'):>8} {'vs ' + baseline.split()[0]:>9}  note")
+              f"{peak_column:>8} {'vs ' + baseline.split()[0]:>9}  note")
     lines = []
     for problem in result.problems:
         lines += ["", _describe_problem(problem), header]
         for row in problem.rows:
-            lines.append(_format_row(problem, row))
+            lines.append(_format_row(problem, row, peak))
         lines += [f"  note: {note}" for note in problem.notes]
     lines.append("")
-    lines.append(f"TF/s: valid (query, key) pairs only (docs/performance.md); % of the {H200_BF16_TFLOPS:.0f} TF/s "
-                 f"bf16 rate of an H200; vs {baseline}: its time for the same phase / this row's "
-                 "(select+fwd+bwd against its fwd+bwd).")
+    if peak:
+        of_peak = f"% of the device's {peak:.0f} TF/s dense bf16 rate ({result.meta.get('peak_source', '')})"
+    else:
+        of_peak = "% of peak: no known dense bf16 rate for this device"
+    lines.append(f"TF/s: valid (query, key) pairs only (docs/performance.md); {of_peak}; vs {baseline}: its time "
+                 "for the same phase / this row's (select+fwd+bwd against its fwd+bwd).")
     return "\n".join(lines)
 
 
-def _format_row(problem: ProblemResult, row: Row) -> str:
+def _format_row(problem: ProblemResult, row: Row, peak_tflops: float | None) -> str:
     if row.status == OK:
         ms = f"{row.ms:11.3f}"
         runs = f"{row.runs}{'*' if row.capped else ''}"
     else:
         ms, runs = f"{row.status:>11}", ""
-    speedup, fraction = problem.speedup(row), row.peak_fraction
+    speedup, fraction = problem.speedup(row), row.peak_fraction(peak_tflops)
     percent = "-" if fraction is None else f"{100 * fraction:.1f}%"
     ratio = "-" if speedup is None else f"{speedup:.2f}x"
     notes = ["* runs cut by the time budget" if row.capped else "", row.note]
@@ -120,13 +124,16 @@ def write_plot(result: BenchResult, path: str) -> str | None:
         if quantity == "ms":
             axis.set_yscale("log")
         else:
-            axis.axhline(H200_BF16_TFLOPS, color="black", linestyle=":", linewidth=1, label="H200 bf16 790")
-            target = 420 if phases == {"fwd"} else 320
-            axis.axhline(target, color="red", linestyle="--", linewidth=1, label=f"target {target}")
+            if result.peak_tflops:
+                axis.axhline(result.peak_tflops, color="black", linestyle=":", linewidth=1,
+                             label=f"device bf16 {result.peak_tflops:.0f}")
+            goal = 420 if phases == {"fwd"} else 320
+            axis.axhline(goal, color="red", linestyle="--", linewidth=1, label=f"H200 goal {goal}")
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=8)
     device = result.meta.get("device", "")
-    figure.suptitle(f"torch_msa benchmark on {device} ({result.meta.get('selection', '')} selection, M3 shapes, bf16)")
+    shapes = result.meta.get("shape_text", "")
+    figure.suptitle(f"torch_msa benchmark on {device} ({result.meta.get('selection', '')} selection, {shapes})")
     figure.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -8,7 +8,7 @@ the math backend elsewhere; `select+fwd+bwd` compares with the baseline's `fwd+b
 
 import dataclasses
 
-from .flops import H200_BF16_TFLOPS, Work, tflops
+from .flops import Work, tflops
 from .problems import ProblemSpec
 
 OK, OOM, SKIPPED, ERROR = "ok", "OOM", "skipped", "error"
@@ -34,10 +34,10 @@ class Row:
     def tflops(self) -> float | None:
         return tflops(self.flops, self.ms) if self.status == OK else None
 
-    @property
-    def peak_fraction(self) -> float | None:
+    def peak_fraction(self, peak_tflops: float | None) -> float | None:
+        """This row's rate as a fraction of the device's dense bf16 rate (None when either is unknown)."""
         rate = self.tflops
-        return None if rate is None else rate / H200_BF16_TFLOPS
+        return None if rate is None or not peak_tflops else rate / peak_tflops
 
 
 @dataclasses.dataclass
@@ -87,6 +87,11 @@ class BenchResult:
     problems: list[ProblemResult]
     notes: list[str] = dataclasses.field(default_factory=list)
 
+    @property
+    def peak_tflops(self) -> float | None:
+        """The device's dense bf16 rate (`devices.device_peak`), recorded in the metadata."""
+        return self.meta.get("peak_tflops")
+
     def problem(self, name: str) -> ProblemResult | None:
         return next((p for p in self.problems if p.name == name), None)
 
@@ -97,7 +102,7 @@ class BenchResult:
             rows = []
             for row in problem.rows:
                 entry = dataclasses.asdict(row)
-                entry.update(tflops=row.tflops, peak_fraction=row.peak_fraction,
+                entry.update(tflops=row.tflops, peak_fraction=row.peak_fraction(self.peak_tflops),
                              speedup_vs_baseline=problem.speedup(row))
                 rows.append(entry)
             problems.append({

@@ -17,9 +17,8 @@ from .problems import ProblemSpec, make_inputs
 from .report import format_rate
 from .results import ERROR, OK, OOM, SKIPPED, ProblemResult, Row
 from .subject import Measurement, Subject
+from .devices import l2_bytes
 from .timing import Progress, free_memory, is_out_of_memory, measure
-
-L2_BYTES = 60 * 1024 * 1024  # H200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +142,10 @@ def run_problem(spec: ProblemSpec, config: Config, progress: Progress) -> Proble
         return result
     result.work = inputs.work
     input_bytes = sum(x.numel() * x.element_size() for x in (inputs.q, inputs.k, inputs.v))
-    if config.device.type == "cuda" and input_bytes < 2 * L2_BYTES:
-        result.notes.append(f"q, k, v take {input_bytes / 2**20:.0f} MiB, under 2x the 60 MB L2, and are not "
-                            "rotated between runs: times may be optimistic")
+    l2 = l2_bytes(config.device)
+    if l2 is not None and input_bytes < 2 * l2:
+        result.notes.append(f"q, k, v take {input_bytes / 2**20:.0f} MiB, under 2x the {l2 / 2**20:.0f} MiB L2, and "
+                            "are not rotated between runs: times may be optimistic")
     for subject in subjects(inputs, config):
         run_subject(subject, result, config, progress)
     result.add_sums()

@@ -1,4 +1,5 @@
-"""The targets of issue 3, judged on a benchmark result: reached, not reached (by how much), or not measured.
+"""The performance goals (the table in docs/performance.md), judged on a benchmark result:
+reached, not reached (by how much), or not measured. They are set for one H200 at M3 shapes.
 
 A target over all problems is reached when every problem that measured it reaches it; the line
 lists each problem's value and, when missed, the worst one as a fraction of the target.
@@ -130,7 +131,7 @@ def evaluate(result: BenchResult) -> list[Outcome]:
 
 
 def format_outcomes(outcomes: list[Outcome]) -> str:
-    lines = ["targets of issue 3 (one H200, M3 shapes, bf16):"]
+    lines = ["performance goals (docs/performance.md; set for one H200, M3 shapes, bf16):"]
     for outcome in outcomes:
         lines.append(f"  [{outcome.verdict}] {outcome.label}: {outcome.detail}")
     return "\n".join(lines)

@@ -15,6 +15,11 @@ atomics), a forward during CUDA-graph capture (it synchronises with the host onc
 forward over documents with fewer queries than keys (only self-attention packs are sent to the
 official kernels).
 
+The backend is opt-in: it serves only under `TORCH_MSA_BACKEND=sm100`, because its forward
+binding and its backward main kernel have not yet run on SM100 hardware. Meanwhile the Triton
+backend serves SM100, and default resolution on an SM100 device prints a one-time note saying
+how to enable this one.
+
 `register()` adds the backend to the registry at priority 20.
 """
 
@@ -23,11 +28,11 @@ import importlib.util
 
 import torch
 
-from ..backends import Backend, UnsupportedInputs, register_backend
+from ..backends import BACKEND_ENV, Backend, UnsupportedInputs, register_backend
 from ..documents import locate_queries
 from ..schedule import valid_entries
 from . import bindings
-from .kernels import SM100_CAPABILITY, sm_capability
+from .kernels import INSTALL_COMMAND, SM100_CAPABILITY, sm_capability
 
 NAME = "sm100"
 PRIORITY = 20
@@ -48,11 +53,40 @@ def available(device: torch.device) -> bool:
 
     Only looks the extras up (`importlib.util.find_spec`); nothing heavy is imported.
     """
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    if sm_capability(device) != SM100_CAPABILITY:
+    if not _on_sm100(device):
         return False
     return _extras_installed()
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the backend cannot serve `device` (no CUDA device, its capability, missing extras), or None."""
+    if device.type != "cuda":
+        return f"it serves CUDA devices only, not {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available (torch.cuda.is_available() is False)"
+    capability = sm_capability(device)
+    if capability != SM100_CAPABILITY:
+        return (f"{device} has compute capability {capability[0]}.{capability[1]}; the SM100 kernels need "
+                f"{SM100_CAPABILITY[0]}.{SM100_CAPABILITY[1]} (B200/GB200)")
+    missing = [name for name in _REQUIRED_MODULES if not _importable(name)]
+    if missing:
+        return f"cannot find {', '.join(missing)}; install the extras with: {INSTALL_COMMAND}"
+    return None
+
+
+def opt_in_note(device: torch.device) -> str | None:
+    """The one-time note on an SM100 device: the backend is opt-in until it has run on hardware."""
+    if not _on_sm100(device):
+        return None
+    return (
+        f"the sm100 backend (official MSA forward + CuTe DSL backward) has not yet run on SM100 hardware, so "
+        f"it is opt-in (the Triton backend serves {device} meanwhile); enable it with {BACKEND_ENV}={NAME}"
+        + ("" if _extras_installed() else f" after installing its extras ({INSTALL_COMMAND})")
+    )
+
+
+def _on_sm100(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and sm_capability(device) == SM100_CAPABILITY
 
 
 @functools.cache
@@ -129,8 +163,11 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+            plan=None):
     """`msa::forward` through the official flat forward: `(out [Tq, 64, 128] bf16, lse [Tq, 64] fp32)`.
+
+    The official forward builds its own key-to-query CSR, so `plan` is not read.
 
     Raises:
         UnsupportedInputs: outside the official configuration, during CUDA-graph capture, or for
@@ -197,8 +234,11 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
     """`msa::backward` through our CuTe DSL `run_backward`: `(dq, dk, dv)` in bfloat16.
+
+    Its tasks hold 8 queries each (`tasks.TASK_ROWS`), a finer split than the plans the public
+    API builds, so it builds its own schedule and does not read `plan`.
 
     `run_backward` receives packed THD tensors and `canonical_block_indices` (ascending distinct
     in-horizon ids, then `-1`); it builds its 128-aligned K/V workspace itself.
@@ -241,6 +281,8 @@ BACKEND = Backend(
     priority=PRIORITY,
     device_types=("cuda",),
     available=available,
+    unavailable_reason=unavailable_reason,
+    opt_in_note=opt_in_note,
 )
 
 

@@ -1,15 +1,19 @@
-"""The Triton backend: all three MSA ops on CUDA capability 8.0 and newer, tuned on Hopper (SM90).
+"""The Triton backend: every MSA op on CUDA capability 8.0 and newer, tuned on Hopper (SM90).
 
-Kernels, one module per op: `select_kernel.py` (index scoring + top-k), `forward_kernel.py`
-(KV-outer attention + combine), `backward_kernel.py` (KV-outer dQ/dK/dV). They share the key-to-query
-schedule of `torch_msa/schedule.py`.
+Kernels, one module per op: `select_kernel.py` (index scoring + top-k), `plan_kernel.py` (the
+key-to-query schedule of `torch_msa/schedule.py`, packed as a plan: `torch_msa/plan.py`),
+`forward_kernel.py` (KV-outer attention + combine), `backward_kernel.py` (KV-outer dQ/dK/dV, adding
+with atomics) and `backward_deterministic_kernel.py` (KV-outer dK/dV reduced in a fixed order,
+query-outer dQ), which serves the backward under `torch.use_deterministic_algorithms(True)`, and
+`kl_kernel.py` (the index branch's KL loss and its gradient on the sparse support, KV-outer).
+The forward and the default backward read the plan they are given, or build one.
 
 Importing this package imports no triton: the kernel modules load on the first call, and the
 backend reports itself unavailable on a host without triton. It serves CUDA devices of compute
-capability 8.0 or newer (the kernels use only portable `tl.dot`; they are tuned and measured on
-SM90) with bf16, fp16 or fp32 inputs and at most 128 query heads per KV head; other inputs get
-`UnsupportedInputs`, so the registry falls back to the reference with a one-time warning. Under
-`torch.use_deterministic_algorithms(True)` the backward declines too (it adds with atomics).
+capability 8.0 or newer, SM100 included (the kernels use only portable `tl.dot`; they are tuned
+and measured on SM90, and `launch.py` picks per device a configuration that fits its shared
+memory) with bf16, fp16 or fp32 inputs and at most 128 query heads per KV head; other inputs get
+`UnsupportedInputs`, so the registry falls back to the reference with a one-time warning.
 """
 
 import functools
@@ -23,6 +27,7 @@ from .common import check_served
 
 NAME = "triton"
 MIN_CAPABILITY = (8, 0)
+INSTALL_COMMAND = "pip install triton"
 
 
 @functools.cache
@@ -30,11 +35,30 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def available(device: torch.device) -> bool:
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return False
+@functools.cache
+def _triton_installed() -> bool:
+    # Cached: every op call asks, and the lookup walks sys.path (about 0.1 ms, more than a launch).
+    return importlib.util.find_spec("triton") is not None
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the backend cannot serve `device`, or None if it can."""
+    if device.type != "cuda":
+        return f"it serves CUDA devices only, not {device.type}"
+    if not _triton_installed():
+        return f"triton is not installed ({INSTALL_COMMAND}; it ships with Linux x86_64 torch)"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available (torch.cuda.is_available() is False)"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= MIN_CAPABILITY
+    capability = _capability(index)
+    if capability < MIN_CAPABILITY:
+        return (f"cuda:{index} has compute capability {capability[0]}.{capability[1]} < "
+                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, the least the Triton kernels need")
+    return None
+
+
+def available(device: torch.device) -> bool:
+    return unavailable_reason(device) is None
 
 
 def _kernels(module: str):
@@ -48,19 +72,28 @@ def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     )
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
+def plan(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size, entries_per_item):
+    return _kernels("plan_kernel").build_plan(
+        block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item
+    )
+
+
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+            plan=None):
     check_served("q", q.dtype, q.shape[1] // k.shape[1])
     return _kernels("forward_kernel").forward(
-        q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale
+        q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, plan
     )
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
     check_served("q", q.dtype, q.shape[1] // k.shape[1])
-    return _kernels("backward_kernel").backward(
+    # Decided per call, like torch's own kernels: the flag may change between steps.
+    module = "backward_deterministic_kernel" if torch.are_deterministic_algorithms_enabled() else "backward_kernel"
+    return _kernels(module).backward(
         grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse,
+        max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse, plan,
     )
 
 
@@ -87,11 +120,12 @@ def indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_ls
 
 BACKEND = Backend(
     name=NAME,
-    ops={"select_blocks": select_blocks, "forward": forward, "backward": backward,
+    ops={"select_blocks": select_blocks, "plan": plan, "forward": forward, "backward": backward,
          "indexer_kl": indexer_kl, "indexer_kl_backward": indexer_kl_backward},
     priority=10,
     device_types=("cuda",),
     available=available,
+    unavailable_reason=unavailable_reason,
 )
 
 

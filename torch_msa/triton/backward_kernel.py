@@ -12,8 +12,8 @@ Splitting the 128-key block into `BLOCK_N` slices keeps the two fp32 accumulator
 register file.
 
 The atomics make the result order-dependent in the last bits, so under
-`torch.use_deterministic_algorithms(True)` this backend declines and the registry falls back to
-the deterministic reference.
+`torch.use_deterministic_algorithms(True)` the backend serves the backward with
+`backward_deterministic_kernel.py` instead, and this one declines.
 """
 
 import torch
@@ -22,11 +22,18 @@ import triton.language as tl
 
 from ..backends import UnsupportedInputs
 from .common import dot_precision
-from .forward_kernel import LOG2_E, schedule_for, tile_shape
+from .forward_kernel import LOG2_E, item_horizon, schedule_for, tile_shape
+from .launch import LaunchConfig, launch
 
-_ROWS = 128
-_BLOCK_N = 64
-_BLOCKS_LAUNCH = dict(num_warps=8, num_stages=3)
+# Tuned on SM90 first (128 query rows, 64-key slices, 3 stages); the others fit sm_100 (whose
+# pipelined tiles are twice as large), then the 99 KB of sm_86/sm_89/sm_120, then fp32 tiles.
+BLOCKS_CONFIGS = (
+    LaunchConfig(rows=128, block_n=64, num_stages=3),
+    LaunchConfig(rows=128, block_n=64, num_stages=1),
+    LaunchConfig(rows=64, block_n=64, num_stages=1),
+    LaunchConfig(rows=64, block_n=32, num_stages=1),
+)
+DELTA_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4, rows=64),)
 
 
 @triton.jit
@@ -75,12 +82,13 @@ def _blocks_kernel(
     dims = tl.arange(0, DIM)
     offsets = tl.arange(0, BLOCK_N)
     key_row = (first_key + offsets).to(tl.int64)
-    key_ok = key_row < num_keys
+    key_position = block * BLOCK + slice_start + offsets
+    # As in the forward: keys of the next document (the block's tail) are neither read nor written.
+    key_ok = (key_position <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
     keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
                    mask=key_ok[:, None], other=0.0)
     values = tl.load(v + key_row[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
                      mask=key_ok[:, None], other=0.0)
-    key_position = block * BLOCK + slice_start + offsets
     dk = tl.zeros((BLOCK_N, DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, DIM), tl.float32)
 
@@ -109,7 +117,8 @@ def _blocks_kernel(
         probs = tl.where(visible, tl.exp2(scores - row_lse[:, None]), 0.0)
         dv += tl.dot(tl.trans(probs.to(d_out.dtype)), d_out, input_precision=PRECISION)
         d_probs = tl.dot(d_out, tl.trans(values), input_precision=PRECISION)
-        d_scores = (probs * (d_probs - row_delta[:, None])).to(q_rows.dtype)
+        # `where`, not `probs *`: a non-finite dP of a hidden key must not reach dQ through 0 * NaN.
+        d_scores = tl.where(visible, probs * (d_probs - row_delta[:, None]), 0.0).to(q_rows.dtype)
         dk += tl.dot(tl.trans(d_scores), q_rows, input_precision=PRECISION)
         dq = tl.dot(d_scores, keys, input_precision=PRECISION) * softmax_scale
         tl.atomic_add(dq_acc + head_row[:, None] * DIM + dims[None, :], dq, mask=row_ok[:, None], sem="relaxed")
@@ -120,8 +129,9 @@ def _blocks_kernel(
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None):
-    """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype."""
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
+    """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype.
+    `plan` (from `msa::plan`, any item size) spares building the schedule."""
     if torch.are_deterministic_algorithms_enabled():
         raise UnsupportedInputs("deterministic algorithms were requested and the Triton backward adds with atomics")
     num_queries, num_heads, dim = q.shape
@@ -135,24 +145,32 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
         q, k, v, grad_out, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad_out, out))
         lse = lse.contiguous()
         delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=q.device)
-        rows = 64
-        _delta_kernel[(triton.cdiv(num_queries * num_heads, rows),)](
-            grad_out, out, grad_lse.contiguous() if grad_lse is not None else delta, delta, num_queries * num_heads,
-            grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, DIM=dim, ROWS=rows, HAS_GRAD_LSE=grad_lse is not None,
-        )
-        tokens, group_p2 = tile_shape(num_heads, num_kv_heads, _ROWS)
-        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens)
-        block_n = min(_BLOCK_N, block_size)
-        _blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
-            q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc,
-            schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
-            schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-            num_keys, softmax_scale, softmax_scale * LOG2_E,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            grad_out.stride(0), grad_out.stride(1),
-            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
-            TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=dim, PRECISION=dot_precision(q.dtype),
-            **_BLOCKS_LAUNCH,
-        )
+        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan)
+        shape_key = (q.device, q.dtype, dim, block_size, group, topk)
+
+        def launch_delta(config):
+            _delta_kernel[(triton.cdiv(num_queries * num_heads, config.rows),)](
+                grad_out, out, grad_lse.contiguous() if grad_lse is not None else delta, delta, num_queries * num_heads,
+                grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, DIM=dim, ROWS=config.rows, HAS_GRAD_LSE=grad_lse is not None,
+                **config.options,
+            )
+
+        def launch_blocks(config):
+            tokens, group_p2 = tile_shape(num_heads, num_kv_heads, config.rows)
+            block_n = min(config.block_n, block_size)
+            _blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
+                q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc,
+                schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
+                schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
+                num_keys, softmax_scale, softmax_scale * LOG2_E,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                grad_out.stride(0), grad_out.stride(1),
+                NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
+                TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=dim, PRECISION=dot_precision(q.dtype),
+                **config.options,
+            )
+
+        launch("backward._delta_kernel", shape_key, DELTA_CONFIGS, launch_delta)
+        launch("backward._blocks_kernel", shape_key, BLOCKS_CONFIGS, launch_blocks)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)

@@ -21,13 +21,16 @@ import triton
 import triton.language as tl
 
 from ..contract import compute_dtype
-from ..schedule import build_schedule
+from ..plan import entries_per_item, unpack
 from .common import dot_precision
+from .launch import LaunchConfig, launch
+from .plan_kernel import build_plan
 
 LOG2_E = math.log2(math.e)
-_ROWS = 128  # query rows (tokens x heads) per tile
-_ITEM_TILES = 16  # tiles per schedule item: bounds a program's work, keeps K/V reuse high
-_BLOCKS_LAUNCH = dict(num_warps=8, num_stages=3)
+_ROWS = 128  # query rows (tokens x heads) per tile of the tuned configuration
+# Tuned on SM90 first; fewer rows and no pipelining for devices with less shared memory.
+BLOCKS_CONFIGS = (LaunchConfig(rows=_ROWS, num_stages=3), LaunchConfig(rows=64, num_stages=1))
+COMBINE_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4),)
 
 
 def tile_shape(num_heads: int, num_kv_heads: int, rows: int = _ROWS) -> tuple[int, int]:
@@ -37,9 +40,24 @@ def tile_shape(num_heads: int, num_kv_heads: int, rows: int = _ROWS) -> tuple[in
     return max(1, rows // heads_p2), heads_p2
 
 
-def schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens):
-    """The shared KV-outer schedule with items of `_ITEM_TILES` query tiles of `tokens` queries."""
-    return build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens * _ITEM_TILES)
+def schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan=None):
+    """The KV-outer schedule the kernels walk: `plan`'s, or (`None`) a new plan's, with the items
+    the public API builds (`torch_msa.plan.entries_per_item`)."""
+    if plan is None:
+        plan = build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size,
+                          entries_per_item(num_heads, block_indices.shape[0]))
+    return unpack(plan, block_indices, num_keys, cu_seqlens_q.numel() - 1, block_size)
+
+
+@triton.jit
+def item_horizon(entry_query, position, end, TOPK: tl.constexpr):
+    """The last key position any query of an item sees: that of its last entry.
+
+    An item's entries all belong to one document and are sorted by query, so this bounds the
+    keys the item may read to its own document, at or before its last query's position.
+    """
+    last_token = (tl.load(entry_query + end - 1) // TOPK).to(tl.int64)
+    return tl.load(position + last_token)
 
 
 @triton.jit
@@ -64,12 +82,14 @@ def _blocks_kernel(
     dims = tl.arange(0, DIM)
     offsets = tl.arange(0, BLOCK)
     key_row = (first_key + offsets).to(tl.int64)
-    key_ok = key_row < num_keys
+    key_position = block * BLOCK + offsets
+    # Keys past the item's last causal position are not read: the tail of a block belongs to the
+    # next document, and a NaN there would survive `0 * NaN` in the P @ V product.
+    key_ok = (key_position <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
     keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
                    mask=key_ok[:, None], other=0.0)
     values = tl.load(v + key_row[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
                      mask=key_ok[:, None], other=0.0)
-    key_position = block * BLOCK + offsets
 
     rows = tl.arange(0, TOKENS * GROUP_P2)
     row_token = rows // GROUP_P2
@@ -135,8 +155,10 @@ def _combine_kernel(
     tl.store(lse + token * NUM_KV_HEADS * GROUP + query_head, natural, mask=head_ok)
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale):
-    """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32."""
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+            plan=None):
+    """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
+    `plan` (from `msa::plan`, any item size) spares building the schedule."""
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -148,25 +170,32 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if num_keys == 0:
         return out.zero_(), lse.fill_(-math.inf)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    tokens, group_p2 = tile_shape(num_heads, num_kv_heads)
-    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens)
+    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan)
     partial_out = torch.empty((num_queries * num_kv_heads * topk * group, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((num_queries * num_kv_heads * topk * group,), -math.inf, dtype=torch.float32, device=q.device)
-    precision = dot_precision(q.dtype)
-    _blocks_kernel[(schedule.item_start.numel(),)](
-        q, k, v, partial_out, partial_lse,
-        schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
-        schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-        num_keys, softmax_scale * LOG2_E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
-        TOPK=topk, BLOCK=block_size, DIM=dim, PRECISION=precision,
-        **_BLOCKS_LAUNCH,
-    )
-    _combine_kernel[(num_queries, num_kv_heads)](
-        partial_out, partial_lse, out, lse,
-        out.stride(0), out.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOPK=topk, DIM=dim,
-        num_warps=4,
-    )
+    shape_key = (q.device, q.dtype, dim, block_size, group, topk)
+
+    def launch_blocks(config):
+        tokens, group_p2 = tile_shape(num_heads, num_kv_heads, config.rows)
+        _blocks_kernel[(schedule.item_start.numel(),)](
+            q, k, v, partial_out, partial_lse,
+            schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
+            schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
+            num_keys, softmax_scale * LOG2_E,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
+            TOPK=topk, BLOCK=block_size, DIM=dim, PRECISION=dot_precision(q.dtype),
+            **config.options,
+        )
+
+    def launch_combine(config):
+        _combine_kernel[(num_queries, num_kv_heads)](
+            partial_out, partial_lse, out, lse,
+            out.stride(0), out.stride(1),
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), TOPK=topk, DIM=dim,
+            **config.options,
+        )
+
+    launch("forward._blocks_kernel", shape_key, BLOCKS_CONFIGS, launch_blocks)
+    launch("forward._combine_kernel", shape_key, COMBINE_CONFIGS, launch_combine)
     return out, lse

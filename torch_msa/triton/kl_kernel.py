@@ -208,7 +208,7 @@ def _launch(kernel, q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     tokens, heads_per_pass = kl_tile_shape(num_heads, num_kv_heads)
-    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, tokens)
+    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads)
     q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
     scalars = (num_queries, num_keys) if kernel is _forward_kernel else (num_keys,)
     kernel[(schedule.item_start.numel(),)](

@@ -18,9 +18,10 @@ import triton.language as tl
 
 from ..documents import locate_queries
 from .common import dot_precision
+from .launch import LaunchConfig, launch
 
-_ROWS = 128  # tokens x index heads per program: one full wgmma tile
-_LAUNCH = dict(num_warps=8, num_stages=2)
+# Rows are tokens x index heads per program: 128 is one full wgmma tile (tuned on SM90 first).
+CONFIGS = (LaunchConfig(rows=128, num_stages=2), LaunchConfig(rows=64, num_stages=1))
 
 
 @triton.jit
@@ -127,16 +128,21 @@ def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     index_k = index_k if index_k.stride(-1) == 1 else index_k.contiguous()
     docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
     heads_p2 = triton.next_power_of_2(num_heads)
-    tokens = max(1, _ROWS // heads_p2)
-    tiles_per_doc = triton.cdiv(max(1, min(max_seqlen_q, num_queries)), tokens)
-    _select_kernel[(num_docs * tiles_per_doc,)](
-        index_q, index_k, cu_seqlens_q, docs.key_start, docs.position, block_indices,
-        num_queries, num_keys, num_docs, tiles_per_doc,
-        index_q.stride(0), index_q.stride(1), index_k.stride(0),
-        index_dim**-0.5,
-        NUM_HEADS=num_heads, HEADS_P2=heads_p2, TOKENS=tokens,
-        DIM=index_dim, DIM_P2=max(16, triton.next_power_of_2(index_dim)), BLOCK=block_size,
-        TOPK=topk, KEEP_P2=max(2, triton.next_power_of_2(topk)), PRECISION=dot_precision(index_q.dtype),
-        **_LAUNCH,
-    )
+
+    def launch_select(config):
+        tokens = max(1, config.rows // heads_p2)
+        tiles_per_doc = triton.cdiv(max(1, min(max_seqlen_q, num_queries)), tokens)
+        _select_kernel[(num_docs * tiles_per_doc,)](
+            index_q, index_k, cu_seqlens_q, docs.key_start, docs.position, block_indices,
+            num_queries, num_keys, num_docs, tiles_per_doc,
+            index_q.stride(0), index_q.stride(1), index_k.stride(0),
+            index_dim**-0.5,
+            NUM_HEADS=num_heads, HEADS_P2=heads_p2, TOKENS=tokens,
+            DIM=index_dim, DIM_P2=max(16, triton.next_power_of_2(index_dim)), BLOCK=block_size,
+            TOPK=topk, KEEP_P2=max(2, triton.next_power_of_2(topk)), PRECISION=dot_precision(index_q.dtype),
+            **config.options,
+        )
+
+    launch("select._select_kernel", (index_q.device, index_q.dtype, num_heads, index_dim, block_size, topk),
+           CONFIGS, launch_select)
     return block_indices

@@ -1,0 +1,148 @@
+"""`python -m torch_msa.bench.deterministic`: the backward with and without deterministic algorithms.
+
+Times `msa::backward` (whichever backend the registry resolves; the Triton backend's atomic
+kernels by default, its deterministic kernels under `torch.use_deterministic_algorithms(True)`)
+at M3 shapes on the benchmark's inputs, and prints per length the two medians, their effective
+TF/s and the deterministic backward's share of the default one's speed (the target is >= 50%).
+`--profile` adds the device time of each kernel of one call of each (torch.profiler);
+`--sweep` times the deterministic backward once per candidate launch configuration of its dQ
+kernel, tried first in place of the tuned list (for retuning on a new device).
+"""
+
+import argparse
+import contextlib
+
+import torch
+
+from ..backends import UnsupportedInputs
+from ..testing import M3, pick_device
+from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_seqlens
+from .timing import free_memory, measure
+
+DEFAULT_SEQLENS = ("8K", "32K")
+# (num_stages, num_warps, block_n) of the dQ kernel; those that fit 227 KB of shared memory on SM90.
+SWEEP_QUERY_CONFIGS = ((3, 4, 64), (2, 4, 64), (4, 4, 64), (3, 8, 64), (2, 4, 128), (2, 8, 128), (3, 8, 128),
+                       (4, 4, 32))
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool):
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _kernel_times(call, device: torch.device) -> list[tuple[str, float]]:
+    """(kernel name, device ms) of one call, slowest first."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    # Self time: an operator's own device time is 0, its kernels carry the time.
+    rows = [(event.key, event.self_device_time_total / 1e3) for event in profile.key_averages()
+            if event.self_device_time_total > 0]
+    return sorted(rows, key=lambda row: -row[1])
+
+
+@contextlib.contextmanager
+def query_config_first(config):
+    """The deterministic backward's dQ kernel launched with `config` (memo cleared around it)."""
+    from ..triton import backward_deterministic_kernel, launch
+
+    tuned = backward_deterministic_kernel.QUERY_CONFIGS
+
+    def forget():
+        for memo in [memo for memo in launch._chosen if memo[0] == "backward_deterministic._query_kernel"]:
+            del launch._chosen[memo]
+
+    forget()
+    backward_deterministic_kernel.QUERY_CONFIGS = (config,)
+    try:
+        yield
+    finally:
+        backward_deterministic_kernel.QUERY_CONFIGS = tuned
+        forget()
+
+
+def _sweep(backward_arguments, device, warmup, iters):
+    """The Triton deterministic backward called directly, so that a refused configuration is
+    reported rather than served by another backend."""
+    from ..triton import backward_deterministic_kernel
+    from ..triton.launch import LaunchConfig
+
+    def backward():
+        return backward_deterministic_kernel.backward(*backward_arguments)
+
+    for stages, warps, block_n in SWEEP_QUERY_CONFIGS:
+        config = LaunchConfig(num_stages=stages, num_warps=warps, block_n=block_n)
+        try:
+            with deterministic_algorithms(True), query_config_first(config):
+                ms = f"{measure(backward, device, warmup, iters).median_ms:9.3f} ms"
+        except UnsupportedInputs:
+            ms = "does not fit this device's shared memory"
+        print(f"          dQ kernel stages={stages} warps={warps} block_n={block_n:<4} {ms}")
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m torch_msa.bench.deterministic", description=__doc__.split("\n")[0])
+    parser.add_argument("--seqlens", nargs="+", default=list(DEFAULT_SEQLENS), metavar="T",
+                        help=f"single-document lengths (default: {' '.join(DEFAULT_SEQLENS)})")
+    parser.add_argument("--selection", choices=SELECTIONS, default="index")
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="print each kernel's device time of one call")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the deterministic backward with each candidate configuration of its dQ kernel")
+    args = parser.parse_args(argv)
+    try:
+        device = pick_device(args.device)
+        seqlens = parse_seqlens(args.seqlens)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.sweep and device.type != "cuda":
+        parser.error(f"--sweep times the Triton kernels: it needs a CUDA device, not {device}")
+
+    rows = []
+    print(f"msa::backward, M3 shapes, bf16, {args.selection} selection, on {device}")
+    print(f"{'T':>7} {'default ms':>11} {'TF/s':>6} {'deterministic ms':>17} {'TF/s':>6} {'speed share':>12}")
+    for length in seqlens:
+        inputs = make_inputs(ProblemSpec((length,)), M3, device, args.selection, seed=0)
+        scale = M3.head_dim ** -0.5
+        arguments = (inputs.q, inputs.k, inputs.v, inputs.block_indices, *inputs.document_args, M3.block_size, scale)
+        out, lse = torch.ops.msa.forward(*arguments)
+        backward_arguments = (inputs.grad_out, inputs.q, inputs.k, inputs.v, out, lse, *arguments[3:])
+
+        def backward():
+            return torch.ops.msa.backward(*backward_arguments)
+
+        times, kernels = {}, {}
+        for deterministic in (False, True):
+            with deterministic_algorithms(deterministic):
+                times[deterministic] = measure(backward, device, args.warmup, args.iters).median_ms
+                if args.profile:
+                    kernels[deterministic] = _kernel_times(backward, device)
+        flops = inputs.work.msa_backward
+        row = dict(tokens=length, default_ms=times[False], deterministic_ms=times[True],
+                   speed_share=times[False] / times[True])
+        rows.append(row)
+        print(f"{length:>7} {times[False]:>11.3f} {flops / times[False] / 1e9:>6.0f} {times[True]:>17.3f} "
+              f"{flops / times[True] / 1e9:>6.0f} {row['speed_share']:>11.0%}")
+        for deterministic, name in ((False, "default"), (True, "deterministic")):
+            for kernel, ms in kernels.get(deterministic, []):
+                print(f"          {name:>13} {ms:9.3f} ms  {kernel[:100]}")
+        if args.sweep:
+            _sweep(backward_arguments, device, args.warmup, args.iters)
+        del inputs, out, lse, backward_arguments
+        free_memory(device)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

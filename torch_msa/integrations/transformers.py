@@ -1,0 +1,297 @@
+"""torch_msa in HF transformers' MiniMax-M3 (`transformers.models.minimax_m3_vl`).
+
+Two lines switch a MiniMax-M3 model to torch_msa::
+
+    from torch_msa.integrations.transformers import use_torch_msa
+    model = use_torch_msa(model)
+
+`use_torch_msa` makes the sparse layers' indexers select their key blocks with
+`torch_msa.select_blocks` (the same projections, norms and RoPE as HF's indexer, `O(S)` memory
+instead of HF's `[B, H_idx, S, S]` fp32 scores) and sets the model's attention implementation to
+`"torch_msa"` (`ATTENTION_NAME`): sparse layers run `torch_msa.sparse_attention` on packed
+tokens, full-attention layers run PyTorch SDPA.
+
+Importing this module registers `"torch_msa"` with HF's `AttentionInterface` and
+`AttentionMaskInterface`, so `from_pretrained(..., attn_implementation="torch_msa")` works too; the
+attention function then consumes HF's own indexer's `block_indices` (`[B, H_idx, S, topk]`
+int64, `-1` padded), valid for unpadded and right-padded batches.
+
+Padding: each row's real tokens form one document that starts at position 0, and its padding is
+a second document that only sees itself (`torch_msa.padding.padded_cu_seqlens`: no host sync,
+static shapes). With right padding this equals HF exactly. With left padding HF's indexer
+anchors its blocks to absolute slots, so its result depends on the padding; torch_msa's result
+equals HF run on each sequence alone (RoPE is relative; pass `position_ids` counting from each
+row's first real token for the same positions too). Left padding needs `use_torch_msa`'s
+indexer. Packed rows (several documents in one row through `position_ids`) are not read: a row
+is one document.
+
+Supported: training, prefill and decoding from a `DynamicCache` (`generate`; padded batches
+left-padded, as `generate` wants them; not from a static cache), with no mask, a 2-D padding
+mask or a 4-D causal padding mask. Not supported: attention dropout in sparse layers, masks with
+other patterns than causal + padding.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
+        MiniMaxM3VLIndexer,
+        MiniMaxM3VLSparseStaticCacheLayer,
+        apply_rotary_pos_emb,
+    )
+except ImportError as error:  # transformers missing, or older than its MiniMax-M3 model
+    raise ImportError(
+        'torch_msa.integrations.transformers needs transformers with MiniMax-M3 (>= 5.17, < 6): '
+        'install torch_msa with its hf extra (pip install ".[hf]" in a checkout)') from error
+
+from .. import api
+from ..padding import padded_cu_seqlens
+
+ATTENTION_NAME = "torch_msa"
+"""The name under which the attention function is registered (`config._attn_implementation`)."""
+
+__all__ = [
+    "ATTENTION_NAME",
+    "PendingSelection",
+    "TorchMSAIndexer",
+    "attention_forward",
+    "padding_mask",
+    "use_torch_msa",
+]
+
+
+@dataclass
+class PendingSelection:
+    """The index branch's projected inputs, selected once the attention function knows the documents.
+
+    HF's indexer returns block ids; this one returns its inputs, because the documents (the
+    padding) are known only inside the attention function. `block_indices()` gives HF's layout.
+
+    Attributes:
+        index_q: `[B, H_idx, Sq, Di]` index queries after the norm and RoPE.
+        index_k: `[B, 1, Sk, Di]` index keys after the norm and RoPE (with the cached history).
+        topk: blocks kept per query, the local one included.
+        block_size: keys per block.
+    """
+
+    index_q: torch.Tensor
+    index_k: torch.Tensor
+    topk: int
+    block_size: int
+
+    def select(self, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> torch.Tensor:
+        """int32 `[H_idx, B * Sq, topk]` block ids over the packed rows (torch_msa's layout)."""
+        batch, heads, q_len, dim = self.index_q.shape
+        index_q = self.index_q.transpose(1, 2).reshape(batch * q_len, heads, dim)
+        index_k = self.index_k.transpose(1, 2).reshape(batch * self.index_k.shape[2], 1, dim)
+        return api.select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 topk=self.topk, block_size=self.block_size)
+
+    def block_indices(self, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 `[B, H_idx, Sq, topk]` block ids in HF's layout, relative to each row's first real token.
+
+        Valid ids first (a set: their order differs from HF's), `-1` after.
+        """
+        batch, heads, q_len, _ = self.index_q.shape
+        documents = _documents(attention_mask, batch, q_len, self.index_k.shape[2], self.index_q.device)
+        blocks = self.select(*documents)
+        return blocks.view(heads, batch, q_len, self.topk).permute(1, 0, 2, 3).long()
+
+
+class TorchMSAIndexer(MiniMaxM3VLIndexer):
+    """HF's MiniMax-M3 indexer (same parameters) whose selection runs in `torch_msa.select_blocks`.
+
+    `forward` computes the index queries and keys exactly as HF's indexer does and returns a
+    `PendingSelection`; the `"torch_msa"` attention function selects from it. `use_torch_msa`
+    swaps the class of existing indexers in place, so weights and state-dict keys are unchanged.
+    """
+
+    def forward(self, hidden_states, position_embeddings, past_key_values, position_ids) -> PendingSelection:
+        if self.config._attn_implementation != ATTENTION_NAME:
+            raise ValueError(
+                f"attn_implementation: expected {ATTENTION_NAME!r} for a model patched by use_torch_msa (its indexer "
+                f"returns a PendingSelection only that attention function reads), got {self.config._attn_implementation!r}")
+        batch, q_len, _ = hidden_states.shape
+        index_q = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
+        index_k = self.k_norm(self.k_proj(hidden_states).view(batch, q_len, 1, self.head_dim)).transpose(1, 2)
+        cos, sin = position_embeddings
+        index_q, index_k = apply_rotary_pos_emb(index_q, index_k, cos[..., : self.head_dim], sin[..., : self.head_dim])
+        if past_key_values is not None:
+            layer = past_key_values.layers[self.layer_idx]
+            if isinstance(layer, MiniMaxM3VLSparseStaticCacheLayer):
+                # A static cache's keys are a fixed-size buffer filled from the front; torch_msa's
+                # queries are the newest keys of their document, which that layout does not give.
+                raise ValueError("past_key_values: torch_msa decodes from a DynamicCache; got a static cache "
+                                 f"({type(layer).__name__})")
+            index_k = layer.update_index(index_k)
+        return PendingSelection(index_q, index_k, self.topk_blocks, self.block_size)
+
+
+def _real_keys_of_4d(attention_mask: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """`[B, Sk]` bool real-key mask of a causal padding mask `[B, 1 or H, Sq, Sk]` (bool keep, or additive 0 = keep)."""
+    keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    if q_len == k_len:
+        # A real token sees itself (robust to masks that also hide padding queries' rows).
+        return keep[:, 0].diagonal(dim1=-2, dim2=-1)
+    # Decoding: the last query is real and sees every real key.
+    return keep[:, 0, -1]
+
+
+def _documents(attention_mask, batch: int, q_len: int, k_len: int, device):
+    """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` of the packed rows `[B * Sq]`, `[B * Sk]`.
+
+    With a mask, each row is two documents (`padded_cu_seqlens`); the queries are the last `Sq`
+    slots of the row, so each document's queries are the suffix of its keys that they cover.
+    """
+    if attention_mask is None:
+        steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        return steps * q_len, steps * k_len, q_len, k_len
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask: expected None or a torch.Tensor [B, S] or [B, 1, Sq, Sk], got {type(attention_mask).__name__}")
+    if attention_mask.dim() == 4:
+        if attention_mask.shape[0] != batch or tuple(attention_mask.shape[-2:]) != (q_len, k_len):
+            raise ValueError(f"attention_mask: expected a 4-D mask [{batch}, 1, {q_len}, {k_len}], got {tuple(attention_mask.shape)}")
+        attention_mask = _real_keys_of_4d(attention_mask, q_len, k_len)
+    elif attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, k_len):
+        raise ValueError(f"attention_mask: expected [{batch}, {k_len}] or [{batch}, 1, {q_len}, {k_len}], got {tuple(attention_mask.shape)}")
+    cu_seqlens_k, max_seqlen_k = padded_cu_seqlens(attention_mask)
+    if q_len == k_len:
+        return cu_seqlens_k, cu_seqlens_k, max_seqlen_k, max_seqlen_k
+    first_k = cu_seqlens_k[1::2] - cu_seqlens_k[0:-1:2]
+    first_q = (first_k - (k_len - q_len)).clamp(min=0)
+    lengths_q = torch.stack([first_q, q_len - first_q], dim=1).flatten()
+    cu_seqlens_q = torch.nn.functional.pad(torch.cumsum(lengths_q, dim=0, dtype=torch.int32), (1, 0))
+    return cu_seqlens_q, cu_seqlens_k, q_len, max_seqlen_k
+
+
+def _causal_padding_mask(padding: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """Bool `[B, 1, Sq, Sk]`: causal, padding keys hidden; a padding query sees itself, so no row is empty."""
+    q_pos = torch.arange(q_len, device=padding.device) + (k_len - q_len)
+    k_pos = torch.arange(k_len, device=padding.device)
+    causal = k_pos[None, :] <= q_pos[:, None]
+    visible = padding.bool()[:, None, None, :] | (k_pos[None, :] == q_pos[:, None])[None, None]
+    return causal[None, None] & visible
+
+
+def _full_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        attention_mask = _causal_padding_mask(attention_mask, query.shape[2], key.shape[2])
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    block_indices: torch.Tensor | PendingSelection | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF attention function registered as `"torch_msa"`.
+
+    Args:
+        module: the calling `MiniMaxM3VLAttention`.
+        query: `[B, Hq, Sq, D]`; key, value: `[B, Hkv, Sk, D]` (D 64 or 128 for sparse layers).
+        attention_mask: None (causal, every token real), a 2-D padding mask `[B, Sk]` (bool, True
+            at real tokens: what `"torch_msa"`'s registered mask function passes), or a 4-D causal
+            padding mask `[B, 1, Sq, Sk]` (bool keep, or additive with 0 = keep).
+        block_indices: HF's int64 `[B, H_idx, Sq, topk]` (`-1` padded, ids relative to the row
+            start), a `PendingSelection` from `TorchMSAIndexer`, or None for a full-attention
+            layer (which runs SDPA).
+
+    Returns:
+        `(out [B, Sq, Hq, D], None)`: no attention weights are materialised.
+    """
+    if block_indices is None:
+        return _full_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if dropout:
+        raise ValueError(f"dropout: torch_msa's sparse attention has no attention dropout; expected 0.0, got {dropout}")
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    documents = _documents(attention_mask, batch, q_len, k_len, query.device)
+    if isinstance(block_indices, PendingSelection):
+        block_size = block_indices.block_size
+        blocks = block_indices.select(*documents)
+    else:
+        if not isinstance(block_indices, torch.Tensor) or block_indices.dim() != 4 or block_indices.shape[:3] != (batch, kv_heads, q_len):
+            got = tuple(block_indices.shape) if isinstance(block_indices, torch.Tensor) else type(block_indices).__name__
+            raise ValueError(f"block_indices: expected [{batch}, {kv_heads}, {q_len}, topk] (HF's layout), got {got}")
+        block_size = module.indexer.block_size
+        blocks = block_indices.permute(1, 0, 2, 3).reshape(kv_heads, batch * q_len, -1).to(torch.int32)
+    q = query.transpose(1, 2).reshape(batch * q_len, q_heads, head_dim)
+    k = key.transpose(1, 2).reshape(batch * k_len, kv_heads, head_dim)
+    v = value.transpose(1, 2).reshape(batch * k_len, kv_heads, head_dim)
+    out = api.sparse_attention(q, k, v, blocks, *documents, block_size=block_size, softmax_scale=scaling)
+    return out.view(batch, q_len, q_heads, head_dim), None
+
+
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """HF mask function registered as `"torch_msa"`: the 2-D padding mask `[B, kv_length]` as is, or None.
+
+    Nothing `O(S^2)` is built for the sparse layers; full-attention layers build their SDPA mask
+    from it. HF's mask function argument (causal) is implied; packing through `position_ids` is
+    not read.
+    """
+    return prepare_padding_mask(attention_mask, kv_length, kv_offset)
+
+
+def register() -> str:
+    """Register `"torch_msa"` with HF's attention and mask interfaces (done on import); returns the name."""
+    AttentionInterface.register(ATTENTION_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, padding_mask)
+    return ATTENTION_NAME
+
+
+def _check_indexer_config(indexer: MiniMaxM3VLIndexer) -> None:
+    config = indexer.config
+    if config.index_local_blocks != 1:
+        raise ValueError(
+            f"index_local_blocks: torch_msa keeps exactly the query's own block as the local block; expected 1, "
+            f"got {config.index_local_blocks}")
+    if config.index_n_heads != config.num_key_value_heads:
+        raise ValueError(
+            f"index_n_heads: torch_msa selects per KV head; expected num_key_value_heads = {config.num_key_value_heads}, "
+            f"got {config.index_n_heads}")
+
+
+def use_torch_msa(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch a HF MiniMax-M3 model to torch_msa, in place: `MiniMaxM3VLForCausalLM`, `MiniMaxM3VLTextModel`,
+    or the vision-language `MiniMaxM3SparseForConditionalGeneration` / `MiniMaxM3VLModel` (only the text
+    model switches; the vision tower keeps its attention).
+
+    The sparse layers' indexers become `TorchMSAIndexer` (selection by `torch_msa.select_blocks`)
+    and the text model's attention implementation becomes `"torch_msa"`. Parameters and
+    state-dict keys are unchanged. Returns `model`.
+    """
+    register()
+    indexers = [m for m in model.modules() if isinstance(m, MiniMaxM3VLIndexer)]
+    if not indexers:
+        raise ValueError(f"model: expected a MiniMax-M3 model with sparse layers (MiniMaxM3VLIndexer modules), got {type(model).__name__} with none")
+    for indexer in indexers:
+        _check_indexer_config(indexer)
+    for indexer in indexers:
+        indexer.__class__ = TorchMSAIndexer
+    if hasattr(model.config, "text_config"):
+        model.set_attn_implementation({"text_config": ATTENTION_NAME})
+    else:
+        model.set_attn_implementation(ATTENTION_NAME)
+    return model
+
+
+register()

@@ -1,0 +1,255 @@
+"""`msa::plan` in Triton: the KV-outer schedule in four kernels, a sort and two scans.
+
+It writes exactly the tables of `torch_msa.schedule.build_schedule` (the reference) into one
+plan tensor (layout in `torch_msa/plan.py`), with a dozen host calls instead of about a hundred:
+in eager mode each call costs a host-side launch, and below T = 64K the reference build's
+launches took longer than the attention kernels.
+
+1. `_entry_keys_kernel`, one program per (tokens, KV head): finds each query's document (the
+   same binary search as `torch.searchsorted`), its position and which slots count (valid
+   entries), and writes every entry's bucket key `head * Tk + key row of its block` (invalid
+   entries: `Hkv * Tk`, past every real key) and the positions.
+2. `torch.sort(stable=True)` orders the entries by (KV head, key block, query, slot): the
+   deterministic order of the reference.
+3. `_bucket_starts_kernel` flags the first entry of each bucket and writes `entry_query`;
+   `torch.cumsum` numbers the buckets.
+4. `_bucket_tables_kernel` writes each bucket's CSR offset and fields from its first entry (which
+   also counts the bucket's items, finding its end by binary search), and fills the unused rows;
+   `torch.cumsum` places the items.
+5. `_item_tables_kernel`, one thread per item row, finds its bucket (binary search) and range.
+
+No host synchronisation: every size is a shape-derived bound, as in the reference.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..plan import pack, section_sizes
+from ..schedule import build_schedule, max_buckets, max_items
+
+_ENTRIES = 1024  # entries per program of the 1-D kernels
+_SLOT_TILE = 1024  # (token, slot) pairs per program of the key kernel
+
+
+@triton.jit
+def _entry_keys_kernel(
+    block_indices, cu_seqlens_q, cu_seqlens_k, bucket_key, position,
+    num_queries, num_keys, num_docs, search_steps, block_size, key_stride, past_all,
+    stride_head, stride_token, stride_slot,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TOKENS: tl.constexpr,
+):
+    head = tl.program_id(1)
+    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    token_ok = tokens < num_queries
+    token = tokens.to(tl.int64)
+
+    # The probes of torch.searchsorted(cu_seqlens_q[1:], token, right=True), so that even
+    # unsorted (malformed) boundaries give the reference's document.
+    low = tl.zeros((TOKENS,), tl.int32)
+    high = tl.zeros((TOKENS,), tl.int32) + num_docs
+    for _ in range(search_steps):
+        active = low < high
+        middle = low + ((high - low) >> 1)
+        boundary = tl.load(cu_seqlens_q + 1 + middle, mask=active & token_ok, other=0).to(tl.int64)
+        right = boundary > token
+        high = tl.where(active & right, middle, high)
+        low = tl.where(active & ~right, middle + 1, low)
+    in_range = low < num_docs
+    doc = tl.minimum(low, num_docs - 1)
+    doc_ok = token_ok & (num_docs > 0)
+    q_start = tl.load(cu_seqlens_q + doc, mask=doc_ok, other=0).to(tl.int64)
+    q_end = tl.load(cu_seqlens_q + doc + 1, mask=doc_ok, other=0).to(tl.int64)
+    k_start = tl.load(cu_seqlens_k + doc, mask=doc_ok, other=0).to(tl.int64)
+    k_end = tl.load(cu_seqlens_k + doc + 1, mask=doc_ok, other=0).to(tl.int64)
+    pos = (k_end - k_start) - (q_end - q_start) + (token - q_start)
+    located = (in_range & doc_ok & (token >= q_start) & (pos >= 0) & (k_start >= 0)
+               & (k_start + pos < k_end) & (k_start + pos < num_keys))
+    pos = tl.where(located, pos, -1)
+    key_start = tl.where(located, k_start, 0)
+    tl.store(position + tokens, pos.to(tl.int32), mask=token_ok & (head == 0))
+
+    # Valid entries: id >= 0, visible (id <= p(t) // block_size), first occurrence in the row.
+    slots = tl.arange(0, TOPK_P2)
+    slot_ok = token_ok[:, None] & (slots < TOPK)[None, :]
+    row = block_indices + head.to(tl.int64) * stride_head + token * stride_token
+    ids = tl.load(row[:, None] + slots[None, :] * stride_slot, mask=slot_ok, other=-1)
+    last_block = tl.where(pos >= 0, pos // block_size, -1)
+    valid = slot_ok & (ids >= 0) & (ids.to(tl.int64) <= last_block[:, None])
+    for earlier in range(TOPK):
+        other = tl.load(row + earlier * stride_slot, mask=token_ok, other=-1)
+        valid &= ~((ids == other[:, None]) & (slots[None, :] > earlier))
+    key = key_start[:, None] + head.to(tl.int64) * key_stride + ids.to(tl.int64) * block_size
+    key = tl.where(valid, key, past_all)
+    entry = (head * num_queries + token)[:, None] * TOPK + slots[None, :]
+    tl.store(bucket_key + entry, key, mask=slot_ok)
+
+
+@triton.jit
+def _bucket_starts_kernel(sorted_key, order, entry_query, starts, num_entries, entries_per_head, past_all,
+                          BLOCK: tl.constexpr):
+    entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = entry < num_entries
+    key = tl.load(sorted_key + entry, mask=ok, other=past_all)
+    previous = tl.load(sorted_key + entry - 1, mask=ok & (entry > 0), other=-1)
+    tl.store(starts + entry, ((key != previous) & (key < past_all)).to(tl.int32), mask=ok)
+    tl.store(entry_query + entry, (tl.load(order + entry, mask=ok, other=0) % entries_per_head).to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _lower_bound(sorted_key, low, high, value, search_steps):
+    """Per lane, the first index in `[low, high)` of `sorted_key` whose key is `>= value`
+    (`high` if none); lanes with `low == high` load nothing."""
+    for _ in range(search_steps):
+        active = low < high
+        middle = low + ((high - low) >> 1)
+        below = tl.load(sorted_key + middle, mask=active, other=0) < value
+        high = tl.where(active & ~below, middle, high)
+        low = tl.where(active & below, middle + 1, low)
+    return low
+
+
+@triton.jit
+def _bucket_tables_kernel(
+    sorted_key, order, entry_bucket, block_indices,
+    bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, num_buckets,
+    num_entries, bucket_bound, search_steps, key_stride, past_all, entries_per_item,
+    num_queries, stride_head, stride_token, stride_slot,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    total = tl.load(entry_bucket + num_entries - 1)  # buckets, the bound not applied
+    # One lane searches; the others start with an empty range.
+    lanes = tl.arange(0, BLOCK)
+    num_valid = tl.max(_lower_bound(sorted_key, tl.zeros((BLOCK,), tl.int32), tl.where(lanes == 0, num_entries, 0),
+                                    past_all, search_steps), axis=0)
+
+    # Lanes as entries: the first entry of bucket b writes its row (b <= bound: the offset of
+    # bucket `bound` ends the last real one when the bound overflows).
+    entry_ok = lane < num_entries
+    key = tl.load(sorted_key + lane, mask=entry_ok, other=past_all)
+    previous = tl.load(sorted_key + lane - 1, mask=entry_ok & (lane > 0), other=-1)
+    first = entry_ok & (key != previous) & (key < past_all)
+    bucket = tl.load(entry_bucket + lane, mask=first, other=1) - 1
+    tl.store(bucket_ptr + bucket, lane, mask=first & (bucket <= bucket_bound))
+    real = first & (bucket < bucket_bound)
+    flat = tl.load(order + lane, mask=real, other=0)
+    head = flat // (num_queries * TOPK)
+    token = (flat // TOPK) % num_queries
+    block = tl.load(block_indices + head * stride_head + token * stride_token + (flat % TOPK) * stride_slot,
+                    mask=real, other=0)
+    end = _lower_bound(sorted_key, tl.where(first, lane + 1, num_entries), num_entries + tl.zeros((BLOCK,), tl.int32),
+                       key + 1, search_steps)
+    tl.store(bucket_head + bucket, (key // key_stride).to(tl.int32), mask=real)
+    tl.store(bucket_key_row + bucket, (key % key_stride).to(tl.int32), mask=real)
+    tl.store(bucket_block + bucket, block, mask=real)
+    tl.store(items_per_bucket + bucket, (end - lane + entries_per_item - 1) // entries_per_item, mask=real)
+
+    # Lanes as bucket rows: the rows past the real buckets are empty.
+    unused = (lane >= total) & (lane <= bucket_bound)
+    tl.store(bucket_ptr + lane, num_valid + tl.zeros((BLOCK,), tl.int32), mask=unused)
+    unused &= lane < bucket_bound
+    zero = tl.zeros((BLOCK,), tl.int32)
+    tl.store(bucket_head + lane, zero, mask=unused)
+    tl.store(bucket_key_row + lane, zero, mask=unused)
+    tl.store(bucket_block + lane, zero, mask=unused)
+    tl.store(items_per_bucket + lane, zero, mask=unused)
+    tl.store(num_buckets + lane, tl.minimum(total, bucket_bound) + zero, mask=lane == 0)
+
+
+@triton.jit
+def _item_tables_kernel(
+    item_ptr, items_per_bucket, bucket_ptr, item_bucket, item_start, item_end, num_items,
+    item_bound, bucket_bound, search_steps, entries_per_item,
+    BLOCK: tl.constexpr,
+):
+    item = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = item < item_bound
+    # torch.searchsorted(item_ptr, item, right=True), clamped to the last bucket: item rows past
+    # the real ones land on it, past its end, and come out empty.
+    low = tl.zeros((BLOCK,), tl.int32)
+    high = tl.zeros((BLOCK,), tl.int32) + bucket_bound
+    for _ in range(search_steps):
+        active = low < high
+        middle = low + ((high - low) >> 1)
+        right = tl.load(item_ptr + middle, mask=active & ok, other=0) > item
+        high = tl.where(active & right, middle, high)
+        low = tl.where(active & ~right, middle + 1, low)
+    bucket = tl.minimum(low, bucket_bound - 1)
+    rank = item - (tl.load(item_ptr + bucket, mask=ok, other=0) - tl.load(items_per_bucket + bucket, mask=ok, other=0))
+    start = tl.load(bucket_ptr + bucket, mask=ok, other=0) + rank * entries_per_item
+    end = tl.load(bucket_ptr + bucket + 1, mask=ok, other=0)
+    tl.store(item_bucket + item, bucket, mask=ok)
+    tl.store(item_start + item, tl.minimum(start, end), mask=ok)
+    tl.store(item_end + item, tl.minimum(start + entries_per_item, end), mask=ok)
+    tl.store(num_items + item, tl.load(item_ptr + bucket_bound - 1) + tl.zeros((BLOCK,), tl.int32), mask=item == 0)
+
+
+def _search_steps(length: int) -> int:
+    """Halvings that take a binary search over `length` elements to one candidate."""
+    return max(1, int(length).bit_length())
+
+
+def build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item) -> torch.Tensor:
+    """The plan of `block_indices` (see `torch_msa/plan.py`), the tables of `build_schedule`.
+
+    Args:
+        block_indices: int32 `[Hkv, Tq, topk]`.
+        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]`, on the same device.
+        num_keys: `Tk`; block_size: keys per block; entries_per_item: the most entries per item.
+
+    Returns:
+        int32 `[plan_numel(...)]` on the device of `block_indices`.
+    """
+    num_kv_heads, num_queries, topk = block_indices.shape
+    num_docs = cu_seqlens_q.numel() - 1
+    num_entries = block_indices.numel()
+    # The kernels read the boundaries as dense arrays (block_indices through its strides).
+    cu_seqlens_q, cu_seqlens_k = (cu if cu.is_contiguous() else cu.contiguous() for cu in (cu_seqlens_q, cu_seqlens_k))
+    if num_entries == 0:
+        # Nothing to sort: the reference's few calls on empty tensors.
+        return pack(build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item))
+    device = block_indices.device
+    bucket_bound = max_buckets(num_kv_heads, num_keys, num_docs, block_size)
+    item_bound = max_items(num_entries, bucket_bound, entries_per_item)
+    sizes = section_sizes(block_indices.shape, num_keys, num_docs, block_size, item_bound)
+    plan = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+    (entry_query, bucket_ptr, bucket_head, bucket_key_row, bucket_block,
+     item_bucket, item_start, item_end, position, num_buckets, num_items) = plan.split_with_sizes(sizes)
+    # Scratch: bucket starts per entry, then items per bucket.
+    starts, items_per_bucket = torch.empty(num_entries + bucket_bound, dtype=torch.int32, device=device).split_with_sizes(
+        (num_entries, bucket_bound))
+
+    key_stride = max(1, num_keys)
+    past_all = num_kv_heads * key_stride
+    strides = block_indices.stride()
+    # 32-bit keys where they fit sort faster and give the same stable order.
+    key_dtype = torch.int32 if past_all < 2**31 - 1 else torch.int64
+    bucket_key = torch.empty(num_entries, dtype=key_dtype, device=device)
+    topk_p2 = triton.next_power_of_2(topk)
+    tokens = max(1, _SLOT_TILE // topk_p2)
+    _entry_keys_kernel[(triton.cdiv(num_queries, tokens), num_kv_heads)](
+        block_indices, cu_seqlens_q, cu_seqlens_k, bucket_key, position,
+        num_queries, num_keys, num_docs, _search_steps(num_docs), block_size, key_stride, past_all, *strides,
+        TOPK=topk, TOPK_P2=topk_p2, TOKENS=tokens,
+    )
+    sorted_key, order = torch.sort(bucket_key, stable=True)
+    entry_grid = (triton.cdiv(num_entries, _ENTRIES),)
+    _bucket_starts_kernel[entry_grid](
+        sorted_key, order, entry_query, starts, num_entries, num_queries * topk, past_all, BLOCK=_ENTRIES,
+    )
+    entry_bucket = torch.cumsum(starts, 0, dtype=torch.int32)
+    _bucket_tables_kernel[(triton.cdiv(max(num_entries, bucket_bound + 1), _ENTRIES),)](
+        sorted_key, order, entry_bucket, block_indices,
+        bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, num_buckets,
+        num_entries, bucket_bound, _search_steps(num_entries), key_stride, past_all, entries_per_item,
+        num_queries, *strides,
+        TOPK=topk, BLOCK=_ENTRIES,
+    )
+    item_ptr = torch.cumsum(items_per_bucket, 0, dtype=torch.int32)
+    _item_tables_kernel[(triton.cdiv(item_bound, _ENTRIES),)](
+        item_ptr, items_per_bucket, bucket_ptr, item_bucket, item_start, item_end, num_items,
+        item_bound, bucket_bound, _search_steps(bucket_bound), entries_per_item,
+        BLOCK=_ENTRIES,
+    )
+    return plan
