@@ -153,10 +153,9 @@ def test_a_forced_backend_serves_only_the_ops_it_implements(stand_in, monkeypatc
                                device_types=("cpu",)))
     monkeypatch.setenv(torch_msa.BACKEND_ENV, "forward_only")
     cpu = torch.device("cpu")
-    assert {op: torch_msa.resolve(op, cpu).name for op in backends.OPS} == {
-        "select_blocks": "reference", "plan": "reference", "forward": "forward_only", "backward": "reference"}
-    assert self_check.resolve_ops(cpu) == {"select_blocks": "reference", "plan": "reference", "forward": "forward_only",
-                                           "backward": "reference"}
+    expected = dict.fromkeys(backends.OPS, "reference") | {"forward": "forward_only"}
+    assert {op: torch_msa.resolve(op, cpu).name for op in backends.OPS} == expected
+    assert self_check.resolve_ops(cpu) == expected
 
 
 def test_forcing_sm100_elsewhere_is_an_error_for_its_ops_only(fake_cuda, monkeypatch):
@@ -206,8 +205,8 @@ def test_sm100_is_opt_in_with_a_one_time_note(fake_cuda, monkeypatch):
         warnings.simplefilter("error")  # the note is printed once
         assert [torch_msa.resolve(op, blackwell).name for op in backends.OPS] == ["triton"] * len(backends.OPS)
     monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm100")
-    assert {op: torch_msa.resolve(op, blackwell).name for op in backends.OPS} == {
-        "select_blocks": "triton", "plan": "triton", "forward": "sm100", "backward": "sm100"}
+    assert {op: torch_msa.resolve(op, blackwell).name for op in backends.OPS} == (
+        dict.fromkeys(backends.OPS, "triton") | {"forward": "sm100", "backward": "sm100"})
 
 
 def test_the_sm100_note_says_what_to_install_and_appears_only_on_sm100(fake_cuda):

@@ -114,7 +114,7 @@ class _KeyGather:
     """
 
     def __init__(self, block_indices: torch.Tensor, docs: QueryDocuments, start: int, end: int,
-                 num_kv_heads: int, block_size: int, num_rows: int):
+                 num_kv_heads: int, block_size: int, num_rows: int | None = None):
         ids = block_indices[:, start:end].to(torch.int64)  # [Hkv, C, topk]
         topk = ids.shape[-1]
         repeated = torch.ones(topk, topk, dtype=torch.bool, device=ids.device).tril(-1)
@@ -130,7 +130,8 @@ class _KeyGather:
         self.shape = (num_kv_heads, count, topk * block_size)
         self.valid = valid.reshape(num_kv_heads, count, 1, topk * block_size)
         self.rows = torch.where(valid, rows, 0).reshape(-1)
-        self.scatter_rows = torch.where(valid, rows, num_rows).reshape(-1)
+        # Only a caller that scatters gradients (`num_rows` given) needs the scratch-row targets.
+        self.scatter_rows = None if num_rows is None else torch.where(valid, rows, num_rows).reshape(-1)
         self._invalid_slots = ~valid.reshape(*self.shape, 1)
 
     def take(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -359,8 +359,10 @@ def _lse_like(name: str, x, q) -> None:
 def check_indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale) -> None:
     """Metadata checks of `msa::indexer_kl` (no host sync); `lse` / `block_indices` may be None."""
-    # k stands in for v: the loss reads no values.
-    check_forward(q, k, k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
+    # k stands in for v: the loss reads no values. Without block_indices the support is dense.
+    check_attention(q, k, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
+    if block_indices is not None:
+        check_block_indices(block_indices, q, k)
     if lse is not None:
         _lse_like("lse", lse, q)
     check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, block_size)
