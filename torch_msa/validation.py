@@ -81,9 +81,11 @@ def _host_int(name: str, value, minimum: int) -> None:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     if guard_or_false(value < minimum):
         raise ValueError(f"{name}: expected an int >= {minimum}, got {_concrete(value)}")
-    # A data-dependent value (`.item()` in a compiled region) is unknown while tracing: the bound
-    # becomes a check of the running graph instead of a guard that cannot be decided.
-    torch._check(value >= minimum, lambda: f"{name}: expected an int >= {minimum}")
+    if isinstance(value, torch.SymInt):
+        # A data-dependent value (`.item()` in a compiled region) is unknown while tracing: the
+        # bound becomes a check of the running graph instead of a guard that cannot be decided.
+        # No message function: Dynamo (torch <= 2.11) cannot trace one that closes over locals.
+        torch._check(value >= minimum)
 
 
 def _block_size(block_size) -> None:
