@@ -162,6 +162,19 @@ def test_selection_matches_reference(case, dtype):
     assert torch.equal(chosen, reference.select_blocks(*args))
 
 
+def test_selection_reads_strided_boundaries():
+    """`cu_seqlens` views with a stride of 2 select exactly as their contiguous copies."""
+    q_lens, k_lens, num_heads, index_dim, block_size, topk = SELECT_CASES["pack"]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout(q_lens, k_lens)
+    index_q = torch.randn(num_queries, num_heads, index_dim, device=DEVICE)
+    index_k = torch.randn(num_keys, 1, index_dim, device=DEVICE)
+    strided_q, strided_k = (torch.stack((cu, -cu), 1)[:, 0] for cu in (cu_q, cu_k))
+    assert strided_q.stride(0) == 2
+    expected = select_kernel.select_blocks(index_q, index_k, cu_q, cu_k, max_q, max_k, topk, block_size)
+    got = select_kernel.select_blocks(index_q, index_k, strided_q, strided_k, max_q, max_k, topk, block_size)
+    assert torch.equal(got, expected)
+
+
 def test_selection_ties_prefer_the_lower_block():
     """Integer scores tie everywhere; the contract keeps the lower ids, like the reference."""
     cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout([260, 200], [520, 200])

@@ -126,6 +126,7 @@ def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return block_indices
     index_q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
     index_k = index_k if index_k.stride(-1) == 1 else index_k.contiguous()
+    cu_seqlens_q = cu_seqlens_q.contiguous()  # the kernel reads the boundaries densely
     docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
     heads_p2 = triton.next_power_of_2(num_heads)
 
