@@ -163,10 +163,26 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         TOPK=topk, BLOCK=block_size, DIM=dim, PRECISION=precision,
         **_BLOCKS_LAUNCH,
     )
+    combine(partial_out, partial_lse, out, lse, num_kv_heads, topk)
+    return out, lse
+
+
+def combine(partial_out, partial_lse, out, lse, num_kv_heads, topk):
+    """Merge the per-(query, slot) partials of a KV-outer forward into `out` and `lse` (in place).
+
+    Args:
+        partial_out: `[Tq * Hkv * topk * G, D]` in the input dtype, laid out `[Tq, Hkv, topk, G]`
+            by rows: each row normalised over its slot's key block.
+        partial_lse: fp32 `[Tq * Hkv * topk * G]`, the slot's log2-sum-exp of the scaled scores,
+            `-inf` for a slot without an entry.
+        out: `[Tq, Hq, D]` (unit stride in D), written.
+        lse: fp32 `[Tq, Hq]` contiguous, written (natural log).
+    """
+    num_queries, num_heads, dim = out.shape
+    group = num_heads // num_kv_heads
     _combine_kernel[(num_queries, num_kv_heads)](
         partial_out, partial_lse, out, lse,
         out.stride(0), out.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOPK=topk, DIM=dim,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), TOPK=topk, DIM=dim,
         num_warps=4,
     )
-    return out, lse
