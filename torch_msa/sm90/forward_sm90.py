@@ -526,17 +526,14 @@ def _kernel_class():
                         base = ((token * self.num_kv_heads + kv_head) * topk + slot) * HEADS_PER_KV
                         for r in cutlass.range_constexpr(rows_per_thread):
                             head = cO_rc[r, 0][0] % HEADS_PER_KV
+                            # A row always sees its own key (total >= 1), unless its document
+                            # holds NaN: then NaN flows on into out, as in the reference.
                             total = row_sum[r]
-                            inverse = Float32(0.0)
-                            if total > 0:
-                                inverse = Float32(1.0) / total
+                            inverse = Float32(1.0) / total
                             for c in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
                                 mPartialOut[base + head, cO_rc[r, c][1]] = (o_rc[r, c] * inverse).to(self.dtype)
                             if lane % 4 == 0:
-                                lse = -Float32.inf
-                                if total > 0:
-                                    lse = row_max[r] + cute.math.log2(total, fastmath=True)
-                                mPartialLse[base + head] = lse
+                                mPartialLse[base + head] = row_max[r] + cute.math.log2(total, fastmath=True)
                     q_loads += 1
                 kv_loads += 1
 
