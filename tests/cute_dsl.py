@@ -6,7 +6,7 @@ from torch_msa import UnavailableError
 
 
 def cute_dsl_available() -> bool:
-    from torch_msa.sm100.kernels import require_cute_dsl
+    from torch_msa.cute_dsl import require_cute_dsl
 
     try:
         require_cute_dsl()

@@ -9,8 +9,7 @@ import torch
 import torch_msa
 import torch_msa.triton as triton_backend
 from torch_msa import __main__ as self_check
-from torch_msa import backends, sm100, testing
-from torch_msa.sm100 import kernels as sm100_kernels
+from torch_msa import backends, cute_dsl, sm90, sm100, testing
 
 
 @pytest.fixture
@@ -121,8 +120,9 @@ def fake_cuda(monkeypatch):
     backends see of cuda:0. Memoized device facts and warnings are reset around the test."""
 
     def caches_clear():
-        sm100_kernels._capability_of.cache_clear()
+        cute_dsl._capability_of.cache_clear()
         sm100._extras_installed.cache_clear()
+        sm90._extras_installed.cache_clear()
         triton_backend._capability.cache_clear()
         triton_backend._triton_installed.cache_clear()
 
@@ -131,7 +131,7 @@ def fake_cuda(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
-        present = {name: extras for name in sm100._REQUIRED_MODULES} | {"triton": triton}
+        present = {name: extras for name in sm100._REQUIRED_MODULES + sm90._REQUIRED_MODULES} | {"triton": triton}
         real_find_spec = importlib.util.find_spec
 
         def find_spec(name, package=None):
@@ -271,3 +271,18 @@ def test_deterministic_mode_serves_the_deterministic_backward(monkeypatch):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda enabled=enabled: enabled)
         triton_backend.backward(q, q, k, k, q, None, None, None, None, 1, 1, 64, 1.0)
     assert calls == ["deterministic", "atomic"]
+
+
+def test_sm90_is_opt_in_and_says_why_it_cannot_serve(fake_cuda, monkeypatch):
+    hopper = fake_cuda(capability=(9, 0))
+    assert sm90.available(hopper)
+    assert torch_msa.resolve("forward", hopper).name == "triton"
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
+    assert {op: torch_msa.resolve(op, hopper).name for op in backends.OPS} == (
+        dict.fromkeys(backends.OPS, "triton") | {"forward": "sm90"})
+    blackwell = fake_cuda(capability=(10, 0))
+    with pytest.raises(torch_msa.BackendError, match="cuda:0 has compute capability 10.0; the SM90 kernel needs 9.0"):
+        torch_msa.resolve("forward", blackwell)
+    without_extra = fake_cuda(capability=(9, 0), extras=False)
+    with pytest.raises(torch_msa.BackendError, match='install the extra with: pip install "torch_msa\\[cute\\]"'):
+        torch_msa.resolve("forward", without_extra)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import torch_msa
-from torch_msa import backends, reference, sm100, testing
+from torch_msa import backends, cute_dsl, reference, sm100, testing
 from torch_msa.backends import UnavailableError, UnsupportedInputs
 from torch_msa.sm100 import bindings
 from torch_msa.sm100 import kernels as sm100_kernels
@@ -190,12 +190,12 @@ def official(tmp_path, monkeypatch):
 @pytest.fixture
 def device_caches():
     """Empty the memoized device facts before and after a test that fakes them."""
-    sm100_kernels._capability_of.cache_clear()
-    sm100_kernels._sm_count_of.cache_clear()
+    cute_dsl._capability_of.cache_clear()
+    cute_dsl._sm_count_of.cache_clear()
     sm100._extras_installed.cache_clear()
     yield
-    sm100_kernels._capability_of.cache_clear()
-    sm100_kernels._sm_count_of.cache_clear()
+    cute_dsl._capability_of.cache_clear()
+    cute_dsl._sm_count_of.cache_clear()
     sm100._extras_installed.cache_clear()
 
 

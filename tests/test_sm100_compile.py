@@ -100,7 +100,7 @@ def test_launch_arguments_have_the_compiled_types():
     from cutlass._mlir import ir
 
     from torch_msa.sm100.kernels.backward_sm100 import OPERANDS
-    from torch_msa.sm100.kernels.cute_io import cute_rows, fake_rows
+    from torch_msa.cute_dsl.cute_io import cute_rows, fake_rows
 
     with ir.Context(), ir.Location.unknown():
         for name, dtype, _, inner in OPERANDS:
@@ -125,7 +125,7 @@ def test_module_imports_without_the_cute_dsl():
 
 
 def _launch_inputs(num_queries=8, max_tasks=3, rows=128):
-    from torch_msa.sm100.kernels.tasks import TaskTables
+    from torch_msa.cute_dsl.tasks import TaskTables
 
     def zeros(*shape, dtype=torch.float32):
         return torch.zeros(*shape, dtype=dtype)

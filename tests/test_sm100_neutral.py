@@ -1,5 +1,5 @@
 """The architecture-neutral kernels of the SM100 backward: preprocess, task tables, K/V alignment
-and postprocess (`torch_msa/sm100/kernels/{preprocess,tasks,postprocess}.py`).
+and postprocess (`torch_msa/cute_dsl/{preprocess,tasks,postprocess}.py`).
 
 What runs where:
 - CPU, always: the plain-torch construction of the task tables (the oracle of the CuTe kernel)
@@ -26,7 +26,7 @@ import torch
 from tests.cute_dsl import requires_cute
 from torch_msa import reference
 from torch_msa.schedule import build_schedule, build_schedule_python
-from torch_msa.sm100.kernels.tasks import (
+from torch_msa.cute_dsl.tasks import (
     TASK_ROWS,
     WORKSPACE_ALIGNMENT,
     TaskTables,
@@ -239,9 +239,9 @@ def test_torch_align_and_finish_are_inverse():
 
 def test_bad_arguments_are_named():
     """Checked before anything is compiled or launched, so this runs on any host."""
-    from torch_msa.sm100.kernels.postprocess import finish_gradients
-    from torch_msa.sm100.kernels.preprocess import compute_delta
-    from torch_msa.sm100.kernels.tasks import align_kv, build_tasks
+    from torch_msa.cute_dsl.postprocess import finish_gradients
+    from torch_msa.cute_dsl.preprocess import compute_delta
+    from torch_msa.cute_dsl.tasks import align_kv, build_tasks
 
     inputs = _selection("pack", num_kv_heads=2, topk=3, block_size=128)
     tables = tables_torch(*inputs)
@@ -278,7 +278,7 @@ def _cubin_sm(cubin: bytes) -> int:
 
 
 def _compile_all(arch: str, dump_dir: str) -> dict:
-    from torch_msa.sm100.kernels import postprocess, preprocess, tasks
+    from torch_msa.cute_dsl import postprocess, preprocess, tasks
 
     return {
         **preprocess.compile_for_target(arch, dump_dir),
@@ -304,7 +304,7 @@ def test_launch_arguments_have_the_compiled_types():
     checks this at launch, so a mismatch would read memory with the wrong layout."""
     from cutlass._mlir import ir
 
-    from torch_msa.sm100.kernels.cute_io import cute_rows, fake_rows
+    from torch_msa.cute_dsl.cute_io import cute_rows, fake_rows
 
     cases = [(torch.bfloat16, (128,)), (torch.bfloat16, (512,)), (torch.float32, (128,)), (torch.float32, (512,)),
              (torch.float32, ()), (torch.int32, ()), (torch.int32, (4,)), (torch.int32, (TASK_ROWS,)),
@@ -339,25 +339,25 @@ class CutePipeline:
 
     @staticmethod
     def build_tasks(*args):
-        from torch_msa.sm100.kernels.tasks import build_tasks
+        from torch_msa.cute_dsl.tasks import build_tasks
 
         return build_tasks(*args)
 
     @staticmethod
     def align_kv(*args):
-        from torch_msa.sm100.kernels.tasks import align_kv
+        from torch_msa.cute_dsl.tasks import align_kv
 
         return align_kv(*args)
 
     @staticmethod
     def compute_delta(*args):
-        from torch_msa.sm100.kernels.preprocess import compute_delta
+        from torch_msa.cute_dsl.preprocess import compute_delta
 
         return compute_delta(*args)
 
     @staticmethod
     def finish_gradients(*args):
-        from torch_msa.sm100.kernels.postprocess import finish_gradients
+        from torch_msa.cute_dsl.postprocess import finish_gradients
 
         return finish_gradients(*args)
 
@@ -438,7 +438,7 @@ M3_LAYOUT = ([1000, 3000, 77, 500], [1000, 3000, 77, 1300])  # the last document
 @requires_cuda
 @pytest.mark.parametrize("with_grad_lse", [False, True], ids=["delta", "delta_grad_lse"])
 def test_cute_delta_matches_torch(with_grad_lse):
-    from torch_msa.sm100.kernels.preprocess import compute_delta
+    from torch_msa.cute_dsl.preprocess import compute_delta
 
     out, grad_out = torch.randn(2, 4577, 64, 128, device="cuda").to(torch.bfloat16).unbind(0)
     grad_lse = torch.randn(4577, 64, device="cuda") if with_grad_lse else None
@@ -452,8 +452,8 @@ def test_cute_delta_matches_torch(with_grad_lse):
 @requires_cuda
 @pytest.mark.parametrize("case", ["m3", "pack64", "suffix_bad_ids", "no_documents"])
 def test_cute_tables_align_and_finish_match_torch(case):
-    from torch_msa.sm100.kernels.postprocess import finish_gradients
-    from torch_msa.sm100.kernels.tasks import align_kv, build_tasks
+    from torch_msa.cute_dsl.postprocess import finish_gradients
+    from torch_msa.cute_dsl.tasks import align_kv, build_tasks
 
     layout, num_kv_heads, topk, block_size, bad = {
         "m3": (M3_LAYOUT, 4, 16, 128, False),

@@ -5,7 +5,7 @@ it imports neither triton nor cutlass (optional backends bind on first use).
 """
 
 from . import ops  # noqa: F401  (registers torch.ops.msa.*)
-from . import sm100, triton
+from . import sm90, sm100, triton
 from .api import (
     build_plan,
     indexer_kl_loss,
@@ -22,6 +22,7 @@ from .validation import DEBUG_ENV
 # Optional backends: registering imports neither triton nor cutlass; they bind on first use.
 triton.register()
 sm100.register()
+sm90.register()
 
 __version__ = "0.1.0"
 

@@ -188,6 +188,26 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             **config.options,
         )
 
+    launch("forward._blocks_kernel", shape_key, BLOCKS_CONFIGS, launch_blocks)
+    combine(partial_out, partial_lse, out, lse, num_kv_heads, topk)
+    return out, lse
+
+
+def combine(partial_out, partial_lse, out, lse, num_kv_heads, topk):
+    """Merge the per-(query, slot) partials of a KV-outer forward into `out` and `lse` (in place).
+
+    Args:
+        partial_out: `[Tq * Hkv * topk * G, D]` in the input dtype, laid out `[Tq, Hkv, topk, G]`
+            by rows: each row normalised over its slot's key block.
+        partial_lse: fp32 `[Tq * Hkv * topk * G]`, the slot's log2-sum-exp of the scaled scores,
+            `-inf` for a slot without an entry.
+        out: `[Tq, Hq, D]` (unit stride in D), written.
+        lse: fp32 `[Tq, Hq]` contiguous, written (natural log).
+    """
+    num_queries, num_heads, dim = out.shape
+    group = num_heads // num_kv_heads
+    shape_key = (out.device, out.dtype, dim, group, topk)
+
     def launch_combine(config):
         _combine_kernel[(num_queries, num_kv_heads)](
             partial_out, partial_lse, out, lse,
@@ -196,6 +216,4 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             **config.options,
         )
 
-    launch("forward._blocks_kernel", shape_key, BLOCKS_CONFIGS, launch_blocks)
     launch("forward._combine_kernel", shape_key, COMBINE_CONFIGS, launch_combine)
-    return out, lse

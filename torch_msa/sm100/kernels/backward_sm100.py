@@ -56,7 +56,7 @@ import torch
 
 from ...backends import UnsupportedInputs
 from . import require_cute_dsl, require_sm100, sm_count
-from .tasks import TaskTables
+from ...cute_dsl.tasks import TaskTables
 
 NUM_Q_HEADS = 64
 NUM_KV_HEADS = 4
@@ -115,10 +115,10 @@ def run_backward(
         )
     require_sm100(q.device)
     _check_contract(q, k, v, grad_out, out, lse, block_indices)
-    from .postprocess import finish_gradients
-    from .preprocess import compute_delta
-    from .cute_io import aligned_operand
-    from .tasks import align_kv, build_tasks
+    from ...cute_dsl.postprocess import finish_gradients
+    from ...cute_dsl.preprocess import compute_delta
+    from ...cute_dsl.cute_io import aligned_operand
+    from ...cute_dsl.tasks import align_kv, build_tasks
 
     # The kernel reads these with TMA and vector loads: contiguous, 16-byte aligned rows.
     q, grad_out, lse = (aligned_operand(x) for x in (q, grad_out, lse))
@@ -230,7 +230,7 @@ def launch_main(
 
     import cutlass
 
-    from .cute_io import cute_rows, cute_stream
+    from ...cute_dsl.cute_io import cute_rows, cute_stream
 
     # One CTA per SM (shared memory allows no more); the CTAs split the real tasks evenly.
     grid = max(1, min(sm_count(q.device), extents["max_tasks"]))
@@ -258,7 +258,7 @@ def compile_main_kernel(arch: str | None = None, dump_dir: str | None = None, li
     """`cute.compile` the main kernel (`arch=None`: this host's GPU) on fake tensors whose leading
     extents (Tq, W, max_tasks) are dynamic. `dump_dir` keeps the cubin there, and with `listings`
     also the PTX and the SASS (disassembled with nvdisasm, a dependency of the CuTe DSL)."""
-    from .cute_io import compile_options, fake_rows
+    from ...cute_dsl.cute_io import compile_options, fake_rows
 
     require_cute_dsl()
     import cutlass

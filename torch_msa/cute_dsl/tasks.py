@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...schedule import build_schedule
+from ..schedule import build_schedule
 from . import require_cute_dsl
 from .cute_io import (
     ACCESS_BYTES,

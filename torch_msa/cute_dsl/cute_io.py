@@ -1,5 +1,5 @@
-"""How torch tensors reach the CuTe DSL kernels of this package (preprocess, tasks, postprocess,
-the main backward).
+"""How torch tensors reach the CuTe DSL kernels of torch_msa (the neutral preprocess, tasks and
+postprocess kernels of this package, the SM100 backward, the SM90 forward).
 
 Every tensor is passed as contiguous "rows": only the leading extent is dynamic, the inner extents
 are compile-time constants, so the kernels know every stride and can use 16-byte accesses.

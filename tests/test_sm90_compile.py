@@ -1,0 +1,165 @@
+"""The SM90 forward kernel (`torch_msa/sm90/forward_sm90.py`) on a host without a GPU.
+
+CI proves that the kernel *lowers* for `sm_90a`: the CuTe DSL traces it, NVVM emits PTX and ptxas
+assembles a cubin, and the machine code holds what the design says (wgmma from shared memory for
+`Q K^T` and from registers for `P V`, TMA loads, no local-memory spills). Also on any host: the
+module imports without the CuTe DSL, the launch arguments have the compiled types, the backend
+declines configurations it does not serve, and the per-bucket key counts. Whether the kernel
+computes the right result is checked on a compute capability 9.0 GPU (`tests/test_sm90_forward.py`).
+"""
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cute_dsl import requires_cute
+from torch_msa.backends import UnsupportedInputs
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+K_STEPS = 128 // 16  # K = 128 (dims for Q K^T, keys for P V) in steps of the 16-bit wgmma's K = 16
+# TMA boxes in the compiled loop: K and V tiles (two 64-column boxes each) once per item, and a
+# Q tile of 4 tokens (two boxes each) at the item's start and for the next tile.
+TMA_BOXES = 2 * 2 + 2 * 4 * 2
+
+
+@pytest.fixture(scope="module")
+def sm90_build(tmp_path_factory):
+    """Compile once for sm_90a (bf16, Hkv = 4) with the cubin, PTX and SASS kept; returns the dump
+    folder. The CuTe DSL writes SASS only for the architecture named by `CUTE_DSL_ARCH` when it
+    is imported, so the compile runs in a fresh interpreter with it set."""
+    dump_dir = tmp_path_factory.mktemp("sm90")
+    code = (
+        "import sys, torch\n"
+        "from torch_msa.sm90.forward_sm90 import compile_blocks_kernel\n"
+        "compile_blocks_kernel(torch.bfloat16, 4, 'sm_90a', sys.argv[1], listings=True)\n"
+    )
+    environment = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(dump_dir)], capture_output=True, text=True, timeout=300, env=environment
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return dump_dir
+
+
+def _listing(dump_dir: Path, suffix: str) -> str:
+    (path,) = dump_dir.glob(f"*{suffix}")
+    return path.read_text()
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@requires_cute
+def test_blocks_kernel_lowers_to_an_sm90a_cubin(sm90_build):
+    dump_dir = sm90_build
+    (cubin,) = dump_dir.glob("*.sm_90a.cubin")
+    assert cubin.read_bytes()[:4] == b"\x7fELF"
+    assert ".target sm_90a" in _listing(dump_dir, ".ptx")
+
+
+@requires_cute
+def test_ptx_has_both_wgmmas_and_the_tma_loads(sm90_build):
+    dump_dir = sm90_build
+    ptx = _listing(dump_dir, ".ptx")
+    qk = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+,", ptx)
+    pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{[^}]*\}, %rd\d+,", ptx)
+    assert len(qk) == K_STEPS, "Q K^T: both operands from shared memory"
+    assert len(pv) == K_STEPS, "P V: P from registers"
+    assert ptx.count("cp.async.bulk.tensor") == TMA_BOXES
+    # V rows past a document's end are zeroed by ordinary stores that the tensor cores read next.
+    assert "fence.proxy.async.shared::cta" in ptx
+
+
+@requires_cute
+def test_sass_has_hgmma_and_no_spills(sm90_build):
+    dump_dir = sm90_build
+    if not list(dump_dir.glob("*.sass")) and not _installed("nvidia-cuda-nvdisasm"):
+        pytest.skip("nvdisasm is not installed (pip package nvidia-cuda-nvdisasm, a dependency of the CuTe DSL)")
+    sass = _listing(dump_dir, ".sass")
+    assert len(re.findall(r"\bHGMMA\.64x128x16\.F32\.BF16\b", sass)) == 2 * K_STEPS
+    assert len(re.findall(r"\bUTMALDG\.[23]D\b", sass)) == TMA_BOXES
+    assert not re.findall(r"\b(STL|LDL)\b", sass)
+
+
+@requires_cute
+def test_launch_arguments_have_the_compiled_types():
+    """`launch_blocks` converts each operand with `cute_rows`; the kernel was compiled for
+    `fake_rows` of the same dtype and inner shape, and nothing checks this at launch."""
+    from cutlass._mlir import ir
+
+    from torch_msa.cute_dsl.cute_io import cute_rows, fake_rows
+    from torch_msa.sm90.forward_sm90 import operands
+
+    with ir.Context(), ir.Location.unknown():
+        for name, inner, want in operands(4):
+            dtype = torch.float16 if want is None else want
+            for rows in (1, 37):
+                got = str(cute_rows(torch.zeros(rows, *inner, dtype=dtype)).__get_mlir_types__()[0])
+                expected = str(fake_rows(dtype, inner).__get_mlir_types__()[0])
+                assert got.replace("generic", "gmem") == expected, (name, rows)
+
+
+def test_module_imports_without_the_cute_dsl():
+    code = (
+        "import sys\n"
+        "import torch_msa.sm90, torch_msa.sm90.forward_sm90 as module\n"
+        "assert 'cutlass' not in sys.modules, 'importing the kernel module imported cutlass'\n"
+        "assert 'triton' not in sys.modules, 'importing the kernel module imported triton'\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, dtype, block_size, message",
+    [
+        ((8, 32, 128), (8, 4, 128), torch.bfloat16, 128, "16 query heads per KV head"),
+        ((8, 64, 64), (8, 4, 64), torch.bfloat16, 128, "D=128"),
+        ((8, 64, 128), (8, 4, 128), torch.bfloat16, 64, "block_size=128"),
+        ((8, 64, 128), (8, 4, 128), torch.float32, 128, "bf16 or all fp16"),
+    ],
+)
+def test_unserved_inputs_are_declined(q_shape, kv_shape, dtype, block_size, message):
+    from torch_msa.sm90.forward_sm90 import check_served
+
+    q, k = torch.zeros(q_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype)
+    with pytest.raises(UnsupportedInputs, match=message):
+        check_served(q, k, k, block_size)
+
+
+def test_mixed_dtypes_are_declined():
+    from torch_msa.sm90.forward_sm90 import check_served
+
+    q, k = torch.zeros(8, 64, 128, dtype=torch.bfloat16), torch.zeros(8, 4, 128, dtype=torch.float16)
+    with pytest.raises(UnsupportedInputs, match="bf16 or all fp16"):
+        check_served(q, k, k, 128)
+
+
+def test_bucket_key_count_stops_at_the_document_end():
+    from torch_msa.sm90.forward_sm90 import bucket_key_count
+
+    cu_seqlens_k = torch.tensor([0, 200, 200, 201, 500], dtype=torch.int32)
+    # Blocks start at a document's start plus a multiple of 128.
+    key_rows = torch.tensor([0, 128, 200, 201, 329, 457], dtype=torch.int32)
+    assert bucket_key_count(key_rows, cu_seqlens_k).tolist() == [128, 72, 1, 128, 128, 43]
+
+
+def test_backend_is_unavailable_off_sm90():
+    from torch_msa import sm90
+
+    assert not sm90.available(torch.device("cpu"))
+    assert set(sm90.BACKEND.ops) == {"forward"}

@@ -1,0 +1,151 @@
+"""The SM90 CuTe DSL forward against the reference, on a compute capability 9.0 GPU.
+
+M3 shapes (Hq = 64, Hkv = 4, D = 128, block 128, top-16): a 1K document, a pack with empty and
+one-token documents, an Lq < Lk pack, junk ids, a skewed selection, NaN in one document, bf16 and
+fp16, and dispatch through `torch.ops.msa.forward`. Skipped without such a GPU or the CuTe DSL.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests.cute_dsl import requires_cute
+from torch_msa import reference
+from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
+
+requires_sm90 = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs a GPU of compute capability 9.0 (H100 / H200)",
+)
+pytestmark = [requires_cute, requires_sm90]
+
+HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
+SCALE = D**-0.5
+
+
+def _inputs(q_lens, k_lens, dtype, selection="random", seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    cu_q, cu_k = cu_seqlens(q_lens, k_lens, device="cuda")
+    num_queries, num_keys = sum(q_lens), sum(k_lens)
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=generator).to("cuda", dtype)
+
+    q, k, v = tensor(num_queries, HQ, D), tensor(num_keys, HKV, D), tensor(num_keys, HKV, D)
+    if selection == "skewed":
+        blocks = skewed_block_indices(cu_q, cu_k, HKV, TOPK, BLOCK)
+    else:
+        blocks = random_block_indices(cu_q, cu_k, HKV, TOPK, BLOCK, generator=generator).cuda()
+    return q, k, v, blocks, cu_q, cu_k, max(q_lens, default=0), max(k_lens, default=0)
+
+
+def _sm90(q, k, v, blocks, cu_q, cu_k, max_q, max_k):
+    from torch_msa.sm90.forward_sm90 import forward
+
+    return forward(q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE)
+
+
+def _check(got, want, rows=None):
+    out, lse = got
+    want_out, want_lse = want
+    if rows is not None:
+        out, lse, want_out, want_lse = out[rows], lse[rows], want_out[rows], want_lse[rows]
+    assert out.dtype == want_out.dtype and lse.dtype == torch.float32
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    error = (out.float() - want_out.float()).norm() / want_out.float().norm().clamp(min=1e-6)
+    # P enters the tensor cores rounded to 16 bits: errors of about 2^-8 relative; a key block
+    # missed or counted twice moves the output by percents.
+    assert error < 1e-2, f"relative error {error:.2e}"
+    torch.testing.assert_close(lse, want_lse.float(), atol=2e-3, rtol=1e-4)
+
+
+def _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k):
+    out, lse = reference.forward(q.float(), k.float(), v.float(), blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE)
+    return out.to(q.dtype), lse
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "q_lens, k_lens",
+    [
+        ([1024], [1024]),
+        ([0, 1, 300, 0, 1000, 1, 129], [0, 1, 300, 0, 1000, 1, 129]),  # empty and one-token documents
+        ([100, 500, 77, 1], [1000, 700, 77, 260]),  # fewer queries than keys
+    ],
+    ids=["1k", "pack", "lq-lt-lk"],
+)
+def test_matches_reference(q_lens, k_lens, dtype):
+    inputs = _inputs(q_lens, k_lens, dtype)
+    _check(_sm90(*inputs), _reference(*inputs))
+
+
+def test_skewed_selection_splits_hot_blocks():
+    """Every query reads block 0: its bucket is split over many items (and CTAs)."""
+    inputs = _inputs([3000, 2100], [3000, 2100], torch.bfloat16, selection="skewed")
+    _check(_sm90(*inputs), _reference(*inputs))
+
+
+def test_junk_ids_are_ignored():
+    """Negative, beyond-horizon, huge and repeated ids add nothing and read nothing out of bounds."""
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([700, 513], [700, 513], torch.bfloat16)
+    generator = torch.Generator().manual_seed(5)
+    junk = torch.randint(-3, 12, blocks.shape, generator=generator, dtype=torch.int32).cuda()
+    junk[0, :, 3] = 2**31 - 1
+    junk[1, :, 4] = -(2**31)
+    junk[2, :, 5:8] = junk[2, :, 4:5]  # repeats
+    blocks = torch.where(blocks >= 0, blocks, junk)
+    blocks[:, :, 9] = junk[:, :, 9]  # over a valid id too
+    inputs = (q, k, v, blocks, cu_q, cu_k, max_q, max_k)
+    _check(_sm90(*inputs), _reference(*inputs))
+
+
+def test_nan_in_one_document_stays_there():
+    """Documents whose last key block runs into a NaN document's keys stay finite and exact."""
+    lens = [200, 300, 333]
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs(lens, lens, torch.bfloat16)
+    want = _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k)
+    for x in (q, k, v):
+        x[200:500] = math.nan
+    out, lse = _sm90(q, k, v, blocks, cu_q, cu_k, max_q, max_k)
+    clean = torch.cat([torch.arange(0, 200), torch.arange(500, 833)]).cuda()
+    _check((out, lse), want, rows=clean)
+    assert torch.isnan(out[200:500]).all()
+
+
+def test_sm90_is_opt_in_and_serves_forward_when_forced(monkeypatch):
+    import torch_msa
+
+    cuda = torch.device("cuda")
+    assert torch_msa.resolve("forward", cuda).name == "triton"
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
+    assert torch_msa.resolve("forward", cuda).name == "sm90"
+    assert torch_msa.resolve("backward", cuda).name == "triton"  # the ops it lacks resolve as usual
+    inputs = _inputs([1500], [1500], torch.bfloat16, seed=3)
+    got = torch.ops.msa.forward(*inputs, BLOCK, SCALE)
+    _check(got, _reference(*inputs))
+
+
+def test_unsupported_configuration_falls_back():
+    from torch_msa.backends import UnsupportedInputs
+    from torch_msa.sm90.forward_sm90 import check_served
+
+    q = torch.zeros(4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.zeros(4, 4, 128, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(UnsupportedInputs, match="16 query heads per KV head"):
+        check_served(q, k, k, 128)
+    with pytest.raises(UnsupportedInputs, match="bf16 or all fp16"):
+        check_served(q.float(), k.float(), k.float(), 128)
+
+
+def test_cuda_graph_replay_matches_eager():
+    """No host sync: the schedule, the blocks kernel and the combine replay from a CUDA graph."""
+    inputs = _inputs([900, 400], [900, 400], torch.bfloat16, seed=4)
+    eager = _sm90(*inputs)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _sm90(*inputs)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured[0], eager[0], atol=0, rtol=0)
+    torch.testing.assert_close(captured[1], eager[1], atol=0, rtol=0)

@@ -1,0 +1,78 @@
+"""What the CuTe DSL kernels of torch_msa (`torch_msa.sm90`, `torch_msa.sm100`) share.
+
+* `require_cute_dsl()`: every CuTe DSL kernel module calls it before its first DSL import, so a
+  host without the extras gets torch_msa's `UnavailableError` (naming the install command)
+  instead of a bare `ModuleNotFoundError`.
+* `sm_capability(device)`, `sm_count(device)`: memoized device facts the backends ask per call.
+* `cute_io`: how torch tensors reach the kernels (fake compile-time tensors, launch conversion,
+  streams, compile options).
+* The architecture-neutral kernels of the backward pipeline: `preprocess` (delta), `tasks` (task
+  tables and the aligned K/V workspace), `postprocess` (gradient cast and un-align). They compile
+  for sm_90a and sm_100a alike.
+
+The package is named `cute_dsl`, not `cute`, so that it is never confused with `cutlass.cute`,
+which the kernel modules import as `cute`. Importing it imports neither cutlass nor triton; only
+`require_cute_dsl` does.
+"""
+
+import functools
+import importlib
+
+import torch
+
+from ..backends import UnavailableError
+
+INSTALL_COMMAND = 'pip install "torch_msa[msa,cute]"'
+CUTE_DSL_MODULES = ("cutlass", "cuda.bindings.driver")
+
+
+def require_cute_dsl() -> None:
+    """Import the CuTe DSL toolchain, or explain what to install.
+
+    Raises:
+        UnavailableError: if `cutlass` (nvidia-cutlass-dsl) or `cuda.bindings.driver`
+            (cuda-bindings) cannot be imported; the message names every missing module and the
+            install command.
+    """
+    missing = []
+    for name in CUTE_DSL_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            missing.append(f"{name} ({error})")
+    if missing:
+        raise UnavailableError(
+            "the CuTe DSL MSA kernels need the CuTe DSL (nvidia-cutlass-dsl==4.6.2) and cuda-bindings; "
+            f"cannot import {', '.join(missing)}. Install them with: {INSTALL_COMMAND}"
+        )
+
+
+def _cuda_index(device: torch.device | str | int) -> int:
+    """The explicit index of a CUDA device; a bare `cuda` means the current device."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device, got {device}")
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+# Memoized per device index: a device's capability and SM count never change, and the backend
+# asks for them on every op call (`get_device_capability` alone costs about 1.6 us).
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def sm_capability(device: torch.device | str | int) -> tuple[int, int]:
+    """The `(major, minor)` compute capability of a CUDA device, looked up once per device."""
+    return _capability_of(_cuda_index(device))
+
+
+def sm_count(device: torch.device | str | int) -> int:
+    """The number of streaming multiprocessors of a CUDA device, looked up once per device."""
+    return _sm_count_of(_cuda_index(device))

@@ -1,0 +1,103 @@
+"""The SM90 (Hopper) backend: `msa::forward` by a CuTe DSL wgmma/TMA kernel (`forward_sm90.py`).
+
+It serves a CUDA device of compute capability 9.0 with the `cute` extra (nvidia-cutlass-dsl,
+cuda-bindings) and triton (the partials are merged by the Triton combine kernel) installed, and
+within that the configuration the kernel is built for: 16 query heads per KV head, D = 128,
+block_size = 128, bf16 or fp16 (MiniMax-M3). Other inputs raise `UnsupportedInputs` before any
+work, and the registry falls back to the Triton backend with a one-time warning. The backward and
+the block selection stay with the Triton backend.
+
+It is opt-in (`TORCH_MSA_BACKEND=sm90`): on an H200 it matches the reference, but it does not
+yet beat the Triton forward, which therefore serves by default.
+
+Importing this package imports neither cutlass nor triton; the kernel compiles on first use (one
+executable per process, dtype and KV head count; sequence lengths are runtime arguments).
+"""
+
+import functools
+import importlib
+import importlib.util
+
+import torch
+
+from ..backends import BACKEND_ENV, Backend, register_backend
+from ..cute_dsl import sm_capability
+
+NAME = "sm90"
+PRIORITY = 15  # above the portable Triton backend (10), below SM100 (20), which other devices get
+SM90_CAPABILITY = (9, 0)
+_REQUIRED_MODULES = ("cutlass", "cuda.bindings.driver", "triton")
+INSTALL_COMMAND = 'pip install "torch_msa[cute]"'
+
+
+def available(device: torch.device) -> bool:
+    """True on a CUDA device of compute capability 9.0 with the cute extra and triton installed.
+
+    Only looks the modules up (`importlib.util.find_spec`); nothing heavy is imported.
+    """
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if sm_capability(device) != SM90_CAPABILITY:
+        return False
+    return _extras_installed()
+
+
+@functools.cache
+def _extras_installed() -> bool:
+    return all(_importable(name) for name in _REQUIRED_MODULES)
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the backend cannot serve `device` (no CUDA device, its capability, missing extras), or None."""
+    if device.type != "cuda":
+        return f"it serves CUDA devices only, not {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available (torch.cuda.is_available() is False)"
+    capability = sm_capability(device)
+    if capability != SM90_CAPABILITY:
+        return (f"{device} has compute capability {capability[0]}.{capability[1]}; the SM90 kernel needs "
+                f"{SM90_CAPABILITY[0]}.{SM90_CAPABILITY[1]} (H100/H200/H800)")
+    missing = [name for name in _REQUIRED_MODULES if not _importable(name)]
+    if missing:
+        return f"cannot find {', '.join(missing)}; install the extra with: {INSTALL_COMMAND}"
+    return None
+
+
+def opt_in_note(device: torch.device) -> None:
+    """No note: the Triton forward is the faster default on SM90 (see the module docstring)."""
+    return None
+
+
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+            plan=None):
+    """`msa::forward` through the SM90 kernel; see `torch_msa.sm90.forward_sm90.forward`."""
+    module = importlib.import_module(f"{__name__}.forward_sm90")
+    module.check_served(q, k, v, block_size)
+    with torch.cuda.device(q.device):
+        return module.forward(
+            q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+            plan,
+        )
+
+
+BACKEND = Backend(
+    name=NAME,
+    ops={"forward": forward},
+    priority=PRIORITY,
+    device_types=("cuda",),
+    available=available,
+    unavailable_reason=unavailable_reason,
+    opt_in_note=opt_in_note,
+)
+
+
+def register() -> None:
+    """Add the backend to the registry (`import torch_msa` does); it serves when `TORCH_MSA_BACKEND=sm90`."""
+    register_backend(BACKEND)

@@ -1,0 +1,111 @@
+"""`python -m torch_msa.sm90`: the SM90 forward against the Triton forward, in one process.
+
+On an H200 (or any compute capability 9.0 GPU), for M3 shapes (Hq = 64, Hkv = 4, D = 128,
+block 128, top-16, bf16) and random selections: the first-call compile time, then per problem
+the agreement with the Triton forward and both forwards' milliseconds and effective TF/s
+(docs/performance.md's count: `4 Hq D S`, S the attended (query, key) pairs per KV head), with the
+SM90 time split into schedule, blocks kernel and combine.
+"""
+
+import argparse
+import math
+import time
+
+import torch
+
+from ..bench.flops import selected_keys
+from ..documents import locate_queries
+from ..schedule import build_schedule
+from ..testing import cu_seqlens, random_block_indices
+
+HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
+SCALE = D**-0.5
+
+
+def _milliseconds(fn, iterations: int) -> float:
+    for _ in range(3):
+        fn()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iterations):
+        fn()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / iterations
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m torch_msa.sm90", description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", nargs="+", default=["8192", "32768", "65536", "8x16384"],
+                        help="problems: a document length, or COUNTxLENGTH for a pack")
+    parser.add_argument("--iterations", type=int, default=10)
+    args = parser.parse_args(argv)
+
+    from ..triton import forward_kernel as triton_forward
+    from . import forward_sm90
+
+    cu = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
+    tiny = torch.zeros(256, HQ, D, dtype=torch.bfloat16, device="cuda")
+    tiny_kv = torch.zeros(256, HKV, D, dtype=torch.bfloat16, device="cuda")
+    blocks = random_block_indices(cu, cu, HKV, TOPK, BLOCK).cuda()
+    began = time.perf_counter()
+    forward_sm90.forward(tiny, tiny_kv, tiny_kv, blocks, cu, cu, 256, 256, BLOCK, SCALE)
+    torch.cuda.synchronize()
+    print(f"first call (compile + launch): {time.perf_counter() - began:.1f} s", flush=True)
+
+    for problem in args.docs:
+        count, _, length = problem.rpartition("x")
+        lengths = [int(length)] * int(count or 1)
+        num_tokens = sum(lengths)
+        generator = torch.Generator().manual_seed(0)
+        cu_q, cu_k = cu_seqlens(lengths, lengths, device="cuda")
+        blocks = random_block_indices(cu_q, cu_k, HKV, TOPK, BLOCK, generator=generator).cuda()
+        q = torch.randn(num_tokens, HQ, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(num_tokens, HKV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(num_tokens, HKV, D, device="cuda", dtype=torch.bfloat16)
+        position = locate_queries(cu_q, cu_k, num_tokens, num_tokens).position
+        flops = 4.0 * HQ * D * selected_keys(blocks, position, BLOCK).sum().item() / HKV
+        inputs = (q, k, v, blocks, cu_q, cu_k, max(lengths), max(lengths), BLOCK, SCALE)
+
+        want_out, want_lse = triton_forward.forward(*inputs)
+        out, lse = forward_sm90.forward(*inputs)
+        out_error = ((out.float() - want_out.float()).norm() / want_out.float().norm()).item()
+        lse_error = (lse - want_lse).abs().max().item()
+
+        schedule = build_schedule(blocks, cu_q, cu_k, num_tokens, BLOCK, forward_sm90.ENTRIES_PER_ITEM)
+        key_count = forward_sm90.bucket_key_count(schedule.bucket_key_row, cu_k)
+        rows = num_tokens * HKV * TOPK * forward_sm90.HEADS_PER_KV
+        partial_out = torch.empty(rows, D, dtype=q.dtype, device="cuda")
+        partial_lse = torch.full((rows,), -math.inf, device="cuda")
+        times = {
+            "triton": _milliseconds(lambda: triton_forward.forward(*inputs), args.iterations),
+            "sm90": _milliseconds(lambda: forward_sm90.forward(*inputs), args.iterations),
+            "schedule": _milliseconds(
+                lambda: build_schedule(blocks, cu_q, cu_k, num_tokens, BLOCK, forward_sm90.ENTRIES_PER_ITEM),
+                args.iterations,
+            ),
+            "blocks": _milliseconds(
+                lambda: forward_sm90.launch_blocks(
+                    q, k, v, partial_out, partial_lse, schedule, key_count, TOPK, SCALE
+                ),
+                args.iterations,
+            ),
+            "combine": _milliseconds(
+                lambda: triton_forward.combine(partial_out, partial_lse, out, lse, HKV, TOPK), args.iterations
+            ),
+        }
+
+        def rate(name):
+            return f"{times[name]:.2f} ms ({flops / (times[name] * 1e-3) / 1e12:.0f} TF/s)"
+
+        print(
+            f"{problem}: triton {rate('triton')} | sm90 {rate('sm90')} = schedule {times['schedule']:.2f} ms"
+            f" + blocks {rate('blocks')} + combine {times['combine']:.2f} ms"
+            f" | vs triton: out rel. error {out_error:.1e}, lse max error {lse_error:.1e}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,587 @@
+"""`msa::forward` on Hopper (sm_90a) in CuTe DSL: KV-outer sparse attention with wgmma and TMA.
+
+Scope: G = 16 query heads per KV head, D = 128, key blocks of 128, bf16 or fp16 (MiniMax-M3:
+Hq = 64, Hkv = 4); any top-k. Everything else is the Triton backend's.
+
+Design
+------
+* **Work.** The shared key-to-query schedule (`torch_msa.schedule.build_schedule`) lists *items*:
+  one KV head's key block (a *bucket*) and a run of at most `ENTRIES_PER_ITEM` of the (query,
+  slot) entries that chose it. The grid is persistent: CTA `c` walks items `c, c + grid, ...` up
+  to the real item count, which it reads on the device (no host sync, CUDA-graph safe).
+* **CTA.** One warpgroup (128 threads), two CTAs per SM (96 KiB of shared memory each). Per item
+  warp 0 loads the block's K and V (128 keys x 128 dims each) once with two TMA boxes; then the
+  item's entries are taken four at a time: a *tile* of 4 tokens x 16 heads = 64 rows, one wgmma
+  M. A token's 16 heads of one KV head are 16 consecutive rows of the `[Tq * Hq, 128]` view of q,
+  so each token is one 16 x 128 TMA box written straight into its 16 rows of the 128-byte
+  swizzled operand tile; the tile of the next four tokens is loaded (double buffer) while this
+  one is computed. Padding rows (an item's last tile) reload the tile's first token.
+* **Math.** `S = Q K^T` (wgmma, A and B from shared memory, fp32 accumulators in registers);
+  keys past the query's position are masked with `where` to `-inf` (a key of another document,
+  or past the packed keys, is always past the position, since positions are document-local and
+  the block starts inside the query's document); softmax over the one block in registers (no
+  online rescale: one block per slot); `O = P V` (wgmma with P from registers, V read through a
+  transposed view of its shared-memory tile). Warp `w` owns token `w` of the tile, so a row's
+  position, token and slot are per-warp scalars.
+* **Document isolation under NaN.** `P = 0` does not stop a NaN of V (`0 * NaN = NaN`), so when
+  the block runs past its document's end (`bucket_key_count < 128`) the rows of V beyond it are
+  zeroed in shared memory before `P V`. Masked scores never reach a max or a sum.
+* **Output.** Per (query, slot): the block-normalised partial output (input dtype) and its
+  log2-sum-exp (fp32), laid out `[Tq, Hkv, topk, G]`, merged by the Triton combine kernel
+  (`torch_msa.triton.forward_kernel.combine`) into `out` and the natural-log `lse`.
+
+Bytes per token (M3, bf16, top-16, long documents, nothing kept in L2): a token has 64 entries
+(4 KV heads x 16 slots). Q is read once per entry, 64 x 16 heads x 128 x 2 B = 256 KiB; the
+partial outputs are written and read back, 2 x 256 KiB, and their lse 2 x 4 KiB; `out` is
+written, 16 KiB; K and V of a block (64 KiB) are read once per item of up to 64 entries, 64 KiB
+per token. Total about 856 KiB = 0.88 MB per token. The effective FLOPs per token
+(docs/performance.md: `4 Hq D S`, S = 2048 keys) are 67 MFLOP, so at 4.3 TB/s the blocks and
+combine kernels together are bounded at about 67e6 / 0.88e6 x 4.3e12 = 330 effective TF/s, half
+of the dense bf16 wgmma rate. The partials are 60 % of the bytes: a combine fused into the
+persistent kernel (partials kept in L2 or shared memory) is where the next factor lies.
+
+Not done yet (speed, not correctness): warp specialisation (a producer warp and `setmaxnreg`),
+two consumer warpgroups sharing one K/V tile, a TMA store of the partials (they are written with
+per-thread 4-byte stores), a fused combine.
+
+The CuTe DSL is imported only inside functions, so this module imports on hosts without it.
+"""
+
+import functools
+import math
+
+import torch
+
+from ..backends import UnsupportedInputs
+from ..contract import compute_dtype
+from ..cute_dsl import require_cute_dsl, sm_count
+from ..plan import unpack
+
+HEADS_PER_KV = 16
+HEAD_DIM = 128
+BLOCK_SIZE = 128
+TOKENS_PER_TILE = 4  # one warp per token: 4 x 16 heads = the 64 rows of one wgmma
+TILE_ROWS = TOKENS_PER_TILE * HEADS_PER_KV
+ENTRIES_PER_ITEM = 16 * TOKENS_PER_TILE  # bounds an item's work; K/V are reused by 16 tiles
+CTAS_PER_SM = 2  # shared memory: K, V and two Q tiles are 96 KiB
+THREADS = 128
+SERVED_DTYPES = (torch.bfloat16, torch.float16)
+LOG2_E = math.log2(math.e)
+
+
+def check_served(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int) -> None:
+    """Raise `UnsupportedInputs` for inputs outside the kernel's configuration; nothing launched."""
+    dtypes = {q.dtype, k.dtype, v.dtype}
+    if len(dtypes) != 1 or q.dtype not in SERVED_DTYPES:
+        raise UnsupportedInputs(
+            f"the SM90 forward takes q, k, v all bf16 or all fp16; got {', '.join(sorted(map(str, dtypes)))}"
+        )
+    num_heads, num_kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    if num_kv_heads == 0 or num_heads != HEADS_PER_KV * num_kv_heads or dim != HEAD_DIM or block_size != BLOCK_SIZE:
+        raise UnsupportedInputs(
+            f"the SM90 forward serves {HEADS_PER_KV} query heads per KV head, D={HEAD_DIM}, block_size={BLOCK_SIZE}; "
+            f"got Hq={num_heads}, Hkv={num_kv_heads}, D={dim}, block_size={block_size}"
+        )
+
+
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+            plan=None):
+    """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
+
+    A given `plan` is not read: the kernel's items hold at most `ENTRIES_PER_ITEM` entries, so it
+    builds its own plan of that item size (with the Triton plan kernels).
+
+    Raises:
+        UnsupportedInputs: outside the served configuration (see `check_served`).
+    """
+    del max_seqlen_q, max_seqlen_k
+    check_served(q, k, v, block_size)
+    require_cute_dsl()
+    from ..cute_dsl.cute_io import aligned_operand
+    from ..triton.forward_kernel import combine
+    from ..triton.plan_kernel import build_plan
+
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    topk = block_indices.shape[-1]
+    out = torch.empty((num_queries, num_heads, dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
+    if num_queries == 0 or topk == 0:
+        return out.zero_(), lse.fill_(-math.inf)
+    if num_keys == 0:
+        return out.zero_(), lse.fill_(-math.inf)
+    # TMA reads whole 16-byte aligned rows.
+    q, k, v = (aligned_operand(x) for x in (q, k, v))
+    schedule = unpack(build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, BLOCK_SIZE, ENTRIES_PER_ITEM),
+                      block_indices, num_keys, cu_seqlens_q.numel() - 1, BLOCK_SIZE)
+    key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
+    rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
+    partial_out = torch.empty((rows, dim), dtype=q.dtype, device=q.device)
+    partial_lse = torch.full((rows,), -math.inf, dtype=torch.float32, device=q.device)
+    launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale)
+    combine(partial_out, partial_lse, out, lse, num_kv_heads, topk)
+    return out, lse
+
+
+def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """int32 `[max_buckets]`: keys of each bucket's block inside its document (1..128).
+
+    A block starts inside its document (`bucket_key_row` is a document's start plus a multiple of
+    128), so the document is the last one starting at or before that row. Unused buckets get a
+    harmless count.
+    """
+    cu = cu_seqlens_k.to(torch.int64)
+    document_after = torch.searchsorted(cu, bucket_key_row.to(torch.int64), right=True).clamp_(max=cu.numel() - 1)
+    doc_end = cu.index_select(0, document_after)
+    return (doc_end - bucket_key_row).clamp_(0, BLOCK_SIZE).to(torch.int32)
+
+
+# The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).
+# Dim 0 is dynamic; `compile_blocks_kernel` describes each with `fake_rows`, `launch_blocks`
+# converts each with `cute_rows`, so the two cannot disagree.
+def operands(num_kv_heads: int):
+    return (
+        ("q", (HEADS_PER_KV * num_kv_heads, HEAD_DIM), None),
+        ("k", (num_kv_heads, HEAD_DIM), None),
+        ("v", (num_kv_heads, HEAD_DIM), None),
+        ("partial_out", (HEAD_DIM,), None),
+        ("partial_lse", (), torch.float32),
+        ("entry_query", (), torch.int32),
+        ("item_bucket", (), torch.int32),
+        ("item_start", (), torch.int32),
+        ("item_end", (), torch.int32),
+        ("bucket_head", (), torch.int32),
+        ("bucket_key_row", (), torch.int32),
+        ("bucket_block", (), torch.int32),
+        ("bucket_key_count", (), torch.int32),
+        ("position", (), torch.int32),
+        ("num_items", (), torch.int32),
+    )
+
+
+def launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale) -> None:
+    """Launch the blocks kernel: fills the partials of every scheduled (query, slot)."""
+    import cutlass
+
+    from ..cute_dsl.cute_io import cute_rows, cute_stream
+
+    tensors = {
+        "q": q, "k": k, "v": v, "partial_out": partial_out, "partial_lse": partial_lse,
+        "entry_query": schedule.entry_query, "item_bucket": schedule.item_bucket,
+        "item_start": schedule.item_start, "item_end": schedule.item_end, "bucket_head": schedule.bucket_head,
+        "bucket_key_row": schedule.bucket_key_row, "bucket_block": schedule.bucket_block,
+        "bucket_key_count": key_count, "position": schedule.position, "num_items": schedule.num_items,
+    }
+    num_kv_heads = k.shape[1]
+    grid = max(1, min(schedule.item_start.numel(), CTAS_PER_SM * sm_count(q.device)))
+    kernel = _compiled(q.dtype, num_kv_heads)
+    kernel(
+        *(cute_rows(tensors[name]) for name, _, _ in operands(num_kv_heads)),
+        cutlass.Int32(topk),
+        cutlass.Float32(softmax_scale * LOG2_E),
+        cutlass.Int32(grid),
+        cute_stream(q.device),
+    )
+
+
+@functools.cache
+def _compiled(dtype: torch.dtype, num_kv_heads: int):
+    """One executable per process and (dtype, Hkv); token, key and item counts are dynamic."""
+    return compile_blocks_kernel(dtype, num_kv_heads)
+
+
+def compile_blocks_kernel(
+    dtype: torch.dtype = torch.bfloat16,
+    num_kv_heads: int = 4,
+    arch: str | None = None,
+    dump_dir: str | None = None,
+    listings: bool = False,
+):
+    """`cute.compile` the blocks kernel (`arch=None`: this host's GPU) on fake tensors with dynamic
+    leading extents. `dump_dir` keeps the cubin there, and with `listings` the PTX and SASS too."""
+    require_cute_dsl()
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from ..cute_dsl.cute_io import compile_options, fake_rows
+
+    fakes = [fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads)]
+    options = compile_options(arch, dump_dir)
+    if listings:
+        if dump_dir is None:
+            raise ValueError("listings: needs a dump_dir to write the PTX and SASS to")
+        options += " --keep-ptx --keep-sass"
+    return cute.compile(
+        _kernel_class()(num_kv_heads),
+        *fakes,
+        cutlass.Int32(1),
+        cutlass.Float32(1.0),
+        cutlass.Int32(1),
+        make_fake_stream(),
+        options=options,
+    )
+
+
+@functools.cache
+def _kernel_class():
+    """Define the CuTe DSL kernel class; imports cutlass, so it runs on first use only."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils as utils
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Float32, Int32, Int64
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+
+    def accumulator_rows_cols(layout: cute.Layout) -> cute.Layout:
+        """The wgmma accumulator `((2, 2, N / 8), M, N)` viewed as (rows, cols) of one thread:
+        mode 0 of the value mode pairs adjacent columns, mode 1 picks row r or r + 8."""
+        flat = cute.make_layout(layout.shape)
+        rows = ((flat.shape[0][1], flat.shape[1]), (flat.stride[0][1], flat.stride[1]))
+        cols = (
+            (flat.shape[0][0], flat.shape[0][2], flat.shape[2]),
+            (flat.stride[0][0], flat.stride[0][2], flat.stride[2]),
+        )
+        return cute.composition(layout, cute.make_layout((rows[0], cols[0]), stride=(rows[1], cols[1])))
+
+    def accumulator_as_operand_a(layout: cute.Layout) -> cute.Layout:
+        """The accumulator layout `((2, 2, N / 8), M, N)` as the register A operand of a wgmma whose
+        K is that N: `((2, 2, 2), M, N / 16)` (each K = 16 step takes two 8-column groups)."""
+        split = cute.logical_divide(layout, ((None, None, 2), None, None))
+        return cute.make_layout(
+            (
+                (split.shape[0][0], split.shape[0][1], split.shape[0][2][0]),
+                split.shape[1],
+                (split.shape[0][2][1], split.shape[2]),
+            ),
+            stride=(
+                (split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
+                split.stride[1],
+                (split.stride[0][2][1], split.stride[2]),
+            ),
+        )
+
+    class BlocksKernel:
+        """The SM90 forward blocks kernel; `__call__` is the `cute.jit` host function."""
+
+        acc_dtype = Float32
+        q_stages = 2
+
+        def __init__(self, num_kv_heads: int):
+            self.num_kv_heads = num_kv_heads
+            self.num_heads = HEADS_PER_KV * num_kv_heads
+
+        @cute.jit
+        def __call__(
+            self,
+            mQ: cute.Tensor,  # [Tq, Hq, 128]
+            mK: cute.Tensor,  # [Tk, Hkv, 128]
+            mV: cute.Tensor,  # [Tk, Hkv, 128]
+            mPartialOut: cute.Tensor,  # [Tq * Hkv * topk * 16, 128]
+            mPartialLse: cute.Tensor,  # fp32 [Tq * Hkv * topk * 16]
+            mEntryQuery: cute.Tensor,
+            mItemBucket: cute.Tensor,
+            mItemStart: cute.Tensor,
+            mItemEnd: cute.Tensor,
+            mBucketHead: cute.Tensor,
+            mBucketKeyRow: cute.Tensor,
+            mBucketBlock: cute.Tensor,
+            mBucketKeyCount: cute.Tensor,
+            mPosition: cute.Tensor,
+            mNumItems: cute.Tensor,
+            topk: Int32,
+            scale_log2: Float32,
+            grid_size: Int32,
+            stream,
+        ):
+            dtype = mQ.element_type
+            self.dtype = dtype
+            K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+            # S = Q K^T: M = 64 rows, N = 128 keys, K = 128 dims. O = P V: N = 128 dims, K = 128 keys.
+            mma_qk = sm90_utils.make_trivial_tiled_mma(
+                dtype, dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1), (TILE_ROWS, BLOCK_SIZE)
+            )
+            mma_pv = sm90_utils.make_trivial_tiled_mma(
+                dtype, dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 1, 1), (TILE_ROWS, HEAD_DIM),
+                warpgroup.OperandSource.RMEM,
+            )
+            row_major = utils.LayoutEnum.ROW_MAJOR
+            qk_tiler = (TILE_ROWS, BLOCK_SIZE, HEAD_DIM)
+            sQ_layout = sm90_utils.make_smem_layout_a(row_major, qk_tiler, dtype, self.q_stages)
+            # K and V are both (key, dim) tiles with dims contiguous; P V reads V transposed.
+            sK_layout = sm90_utils.make_smem_layout_b(row_major, qk_tiler, dtype, 1)
+
+            # TMA views: q as [Tq * Hq, 128] rows (a token's 16 heads of one KV head are 16
+            # consecutive rows); K/V as (key, dim, kv head).
+            q_rows = cute.make_tensor(
+                mQ.iterator, cute.make_layout((mQ.shape[0] * self.num_heads, HEAD_DIM), stride=(HEAD_DIM, 1))
+            )
+            kv_layout = cute.make_layout(
+                (mK.shape[0], HEAD_DIM, self.num_kv_heads), stride=(self.num_kv_heads * HEAD_DIM, 1, HEAD_DIM)
+            )
+            k_view = cute.make_tensor(mK.iterator, kv_layout)
+            v_view = cute.make_tensor(mV.iterator, kv_layout)
+            tma_load = cpasync.CopyBulkTensorTileG2SOp()
+            sK_one = cute.select(sK_layout, mode=[0, 1])
+            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, k_view, sK_one, (BLOCK_SIZE, HEAD_DIM))
+            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, v_view, sK_one, (BLOCK_SIZE, HEAD_DIM))
+            # One token (16 rows) of the 64-row K-major tile: the 128-byte swizzle atom is 8 rows
+            # of 64 elements, repeated down the rows (stride 512) and then across the two
+            # 64-column halves (stride 64 * 64); the TMA writes it as two 16 x 64 boxes.
+            token_rows = cute.make_composed_layout(
+                sQ_layout.inner,
+                0,
+                cute.make_layout(((8, 2), (64, 2)), stride=((64, 8 * 64), (1, TILE_ROWS * 64))),
+            )
+            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, q_rows, token_rows, (HEADS_PER_KV, HEAD_DIM))
+
+            self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
+            self.q_bytes = cute.size_in_bytes(dtype, cute.select(sQ_layout, mode=[0, 1]))
+
+            @cute.struct
+            class SharedStorage:
+                # [0]: K/V loaded; [1 + s]: Q tile of stage s loaded.
+                barriers: cute.struct.MemRange[Int64, 1 + self.q_stages]
+                # 1024-byte alignment keeps the 128-byte swizzle pattern of every tile intact.
+                sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+                sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+
+            self.shared_storage = SharedStorage
+            self.kernel(
+                mma_qk, mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
+                mPartialOut, mPartialLse, mEntryQuery, mItemBucket, mItemStart, mItemEnd,
+                mBucketHead, mBucketKeyRow, mBucketBlock, mBucketKeyCount, mPosition, mNumItems,
+                topk, scale_log2, sQ_layout, sK_layout,
+            ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+        @cute.kernel
+        def kernel(
+            self,
+            mma_qk: cute.TiledMma,
+            mma_pv: cute.TiledMma,
+            tma_atom_Q: cute.CopyAtom,
+            tma_Q: cute.Tensor,
+            tma_atom_K: cute.CopyAtom,
+            tma_K: cute.Tensor,
+            tma_atom_V: cute.CopyAtom,
+            tma_V: cute.Tensor,
+            mPartialOut: cute.Tensor,
+            mPartialLse: cute.Tensor,
+            mEntryQuery: cute.Tensor,
+            mItemBucket: cute.Tensor,
+            mItemStart: cute.Tensor,
+            mItemEnd: cute.Tensor,
+            mBucketHead: cute.Tensor,
+            mBucketKeyRow: cute.Tensor,
+            mBucketBlock: cute.Tensor,
+            mBucketKeyCount: cute.Tensor,
+            mPosition: cute.Tensor,
+            mNumItems: cute.Tensor,
+            topk: Int32,
+            scale_log2: Float32,
+            sQ_layout: cute.ComposedLayout,
+            sK_layout: cute.ComposedLayout,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = tidx % 32
+            cta = cute.arch.block_idx()[0]
+            grid = cute.arch.grid_dim()[0]
+
+            storage = utils.SmemAllocator().allocate(self.shared_storage)
+            barriers = storage.barriers.data_ptr()
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            # V as the (dim, key) B operand of P V: the same bytes, modes swapped (MN-major).
+            sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
+
+            if tidx == 0:
+                for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
+                    cpasync.prefetch_descriptor(atom)
+                for index in cutlass.range_constexpr(1 + self.q_stages):
+                    cute.arch.mbarrier_init(barriers + index, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.barrier()
+
+            # Q: 16-row token blocks of the [Tq * Hq, 128] view into the 4 token slots of a tile.
+            # The colexicographic index of the tile ((8, 8), (64, 2), stage) is row + 64 col +
+            # 8192 stage, so this composition is its plain (row, col, stage) view.
+            plain_q = cute.composition(
+                sQ, cute.make_layout((TILE_ROWS, HEAD_DIM, self.q_stages), stride=(1, TILE_ROWS, TILE_ROWS * HEAD_DIM))
+            )
+            q_slots = cute.flat_divide(plain_q, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, 4, 1, stage)
+            q_blocks = cute.flat_divide(tma_Q, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, Tq * Hq / 16, 1)
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(q_slots, 0, 2), cute.group_modes(q_blocks, 0, 2)
+            )
+
+            thr_qk = mma_qk.get_slice(tidx)
+            thr_pv = mma_pv.get_slice(tidx)
+            tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+            tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+            tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
+            cS = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, BLOCK_SIZE)))
+            cO = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HEAD_DIM)))
+            acc_S = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
+            acc_O = cute.make_rmem_tensor(cO.shape, self.acc_dtype)
+            s_rc = cute.make_tensor(acc_S.iterator, accumulator_rows_cols(acc_S.layout))
+            o_rc = cute.make_tensor(acc_O.iterator, accumulator_rows_cols(acc_O.layout))
+            cS_rc = cute.make_tensor(cS.iterator, accumulator_rows_cols(cS.layout))
+            cO_rc = cute.make_tensor(cO.iterator, accumulator_rows_cols(cO.layout))
+            rP = cute.make_rmem_tensor(cS.shape, self.dtype)
+            tOrP = cute.make_tensor(rP.iterator, accumulator_as_operand_a(rP.layout))
+            rows_per_thread = cute.size(s_rc, mode=[0])
+
+            num_items = mNumItems[0]
+            q_loads = Int32(0)  # Q tiles this CTA has consumed: stage and phase of the next one
+            kv_loads = Int32(0)
+            for item in cutlass.range(cta, num_items, grid, unroll=1):
+                start = mItemStart[item]
+                end = mItemEnd[item]
+                bucket = mItemBucket[item]
+                kv_head = mBucketHead[bucket]
+                key_row = mBucketKeyRow[bucket]
+                first_key = mBucketBlock[bucket] * BLOCK_SIZE  # document position of key 0
+                key_count = mBucketKeyCount[bucket]
+                num_tiles = (end - start + TOKENS_PER_TILE - 1) // TOKENS_PER_TILE
+
+                # Every thread is done with the previous item's K, V and Q tiles.
+                cute.arch.barrier()
+                # Warp 0 issues the loads: a TMA copy elects one lane of a converged warp
+                # (elect.sync), so it must not run under a one-thread branch.
+                if warp == 0:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(barriers, self.kv_bytes)
+                    self.load_kv(tma_atom_K, tma_K, sK, kv_head, key_row, barriers)
+                    self.load_kv(tma_atom_V, tma_V, sV, kv_head, key_row, barriers)
+                    self.load_q(tma_atom_Q, tQgQ, tQsQ, barriers, mEntryQuery, start, end, topk, kv_head, q_loads)
+
+                for tile in cutlass.range(num_tiles, unroll=1):
+                    first = start + tile * TOKENS_PER_TILE
+                    if tile > 0:
+                        # Every thread's wgmma of the previous tile has completed (wait_group 0),
+                        # so its Q stage may be overwritten.
+                        cute.arch.barrier()
+                    if warp == 0:
+                        if tile + 1 < num_tiles:
+                            self.load_q(
+                                tma_atom_Q, tQgQ, tQsQ, barriers, mEntryQuery, first + TOKENS_PER_TILE, end, topk,
+                                kv_head, q_loads + 1,
+                            )
+                    stage = q_loads % self.q_stages
+                    cute.arch.mbarrier_wait(barriers + 1 + stage, (q_loads // self.q_stages) % 2)
+                    if tile == 0:
+                        cute.arch.mbarrier_wait(barriers, kv_loads % 2)
+                        if key_count < BLOCK_SIZE:
+                            self.zero_rows_past(sV, key_count, tidx)
+
+                    # This warp's token (warp w owns rows 16 w .. 16 w + 15 of the tile).
+                    entry = first + warp
+                    row_valid = entry < end
+                    if not row_valid:
+                        entry = first
+                    query = mEntryQuery[entry]
+                    token = query // topk
+                    slot = query - token * topk
+                    last_key = mPosition[token] - first_key  # keys c <= last_key are visible
+
+                    # S = Q K^T
+                    warpgroup.fence()
+                    mma_qk.set(warpgroup.Field.ACCUMULATE, False)
+                    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                        cute.gemm(mma_qk, acc_S, tSrQ[None, None, k, stage], tSrK[None, None, k, 0], acc_S)
+                        mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+
+                    # Softmax over the block, per row, in the log2 domain.
+                    row_max = cute.make_rmem_tensor(rows_per_thread, Float32)
+                    row_sum = cute.make_rmem_tensor(rows_per_thread, Float32)
+                    for r in cutlass.range_constexpr(rows_per_thread):
+                        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                            if cS_rc[r, c][1] > last_key:
+                                s_rc[r, c] = -Float32.inf
+                        best = s_rc[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+                        best = cute.arch.fmax(best, cute.arch.shuffle_sync_bfly(best, offset=1))
+                        best = cute.arch.fmax(best, cute.arch.shuffle_sync_bfly(best, offset=2))
+                        if best == -Float32.inf:
+                            best = Float32(0.0)
+                        shift = best * scale_log2
+                        probs = cute.math.exp2(s_rc[r, None].load() * scale_log2 - shift, fastmath=True)
+                        total = probs.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                        total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+                        total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+                        s_rc[r, None].store(probs)
+                        row_max[r] = shift
+                        row_sum[r] = total
+                    rP.store(acc_S.load().to(self.dtype))
+
+                    # O = P V
+                    warpgroup.fence()
+                    mma_pv.set(warpgroup.Field.ACCUMULATE, False)
+                    for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                        cute.gemm(mma_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, 0], acc_O)
+                        mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+
+                    if row_valid:
+                        # Partials are [Tq, Hkv, topk, 16] rows: one (query, KV head) is contiguous.
+                        base = ((token * self.num_kv_heads + kv_head) * topk + slot) * HEADS_PER_KV
+                        for r in cutlass.range_constexpr(rows_per_thread):
+                            head = cO_rc[r, 0][0] % HEADS_PER_KV
+                            # A row always sees its own key (total >= 1), unless its document
+                            # holds NaN: then NaN flows on into out, as in the reference.
+                            total = row_sum[r]
+                            inverse = Float32(1.0) / total
+                            for c in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
+                                mPartialOut[base + head, cO_rc[r, c][1]] = (o_rc[r, c] * inverse).to(self.dtype)
+                            if lane % 4 == 0:
+                                mPartialLse[base + head] = row_max[r] + cute.math.log2(total, fastmath=True)
+                    q_loads += 1
+                kv_loads += 1
+
+        @cute.jit
+        def load_kv(
+            self, tma_atom: cute.CopyAtom, tma_rows: cute.Tensor, tile: cute.Tensor, kv_head: Int32, key_row: Int32, barrier
+        ):
+            """One TMA box: keys `key_row .. key_row + 127` of `kv_head` (past the packed keys: zeros)."""
+            rows = cute.domain_offset((key_row, 0), tma_rows[None, None, kv_head])
+            block = cute.local_tile(rows, (BLOCK_SIZE, HEAD_DIM), (0, 0))
+            tile_smem, tile_gmem = cpasync.tma_partition(
+                tma_atom, 0, cute.make_layout(1), cute.group_modes(tile, 0, 2), cute.group_modes(block, 0, 2)
+            )
+            cute.copy(tma_atom, tile_gmem, tile_smem[None, 0], tma_bar_ptr=barrier)
+
+        @cute.jit
+        def load_q(
+            self, tma_atom: cute.CopyAtom, tQgQ: cute.Tensor, tQsQ: cute.Tensor, barriers, mEntryQuery: cute.Tensor,
+            first: Int32, end: Int32, topk: Int32, kv_head: Int32, load_index: Int32,
+        ):
+            """The Q tile of entries `first .. first + 3` into stage `load_index % 2`: one TMA per token
+            (its 16 heads of `kv_head`); entries at or past `end` reload the first token."""
+            stage = load_index % self.q_stages
+            barrier = barriers + 1 + stage
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.q_bytes)
+            for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
+                entry = first + slot
+                if entry >= end:
+                    entry = first
+                token = mEntryQuery[entry] // topk
+                block = token * self.num_kv_heads + kv_head
+                cute.copy(tma_atom, tQgQ[None, block, 0], tQsQ[None, slot, 0, stage], tma_bar_ptr=barrier)
+
+        @cute.jit
+        def zero_rows_past(self, tile: cute.Tensor, key_count: Int32, tidx: Int32):
+            """Zero keys `key_count ..` of a (key, dim) tile (another document's, or TMA fill), then
+            make the stores visible to the tensor cores."""
+            if tidx >= key_count:
+                for d in cutlass.range(HEAD_DIM, unroll_full=True):
+                    tile[tidx, d, 0] = tile.element_type(0.0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier()
+
+    return BlocksKernel
