@@ -149,6 +149,16 @@ def test_mixed_dtypes_are_declined():
         check_served(q, k, k, 128)
 
 
+def test_partials_beyond_32_bit_offsets_are_declined():
+    """At M3 (4 KV heads, topk 16) the partials reach 2**31 elements at 16K queries: an H200 run
+    at 32K read out of bounds before this bound, so from there the Triton forward serves."""
+    from torch_msa.sm90.forward_sm90 import check_offsets
+
+    check_offsets(16383, 4, 16)
+    with pytest.raises(UnsupportedInputs, match="32-bit offsets: 16384 queries"):
+        check_offsets(16384, 4, 16)
+
+
 def test_bucket_key_count_stops_at_the_document_end():
     from torch_msa.sm90.forward_sm90 import bucket_key_count
 

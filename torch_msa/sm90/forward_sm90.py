@@ -84,6 +84,22 @@ def check_served(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: 
         )
 
 
+# The kernel's tensors carry 32-bit dynamic shapes and strides (`cute_rows`), so no operand may
+# hold 2**31 elements or more. The partial outputs are the largest: Tq * Hkv * topk * G * D
+# elements, which reaches 2**31 at 16K queries for M3 (an illegal address was seen at 32K).
+MAX_OPERAND_ELEMENTS = 2**31 - 1
+
+
+def check_offsets(num_queries: int, num_kv_heads: int, topk: int) -> None:
+    """Raise `UnsupportedInputs` when the partial outputs would need 64-bit offsets."""
+    elements = num_queries * num_kv_heads * topk * HEADS_PER_KV * HEAD_DIM
+    if elements > MAX_OPERAND_ELEMENTS:
+        raise UnsupportedInputs(
+            f"the SM90 forward indexes its partial outputs with 32-bit offsets: {num_queries} queries x "
+            f"{num_kv_heads} KV heads x topk {topk} need {elements} elements, more than {MAX_OPERAND_ELEMENTS}"
+        )
+
+
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
             plan=None):
     """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
@@ -92,10 +108,12 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     builds its own plan of that item size (with the Triton plan kernels).
 
     Raises:
-        UnsupportedInputs: outside the served configuration (see `check_served`).
+        UnsupportedInputs: outside the served configuration (see `check_served`) or beyond
+            32-bit offsets (`check_offsets`: from 16K queries at M3).
     """
     del max_seqlen_q, max_seqlen_k
     check_served(q, k, v, block_size)
+    check_offsets(q.shape[0], k.shape[1], block_indices.shape[-1])
     require_cute_dsl()
     from ..cute_dsl.cute_io import aligned_operand
     from ..triton.forward_kernel import combine
