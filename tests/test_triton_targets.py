@@ -66,18 +66,14 @@ def _backward_blocks(config):
     types |= dict.fromkeys(("lse", "delta", "dq_acc", "dk_acc", "dv_acc"), "*fp32")
     types |= {"softmax_scale": "fp32", "qk_scale": "fp32"}
     constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=group_p2, TOKENS=tokens, TOPK=M3["topk"],
-                     BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"], PRECISION="tf32")
+                     BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"], PRECISION="tf32",
+                     DETERMINISTIC=False)
     return backward_kernel._blocks_kernel, types, constants
 
 
 def _deterministic_key_blocks(config):
-    tokens, group_p2 = forward_kernel.tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
-    types = dict.fromkeys(("q", "k", "v", "grad_out"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
-    types |= dict.fromkeys(("lse", "delta", "dk_part", "dv_part"), "*fp32")
-    types |= {"softmax_scale": "fp32", "qk_scale": "fp32"}
-    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=group_p2, TOKENS=tokens, TOPK=M3["topk"],
-                     BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"], PRECISION="tf32")
-    return backward_deterministic_kernel._key_blocks_kernel, types, constants
+    fn, types, constants = _backward_blocks(config)
+    return fn, types, constants | {"DETERMINISTIC": True}
 
 
 def _deterministic_key_reduce(config):
@@ -113,7 +109,7 @@ KERNELS = {
     "forward._combine_kernel": (_forward_combine, forward_kernel.COMBINE_CONFIGS),
     "backward._delta_kernel": (_backward_delta, backward_kernel.DELTA_CONFIGS),
     "backward._blocks_kernel": (_backward_blocks, backward_kernel.BLOCKS_CONFIGS),
-    "backward_deterministic._key_blocks_kernel": (_deterministic_key_blocks,
+    "backward_deterministic._blocks_kernel": (_deterministic_key_blocks,
                                                   backward_deterministic_kernel.KEY_BLOCKS_CONFIGS),
     "backward_deterministic._key_reduce_kernel": (_deterministic_key_reduce,
                                                   backward_deterministic_kernel.KEY_REDUCE_CONFIGS),

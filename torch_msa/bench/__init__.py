@@ -17,6 +17,8 @@ performance goals (`targets`).
 Modules: `flops` (formulas), `problems` (layouts, inputs, selections), `timing` (how one
 measurement is timed), `flex_mask` (the BlockMask), `peers` and `msa` (what is timed),
 `runner`, `results`, `targets`, `devices` (peak rates, L2), `report` (table, JSON, PNG), `cli`.
-`deterministic` is a separate command (`python -m torch_msa.bench.deterministic`): the backward
-with and without `torch.use_deterministic_algorithms(True)`.
+Separate commands: `python -m torch_msa.bench.deterministic` (the backward with and without
+`torch.use_deterministic_algorithms(True)`), `python -m torch_msa.bench.kl` (the KL loss against
+the attention step) and `python -m torch_msa.bench.overhead` (eager host time of a forward call
+against its kernels).
 """

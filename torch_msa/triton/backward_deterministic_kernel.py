@@ -6,7 +6,7 @@ with atomics instead.
 Four kernels:
 
 * `delta = rowsum(dO * O) - grad_lse`, the default backward's preprocess.
-* `_key_blocks_kernel`, KV-outer like the default backward: one program per schedule item and
+* the default backward's `_blocks_kernel` with `DETERMINISTIC=True`: one program per schedule item and
   `BLOCK_N`-key slice of its block keeps dK/dV of the slice on chip while it walks the item's
   queries `TOKENS` at a time with all `G` heads of the KV head. It computes no dQ, and instead of
   adding its dK/dV to the result it stores them in the item's own workspace slot.
@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..documents import locate_queries
 from ..plan import unpack
-from .backward_kernel import DELTA_CONFIGS, _delta_kernel
+from .backward_kernel import DELTA_CONFIGS, _blocks_kernel, _delta_kernel
 from .common import dot_precision
 from .forward_kernel import LOG2_E, item_horizon, tile_shape
 from .launch import LaunchConfig, launch
@@ -57,77 +57,6 @@ QUERY_CONFIGS = (
     LaunchConfig(num_stages=1, num_warps=4, block_n=32),
 )
 _MIN_DOT = 16  # the smallest dimension `tl.dot` takes
-
-
-@triton.jit
-def _key_blocks_kernel(
-    q, k, v, grad_out, lse, delta, dk_part, dv_part,
-    entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
-    num_keys, softmax_scale, qk_scale,
-    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
-    stride_do_token, stride_do_head,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    item = tl.program_id(0)
-    start = tl.load(item_start + item)
-    end = tl.load(item_end + item)
-    if start >= end:
-        return
-    bucket = tl.load(item_bucket + item)
-    kv_head = tl.load(bucket_head + bucket)
-    slice_start = tl.program_id(1) * BLOCK_N
-    first_key = tl.load(bucket_key_row + bucket) + slice_start
-    block = tl.load(bucket_block + bucket)
-
-    dims = tl.arange(0, DIM)
-    offsets = tl.arange(0, BLOCK_N)
-    key_row = (first_key + offsets).to(tl.int64)
-    key_position = block * BLOCK + slice_start + offsets
-    # Keys past the item's last causal position (the block's tail may be the next document's)
-    # are neither read nor written.
-    key_ok = (key_position <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
-    keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
-                   mask=key_ok[:, None], other=0.0)
-    values = tl.load(v + key_row[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
-                     mask=key_ok[:, None], other=0.0)
-    dk = tl.zeros((BLOCK_N, DIM), tl.float32)
-    dv = tl.zeros((BLOCK_N, DIM), tl.float32)
-
-    rows = tl.arange(0, TOKENS * GROUP_P2)
-    row_token = rows // GROUP_P2
-    group_head = rows % GROUP_P2
-    query_head = kv_head * GROUP + group_head
-    num_heads = NUM_KV_HEADS * GROUP
-    for first in range(start, end, TOKENS):
-        entry = first + row_token
-        row_ok = (entry < end) & (group_head < GROUP)
-        token = (tl.load(entry_query + entry, mask=row_ok, other=0) // TOPK).to(tl.int64)
-        pos = tl.load(position + token, mask=row_ok, other=-1)
-        q_rows = tl.load(q + token[:, None] * stride_q_token + query_head[:, None] * stride_q_head + dims[None, :],
-                         mask=row_ok[:, None], other=0.0)
-        d_out = tl.load(grad_out + token[:, None] * stride_do_token + query_head[:, None] * stride_do_head + dims[None, :],
-                        mask=row_ok[:, None], other=0.0)
-        head_row = token * num_heads + query_head
-        row_lse = tl.load(lse + head_row, mask=row_ok, other=0.0) * 1.4426950408889634
-        # Like the reference, a query with an empty key set (lse = -inf) shifts by 0, not inf.
-        row_lse = tl.where((row_lse == float("inf")) | (row_lse == float("-inf")), 0.0, row_lse)
-        row_delta = tl.load(delta + head_row, mask=row_ok, other=0.0)
-
-        scores = tl.dot(q_rows, tl.trans(keys), input_precision=PRECISION) * qk_scale
-        visible = (key_position[None, :] <= pos[:, None]) & key_ok[None, :] & row_ok[:, None]
-        probs = tl.where(visible, tl.exp2(scores - row_lse[:, None]), 0.0)
-        dv += tl.dot(tl.trans(probs.to(d_out.dtype)), d_out, input_precision=PRECISION)
-        d_probs = tl.dot(d_out, tl.trans(values), input_precision=PRECISION)
-        # `where`, not `probs *`: a non-finite dP of a hidden key must not reach dK through 0 * NaN.
-        d_scores = tl.where(visible, probs * (d_probs - row_delta[:, None]), 0.0).to(q_rows.dtype)
-        dk += tl.dot(tl.trans(d_scores), q_rows, input_precision=PRECISION)
-
-    # The item's slot: workspace rows `item * BLOCK + c` for the block's key `c`.
-    part = (item.to(tl.int64) * BLOCK + slice_start + offsets)[:, None] * DIM + dims[None, :]
-    tl.store(dk_part + part, dk * softmax_scale, mask=key_ok[:, None])
-    tl.store(dv_part + part, dv, mask=key_ok[:, None])
 
 
 @triton.jit
@@ -278,15 +207,15 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     def launch_key_blocks(config):
         tokens, group_p2 = tile_shape(num_heads, num_kv_heads, config.rows)
         block_n = min(config.block_n, block_size)
-        _key_blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
-            q, k, v, grad_out, lse, delta, dk_part, dv_part,
+        _blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
+            q, k, v, grad_out, lse, delta, dk_part, dk_part, dv_part,
             schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
             schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
             num_keys, softmax_scale, softmax_scale * LOG2_E,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1),
             NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
-            TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=dim, PRECISION=precision,
+            TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=dim, PRECISION=precision, DETERMINISTIC=True,
             **config.options,
         )
 
@@ -315,7 +244,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
         )
 
     launch("backward._delta_kernel", shape_key, DELTA_CONFIGS, launch_delta)
-    launch("backward_deterministic._key_blocks_kernel", shape_key, KEY_BLOCKS_CONFIGS, launch_key_blocks)
+    launch("backward_deterministic._blocks_kernel", shape_key, KEY_BLOCKS_CONFIGS, launch_key_blocks)
     launch("backward_deterministic._key_reduce_kernel", shape_key, KEY_REDUCE_CONFIGS, launch_key_reduce)
     launch("backward_deterministic._query_kernel", shape_key, QUERY_CONFIGS, launch_query)
     return dq, dk, dv

@@ -66,8 +66,16 @@ def _blocks_kernel(
     stride_do_token, stride_do_head,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
     TOPK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, DETERMINISTIC: tl.constexpr = False,
 ):
+    """dK/dV of one item's key slice (and, unless `DETERMINISTIC`, dQ of its queries).
+
+    Default: dQ of each tile and the item's dK/dV are added to the fp32 accumulators `dq_acc`,
+    `dk_acc`, `dv_acc` (`[T * H, D]` rows) with atomics. `DETERMINISTIC`: no dQ (`dq_acc` is not
+    touched) and dK/dV are stored, not added, into the item's own slot of the workspaces `dk_acc`,
+    `dv_acc` (rows `item * BLOCK + c` for the block's key `c`), which
+    `backward_deterministic_kernel.py` reduces in a fixed order.
+    """
     item = tl.program_id(0)
     start = tl.load(item_start + item)
     end = tl.load(item_end + item)
@@ -117,15 +125,21 @@ def _blocks_kernel(
         probs = tl.where(visible, tl.exp2(scores - row_lse[:, None]), 0.0)
         dv += tl.dot(tl.trans(probs.to(d_out.dtype)), d_out, input_precision=PRECISION)
         d_probs = tl.dot(d_out, tl.trans(values), input_precision=PRECISION)
-        # `where`, not `probs *`: a non-finite dP of a hidden key must not reach dQ through 0 * NaN.
+        # `where`, not `probs *`: a non-finite dP of a hidden key must not reach dQ/dK through 0 * NaN.
         d_scores = tl.where(visible, probs * (d_probs - row_delta[:, None]), 0.0).to(q_rows.dtype)
         dk += tl.dot(tl.trans(d_scores), q_rows, input_precision=PRECISION)
-        dq = tl.dot(d_scores, keys, input_precision=PRECISION) * softmax_scale
-        tl.atomic_add(dq_acc + head_row[:, None] * DIM + dims[None, :], dq, mask=row_ok[:, None], sem="relaxed")
+        if not DETERMINISTIC:
+            dq = tl.dot(d_scores, keys, input_precision=PRECISION) * softmax_scale
+            tl.atomic_add(dq_acc + head_row[:, None] * DIM + dims[None, :], dq, mask=row_ok[:, None], sem="relaxed")
 
-    kv_rows = (key_row * NUM_KV_HEADS + kv_head)[:, None] * DIM + dims[None, :]
-    tl.atomic_add(dk_acc + kv_rows, dk * softmax_scale, mask=key_ok[:, None], sem="relaxed")
-    tl.atomic_add(dv_acc + kv_rows, dv, mask=key_ok[:, None], sem="relaxed")
+    if DETERMINISTIC:
+        part = (item.to(tl.int64) * BLOCK + slice_start + offsets)[:, None] * DIM + dims[None, :]
+        tl.store(dk_acc + part, dk * softmax_scale, mask=key_ok[:, None])
+        tl.store(dv_acc + part, dv, mask=key_ok[:, None])
+    else:
+        kv_rows = (key_row * NUM_KV_HEADS + kv_head)[:, None] * DIM + dims[None, :]
+        tl.atomic_add(dk_acc + kv_rows, dk * softmax_scale, mask=key_ok[:, None], sem="relaxed")
+        tl.atomic_add(dv_acc + kv_rows, dv, mask=key_ok[:, None], sem="relaxed")
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,

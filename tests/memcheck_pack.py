@@ -1,0 +1,41 @@
+"""Every GPU kernel on a pack with junk ids, for compute-sanitizer (not collected by pytest).
+
+    compute-sanitizer --tool memcheck --error-exitcode 9 python tests/memcheck_pack.py
+
+M3 heads, bf16; documents of 300, 0, 1, 1500, 129 tokens and one with Lq < Lk; 30% of the block
+ids replaced by random values in [-2^30, 2^30), repeats and ids far past every document. Runs the
+selection, the plan, the forward and both backwards (default and deterministic) and the KL loss.
+"""
+import torch
+import torch_msa
+from torch_msa.testing import cu_seqlens, random_block_indices
+
+torch.manual_seed(0)
+q_lens = [300, 0, 1, 1500, 129, 700]
+k_lens = [300, 0, 1, 1500, 129, 2000]  # the last document has Lq < Lk
+cu_q, cu_k = cu_seqlens(q_lens, k_lens, "cuda")
+tq, tk = int(cu_q[-1]), int(cu_k[-1])
+bf = dict(device="cuda", dtype=torch.bfloat16)
+q = torch.randn(tq, 64, 128, **bf, requires_grad=True)
+k = torch.randn(tk, 4, 128, **bf, requires_grad=True)
+v = torch.randn(tk, 4, 128, **bf, requires_grad=True)
+iq = torch.randn(tq, 4, 128, **bf, requires_grad=True)
+ik = torch.randn(tk, 1, 128, **bf, requires_grad=True)
+docs = (cu_q, cu_k, max(q_lens), max(k_lens))
+sel = torch_msa.select_blocks(iq.detach(), ik.detach(), *docs)
+bi = random_block_indices(cu_q, cu_k, 4, 16, 128).cuda()
+junk = torch.randint(-(1 << 30), 1 << 30, bi.shape, device="cuda", dtype=torch.int32)
+bi = torch.where(torch.rand(bi.shape, device="cuda") < 0.3, junk, bi)
+bi[1, :, 3] = bi[1, :, 0]  # repeats
+bi[2, :, 5] = 1 << 20       # far past every document
+for deterministic in (False, True):
+    torch.use_deterministic_algorithms(deterministic)
+    out, lse = torch_msa.sparse_attention(q, k, v, bi, *docs, return_lse=True)
+    (out.float().square().sum() + lse.sum()).backward()
+torch.use_deterministic_algorithms(False)
+out, lse, used = torch_msa.msa_attention(q, k, v, iq, ik, *docs, return_lse=True, return_block_indices=True)
+loss = torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse.detach(), iq, ik, bi, *docs)
+loss.backward()
+torch.cuda.synchronize()
+print("sanitize run done:", {op: torch_msa.resolve(op, q.device).name for op in torch_msa.backends.OPS},
+      "loss", float(loss), "selected", tuple(sel.shape))
