@@ -17,6 +17,7 @@ which the kernel modules import as `cute`. Importing it imports neither cutlass 
 
 import functools
 import importlib
+import importlib.util
 
 import torch
 
@@ -45,6 +46,33 @@ def require_cute_dsl() -> None:
             "the CuTe DSL MSA kernels need the CuTe DSL (nvidia-cutlass-dsl==4.6.2) and cuda-bindings; "
             f"cannot import {', '.join(missing)}. Install them with: {INSTALL_COMMAND}"
         )
+
+
+def importable(name: str) -> bool:
+    """Whether module `name` can be found, without importing it (nothing heavy is loaded)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def device_unavailable_reason(device: torch.device, capability: tuple[int, int], who_needs: str, gpus: str,
+                              modules: tuple[str, ...], install_hint: str) -> str | None:
+    """Why a CuTe backend cannot serve `device`, or None: not CUDA, no CUDA device, another compute
+    capability than `capability` (`who_needs` it, e.g. 'the SM100 kernels need'; `gpus` have it),
+    or `modules` missing (then `install_hint`, e.g. 'install the extras with: pip install ...')."""
+    if device.type != "cuda":
+        return f"it serves CUDA devices only, not {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available (torch.cuda.is_available() is False)"
+    actual = sm_capability(device)
+    if actual != capability:
+        return (f"{device} has compute capability {actual[0]}.{actual[1]}; {who_needs} "
+                f"{capability[0]}.{capability[1]} ({gpus})")
+    missing = [name for name in modules if not importable(name)]
+    if missing:
+        return f"cannot find {', '.join(missing)}; {install_hint}"
+    return None
 
 
 def _cuda_index(device: torch.device | str | int) -> int:

@@ -24,7 +24,6 @@ how to enable this one.
 """
 
 import functools
-import importlib.util
 
 import torch
 
@@ -32,6 +31,7 @@ from ..backends import BACKEND_ENV, Backend, UnsupportedInputs, register_backend
 from ..documents import locate_queries
 from ..schedule import valid_entries
 from . import bindings
+from ..cute_dsl import device_unavailable_reason, importable
 from .kernels import INSTALL_COMMAND, SM100_CAPABILITY, sm_capability
 
 NAME = "sm100"
@@ -60,18 +60,8 @@ def available(device: torch.device) -> bool:
 
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the backend cannot serve `device` (no CUDA device, its capability, missing extras), or None."""
-    if device.type != "cuda":
-        return f"it serves CUDA devices only, not {device.type}"
-    if not torch.cuda.is_available():
-        return "no CUDA device is available (torch.cuda.is_available() is False)"
-    capability = sm_capability(device)
-    if capability != SM100_CAPABILITY:
-        return (f"{device} has compute capability {capability[0]}.{capability[1]}; the SM100 kernels need "
-                f"{SM100_CAPABILITY[0]}.{SM100_CAPABILITY[1]} (B200/GB200)")
-    missing = [name for name in _REQUIRED_MODULES if not _importable(name)]
-    if missing:
-        return f"cannot find {', '.join(missing)}; install the extras with: {INSTALL_COMMAND}"
-    return None
+    return device_unavailable_reason(device, SM100_CAPABILITY, "the SM100 kernels need", "B200/GB200", _REQUIRED_MODULES,
+                                     f"install the extras with: {INSTALL_COMMAND}")
 
 
 def opt_in_note(device: torch.device) -> str | None:
@@ -91,14 +81,7 @@ def _on_sm100(device: torch.device) -> bool:
 
 @functools.cache
 def _extras_installed() -> bool:
-    return all(_importable(name) for name in _REQUIRED_MODULES)
-
-
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+    return all(importable(name) for name in _REQUIRED_MODULES)
 
 
 def _require_official_configuration(q, k, v, block_indices, block_size) -> None:

@@ -16,12 +16,11 @@ executable per process, dtype and KV head count; sequence lengths are runtime ar
 
 import functools
 import importlib
-import importlib.util
 
 import torch
 
-from ..backends import BACKEND_ENV, Backend, register_backend
-from ..cute_dsl import sm_capability
+from ..backends import Backend, register_backend
+from ..cute_dsl import device_unavailable_reason, importable, sm_capability
 
 NAME = "sm90"
 PRIORITY = 15  # above the portable Triton backend (10), below SM100 (20), which other devices get
@@ -44,30 +43,13 @@ def available(device: torch.device) -> bool:
 
 @functools.cache
 def _extras_installed() -> bool:
-    return all(_importable(name) for name in _REQUIRED_MODULES)
-
-
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+    return all(importable(name) for name in _REQUIRED_MODULES)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the backend cannot serve `device` (no CUDA device, its capability, missing extras), or None."""
-    if device.type != "cuda":
-        return f"it serves CUDA devices only, not {device.type}"
-    if not torch.cuda.is_available():
-        return "no CUDA device is available (torch.cuda.is_available() is False)"
-    capability = sm_capability(device)
-    if capability != SM90_CAPABILITY:
-        return (f"{device} has compute capability {capability[0]}.{capability[1]}; the SM90 kernel needs "
-                f"{SM90_CAPABILITY[0]}.{SM90_CAPABILITY[1]} (H100/H200/H800)")
-    missing = [name for name in _REQUIRED_MODULES if not _importable(name)]
-    if missing:
-        return f"cannot find {', '.join(missing)}; install the extra with: {INSTALL_COMMAND}"
-    return None
+    return device_unavailable_reason(device, SM90_CAPABILITY, "the SM90 kernel needs", "H100/H200/H800", _REQUIRED_MODULES,
+                                     f"install the extra with: {INSTALL_COMMAND}")
 
 
 def opt_in_note(device: torch.device) -> None:
