@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..documents import locate_queries
 from ..plan import unpack
-from .backward_kernel import DELTA_CONFIGS, _blocks_kernel, _delta_kernel
+from .backward_kernel import compute_delta, launch_blocks
 from .common import dot_precision
 from .forward_kernel import LOG2_E, item_horizon, tile_shape
 from .launch import LaunchConfig, launch
@@ -196,29 +196,6 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     shape_key = (device, q.dtype, dim, block_size, group, topk)
     precision = dot_precision(q.dtype)
 
-    def launch_delta(config):
-        _delta_kernel[(triton.cdiv(num_queries * num_heads, config.rows),)](
-            grad_out, out, grad_lse.contiguous() if grad_lse is not None else delta, delta, num_queries * num_heads,
-            grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, DIM=dim, ROWS=config.rows, HAS_GRAD_LSE=grad_lse is not None,
-            **config.options,
-        )
-
-    def launch_key_blocks(config):
-        tokens, group_p2 = tile_shape(num_heads, num_kv_heads, config.rows)
-        block_n = min(config.block_n, block_size)
-        _blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
-            q, k, v, grad_out, lse, delta, dk_part, dk_part, dv_part,
-            schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
-            schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-            num_keys, softmax_scale, softmax_scale * LOG2_E,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            grad_out.stride(0), grad_out.stride(1),
-            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
-            TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=dim, PRECISION=precision, DETERMINISTIC=True,
-            **config.options,
-        )
-
     def launch_key_reduce(config):
         block_n = min(config.block_n, block_size)
         _key_reduce_kernel[(num_buckets, block_size // block_n)](
@@ -243,8 +220,9 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
             **config.options,
         )
 
-    launch("backward._delta_kernel", shape_key, DELTA_CONFIGS, launch_delta)
-    launch("backward_deterministic._blocks_kernel", shape_key, KEY_BLOCKS_CONFIGS, launch_key_blocks)
+    compute_delta(grad_out, out, grad_lse, delta, shape_key)
+    launch_blocks(q, k, v, grad_out, lse, delta, (dk_part, dk_part, dv_part), schedule, topk, block_size, softmax_scale,
+                  KEY_BLOCKS_CONFIGS, "backward_deterministic._blocks_kernel", shape_key, deterministic=True)
     launch("backward_deterministic._key_reduce_kernel", shape_key, KEY_REDUCE_CONFIGS, launch_key_reduce)
     launch("backward_deterministic._query_kernel", shape_key, QUERY_CONFIGS, launch_query)
     return dq, dk, dv

@@ -161,30 +161,48 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
         delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=q.device)
         schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan)
         shape_key = (q.device, q.dtype, dim, block_size, group, topk)
-
-        def launch_delta(config):
-            _delta_kernel[(triton.cdiv(num_queries * num_heads, config.rows),)](
-                grad_out, out, grad_lse.contiguous() if grad_lse is not None else delta, delta, num_queries * num_heads,
-                grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1),
-                NUM_HEADS=num_heads, DIM=dim, ROWS=config.rows, HAS_GRAD_LSE=grad_lse is not None,
-                **config.options,
-            )
-
-        def launch_blocks(config):
-            tokens, group_p2 = tile_shape(num_heads, num_kv_heads, config.rows)
-            block_n = min(config.block_n, block_size)
-            _blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
-                q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc,
-                schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
-                schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-                num_keys, softmax_scale, softmax_scale * LOG2_E,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                grad_out.stride(0), grad_out.stride(1),
-                NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
-                TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=dim, PRECISION=dot_precision(q.dtype),
-                **config.options,
-            )
-
-        launch("backward._delta_kernel", shape_key, DELTA_CONFIGS, launch_delta)
-        launch("backward._blocks_kernel", shape_key, BLOCKS_CONFIGS, launch_blocks)
+        compute_delta(grad_out, out, grad_lse, delta, shape_key)
+        launch_blocks(q, k, v, grad_out, lse, delta, (dq_acc, dk_acc, dv_acc), schedule, topk, block_size,
+                      softmax_scale, BLOCKS_CONFIGS, "backward._blocks_kernel", shape_key, deterministic=False)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+def compute_delta(grad_out, out, grad_lse, delta, shape_key) -> None:
+    """`delta = rowsum(dO * O) - grad_lse` into fp32 `delta [Tq, Hq]` (contiguous)."""
+    num_queries, num_heads, dim = out.shape
+
+    def launch_delta(config):
+        _delta_kernel[(triton.cdiv(num_queries * num_heads, config.rows),)](
+            grad_out, out, grad_lse.contiguous() if grad_lse is not None else delta, delta, num_queries * num_heads,
+            grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, DIM=dim, ROWS=config.rows, HAS_GRAD_LSE=grad_lse is not None,
+            **config.options,
+        )
+
+    launch("backward._delta_kernel", shape_key, DELTA_CONFIGS, launch_delta)
+
+
+def launch_blocks(q, k, v, grad_out, lse, delta, outputs, schedule, topk, block_size, softmax_scale, configs, name,
+                  shape_key, deterministic: bool) -> None:
+    """`_blocks_kernel` over every item of `schedule` and key slice: `outputs` are
+    `(dq_acc, dk_acc, dv_acc)`, the fp32 accumulators, or with `deterministic` the per-item dK/dV
+    workspaces (`(ignored, dk_part, dv_part)`, rows `item * block_size + c`)."""
+    num_heads, dim = q.shape[1], q.shape[2]
+    num_keys, num_kv_heads = k.shape[0], k.shape[1]
+
+    def launch_config(config):
+        tokens, group_p2 = tile_shape(num_heads, num_kv_heads, config.rows)
+        block_n = min(config.block_n, block_size)
+        _blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
+            q, k, v, grad_out, lse, delta, *outputs,
+            schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
+            schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
+            num_keys, softmax_scale, softmax_scale * LOG2_E,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1),
+            NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, GROUP_P2=group_p2, TOKENS=tokens,
+            TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=dim, PRECISION=dot_precision(q.dtype),
+            DETERMINISTIC=deterministic, **config.options,
+        )
+
+    launch(name, shape_key, configs, launch_config)
