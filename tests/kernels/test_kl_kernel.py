@@ -77,3 +77,42 @@ def test_kl_kernels_decline_what_they_do_not_serve():
         kl_kernel.check_inputs(q, None, index_q, ids)
     with pytest.raises(UnsupportedInputs, match="index head dim 24"):
         kl_kernel.check_inputs(q, lse, torch.zeros(4, 2, 24, device=DEVICE), ids)
+
+
+@pytest.mark.parametrize("poisoned", ["q", "k", "index_q", "index_k"])
+def test_a_non_finite_document_changes_no_other_documents_index_gradients(poisoned):
+    """Documents end mid-block (key blocks of 64 over documents of 50, 40 and 30 tokens), so an
+    item's block holds the next document's keys; NaN/Inf in document 1 must leave the index
+    gradients of documents 0 and 2 finite and equal to a clean run's."""
+    lengths = [50, 40, 30]
+    cu_q, cu_k = testing.cu_seqlens(lengths, lengths, DEVICE)
+    num_tokens, num_heads, num_kv_heads, dim, index_dim, block_size, topk = sum(lengths), 2, 1, 64, 16, 64, 2
+    generator = torch.Generator().manual_seed(3)
+    clean = {
+        "q": torch.randn(num_tokens, num_heads, dim, generator=generator),
+        "k": torch.randn(num_tokens, num_kv_heads, dim, generator=generator),
+        "index_q": torch.randn(num_tokens, num_kv_heads, index_dim, generator=generator),
+        "index_k": torch.randn(num_tokens, 1, index_dim, generator=generator),
+    }
+    clean = {name: x.to(DEVICE) for name, x in clean.items()}
+    dirty = dict(clean)
+    dirty[poisoned] = clean[poisoned].clone()
+    dirty[poisoned][50:90:2] = float("nan")
+    dirty[poisoned][51:90:2] = float("inf")
+    block_indices = torch.arange(topk, dtype=torch.int32, device=DEVICE).expand(num_kv_heads, num_tokens, topk).contiguous()
+    docs = (cu_q, cu_k, max(lengths), max(lengths))
+    scales = (dim**-0.5, index_dim**-0.5)
+
+    def index_gradients(x):
+        _, lse = reference.forward(x["q"], x["k"], x["k"], block_indices, *docs, block_size, scales[0])
+        args = (x["q"], x["k"], lse, x["index_q"], x["index_k"], block_indices, *docs, block_size, *scales)
+        _, teacher_lse, index_lse, mass = kl_kernel.indexer_kl(*args)
+        return kl_kernel.indexer_kl_backward(torch.tensor(1.0, device=DEVICE), x["q"], x["k"], teacher_lse,
+                                             x["index_q"], x["index_k"], index_lse, mass, block_indices, *docs,
+                                             block_size, *scales)
+
+    want, got = index_gradients(clean), index_gradients(dirty)
+    for name, a, b in zip(("d index_q", "d index_k"), got, want):
+        for rows in (slice(0, 50), slice(90, 120)):
+            assert a[rows].isfinite().all(), f"{name} rows {rows} are not finite"
+            torch.testing.assert_close(a[rows], b[rows], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {rows}: {m}")

@@ -29,7 +29,7 @@ import triton.language as tl
 from ..backends import UnsupportedInputs
 from ..reference_kl import loss_dtype
 from .common import dot_precision
-from .forward_kernel import LOG2_E, schedule_for
+from .forward_kernel import LOG2_E, item_horizon, schedule_for
 
 _LAUNCH = dict(num_warps=8, num_stages=2)
 
@@ -123,7 +123,9 @@ def _forward_kernel(
     block = tl.load(bucket_block + bucket)
     offsets = tl.arange(0, BLOCK)
     key_row = (tl.load(bucket_key_row + bucket) + offsets).to(tl.int64)
-    key_ok = key_row < num_keys
+    # Keys past the item's last causal position (the block's tail may be the next document's) are
+    # neither read nor written, so no value of another document meets a zero weight (0 * NaN).
+    key_ok = (block * BLOCK + offsets <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
     k_block = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + tl.arange(0, DIM)[None, :],
                       mask=key_ok[:, None], other=0.0)
     index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + tl.arange(0, INDEX_DIM)[None, :],
@@ -173,7 +175,9 @@ def _backward_kernel(
     offsets = tl.arange(0, BLOCK)
     index_dims = tl.arange(0, INDEX_DIM)
     key_row = (tl.load(bucket_key_row + bucket) + offsets).to(tl.int64)
-    key_ok = key_row < num_keys
+    # Keys past the item's last causal position (the block's tail may be the next document's) are
+    # neither read nor written, so no value of another document meets a zero weight (0 * NaN).
+    key_ok = (block * BLOCK + offsets <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
     k_block = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + tl.arange(0, DIM)[None, :],
                       mask=key_ok[:, None], other=0.0)
     index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + index_dims[None, :],
