@@ -104,6 +104,29 @@ def _tile(
 
 
 @triton.jit
+def _item_keys(
+    k, index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, end, num_keys,
+    stride_k_token, stride_k_head, stride_ik_token,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
+):
+    """The item's KV head and key block: `key_row`, `key_position`, `key_ok` `[BLOCK]`, the keys
+    `[BLOCK, DIM]` and index keys `[BLOCK, INDEX_DIM]` (zeros where not `key_ok`)."""
+    bucket = tl.load(item_bucket + item)
+    kv_head = tl.load(bucket_head + bucket)
+    offsets = tl.arange(0, BLOCK)
+    key_row = (tl.load(bucket_key_row + bucket) + offsets).to(tl.int64)
+    key_position = tl.load(bucket_block + bucket) * BLOCK + offsets
+    # Keys past the item's last causal position (the block's tail may be the next document's) are
+    # neither read nor written, so no value of another document meets a zero weight (0 * NaN).
+    key_ok = (key_position <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
+    k_block = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + tl.arange(0, DIM)[None, :],
+                      mask=key_ok[:, None], other=0.0)
+    index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + tl.arange(0, INDEX_DIM)[None, :],
+                         mask=key_ok[:, None], other=0.0)
+    return kv_head, key_row, key_position, key_ok, k_block, index_keys
+
+
+@triton.jit
 def _forward_kernel(
     q, k, lse, index_q, index_k, part_max, part_sum, part_weighted, part_mass,
     entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
@@ -118,19 +141,10 @@ def _forward_kernel(
     end = tl.load(item_end + item)
     if start >= end:
         return
-    bucket = tl.load(item_bucket + item)
-    kv_head = tl.load(bucket_head + bucket)
-    block = tl.load(bucket_block + bucket)
-    offsets = tl.arange(0, BLOCK)
-    key_row = (tl.load(bucket_key_row + bucket) + offsets).to(tl.int64)
-    # Keys past the item's last causal position (the block's tail may be the next document's) are
-    # neither read nor written, so no value of another document meets a zero weight (0 * NaN).
-    key_ok = (block * BLOCK + offsets <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
-    k_block = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + tl.arange(0, DIM)[None, :],
-                      mask=key_ok[:, None], other=0.0)
-    index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + tl.arange(0, INDEX_DIM)[None, :],
-                         mask=key_ok[:, None], other=0.0)
-    key_position = block * BLOCK + offsets
+    kv_head, key_row, key_position, key_ok, k_block, index_keys = _item_keys(
+        k, index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, end, num_keys,
+        stride_k_token, stride_k_head, stride_ik_token, TOPK, BLOCK, DIM, INDEX_DIM,
+    )
 
     for first in range(start, end, TOKENS):
         teacher, logits, _, query, token_ok = _tile(
@@ -169,20 +183,11 @@ def _backward_kernel(
     end = tl.load(item_end + item)
     if start >= end:
         return
-    bucket = tl.load(item_bucket + item)
-    kv_head = tl.load(bucket_head + bucket)
-    block = tl.load(bucket_block + bucket)
-    offsets = tl.arange(0, BLOCK)
+    kv_head, key_row, key_position, key_ok, k_block, index_keys = _item_keys(
+        k, index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, end, num_keys,
+        stride_k_token, stride_k_head, stride_ik_token, TOPK, BLOCK, DIM, INDEX_DIM,
+    )
     index_dims = tl.arange(0, INDEX_DIM)
-    key_row = (tl.load(bucket_key_row + bucket) + offsets).to(tl.int64)
-    # Keys past the item's last causal position (the block's tail may be the next document's) are
-    # neither read nor written, so no value of another document meets a zero weight (0 * NaN).
-    key_ok = (block * BLOCK + offsets <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
-    k_block = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + tl.arange(0, DIM)[None, :],
-                      mask=key_ok[:, None], other=0.0)
-    index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + index_dims[None, :],
-                         mask=key_ok[:, None], other=0.0)
-    key_position = block * BLOCK + offsets
     scale = tl.load(coefficient)
     d_keys = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
 
