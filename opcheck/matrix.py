@@ -2,7 +2,8 @@
 
 Each sample is one op call: GQA ratios, head dims, block sizes, dtypes, varlen packs with empty
 and one-token documents, queries that are a strict suffix of their keys, with and without
-`requires_grad`. `msa::plan` (integer inputs only) runs without; forward and backward run
+`requires_grad`, and query fragments that share their documents' keys (every op, one
+configuration). `msa::plan` (integer inputs only) runs without; forward and backward run
 without a plan, and with one from `msa::plan` where inputs require grad. `tests/test_opcheck.py` runs the whole matrix; `python -m opcheck` prints it
 with its results.
 """
@@ -13,7 +14,7 @@ import torch
 
 import torch_msa  # noqa: F401  (registers torch.ops.msa.*)
 from torch_msa.plan import entries_per_item
-from torch_msa.testing import cu_seqlens, random_block_indices
+from torch_msa.testing import cu_seqlens, fragments, random_block_indices
 
 # opcheck's four utilities; test_autograd_registration needs an autograd kernel where inputs
 # require grad, test_aot_dispatch_dynamic traces fake kernels with dynamic shapes.
@@ -105,6 +106,52 @@ def samples(device: str = "cpu") -> list[Sample]:
                         (num_heads, dtype) == KL_CONFIGS[1] and layout.name == KL_BF16_LAYOUT):
                     result.extend(_indexer_kl_samples(tag, q, k, lse, index_q, index_k, block_indices, docs,
                                                       block_size, scale, requires_grad))
+    result.extend(_fragment_samples(device))
+    return result
+
+
+# Query fragments sharing their documents' keys (`torch_msa/documents.py`): out of order, several
+# per document, an empty and a 1-token document; every op once, on one configuration.
+FRAGMENT_LENGTHS = (150, 0, 1, 90)
+FRAGMENT_PIECES = ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40))
+
+
+def _fragment_samples(device) -> list[Sample]:
+    num_heads, num_kv_heads, dim, block_size, topk, dtype = 8, 2, 64, 64, 3, torch.float32
+    frag = fragments(FRAGMENT_LENGTHS, FRAGMENT_PIECES, device)
+    docs, extra = frag.op_args, frag.tensors
+    num_queries, num_keys = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+    block_indices = random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, num_kv_heads, topk, block_size, None,
+                                         *extra)
+    scale, index_scale = dim**-0.5, 32**-0.5
+    plan_args = (block_indices, *docs, num_keys, block_size, entries_per_item(num_heads, num_kv_heads), *extra)
+    plan = torch.ops.msa.plan(*plan_args)
+    result = [Sample("plan-fragments", "plan", plan_args)]
+    for requires_grad in (False, True):
+        tag = f"fragments-{'grad' if requires_grad else 'nograd'}"
+
+        def tensor(*shape):
+            return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(requires_grad)
+
+        q, k, v = tensor(num_queries, num_heads, dim), tensor(num_keys, num_kv_heads, dim), tensor(num_keys, num_kv_heads, dim)
+        index_q, index_k = tensor(num_queries, num_kv_heads, 32), tensor(num_keys, 1, 32)
+        result.append(Sample(f"select_blocks-{tag}", "select_blocks", (index_q, index_k, *docs, topk, block_size, *extra)))
+        result.append(Sample(f"forward-{tag}", "forward", (q, k, v, block_indices, *docs, block_size, scale, plan, *extra)))
+        with torch.no_grad():
+            out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, scale, plan, *extra)
+        grad_out = torch.randn_like(out).requires_grad_(requires_grad)
+        result.append(Sample(f"backward-{tag}", "backward",
+                             (grad_out, q, k, v, out, lse, block_indices, *docs, block_size, scale, None, plan, *extra),
+                             NO_DOUBLE_BACKWARD_CHECKS if requires_grad else CHECKS))
+        sparse = (q, k, lse, index_q, index_k, block_indices, *docs, block_size, scale, index_scale, *extra)
+        result.append(Sample(f"indexer_kl-{tag}", "indexer_kl", sparse))
+        with torch.no_grad():
+            _, teacher_lse, index_lse, mass = torch.ops.msa.indexer_kl(*sparse)
+        grad_loss = torch.ones((), dtype=index_lse.dtype, device=device).requires_grad_(requires_grad)
+        result.append(Sample(f"indexer_kl_backward-{tag}", "indexer_kl_backward",
+                             (grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, mass, block_indices, *docs,
+                              block_size, scale, index_scale, *extra),
+                             NO_DOUBLE_BACKWARD_CHECKS if requires_grad else CHECKS))
     return result
 
 

@@ -15,7 +15,7 @@ import torch
 import torch_msa
 from torch_msa import backends, reference
 from torch_msa.plan import entries_per_item
-from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
+from torch_msa.testing import cu_seqlens, fragments, random_block_indices, skewed_block_indices
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -327,3 +327,41 @@ def test_deterministic_backward_skips_out_of_contract_ids():
         got = torch.ops.msa.backward(*args)
     torch.cuda.synchronize()
     _assert_matches_reference(got, args)
+
+
+# A context-parallel rank's share: chunks 0 and 3 of a 8K document, chunks 1 and 2 of a 3K one
+# (2 ranks, 4 chunks per document), a 1-token document and the middle of a 2K one.
+FRAGMENT_LENGTHS = (8192, 3000, 1, 2048)
+FRAGMENT_PIECES = ((0, 0, 2048), (0, 6144, 2048), (1, 750, 1500), (2, 0, 1), (3, 700, 600))
+
+
+@pytest.mark.parametrize("kind", ["index", "random"])
+def test_fragments_match_reference_at_m3_shapes(kind):
+    frag = fragments(FRAGMENT_LENGTHS, FRAGMENT_PIECES, "cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tq, tk = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v = tensor(tq, 64, 128), tensor(tk, 4, 128), tensor(tk, 4, 128)
+    index_q, index_k = tensor(tq, 4, 128), tensor(tk, 1, 128)
+    select_args = (index_q, index_k, *frag.op_args, 16, 128, *frag.tensors)
+    selected = torch.ops.msa.select_blocks(*select_args)
+    same_set = (selected.sort(-1).values == reference.select_blocks(*select_args).sort(-1).values).all(-1)
+    assert same_set.float().mean() > 0.999, f"only {same_set.float().mean():.4%} of rows agree"
+    block_indices = selected if kind == "index" else random_block_indices(
+        frag.cu_seqlens_q, frag.cu_seqlens_k, 4, 16, 128, None, *frag.tensors)
+    args = (block_indices, *frag.op_args, 128, 128**-0.5)
+    out, lse = torch.ops.msa.forward(q, k, v, *args, None, *frag.tensors)
+    out_ref, lse_ref = reference.forward(q, k, v, *args, None, *frag.tensors)
+    assert _relative_error(out, out_ref) < 1e-2
+    assert (lse - lse_ref).abs().max().item() < 1e-3
+    grad_out, grad_lse = torch.randn_like(q), torch.randn_like(lse)
+    want = reference.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse, None, *frag.tensors)
+    for mode in (contextlib.nullcontext, _deterministic_mode):
+        with mode():
+            got = torch.ops.msa.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse, None, *frag.tensors)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            error = _relative_error(g, w)
+            assert error < 1e-2, f"{mode.__name__} {name}: relative error {error:.3g}"

@@ -6,21 +6,28 @@ without Python; `tests/test_schemas.py` pins both to the text below, so a change
 
 NAMESPACE = "msa"
 
+# Every op ends with the optional fragment description (`fragment_documents`, `fragment_starts`,
+# int32 [F] each; torch_msa/documents.py): query fragments of documents that share the documents'
+# keys, for context parallelism. Omitted, `cu_seqlens_q` and `cu_seqlens_k` delimit the same
+# documents and the queries are the causal suffix of the keys.
 SCHEMAS: dict[str, str] = {
     "select_blocks": (
         "select_blocks(Tensor index_q, Tensor index_k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-        "SymInt max_seqlen_q, SymInt max_seqlen_k, int topk, int block_size) -> Tensor"
+        "SymInt max_seqlen_q, SymInt max_seqlen_k, int topk, int block_size, "
+        "Tensor? fragment_documents=None, Tensor? fragment_starts=None) -> Tensor"
     ),
     # The key-to-query schedule of one layer's selection, built once per step and passed to
     # forward and backward as their trailing optional `plan` (layout: torch_msa/plan.py).
     "plan": (
         "plan(Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
-        "SymInt max_seqlen_k, SymInt num_keys, int block_size, int entries_per_item) -> Tensor"
+        "SymInt max_seqlen_k, SymInt num_keys, int block_size, int entries_per_item, "
+        "Tensor? fragment_documents=None, Tensor? fragment_starts=None) -> Tensor"
     ),
     "forward": (
         "forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, "
-        "float softmax_scale, Tensor? plan=None) -> (Tensor, Tensor)"
+        "float softmax_scale, Tensor? plan=None, Tensor? fragment_documents=None, "
+        "Tensor? fragment_starts=None) -> (Tensor, Tensor)"
     ),
     # `grad_lse` (trailing, optional) lets autograd fold the gradient of `lse` into dS instead
     # of dropping it: dS = P * (dP - delta + grad_lse).
@@ -28,7 +35,8 @@ SCHEMAS: dict[str, str] = {
         "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
         "SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None, "
-        "Tensor? plan=None) -> (Tensor, Tensor, Tensor)"
+        "Tensor? plan=None, Tensor? fragment_documents=None, Tensor? fragment_starts=None) "
+        "-> (Tensor, Tensor, Tensor)"
     ),
     # The index branch's KL distillation loss. `lse` omitted: the teacher's normaliser is computed
     # over the support; `block_indices` omitted: the support is every visible key (dense warm-up).
@@ -37,12 +45,14 @@ SCHEMAS: dict[str, str] = {
     "indexer_kl": (
         "indexer_kl(Tensor q, Tensor k, Tensor? lse, Tensor index_q, Tensor index_k, Tensor? block_indices, "
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, "
-        "float softmax_scale, float index_softmax_scale) -> (Tensor, Tensor, Tensor, Tensor)"
+        "float softmax_scale, float index_softmax_scale, Tensor? fragment_documents=None, "
+        "Tensor? fragment_starts=None) -> (Tensor, Tensor, Tensor, Tensor)"
     ),
     "indexer_kl_backward": (
         "indexer_kl_backward(Tensor grad_loss, Tensor q, Tensor k, Tensor teacher_lse, Tensor index_q, "
         "Tensor index_k, Tensor index_lse, Tensor teacher_mass, Tensor? block_indices, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, "
-        "float index_softmax_scale) -> (Tensor, Tensor)"
+        "float index_softmax_scale, Tensor? fragment_documents=None, Tensor? fragment_starts=None) "
+        "-> (Tensor, Tensor)"
     ),
 }

@@ -5,7 +5,14 @@ Layouts (packed tokens, documents delimited by int32 `cu_seqlens`):
 * `q [Tq, Hq, D]`, `k, v [Tk, Hkv, D]`: bf16, fp16, fp32 or fp64; `Hq % Hkv == 0`, `D in {64, 128}`.
 * `index_q [Tq, Hi, Di]` with `Hi == Hkv`, `index_k [Tk, 1, Di]`: one shared index key per token.
 * `block_indices [Hkv, Tq, topk]` int32: per (KV head, query) block ids, valid ids first, `-1` after.
-* `cu_seqlens_q, cu_seqlens_k [B + 1]` int32; omitted, the inputs are one document.
+* `cu_seqlens_q, cu_seqlens_k [B + 1]` int32; omitted, the inputs are one document. Queries are
+  the causal suffix of their document's keys (`p(t) = Lk - Lq + t`).
+* `fragment_documents, fragment_starts [F]` int32 (keyword, both or neither): query *fragments*
+  for context parallelism. `cu_seqlens_q [F + 1]` then delimits fragments and `cu_seqlens_k
+  [B + 1]` documents; fragment `f` belongs to document `fragment_documents[f]`, and its first
+  query sits at the document-local position `fragment_starts[f]`, so its query `i` sees the
+  document's keys `j <= fragment_starts[f] + i`. Several fragments may share one document's keys
+  (stored once). `max_seqlen_q` bounds the fragments. Block ids stay document-local.
 * `max_seqlen_q, max_seqlen_k`: host ints; omitted, they default to the token counts `Tq`, `Tk`
   (always a valid bound, but a looser one for packs of short documents: pass the real values when
   you have them).
@@ -40,6 +47,18 @@ def _document_args(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, ma
     return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
+def _fragments(fragment_documents, fragment_starts, cu_seqlens_q):
+    """The ops' two trailing fragment arguments, checked to come together with `cu_seqlens`."""
+    if (fragment_documents is None) != (fragment_starts is None):
+        missing = "fragment_starts" if fragment_starts is None else "fragment_documents"
+        other = "fragment_documents" if fragment_starts is None else "fragment_starts"
+        raise ValueError(f"{missing}: expected a tensor when {other} is given (or neither), got None")
+    if fragment_documents is not None and cu_seqlens_q is None:
+        raise ValueError("cu_seqlens_q: expected the fragments' [F + 1] boundaries when fragment_documents is given, "
+                         "got None")
+    return fragment_documents, fragment_starts
+
+
 def _rows(name, x, layout):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor {layout}, got {type(x).__name__}")
@@ -67,6 +86,8 @@ def select_blocks(
     *,
     topk: int = DEFAULT_TOPK,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Choose the key blocks each query attends to (the MSA index branch's selection).
 
@@ -82,9 +103,10 @@ def select_blocks(
     Returns:
         int32 `[Hi, Tq, topk]`; valid ids first, `-1` padding after. Not differentiable.
     """
+    fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _document_args(_rows("index_q", index_q, "[Tq, Hi, Di]"), _rows("index_k", index_k, "[Tk, 1, Di]"),
                       index_q.device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk)
-    return torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size)
+    return torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size, *fragments)
 
 
 def build_plan(
@@ -97,6 +119,8 @@ def build_plan(
     num_keys: int,
     num_heads: int,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The key-to-query schedule of `block_indices`, to build once and pass to `sparse_attention`.
 
@@ -114,15 +138,17 @@ def build_plan(
         these `block_indices`, documents, `Tk` and `block_size`.
     """
     _rows("block_indices", block_indices, "[Hkv, Tq, topk]")
+    fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     num_queries = block_indices.shape[1] if block_indices.dim() == 3 else 0  # msa::plan names a wrong rank
     docs = _document_args(num_queries, num_keys, block_indices.device, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, block_size)
     return torch.ops.msa.plan(block_indices, *docs, num_keys, block_size,
-                              entries_per_item(num_heads, block_indices.shape[0]))
+                              entries_per_item(num_heads, block_indices.shape[0]), *fragments)
 
 
-def _plan_for(q, k, block_indices, docs, block_size):
-    return torch.ops.msa.plan(block_indices, *docs, k.shape[0], block_size, entries_per_item(q.shape[1], k.shape[1]))
+def _plan_for(q, k, block_indices, docs, block_size, fragments):
+    return torch.ops.msa.plan(block_indices, *docs, k.shape[0], block_size, entries_per_item(q.shape[1], k.shape[1]),
+                              *fragments)
 
 
 def sparse_attention(
@@ -139,6 +165,8 @@ def sparse_attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     plan: torch.Tensor | None = None,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ):
     """Attention of each query over the keys of its selected blocks (causal inside the local one).
 
@@ -156,10 +184,11 @@ def sparse_attention(
         `out [Tq, Hq, D]` in q's dtype, or `(out, lse)` with `lse [Tq, Hq]` (natural log, fp32;
         fp64 for fp64 inputs). Differentiable in q, k, v, including through `lse`.
     """
+    fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
     if plan is None:
-        plan = _plan_for(q, k, block_indices, docs, block_size)
-    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan)
+        plan = _plan_for(q, k, block_indices, docs, block_size, fragments)
+    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan, *fragments)
     return (out, lse) if return_lse else out
 
 
@@ -197,6 +226,8 @@ def msa_attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     return_block_indices: bool = False,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ):
     """MiniMax Sparse Attention: `select_blocks` (no gradient) then `sparse_attention`.
 
@@ -208,12 +239,13 @@ def msa_attention(
     `index_q` and `index_k` receive no gradient here (a one-time warning says so when they
     require grad): the index branch is trained with `indexer_kl_loss`.
     """
+    fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
     validation.check_index_inputs(index_q, index_k, q, k)
     _warn_index_inputs_get_no_gradient(index_q, index_k)
-    block_indices = torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size)
-    plan = _plan_for(q, k, block_indices, docs, block_size)
-    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan)
+    block_indices = torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size, *fragments)
+    plan = _plan_for(q, k, block_indices, docs, block_size, fragments)
+    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan, *fragments)
     if not (return_lse or return_block_indices):
         return out
     return (out,) + ((lse,) if return_lse else ()) + ((block_indices,) if return_block_indices else ())
@@ -238,6 +270,8 @@ def indexer_kl_loss(
     block_size: int = DEFAULT_BLOCK_SIZE,
     softmax_scale: float | None = None,
     index_softmax_scale: float | None = None,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The index branch's KL distillation loss over the selected support.
 
@@ -260,13 +294,15 @@ def indexer_kl_loss(
         `KL(P_t || P_s)`, 0 when `Tq == 0`. Gradients flow to `index_q` and `index_k` only: the
         teacher (`q`, `k`, `lse`) is a constant of this loss.
     """
+    fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
     if not isinstance(block_indices, torch.Tensor):
         raise TypeError(f"block_indices: expected a torch.Tensor [Hkv, Tq, topk], got {type(block_indices).__name__}")
     if not isinstance(lse, torch.Tensor):
         raise TypeError(f"lse: expected a torch.Tensor [Tq, Hq], got {type(lse).__name__}")
     loss, _, _, _ = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, block_indices, *docs, block_size,
-                                             _scale(q, softmax_scale), _index_scale(index_q, index_softmax_scale))
+                                             _scale(q, softmax_scale), _index_scale(index_q, index_softmax_scale),
+                                             *fragments)
     return loss
 
 
@@ -284,6 +320,8 @@ def indexer_kl_loss_dense(
     block_size: int = DEFAULT_BLOCK_SIZE,
     softmax_scale: float | None = None,
     index_softmax_scale: float | None = None,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same loss over the full causal support, for the dense warm-up stage.
 
@@ -294,9 +332,11 @@ def indexer_kl_loss_dense(
     `block_size` only sizes the key spans. Returns a 0-D tensor as `indexer_kl_loss` does;
     gradients flow to `index_q` and `index_k` only.
     """
+    fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
     loss, _, _, _ = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, None, *docs, block_size,
-                                             _scale(q, softmax_scale), _index_scale(index_q, index_softmax_scale))
+                                             _scale(q, softmax_scale), _index_scale(index_q, index_softmax_scale),
+                                             *fragments)
     return loss
 
 
@@ -315,22 +355,27 @@ def validate_inputs(
     topk: int = DEFAULT_TOPK,
     block_size: int = DEFAULT_BLOCK_SIZE,
     softmax_scale: float | None = None,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> None:
     """Check every input the way `TORCH_MSA_DEBUG=1` does, including values (host sync).
 
     Raises `ValueError`/`TypeError` naming the first offending argument: shapes, dtypes and
     devices; `cu_seqlens` starting at 0, non-decreasing, ending at the token counts, `Lq <= Lk`
-    per document and `max_seqlen_*` large enough; and, when given, the block-id contract of
+    per document (with fragments: each names a document and fits in it) and `max_seqlen_*` large
+    enough; and, when given, the block-id contract of
     `block_indices` (valid prefix then `-1`, distinct, `< nvb`, local block last) and the index
     inputs. Use it in eager code when debugging; it is not meant for compiled regions.
     """
+    fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
-    validation.check_attention(q, k, v, *docs, block_size, _scale(q, softmax_scale))
+    validation.check_attention(q, k, v, *docs, block_size, _scale(q, softmax_scale), *fragments)
     if block_indices is not None:
         validation.check_block_indices(block_indices, q, k)
     if (index_q is None) != (index_k is None):
         raise ValueError(f"{'index_k' if index_k is None else 'index_q'}: expected a tensor when the other index input is given, got None")
     if index_q is not None:
         validation.check_index_inputs(index_q, index_k, q, k)
-        validation.check_select_blocks(index_q, index_k, *docs, topk, block_size)
-    validation.check_values(docs[0], docs[1], q.shape[0], k.shape[0], docs[2], docs[3], block_indices, block_size)
+        validation.check_select_blocks(index_q, index_k, *docs, topk, block_size, *fragments)
+    validation.check_values(docs[0], docs[1], q.shape[0], k.shape[0], docs[2], docs[3], block_indices, block_size,
+                            *fragments)

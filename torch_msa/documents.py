@@ -2,8 +2,16 @@
 
 Packed (THD) tensors hold documents back to back, delimited by int32 `cu_seqlens_q` and
 `cu_seqlens_k`. Inside a document with `Lq <= Lk` tokens the queries are the causal suffix of
-the keys: local query `t` sits at key position `p(t) = Lk - Lq + t`. Everything here is computed
-on the tensors' device with no host synchronisation, so it is safe inside CUDA-graph capture.
+the keys: local query `t` sits at key position `p(t) = Lk - Lq + t`.
+
+With fragments (context parallelism), `cu_seqlens_q` `[F + 1]` delimits query *fragments* and
+`cu_seqlens_k` `[B + 1]` the documents: fragment `f` belongs to document `fragment_documents[f]`
+and its first query sits at the document-local position `fragment_starts[f]`, so its query `i`
+sits at `fragment_starts[f] + i`. Several fragments may share one document's keys. The suffix
+rule is the case `fragment_documents = [0, 1, ..., B - 1]`, `fragment_starts[b] = Lk - Lq`.
+
+Everything here is computed on the tensors' device with no host synchronisation, so it is safe
+inside CUDA-graph capture.
 """
 
 from typing import NamedTuple
@@ -24,31 +32,49 @@ class QueryDocuments(NamedTuple):
 
 
 def locate_queries(
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_queries: int, num_keys: int
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    num_queries: int,
+    num_keys: int,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> QueryDocuments:
     """Map every packed query row to its document's key offset and causal position.
 
     Args:
-        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` document boundaries.
+        cu_seqlens_q: int32 `[B + 1]` document boundaries, or `[F + 1]` fragment boundaries.
+        cu_seqlens_k: int32 `[B + 1]` document boundaries.
         num_queries: `Tq`, rows of the packed queries.
         num_keys: `Tk`, rows of the packed keys; positions that would fall outside them are
             marked `-1`, so malformed boundaries can never produce an out-of-range key row.
+        fragment_documents, fragment_starts: int32 `[F]` each, or None (the suffix rule).
     """
     device = cu_seqlens_q.device
     cu_q = cu_seqlens_q.to(torch.int64)
     cu_k = cu_seqlens_k.to(torch.int64)
-    num_docs = cu_q.numel() - 1
+    num_segments = cu_q.numel() - 1
     tokens = torch.arange(num_queries, device=device, dtype=torch.int64)
-    if num_docs < 1:
+    if num_segments < 1 or cu_k.numel() < 2:
         minus_one = torch.full_like(tokens, -1)
         return QueryDocuments(torch.zeros_like(tokens), minus_one)
     # right=True skips empty documents (repeated boundaries).
-    doc = torch.searchsorted(cu_q[1:].contiguous(), tokens, right=True)
-    in_range = doc < num_docs
-    doc = doc.clamp(max=num_docs - 1)
-    q_start, q_end = cu_q[doc], cu_q[doc + 1]
-    k_start, k_end = cu_k[doc], cu_k[doc + 1]
-    position = (k_end - k_start) - (q_end - q_start) + (tokens - q_start)
+    segment = torch.searchsorted(cu_q[1:].contiguous(), tokens, right=True)
+    in_range = segment < num_segments
+    segment = segment.clamp(max=num_segments - 1)
+    q_start, q_end = cu_q[segment], cu_q[segment + 1]
+    if fragment_documents is None:
+        doc = segment
+        k_start, k_end = cu_k[doc], cu_k[doc + 1]
+        position = (k_end - k_start) - (q_end - q_start) + (tokens - q_start)
+    else:
+        # A document id out of range marks the fragment's queries invisible instead of reading
+        # another document's boundaries.
+        num_key_docs = cu_k.numel() - 1
+        doc = fragment_documents.to(torch.int64)[segment]
+        in_range &= (doc >= 0) & (doc < num_key_docs)
+        doc = doc.clamp(0, num_key_docs - 1)
+        k_start, k_end = cu_k[doc], cu_k[doc + 1]
+        position = fragment_starts.to(torch.int64)[segment] + (tokens - q_start)
     valid = (
         in_range
         & (tokens >= q_start)

@@ -41,21 +41,22 @@ def index_scoring(index_heads: int, index_dim: int, pairs: int | float) -> int |
 # Nominal formulas. FlopCounterMode calls them with the op's arguments, tensors replaced by
 # their shapes, and the output's shape as `out_shape`.
 def select_blocks_flops(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
-                        out_shape=None) -> int:
+                        fragment_documents=None, fragment_starts=None, out_shape=None) -> int:
     """`msa::select_blocks`: each of the `Tq` queries scores at most `max_seqlen_k` keys per index head."""
     num_queries, index_heads, index_dim = index_q
     return index_scoring(index_heads, index_dim, num_queries * max_seqlen_k)
 
 
 def forward_flops(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,
-                  softmax_scale, plan=None, out_shape=None) -> int:
+                  softmax_scale, plan=None, fragment_documents=None, fragment_starts=None, out_shape=None) -> int:
     """`msa::forward`: `Tq * topk * block_size` pairs per query head."""
     num_queries, query_heads, head_dim = q
     return attention_forward(query_heads, head_dim, num_queries * block_indices[2] * block_size)
 
 
 def backward_flops(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   block_size, softmax_scale, grad_lse=None, plan=None, out_shape=None) -> int:
+                   block_size, softmax_scale, grad_lse=None, plan=None, fragment_documents=None, fragment_starts=None,
+                   out_shape=None) -> int:
     """`msa::backward`: the forward's pairs at the backward's cost per pair."""
     num_queries, query_heads, head_dim = q
     return attention_backward(query_heads, head_dim, num_queries * block_indices[2] * block_size)

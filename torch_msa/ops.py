@@ -51,101 +51,122 @@ for _name in SCHEMAS:
     _define(_name)
 
 
-def _select_blocks_kernel(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size):
-    validation.check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size)
+def _select_blocks_kernel(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
+                          fragment_documents=None, fragment_starts=None):
+    fragments = (fragment_documents, fragment_starts)
+    validation.check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
+                                   *fragments)
     if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, index_q.shape[0], index_k.shape[0], max_seqlen_q, max_seqlen_k)
+        validation.check_values(cu_seqlens_q, cu_seqlens_k, index_q.shape[0], index_k.shape[0], max_seqlen_q, max_seqlen_k,
+                                None, None, *fragments)
     return backends.call(
         "select_blocks", index_q.device,
-        index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
+        index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size, *fragments,
     )
 
 
 def _plan_kernel(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
-                 entries_per_item):
+                 entries_per_item, fragment_documents=None, fragment_starts=None):
+    fragments = (fragment_documents, fragment_starts)
     args = (block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size, entries_per_item)
-    validation.check_plan_args(*args)
+    validation.check_plan_args(*args, *fragments)
     if validation.debug_enabled():
         validation.check_values(cu_seqlens_q, cu_seqlens_k, block_indices.shape[1], num_keys, max_seqlen_q, max_seqlen_k,
-                                block_indices, block_size)
-    return backends.call("plan", block_indices.device, *args)
+                                block_indices, block_size, *fragments)
+    return backends.call("plan", block_indices.device, *args, *fragments)
 
 
 def _forward_kernel(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                    plan=None):
+                    plan=None, fragment_documents=None, fragment_starts=None):
+    fragments = (fragment_documents, fragment_starts)
     args = (q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
-    validation.check_forward(*args)
+    validation.check_forward(*args, *fragments)
     validation.check_plan(plan, block_indices)
     if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size)
-    return backends.call("forward", q.device, *args, plan)
+        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size,
+                                *fragments)
+    return backends.call("forward", q.device, *args, plan, *fragments)
 
 
 def _backward_kernel(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
+                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
+                     fragment_documents=None, fragment_starts=None):
+    fragments = (fragment_documents, fragment_starts)
     args = (grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse)
-    validation.check_backward(*args)
+    validation.check_backward(*args, *fragments)
     validation.check_plan(plan, block_indices)
     if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size)
-    return backends.call("backward", q.device, *args, plan)
+        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size,
+                                *fragments)
+    return backends.call("backward", q.device, *args, plan, *fragments)
 
 
 def _indexer_kl_kernel(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-                       max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale):
+                       max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
+                       fragment_documents=None, fragment_starts=None):
     args = (q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-            max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale)
+            max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts)
     validation.check_indexer_kl(*args)
     if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size)
+        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size,
+                                fragment_documents, fragment_starts)
     return backends.call("indexer_kl", q.device, *args)
 
 
 def _indexer_kl_backward_kernel(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
                                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                                index_softmax_scale):
+                                index_softmax_scale, fragment_documents=None, fragment_starts=None):
     args = (grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale)
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
+            fragment_documents, fragment_starts)
     validation.check_indexer_kl_backward(*args)
     if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size)
+        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size,
+                                fragment_documents, fragment_starts)
     return backends.call("indexer_kl_backward", q.device, *args)
 
 
 # Fake kernels: contiguous outputs, exactly as every backend returns them.
-def _select_blocks_fake(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size):
-    validation.check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size)
+def _select_blocks_fake(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
+                        fragment_documents=None, fragment_starts=None):
+    validation.check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
+                                   fragment_documents, fragment_starts)
     return index_q.new_empty((index_q.shape[1], index_q.shape[0], topk), dtype=torch.int32)
 
 
 def _plan_fake(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
-               entries_per_item):
+               entries_per_item, fragment_documents=None, fragment_starts=None):
     validation.check_plan_args(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
-                     entries_per_item)
-    numel = plan_numel(block_indices.shape, num_keys, cu_seqlens_q.shape[0] - 1, block_size, entries_per_item)
+                               entries_per_item, fragment_documents, fragment_starts)
+    numel = plan_numel(block_indices.shape, num_keys, cu_seqlens_k.shape[0] - 1, block_size, entries_per_item)
     return block_indices.new_empty((numel,), dtype=INDEX_DTYPE)
 
 
 def _forward_fake(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                  plan=None):
-    validation.check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
+                  plan=None, fragment_documents=None, fragment_starts=None):
+    validation.check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                             fragment_documents, fragment_starts)
     validation.check_plan(plan, block_indices)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype))
 
 
 def _backward_fake(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
+                   max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
+                   fragment_documents=None, fragment_starts=None):
     validation.check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-                              max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse)
+                              max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse,
+                              fragment_documents, fragment_starts)
     validation.check_plan(plan, block_indices)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _indexer_kl_fake(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale):
+                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
+                     fragment_documents=None, fragment_starts=None):
     validation.check_indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-                                max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale)
+                                max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
+                                fragment_documents, fragment_starts)
     dtype = loss_dtype(index_q.dtype)
     per_index_head = index_q.shape[:2]
     return (q.new_empty((), dtype=dtype), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype)),
@@ -154,18 +175,22 @@ def _indexer_kl_fake(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, c
 
 def _indexer_kl_backward_fake(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
                               cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                              index_softmax_scale):
+                              index_softmax_scale, fragment_documents=None, fragment_starts=None):
     validation.check_indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass,
                                          block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         block_size, softmax_scale, index_softmax_scale)
+                                         block_size, softmax_scale, index_softmax_scale, fragment_documents,
+                                         fragment_starts)
     return index_q.new_empty(index_q.shape), index_k.new_empty(index_k.shape)
 
 
 def _forward_setup_context(ctx, inputs, output):
-    q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, plan = inputs
+    # Trailing optional arguments the caller left out are absent from `inputs`.
+    (q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, plan,
+     fragment_documents, fragment_starts) = (*inputs, *(None,) * (13 - len(inputs)))
     out, lse = output
     # The plan travels with the saved tensors, so the backward reuses the forward's schedule.
-    ctx.save_for_backward(q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, plan)
+    ctx.save_for_backward(q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, plan,
+                          fragment_documents, fragment_starts)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.block_size, ctx.softmax_scale = block_size, softmax_scale
     # Unused outputs then arrive as None: a loss that ignores lse costs no zero-filled grad_lse.
@@ -173,24 +198,24 @@ def _forward_setup_context(ctx, inputs, output):
 
 
 def _forward_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, plan = ctx.saved_tensors
+    q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, plan, *fragments = ctx.saved_tensors
     if grad_out is None and grad_lse is None:
-        return (None,) * 11
+        return (None,) * 13
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.msa.backward(
         grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-        ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.softmax_scale, grad_lse, plan,
+        ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.softmax_scale, grad_lse, plan, *fragments,
     )
-    return (dq, dk, dv) + (None,) * 8
+    return (dq, dk, dv) + (None,) * 10
 
 
 def _indexer_kl_setup_context(ctx, inputs, output):
     (q, k, _, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale) = inputs
+     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts) = inputs
     _, teacher_lse, index_lse, teacher_mass = output
     ctx.save_for_backward(q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
-                          cu_seqlens_q, cu_seqlens_k)
+                          cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.block_size, ctx.softmax_scale, ctx.index_softmax_scale = block_size, softmax_scale, index_softmax_scale
     ctx.set_materialize_grads(False)
@@ -200,14 +225,15 @@ def _indexer_kl_backward(ctx, grad_loss, *unused_grads):
     """Gradients reach index_q and index_k only: the teacher (q, k, lse) is a constant of the loss,
     and the auxiliary outputs are not differentiable."""
     if grad_loss is None:
-        return (None,) * 13
-    q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        return (None,) * 15
+    (q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices, cu_seqlens_q, cu_seqlens_k,
+     *fragments) = ctx.saved_tensors
     d_index_q, d_index_k = torch.ops.msa.indexer_kl_backward(
         grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
         cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.softmax_scale,
-        ctx.index_softmax_scale,
+        ctx.index_softmax_scale, *fragments,
     )
-    return None, None, None, d_index_q, d_index_k, None, None, None, None, None, None, None, None
+    return (None, None, None, d_index_q, d_index_k) + (None,) * 10
 
 
 def _no_double_backward(ctx, *grads):

@@ -45,6 +45,8 @@ def select_blocks(
     max_seqlen_k: int,
     topk: int,
     block_size: int,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pick, per (index head, query), the blocks its main heads attend to.
 
@@ -64,7 +66,7 @@ def select_blocks(
     if num_queries == 0 or num_keys == 0:
         return result
     cdtype = compute_dtype(index_q.dtype)
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
+    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
     num_blocks = max(1, math.ceil(max_seqlen_k / block_size))
     keys = index_k.reshape(num_keys, index_dim)
     scale = index_dim**-0.5
@@ -150,9 +152,12 @@ def plan(
     num_keys: int,
     block_size: int,
     entries_per_item: int,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The plan (`torch_msa/plan.py`) of `block_indices`: `build_schedule`'s tables, packed."""
-    return pack(build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item))
+    return pack(build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
+                               fragment_documents, fragment_starts))
 
 
 def _heads_first(x: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -196,6 +201,8 @@ def forward(
     block_size: int,
     softmax_scale: float,
     plan: torch.Tensor | None = None,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention forward. Returns `out [Tq, Hq, D]` (q's dtype) and `lse [Tq, Hq]`
     (natural log; fp32, fp64 for fp64 inputs). A query whose key set is empty (only possible
@@ -208,7 +215,7 @@ def forward(
     lse = torch.full((num_queries, num_heads), -math.inf, dtype=cdtype, device=q.device)
     if num_queries == 0 or num_keys == 0:
         return out, lse
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
+    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
     k_flat, v_flat = k.reshape(-1, dim), v.reshape(-1, dim)
     keys_per_query = block_indices.shape[-1] * block_size
     row_bytes = _attention_row_bytes(num_heads, num_kv_heads, keys_per_query, dim, buffers=1)
@@ -240,6 +247,8 @@ def backward(
     softmax_scale: float,
     grad_lse: torch.Tensor | None = None,
     plan: torch.Tensor | None = None,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention backward: `(dq, dk, dv)` in the inputs' dtype, accumulated in fp32.
 
@@ -255,7 +264,7 @@ def backward(
     dk_acc = torch.zeros(num_keys * num_kv_heads + 1, dim, dtype=cdtype, device=q.device)
     dv_acc = torch.zeros(num_keys * num_kv_heads + 1, dim, dtype=cdtype, device=q.device)
     if num_queries > 0 and num_keys > 0:
-        docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
+        docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
         k_flat, v_flat = k.reshape(-1, dim), v.reshape(-1, dim)
         keys_per_query = block_indices.shape[-1] * block_size
         row_bytes = _attention_row_bytes(num_heads, num_kv_heads, keys_per_query, dim, buffers=3)

@@ -77,7 +77,7 @@ class _Problem:
     """The inputs of one loss evaluation and the per-chunk pieces both passes share."""
 
     def __init__(self, q, k, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                 block_size, softmax_scale, index_softmax_scale):
+                 block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
         self.q, self.k, self.index_q, self.index_k = q, k, index_q, index_k
         self.block_indices, self.block_size, self.max_seqlen_k = block_indices, block_size, max_seqlen_k
         self.softmax_scale, self.index_softmax_scale = softmax_scale, index_softmax_scale
@@ -86,7 +86,8 @@ class _Problem:
         self.index_dim = index_q.shape[-1]
         self.dtype = torch.promote_types(compute_dtype(q.dtype), loss_dtype(index_q.dtype))
         self.device = q.device
-        self.docs = locate_queries(cu_seqlens_q, cu_seqlens_k, self.num_queries, self.num_keys)
+        self.docs = locate_queries(cu_seqlens_q, cu_seqlens_k, self.num_queries, self.num_keys,
+                                   fragment_documents, fragment_starts)
         self.k_flat = k.reshape(-1, self.dim)
         self.index_keys = index_k.reshape(self.num_keys, self.index_dim)
         if block_indices is None:
@@ -172,6 +173,8 @@ def indexer_kl(
     block_size: int,
     softmax_scale: float,
     index_softmax_scale: float,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss and what its backward needs.
 
@@ -188,7 +191,7 @@ def indexer_kl(
         (fp64 for fp64 index inputs).
     """
     problem = _Problem(q, k, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                       block_size, softmax_scale, index_softmax_scale)
+                       block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts)
     out_dtype = loss_dtype(index_q.dtype)
     num_queries, num_index_heads = index_q.shape[:2]
     index_lse = torch.full((num_queries, num_index_heads), -math.inf, dtype=out_dtype, device=q.device)
@@ -241,6 +244,8 @@ def indexer_kl_backward(
     block_size: int,
     softmax_scale: float,
     index_softmax_scale: float,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(d index_q [Tq, Hi, Di], d index_k [Tk, 1, Di])` in the index inputs' dtype.
 
@@ -249,7 +254,7 @@ def indexer_kl_backward(
     `d index_k[j] = index_softmax_scale * sum_(t, r) du[j] index_q[t, r]`.
     """
     problem = _Problem(q, k, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                       block_size, softmax_scale, index_softmax_scale)
+                       block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts)
     num_queries, num_index_heads = index_q.shape[:2]
     d_index_q = torch.zeros(index_q.shape, dtype=problem.dtype, device=q.device)
     d_index_k = torch.zeros((problem.num_keys, problem.index_dim), dtype=problem.dtype, device=q.device)

@@ -92,6 +92,8 @@ def build_schedule(
     num_keys: int,
     block_size: int,
     entries_per_item: int,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> Schedule:
     """Build the KV-outer schedule of `block_indices` on its device, without a host sync.
 
@@ -104,19 +106,21 @@ def build_schedule(
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
-        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]`.
+        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` (`cu_seqlens_q` `[F + 1]` with fragments).
         num_keys: `Tk`, rows of the packed keys.
         block_size: keys per block.
         entries_per_item: the most entries one item holds (a multiple of the kernels' query
             tile keeps their tiles full).
+        fragment_documents, fragment_starts: int32 `[F]` each, or None (`torch_msa/documents.py`).
+            Fragments of one document share its buckets, so each key block is still one bucket.
     """
     num_kv_heads, num_queries, topk = block_indices.shape
     device = block_indices.device
-    num_docs = max(0, cu_seqlens_q.numel() - 1)
+    num_docs = max(0, cu_seqlens_k.numel() - 1)
     num_entries = block_indices.numel()
     bucket_bound = max_buckets(num_kv_heads, num_keys, num_docs, block_size)
     item_bound = max_items(num_entries, bucket_bound, entries_per_item)
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
+    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
     valid = valid_entries(block_indices, docs.position, block_size)
 
     # One integer per bucket, `head * Tk + packed key row of the block`; invalid entries get a
@@ -184,6 +188,8 @@ def build_schedule_python(
     num_keys: int,
     block_size: int,
     entries_per_item: int,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> dict:
     """The same schedule built with plain Python loops, for tests.
 
@@ -194,10 +200,15 @@ def build_schedule_python(
     ids = block_indices.tolist()
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     position, key_start = [-1] * num_queries, [0] * num_queries
-    for doc in range(len(cu_q) - 1):
-        length_q, length_k = cu_q[doc + 1] - cu_q[doc], cu_k[doc + 1] - cu_k[doc]
-        for t in range(cu_q[doc], cu_q[doc + 1]):
-            position[t] = length_k - length_q + (t - cu_q[doc])
+    for segment in range(len(cu_q) - 1):
+        length_q = cu_q[segment + 1] - cu_q[segment]
+        if fragment_documents is None:
+            doc = segment
+            first = cu_k[doc + 1] - cu_k[doc] - length_q
+        else:
+            doc, first = int(fragment_documents[segment]), int(fragment_starts[segment])
+        for t in range(cu_q[segment], cu_q[segment + 1]):
+            position[t] = first + (t - cu_q[segment])
             key_start[t] = cu_k[doc]
     buckets: dict[tuple[int, int], list[int]] = {}
     blocks: dict[tuple[int, int], int] = {}

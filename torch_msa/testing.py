@@ -55,6 +55,62 @@ def cu_seqlens(
     return bounds[0], bounds[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class Fragments:
+    """Query fragments of a self-attention pack (`torch_msa/documents.py`), with where each
+    fragment query sits in the pack.
+
+    Attributes:
+        cu_seqlens_q: int32 `[F + 1]` fragment boundaries; cu_seqlens_k: int32 `[B + 1]` documents.
+        fragment_documents, fragment_starts: int32 `[F]`.
+        rows: int64 `[Tq]`, the row of each fragment query among the pack's queries (the pack
+            whose queries are its keys, `cu_seqlens_q == cu_seqlens_k`).
+        max_seqlen_q: the longest fragment; max_seqlen_k: the longest document.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    fragment_documents: torch.Tensor
+    fragment_starts: torch.Tensor
+    rows: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def op_args(self) -> tuple:
+        """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`, the ops' document arguments."""
+        return self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(fragment_documents, fragment_starts)`, the ops' trailing arguments."""
+        return self.fragment_documents, self.fragment_starts
+
+
+def fragments(
+    lengths: Sequence[int], pieces: Sequence[tuple[int, int, int]], device: torch.device | str = "cpu"
+) -> Fragments:
+    """Fragments of a self-attention pack of documents with `lengths` tokens.
+
+    Args:
+        lengths: tokens per document.
+        pieces: `(document, start, length)` per fragment, in packed order: the fragment holds
+            the document's queries at positions `start .. start + length - 1`.
+    """
+    _, cu_k = cu_seqlens(lengths, lengths, device)
+    doc_start = [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()]
+    rows = [doc_start[doc] + start + i for doc, start, length in pieces for i in range(length)]
+    fragment_lengths = [length for _, _, length in pieces]
+    cu_q, _ = cu_seqlens(fragment_lengths, fragment_lengths, device)
+
+    def int32(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return Fragments(cu_q, cu_k, int32([doc for doc, _, _ in pieces]), int32([start for _, start, _ in pieces]),
+                     torch.tensor(rows, dtype=torch.int64, device=device), max(fragment_lengths, default=0),
+                     max(lengths, default=0))
+
+
 def random_block_indices(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
@@ -62,6 +118,8 @@ def random_block_indices(
     topk: int,
     block_size: int,
     generator: torch.Generator | None = None,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A random selection that honours the contract: int32 `[Hkv, Tq, topk]`.
 
@@ -70,7 +128,8 @@ def random_block_indices(
     """
     num_queries = int(cu_seqlens_q[-1])
     num_keys = int(cu_seqlens_k[-1])
-    position = locate_queries(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), num_queries, num_keys).position
+    fragments = (None, None) if fragment_documents is None else (fragment_documents.cpu(), fragment_starts.cpu())
+    position = locate_queries(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), num_queries, num_keys, *fragments).position
     visible_blocks = position // block_size + 1  # [Tq]
     max_blocks = int(visible_blocks.max()) if num_queries else 1
     noise = torch.rand(num_kv_heads, num_queries, max(1, max_blocks), generator=generator)

@@ -114,21 +114,36 @@ def check_host_args(max_seqlen_q, max_seqlen_k, block_size, topk=None, softmax_s
         _softmax_scale(softmax_scale)
 
 
-def _documents(cu_seqlens_q, cu_seqlens_k, anchor_name, anchor) -> None:
+def _documents(cu_seqlens_q, cu_seqlens_k, anchor_name, anchor, fragment_documents=None, fragment_starts=None) -> None:
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _tensor(name, cu, 1, "[B + 1]")
         _dtype(name, cu, (INDEX_DTYPE,), "int32")
         _same_device(name, cu, anchor_name, anchor)
         if cu.shape[0] < 1:
             raise ValueError(f"{name}: expected at least one boundary ([B + 1] with B >= 0), got shape {_shape(cu)}")
-    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
-        raise ValueError(
-            f"cu_seqlens_k: expected {_concrete(cu_seqlens_q.shape[0])} boundaries (as many as cu_seqlens_q), "
-            f"got {_concrete(cu_seqlens_k.shape[0])}"
-        )
+    if fragment_documents is None and fragment_starts is None:
+        if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+            raise ValueError(
+                f"cu_seqlens_k: expected {_concrete(cu_seqlens_q.shape[0])} boundaries (as many as cu_seqlens_q), "
+                f"got {_concrete(cu_seqlens_k.shape[0])}"
+            )
+        return
+    for name, x, other in (("fragment_documents", fragment_documents, "fragment_starts"),
+                           ("fragment_starts", fragment_starts, "fragment_documents")):
+        if x is None:
+            raise ValueError(f"{name}: expected a tensor when {other} is given (or neither), got None")
+        _tensor(name, x, 1, "[F] (one entry per query fragment of cu_seqlens_q)")
+        _dtype(name, x, (INDEX_DTYPE,), "int32")
+        _same_device(name, x, anchor_name, anchor)
+        if x.shape[0] != cu_seqlens_q.shape[0] - 1:
+            raise ValueError(
+                f"{name}: expected F = {_concrete(cu_seqlens_q.shape[0] - 1)} entries (one per fragment of "
+                f"cu_seqlens_q), got {_concrete(x.shape[0])}"
+            )
 
 
-def check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size) -> None:
+def check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
+                        fragment_documents=None, fragment_starts=None) -> None:
     """Metadata checks of `msa::select_blocks` (no host sync)."""
     _float_tensor("index_q", index_q, "[Tq, Hi, Di]")
     _float_tensor("index_k", index_k, "[Tk, 1, Di]")
@@ -141,11 +156,12 @@ def check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen
     if index_k.dtype != index_q.dtype:
         raise TypeError(f"index_k: expected dtype {index_q.dtype} (the dtype of index_q), got {index_k.dtype}")
     _same_device("index_k", index_k, "index_q", index_q)
-    _documents(cu_seqlens_q, cu_seqlens_k, "index_q", index_q)
+    _documents(cu_seqlens_q, cu_seqlens_k, "index_q", index_q, fragment_documents, fragment_starts)
     check_host_args(max_seqlen_q, max_seqlen_k, block_size, topk=topk)
 
 
-def check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale) -> None:
+def check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                    fragment_documents=None, fragment_starts=None) -> None:
     """Metadata checks of `msa::forward` other than `block_indices` (no host sync)."""
     _float_tensor("q", q, "[Tq, Hq, D]")
     _float_tensor("k", k, "[Tk, Hkv, D]")
@@ -165,7 +181,7 @@ def check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
             f"k: expected a number of KV heads Hkv that divides Hq = {_concrete(num_heads)}, "
             f"got Hkv = {_concrete(num_kv_heads)}"
         )
-    _documents(cu_seqlens_q, cu_seqlens_k, "q", q)
+    _documents(cu_seqlens_q, cu_seqlens_k, "q", q, fragment_documents, fragment_starts)
     check_host_args(max_seqlen_q, max_seqlen_k, block_size, softmax_scale=softmax_scale)
 
 
@@ -182,9 +198,11 @@ def check_block_indices(block_indices, q, k) -> None:
         )
 
 
-def check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale) -> None:
+def check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                  fragment_documents=None, fragment_starts=None) -> None:
     """Metadata checks of `msa::forward` (no host sync)."""
-    check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
+    check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                    fragment_documents, fragment_starts)
     check_block_indices(block_indices, q, k)
 
 
@@ -213,9 +231,11 @@ def check_index_inputs(index_q, index_k, q, k) -> None:
 
 
 def check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None) -> None:
+                   max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None,
+                   fragment_documents=None, fragment_starts=None) -> None:
     """Metadata checks of `msa::backward` (no host sync)."""
-    check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
+    check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                  fragment_documents, fragment_starts)
     for name, x in (("grad_out", grad_out), ("out", out)):
         _float_tensor(name, x, "[Tq, Hq, D]")
         if list(x.shape) != list(q.shape):
@@ -235,13 +255,13 @@ def check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_
 
 
 def check_plan_args(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
-                    entries_per_item) -> None:
+                    entries_per_item, fragment_documents=None, fragment_starts=None) -> None:
     """Metadata checks of `msa::plan` (no host sync)."""
     _tensor("block_indices", block_indices, 3, "[Hkv, Tq, topk]")
     _dtype("block_indices", block_indices, (INDEX_DTYPE,), "int32")
     if block_indices.shape[0] < 1 or block_indices.shape[2] < 1:
         raise ValueError(f"block_indices: expected shape [Hkv >= 1, Tq, topk >= 1], got {_shape(block_indices)}")
-    _documents(cu_seqlens_q, cu_seqlens_k, "block_indices", block_indices)
+    _documents(cu_seqlens_q, cu_seqlens_k, "block_indices", block_indices, fragment_documents, fragment_starts)
     check_host_args(max_seqlen_q, max_seqlen_k, block_size)
     _host_int("num_keys", num_keys, 0)
     _host_int("entries_per_item", entries_per_item, 1)
@@ -265,11 +285,12 @@ def _first(mask: torch.Tensor) -> tuple[int, ...]:
 
 
 def check_values(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, max_seqlen_q, max_seqlen_k,
-                 block_indices=None, block_size=None) -> None:
+                 block_indices=None, block_size=None, fragment_documents=None, fragment_starts=None) -> None:
     """Content checks (host sync): document boundaries and, if given, the block-id contract.
 
     Boundaries start at 0, never decrease, end at `Tq` / `Tk`; every document has `Lq <= Lk`
-    and fits `max_seqlen_*`. Each `block_indices[r, t]` row holds distinct ids in
+    (with fragments: every fragment names a document and fits in it, `fragment_starts[f] + Lq_f
+    <= Lk`) and fits `max_seqlen_*`. Each `block_indices[r, t]` row holds distinct ids in
     `[0, nvb(t))` as a prefix, `-1` after it, and the local block `nvb(t) - 1` as its last
     valid id.
     """
@@ -294,20 +315,49 @@ def check_values(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, max_seqlen_q
         if longest > int(max_len):
             raise ValueError(f"{max_name}: expected >= the longest document ({longest} tokens), got {int(max_len)}")
         lengths[name] = steps
-    too_long = lengths["cu_seqlens_q"] > lengths["cu_seqlens_k"]
-    if too_long.any():
-        (b,) = _first(too_long)
-        raise ValueError(
-            f"cu_seqlens_q: expected every document to have Lq <= Lk (queries are the causal suffix of the keys), "
-            f"got document {b} with Lq = {int(lengths['cu_seqlens_q'][b])}, Lk = {int(lengths['cu_seqlens_k'][b])}"
-        )
+    if fragment_documents is None:
+        too_long = lengths["cu_seqlens_q"] > lengths["cu_seqlens_k"]
+        if too_long.any():
+            (b,) = _first(too_long)
+            raise ValueError(
+                f"cu_seqlens_q: expected every document to have Lq <= Lk (queries are the causal suffix of the keys), "
+                f"got document {b} with Lq = {int(lengths['cu_seqlens_q'][b])}, Lk = {int(lengths['cu_seqlens_k'][b])}"
+            )
+    else:
+        _check_fragments(fragment_documents, fragment_starts, lengths["cu_seqlens_q"], lengths["cu_seqlens_k"])
     if block_indices is not None:
-        _check_block_ids(block_indices, cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, block_size)
+        _check_block_ids(block_indices, cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, block_size,
+                         fragment_documents, fragment_starts)
 
 
-def _check_block_ids(block_indices, cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, block_size) -> None:
+def _check_fragments(fragment_documents, fragment_starts, fragment_lengths, document_lengths) -> None:
+    documents = fragment_documents.detach().to("cpu", torch.int64)
+    starts = fragment_starts.detach().to("cpu", torch.int64)
+    num_docs = document_lengths.numel()
+    unknown = (documents < 0) | (documents >= num_docs)
+    if unknown.any():
+        (f,) = _first(unknown)
+        raise ValueError(
+            f"fragment_documents[{f}]: expected a document of cu_seqlens_k in [0, {num_docs}), got {int(documents[f])}"
+        )
+    if (starts < 0).any():
+        (f,) = _first(starts < 0)
+        raise ValueError(f"fragment_starts[{f}]: expected a document-local position >= 0, got {int(starts[f])}")
+    overflow = starts + fragment_lengths > document_lengths[documents]
+    if overflow.any():
+        (f,) = _first(overflow)
+        raise ValueError(
+            f"fragment_starts[{f}]: expected fragment_starts + Lq <= Lk (the fragment's {int(fragment_lengths[f])} "
+            f"queries inside document {int(documents[f])} of {int(document_lengths[documents[f]])} keys), "
+            f"got {int(starts[f])}"
+        )
+
+
+def _check_block_ids(block_indices, cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, block_size,
+                     fragment_documents=None, fragment_starts=None) -> None:
     ids = block_indices.detach().to("cpu", torch.int64)
-    position = locate_queries(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), num_queries, num_keys).position
+    fragments = (None, None) if fragment_documents is None else (fragment_documents.cpu(), fragment_starts.cpu())
+    position = locate_queries(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), num_queries, num_keys, *fragments).position
     visible_blocks = (position // block_size + 1).view(1, -1, 1)
     where = "block_indices[{}, {}, {}]"
     if (ids < -1).any():
@@ -359,15 +409,18 @@ def _lse_like(name: str, x, q) -> None:
 
 
 def check_indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale) -> None:
+                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
+                     fragment_documents=None, fragment_starts=None) -> None:
     """Metadata checks of `msa::indexer_kl` (no host sync); `lse` / `block_indices` may be None."""
     # k stands in for v: the loss reads no values. Without block_indices the support is dense.
-    check_attention(q, k, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
+    check_attention(q, k, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                    fragment_documents, fragment_starts)
     if block_indices is not None:
         check_block_indices(block_indices, q, k)
     if lse is not None:
         _lse_like("lse", lse, q)
-    check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, block_size)
+    check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, block_size,
+                        fragment_documents, fragment_starts)
     if list(index_q.shape[:2]) != [q.shape[0], k.shape[1]]:
         raise ValueError(
             f"index_q: expected [Tq, Hi] = [{q.shape[0]}, {k.shape[1]}] (one index head per KV head), "
@@ -381,10 +434,11 @@ def check_indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, c
 
 def check_indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
                               cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                              index_softmax_scale) -> None:
+                              index_softmax_scale, fragment_documents=None, fragment_starts=None) -> None:
     """Metadata checks of `msa::indexer_kl_backward` (no host sync)."""
     check_indexer_kl(q, k, teacher_lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale)
+                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
+                     fragment_documents, fragment_starts)
     loss_dtype = compute_dtype(index_q.dtype)
     _tensor("grad_loss", grad_loss, 0, "[] (a scalar)")
     _dtype("grad_loss", grad_loss, (loss_dtype,), str(loss_dtype))

@@ -331,3 +331,48 @@ def test_forward_and_backward_read_a_given_plan():
     actual = backward_kernel.backward(grad_out, q, k, v, out_ref, lse_ref, *args, None, plan)
     for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
         _close(got, want, 4 * TOLERANCE[dtype], name)
+
+
+def test_fragments_match_reference():
+    """Query fragments sharing their documents' keys (out of order, several per document, an
+    empty and a 1-token document, junk ids and an out-of-range document id): every kernel against
+    the reference, and the plan against the reference's tables."""
+    lengths = (150, 0, 1, 90)
+    pieces = ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40), (0, 100, 20))
+    frag = testing.fragments(lengths, pieces, DEVICE)
+    num_heads, num_kv_heads, dim, block_size, topk, dtype = 4, 2, 64, 64, 3, torch.float32
+    num_queries, num_keys = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+    fragments = frag.tensors
+    index_q = torch.randn(num_queries, num_kv_heads, 32, device=DEVICE, dtype=dtype)
+    index_k = torch.randn(num_keys, 1, 32, device=DEVICE, dtype=dtype)
+    select_args = (index_q, index_k, *frag.op_args, topk, block_size, *fragments)
+    assert torch.equal(select_kernel.select_blocks(*select_args), reference.select_blocks(*select_args))
+
+    block_indices = testing.random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, num_kv_heads, topk, block_size,
+                                                 None, *fragments)
+    block_indices[-1, ::3, 0] = 10_000
+    for entries_per_item in (1, 16):
+        expected = pack(build_schedule(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size,
+                                       entries_per_item, *fragments))
+        got = plan_kernel.build_plan(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size,
+                                     entries_per_item, *fragments)
+        assert torch.equal(got, expected)
+    unknown = (torch.tensor([3, 0, 2, 0, 7, 0], dtype=torch.int32, device=DEVICE), fragments[1])
+    assert torch.equal(
+        plan_kernel.build_plan(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size, 8, *unknown),
+        pack(build_schedule(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size, 8, *unknown)))
+
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    args = (block_indices, *frag.op_args, block_size, dim**-0.5)
+    out_ref, lse_ref = reference.forward(q, k, v, *args, None, *fragments)
+    out, lse = forward_kernel.forward(q, k, v, *args, None, *fragments)
+    _close(out, out_ref, TOLERANCE[dtype], "out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))  # a junk local slot leaves a query no key
+    _close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[dtype], "lse")
+    grad_out = torch.randn_like(q)
+    expected = reference.backward(grad_out, q, k, v, out_ref, lse_ref, *args, None, None, *fragments)
+    for module in (backward_kernel, backward_deterministic_kernel):
+        actual = module.backward(grad_out, q, k, v, out_ref, lse_ref, *args, None, None, *fragments)
+        for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
+            _close(got, want, 4 * TOLERANCE[dtype], f"{module.__name__} {name}")

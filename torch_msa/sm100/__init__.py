@@ -31,7 +31,7 @@ from ..backends import BACKEND_ENV, Backend, UnsupportedInputs, register_backend
 from ..documents import locate_queries
 from ..schedule import valid_entries
 from . import bindings
-from ..cute_dsl import device_unavailable_reason, importable
+from ..cute_dsl import decline_fragments, device_unavailable_reason, importable
 from .kernels import INSTALL_COMMAND, SM100_CAPABILITY, sm_capability
 
 NAME = "sm100"
@@ -147,15 +147,17 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 
 
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            plan=None):
+            plan=None, fragment_documents=None, fragment_starts=None):
     """`msa::forward` through the official flat forward: `(out [Tq, 64, 128] bf16, lse [Tq, 64] fp32)`.
 
     The official forward builds its own key-to-query CSR, so `plan` is not read.
 
     Raises:
-        UnsupportedInputs: outside the official configuration, during CUDA-graph capture, or for
-            documents with fewer queries than keys; nothing has been launched.
+        UnsupportedInputs: outside the official configuration, during CUDA-graph capture, for
+            documents with fewer queries than keys, or for query fragments; nothing has been
+            launched.
     """
+    decline_fragments(fragment_documents, "SM100")
     _require_official_configuration(q, k, v, block_indices, block_size)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise UnsupportedInputs(
@@ -217,7 +219,8 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
+             fragment_documents=None, fragment_starts=None):
     """`msa::backward` through our CuTe DSL `run_backward`: `(dq, dk, dv)` in bfloat16.
 
     Its tasks hold 8 queries each (`tasks.TASK_ROWS`), a finer split than the plans the public
@@ -228,8 +231,10 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
 
     Raises:
         UnsupportedInputs: under `torch.use_deterministic_algorithms(True)` (dK/dV/dQ are
-            accumulated with atomics) or outside the official configuration; nothing launched.
+            accumulated with atomics), outside the official configuration, or for query
+            fragments; nothing launched.
     """
+    decline_fragments(fragment_documents, "SM100")
     if torch.are_deterministic_algorithms_enabled():
         raise UnsupportedInputs(
             "the SM100 backward adds dQ, dK and dV with fp32 atomics, so it is not deterministic, and "

@@ -20,7 +20,7 @@ import importlib
 import torch
 
 from ..backends import Backend, register_backend
-from ..cute_dsl import device_unavailable_reason, importable, sm_capability
+from ..cute_dsl import decline_fragments, device_unavailable_reason, importable, sm_capability
 
 NAME = "sm90"
 PRIORITY = 15  # above the portable Triton backend (10), below SM100 (20), which other devices get
@@ -58,8 +58,10 @@ def opt_in_note(device: torch.device) -> None:
 
 
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            plan=None):
-    """`msa::forward` through the SM90 kernel; see `torch_msa.sm90.forward_sm90.forward`."""
+            plan=None, fragment_documents=None, fragment_starts=None):
+    """`msa::forward` through the SM90 kernel; see `torch_msa.sm90.forward_sm90.forward`. Query
+    fragments are declined (the Triton backend serves them)."""
+    decline_fragments(fragment_documents, "SM90 CuTe")
     module = importlib.import_module(f"{__name__}.forward_sm90")
     module.check_served(q, k, v, block_size)
     with torch.cuda.device(q.device):

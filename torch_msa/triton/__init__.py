@@ -65,56 +65,63 @@ def _kernels(module: str):
     return importlib.import_module(f"{__name__}.{module}")
 
 
-def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size):
+def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
+                  fragment_documents=None, fragment_starts=None):
     check_served("index_q", index_q.dtype)
     return _kernels("select_kernel").select_blocks(
-        index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size
+        index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
+        fragment_documents, fragment_starts,
     )
 
 
-def plan(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size, entries_per_item):
+def plan(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size, entries_per_item,
+         fragment_documents=None, fragment_starts=None):
     return _kernels("plan_kernel").build_plan(
-        block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item
+        block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
+        fragment_documents, fragment_starts,
     )
 
 
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            plan=None):
+            plan=None, fragment_documents=None, fragment_starts=None):
     check_served("q", q.dtype, q.shape[1] // k.shape[1])
     return _kernels("forward_kernel").forward(
-        q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, plan
+        q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, plan,
+        fragment_documents, fragment_starts,
     )
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
+             fragment_documents=None, fragment_starts=None):
     check_served("q", q.dtype, q.shape[1] // k.shape[1])
     # Decided per call, like torch's own kernels: the flag may change between steps.
     module = "backward_deterministic_kernel" if torch.are_deterministic_algorithms_enabled() else "backward_kernel"
     return _kernels(module).backward(
         grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse, plan,
+        max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse, plan, fragment_documents, fragment_starts,
     )
 
 
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               block_size, softmax_scale, index_softmax_scale):
+               block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
     check_served("q", q.dtype, q.shape[1] // k.shape[1])
     check_served("index_q", index_q.dtype)
     return _kernels("kl_kernel").indexer_kl(
         q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        block_size, softmax_scale, index_softmax_scale,
+        block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts,
     )
 
 
 def indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                        index_softmax_scale):
+                        index_softmax_scale, fragment_documents=None, fragment_starts=None):
     check_served("q", q.dtype, q.shape[1] // k.shape[1])
     check_served("index_q", index_q.dtype)
     return _kernels("kl_kernel").indexer_kl_backward(
         grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
+        fragment_documents, fragment_starts,
     )
 
 

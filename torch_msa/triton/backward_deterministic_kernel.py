@@ -68,7 +68,8 @@ def _key_reduce_kernel(
     TOPK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DIM: tl.constexpr,
 ):
     bucket = tl.program_id(0)
-    count = tl.load(bucket_ptr + bucket + 1) - tl.load(bucket_ptr + bucket)
+    bucket_start = tl.load(bucket_ptr + bucket)
+    count = tl.load(bucket_ptr + bucket + 1) - bucket_start
     if count <= 0:
         return
     first_item = tl.load(bucket_first_item + bucket).to(tl.int64)
@@ -81,15 +82,16 @@ def _key_reduce_kernel(
     dk_sum = tl.zeros((BLOCK_N, DIM), tl.float32)
     dv_sum = tl.zeros((BLOCK_N, DIM), tl.float32)
     written = key_row < 0
-    # Items in order: a fixed summation order. An item wrote the keys up to its last query's
-    # position; the bucket's items follow query order, so the last one wrote the most.
+    # Items in order: a fixed summation order. An item wrote the keys up to its horizon.
     for rank in range(tl.cdiv(count, entries_per_item)):
         item = first_item + rank
-        horizon = item_horizon(entry_query, position, tl.load(item_end + item), TOPK)
-        written = (key_position <= horizon) & (key_row < num_keys)
+        horizon = item_horizon(entry_query, position, bucket_start + rank * entries_per_item, tl.load(item_end + item),
+                               TOPK)
+        item_wrote = (key_position <= horizon) & (key_row < num_keys)
+        written |= item_wrote
         part = (item * BLOCK + slice_start + offsets)[:, None] * DIM + dims[None, :]
-        dk_sum += tl.load(dk_part + part, mask=written[:, None], other=0.0)
-        dv_sum += tl.load(dv_part + part, mask=written[:, None], other=0.0)
+        dk_sum += tl.load(dk_part + part, mask=item_wrote[:, None], other=0.0)
+        dv_sum += tl.load(dv_part + part, mask=item_wrote[:, None], other=0.0)
     tl.store(dk + key_row[:, None] * stride_dk_token + kv_head * stride_dk_head + dims[None, :],
              dk_sum.to(dk.dtype.element_ty), mask=written[:, None])
     tl.store(dv + key_row[:, None] * stride_dv_token + kv_head * stride_dv_head + dims[None, :],
@@ -159,7 +161,8 @@ def _query_kernel(
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
+             fragment_documents=None, fragment_starts=None):
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype,
     bitwise reproducible. A given `plan` is not read: the key kernels need items of exactly
     `_ITEM_TILES` tiles (the workspace and its reduction are laid out by item), so this backward
@@ -183,13 +186,14 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     block_indices = block_indices.contiguous()
     delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
     entries_per_item = tile_shape(num_heads, num_kv_heads, KEY_BLOCKS_CONFIGS[0].rows)[0] * _ITEM_TILES
-    schedule = unpack(build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item),
-                      block_indices, num_keys, cu_seqlens_q.numel() - 1, block_size)
+    schedule = unpack(build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
+                                 fragment_documents, fragment_starts),
+                      block_indices, num_keys, cu_seqlens_k.numel() - 1, block_size)
     num_buckets = schedule.bucket_head.numel()
     bucket_first_item = torch.searchsorted(
         schedule.item_bucket, torch.arange(num_buckets, device=device, dtype=torch.int32), out_int32=True
     )
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
+    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
     workspace_rows = schedule.item_start.numel() * block_size
     dk_part = torch.empty((workspace_rows, dim), dtype=torch.float32, device=device)
     dv_part = torch.empty((workspace_rows, dim), dtype=torch.float32, device=device)

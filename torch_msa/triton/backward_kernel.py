@@ -92,7 +92,7 @@ def _blocks_kernel(
     key_row = (first_key + offsets).to(tl.int64)
     key_position = block * BLOCK + slice_start + offsets
     # As in the forward: keys of the next document (the block's tail) are neither read nor written.
-    key_ok = (key_position <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
+    key_ok = (key_position <= item_horizon(entry_query, position, start, end, TOPK)) & (key_row < num_keys)
     keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
                    mask=key_ok[:, None], other=0.0)
     values = tl.load(v + key_row[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
@@ -143,7 +143,8 @@ def _blocks_kernel(
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None):
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
+             fragment_documents=None, fragment_starts=None):
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype.
     `plan` (from `msa::plan`, any item size) spares building the schedule."""
     if torch.are_deterministic_algorithms_enabled():
@@ -159,7 +160,8 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
         q, k, v, grad_out, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad_out, out))
         lse = lse.contiguous()
         delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=q.device)
-        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan)
+        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan,
+                                fragment_documents, fragment_starts)
         shape_key = (q.device, q.dtype, dim, block_size, group, topk)
         compute_delta(grad_out, out, grad_lse, delta, shape_key)
         launch_blocks(q, k, v, grad_out, lse, delta, (dq_acc, dk_acc, dv_acc), schedule, topk, block_size,

@@ -33,6 +33,9 @@ BLOCKS_CONFIGS = (LaunchConfig(rows=_ROWS, num_stages=3), LaunchConfig(rows=64, 
 COMBINE_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4),)
 
 
+_HORIZON_ENTRIES: tl.constexpr = tl.constexpr(128)
+
+
 def tile_shape(num_heads: int, num_kv_heads: int, rows: int = _ROWS) -> tuple[int, int]:
     """`(tokens, heads_p2)` of a query tile of about `rows` rows: all heads of a KV head for
     `tokens` queries."""
@@ -40,24 +43,32 @@ def tile_shape(num_heads: int, num_kv_heads: int, rows: int = _ROWS) -> tuple[in
     return max(1, rows // heads_p2), heads_p2
 
 
-def schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan=None):
+def schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan=None,
+                 fragment_documents=None, fragment_starts=None):
     """The KV-outer schedule the kernels walk: `plan`'s, or (`None`) a new plan's, with the items
     the public API builds (`torch_msa.plan.entries_per_item`)."""
     if plan is None:
         plan = build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size,
-                          entries_per_item(num_heads, block_indices.shape[0]))
-    return unpack(plan, block_indices, num_keys, cu_seqlens_q.numel() - 1, block_size)
+                          entries_per_item(num_heads, block_indices.shape[0]), fragment_documents, fragment_starts)
+    return unpack(plan, block_indices, num_keys, cu_seqlens_k.numel() - 1, block_size)
 
 
 @triton.jit
-def item_horizon(entry_query, position, end, TOPK: tl.constexpr):
-    """The last key position any query of an item sees: that of its last entry.
+def item_horizon(entry_query, position, start, end, TOPK: tl.constexpr):
+    """The last key position any query of an item sees: the largest position of its entries.
 
-    An item's entries all belong to one document and are sorted by query, so this bounds the
-    keys the item may read to its own document, at or before its last query's position.
+    An item's entries all read one key block of one document, so this bounds the keys the item
+    may read to its own document. Entries are sorted by query, which within a document is
+    position order, except across query fragments of one document: hence the max, not the last
+    entry's position. One chunk of `_HORIZON_ENTRIES` covers the items the public API builds.
     """
-    last_token = (tl.load(entry_query + end - 1) // TOPK).to(tl.int64)
-    return tl.load(position + last_token)
+    horizon = tl.full((), -1, tl.int32)
+    for first in range(start, end, _HORIZON_ENTRIES):
+        entries = first + tl.arange(0, _HORIZON_ENTRIES)
+        ok = entries < end
+        token = (tl.load(entry_query + entries, mask=ok, other=0) // TOPK).to(tl.int64)
+        horizon = tl.maximum(horizon, tl.max(tl.load(position + token, mask=ok, other=-1), axis=0))
+    return horizon
 
 
 @triton.jit
@@ -85,7 +96,7 @@ def _blocks_kernel(
     key_position = block * BLOCK + offsets
     # Keys past the item's last causal position are not read: the tail of a block belongs to the
     # next document, and a NaN there would survive `0 * NaN` in the P @ V product.
-    key_ok = (key_position <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
+    key_ok = (key_position <= item_horizon(entry_query, position, start, end, TOPK)) & (key_row < num_keys)
     keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
                    mask=key_ok[:, None], other=0.0)
     values = tl.load(v + key_row[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
@@ -156,7 +167,7 @@ def _combine_kernel(
 
 
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            plan=None):
+            plan=None, fragment_documents=None, fragment_starts=None):
     """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
     `plan` (from `msa::plan`, any item size) spares building the schedule."""
     num_queries, num_heads, dim = q.shape
@@ -170,7 +181,8 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if num_keys == 0:
         return out.zero_(), lse.fill_(-math.inf)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan)
+    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan,
+                            fragment_documents, fragment_starts)
     partial_out = torch.empty((num_queries * num_kv_heads * topk * group, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((num_queries * num_kv_heads * topk * group,), -math.inf, dtype=torch.float32, device=q.device)
     shape_key = (q.device, q.dtype, dim, block_size, group, topk)

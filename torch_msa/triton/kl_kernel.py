@@ -105,7 +105,8 @@ def _tile(
 
 @triton.jit
 def _item_keys(
-    k, index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, end, num_keys,
+    k, index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
+    num_keys,
     stride_k_token, stride_k_head, stride_ik_token,
     TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
 ):
@@ -118,7 +119,7 @@ def _item_keys(
     key_position = tl.load(bucket_block + bucket) * BLOCK + offsets
     # Keys past the item's last causal position (the block's tail may be the next document's) are
     # neither read nor written, so no value of another document meets a zero weight (0 * NaN).
-    key_ok = (key_position <= item_horizon(entry_query, position, end, TOPK)) & (key_row < num_keys)
+    key_ok = (key_position <= item_horizon(entry_query, position, start, end, TOPK)) & (key_row < num_keys)
     k_block = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + tl.arange(0, DIM)[None, :],
                       mask=key_ok[:, None], other=0.0)
     index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + tl.arange(0, INDEX_DIM)[None, :],
@@ -142,7 +143,8 @@ def _forward_kernel(
     if start >= end:
         return
     kv_head, key_row, key_position, key_ok, k_block, index_keys = _item_keys(
-        k, index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, end, num_keys,
+        k, index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
+        num_keys,
         stride_k_token, stride_k_head, stride_ik_token, TOPK, BLOCK, DIM, INDEX_DIM,
     )
 
@@ -184,7 +186,8 @@ def _backward_kernel(
     if start >= end:
         return
     kv_head, key_row, key_position, key_ok, k_block, index_keys = _item_keys(
-        k, index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, end, num_keys,
+        k, index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
+        num_keys,
         stride_k_token, stride_k_head, stride_ik_token, TOPK, BLOCK, DIM, INDEX_DIM,
     )
     index_dims = tl.arange(0, INDEX_DIM)
@@ -212,12 +215,12 @@ def _backward_kernel(
                   mask=key_ok[:, None], sem="relaxed")
 
 
-def _launch(kernel, q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, softmax_scale,
-            index_softmax_scale, *outputs):
+def _launch(kernel, q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, fragments, block_size,
+            softmax_scale, index_softmax_scale, *outputs):
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     tokens, heads_per_pass = kl_tile_shape(num_heads, num_kv_heads)
-    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads)
+    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, None, *fragments)
     q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
     scalars = (num_queries, num_keys) if kernel is _forward_kernel else (num_keys,)
     kernel[(schedule.item_start.numel(),)](
@@ -234,7 +237,7 @@ def _launch(kernel, q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu
 
 
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               block_size, softmax_scale, index_softmax_scale):
+               block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
     """Same contract as `torch_msa.reference_kl.indexer_kl` (sparse support, `lse` given)."""
     check_inputs(q, lse, index_q, block_indices)
     num_queries, num_index_heads = index_q.shape[:2]
@@ -244,8 +247,9 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
     part_max = torch.full(shape, -math.inf, dtype=torch.float32, device=q.device)
     part_sum, part_weighted, part_mass = (torch.zeros(shape, dtype=torch.float32, device=q.device) for _ in range(3))
     if num_queries > 0 and k.shape[0] > 0:
-        _launch(_forward_kernel, q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, block_size,
-                softmax_scale, index_softmax_scale, part_max, part_sum, part_weighted, part_mass)
+        _launch(_forward_kernel, q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
+                (fragment_documents, fragment_starts), block_size, softmax_scale, index_softmax_scale,
+                part_max, part_sum, part_weighted, part_mass)
     used = part_sum > 0
     slot_lse = torch.where(used, (part_max + torch.where(used, part_sum, 1).log2()) * math.log(2), -math.inf)
     index_lse = torch.logsumexp(slot_lse, -1)  # [Hi, Tq]
@@ -257,7 +261,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
 
 def indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                        index_softmax_scale):
+                        index_softmax_scale, fragment_documents=None, fragment_starts=None):
     """Same contract as `torch_msa.reference_kl.indexer_kl_backward` (sparse support)."""
     check_inputs(q, teacher_lse, index_q, block_indices)
     if torch.are_deterministic_algorithms_enabled():
@@ -269,6 +273,6 @@ def indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_ls
         # du = grad * (M P_s - P_t) / (Tq Hi); the index scale of the logits is folded in too.
         coefficient = (grad_loss.float() * (index_softmax_scale / (num_queries * num_index_heads))).reshape(1)
         _launch(_backward_kernel, q, k, teacher_lse.contiguous(), index_q, index_k, block_indices, cu_seqlens_q,
-                cu_seqlens_k, block_size, softmax_scale, index_softmax_scale,
+                cu_seqlens_k, (fragment_documents, fragment_starts), block_size, softmax_scale, index_softmax_scale,
                 index_lse.float().contiguous(), teacher_mass.float().contiguous(), coefficient, d_index_q, d_index_k)
     return d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)

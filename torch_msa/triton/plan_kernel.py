@@ -34,10 +34,10 @@ _SLOT_TILE = 1024  # (token, slot) pairs per program of the key kernel
 
 @triton.jit
 def _entry_keys_kernel(
-    block_indices, cu_seqlens_q, cu_seqlens_k, bucket_key, position,
-    num_queries, num_keys, num_docs, search_steps, block_size, key_stride, past_all,
+    block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, bucket_key, position,
+    num_queries, num_keys, num_segments, num_docs, search_steps, block_size, key_stride, past_all,
     stride_head, stride_token, stride_slot,
-    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TOKENS: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TOKENS: tl.constexpr, FRAGMENTS: tl.constexpr,
 ):
     head = tl.program_id(1)
     tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
@@ -45,9 +45,9 @@ def _entry_keys_kernel(
     token = tokens.to(tl.int64)
 
     # The probes of torch.searchsorted(cu_seqlens_q[1:], token, right=True), so that even
-    # unsorted (malformed) boundaries give the reference's document.
+    # unsorted (malformed) boundaries give the reference's document (or fragment).
     low = tl.zeros((TOKENS,), tl.int32)
-    high = tl.zeros((TOKENS,), tl.int32) + num_docs
+    high = tl.zeros((TOKENS,), tl.int32) + num_segments
     for _ in range(search_steps):
         active = low < high
         middle = low + ((high - low) >> 1)
@@ -55,14 +55,23 @@ def _entry_keys_kernel(
         right = boundary > token
         high = tl.where(active & right, middle, high)
         low = tl.where(active & ~right, middle + 1, low)
-    in_range = low < num_docs
-    doc = tl.minimum(low, num_docs - 1)
-    doc_ok = token_ok & (num_docs > 0)
-    q_start = tl.load(cu_seqlens_q + doc, mask=doc_ok, other=0).to(tl.int64)
-    q_end = tl.load(cu_seqlens_q + doc + 1, mask=doc_ok, other=0).to(tl.int64)
-    k_start = tl.load(cu_seqlens_k + doc, mask=doc_ok, other=0).to(tl.int64)
-    k_end = tl.load(cu_seqlens_k + doc + 1, mask=doc_ok, other=0).to(tl.int64)
-    pos = (k_end - k_start) - (q_end - q_start) + (token - q_start)
+    in_range = low < num_segments
+    segment = tl.minimum(low, num_segments - 1)
+    doc_ok = token_ok & (num_segments > 0)
+    q_start = tl.load(cu_seqlens_q + segment, mask=doc_ok, other=0).to(tl.int64)
+    q_end = tl.load(cu_seqlens_q + segment + 1, mask=doc_ok, other=0).to(tl.int64)
+    if FRAGMENTS:
+        doc = tl.load(fragment_documents + segment, mask=doc_ok, other=-1)
+        in_range &= (doc >= 0) & (doc < num_docs)
+        doc = tl.minimum(tl.maximum(doc, 0), num_docs - 1)
+        doc_ok &= num_docs > 0
+        k_start = tl.load(cu_seqlens_k + doc, mask=doc_ok, other=0).to(tl.int64)
+        k_end = tl.load(cu_seqlens_k + doc + 1, mask=doc_ok, other=0).to(tl.int64)
+        pos = tl.load(fragment_starts + segment, mask=doc_ok, other=-1).to(tl.int64) + (token - q_start)
+    else:
+        k_start = tl.load(cu_seqlens_k + segment, mask=doc_ok, other=0).to(tl.int64)
+        k_end = tl.load(cu_seqlens_k + segment + 1, mask=doc_ok, other=0).to(tl.int64)
+        pos = (k_end - k_start) - (q_end - q_start) + (token - q_start)
     located = (in_range & doc_ok & (token >= q_start) & (pos >= 0) & (k_start >= 0)
                & (k_start + pos < k_end) & (k_start + pos < num_keys))
     pos = tl.where(located, pos, -1)
@@ -190,25 +199,33 @@ def _search_steps(length: int) -> int:
     return max(1, int(length).bit_length())
 
 
-def build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item) -> torch.Tensor:
+def build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
+               fragment_documents=None, fragment_starts=None) -> torch.Tensor:
     """The plan of `block_indices` (see `torch_msa/plan.py`), the tables of `build_schedule`.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
-        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]`, on the same device.
+        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` (`cu_seqlens_q` `[F + 1]` with fragments), on
+            the same device.
         num_keys: `Tk`; block_size: keys per block; entries_per_item: the most entries per item.
+        fragment_documents, fragment_starts: int32 `[F]` each, or None (`torch_msa/documents.py`).
 
     Returns:
         int32 `[plan_numel(...)]` on the device of `block_indices`.
     """
     num_kv_heads, num_queries, topk = block_indices.shape
-    num_docs = cu_seqlens_q.numel() - 1
+    num_segments = cu_seqlens_q.numel() - 1
+    num_docs = cu_seqlens_k.numel() - 1
     num_entries = block_indices.numel()
     # The kernels read the boundaries as dense arrays (block_indices through its strides).
     cu_seqlens_q, cu_seqlens_k = (cu if cu.is_contiguous() else cu.contiguous() for cu in (cu_seqlens_q, cu_seqlens_k))
+    fragments = fragment_documents is not None
+    if fragments:
+        fragment_documents, fragment_starts = fragment_documents.contiguous(), fragment_starts.contiguous()
     if num_entries == 0:
         # Nothing to sort: the reference's few calls on empty tensors.
-        return pack(build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item))
+        return pack(build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
+                                   fragment_documents, fragment_starts))
     device = block_indices.device
     bucket_bound = max_buckets(num_kv_heads, num_keys, num_docs, block_size)
     item_bound = max_items(num_entries, bucket_bound, entries_per_item)
@@ -229,9 +246,12 @@ def build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, 
     topk_p2 = triton.next_power_of_2(topk)
     tokens = max(1, _SLOT_TILE // topk_p2)
     _entry_keys_kernel[(triton.cdiv(num_queries, tokens), num_kv_heads)](
-        block_indices, cu_seqlens_q, cu_seqlens_k, bucket_key, position,
-        num_queries, num_keys, num_docs, _search_steps(num_docs), block_size, key_stride, past_all, *strides,
-        TOPK=topk, TOPK_P2=topk_p2, TOKENS=tokens,
+        block_indices, cu_seqlens_q, cu_seqlens_k,
+        fragment_documents if fragments else cu_seqlens_q, fragment_starts if fragments else cu_seqlens_q,
+        bucket_key, position,
+        num_queries, num_keys, num_segments, num_docs, _search_steps(num_segments), block_size, key_stride, past_all,
+        *strides,
+        TOPK=topk, TOPK_P2=topk_p2, TOKENS=tokens, FRAGMENTS=fragments,
     )
     sorted_key, order = torch.sort(bucket_key, stable=True)
     entry_grid = (triton.cdiv(num_entries, _ENTRIES),)

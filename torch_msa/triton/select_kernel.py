@@ -113,7 +113,8 @@ def _select_kernel(
     )
 
 
-def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size):
+def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
+                  fragment_documents=None, fragment_starts=None):
     """Same contract as `torch_msa.reference.select_blocks`: int32 `[Hi, Tq, topk]`.
 
     The non-local blocks are returned in descending score order (lower id first on ties).
@@ -127,7 +128,7 @@ def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     index_q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
     index_k = index_k if index_k.stride(-1) == 1 else index_k.contiguous()
     cu_seqlens_q = cu_seqlens_q.contiguous()  # the kernel reads the boundaries densely
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
+    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
     heads_p2 = triton.next_power_of_2(num_heads)
 
     def launch_select(config):
