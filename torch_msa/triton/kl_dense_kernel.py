@@ -55,8 +55,9 @@ from ..documents import locate_queries
 from .common import check_served, dot_precision
 from .launch import LaunchConfig, launch
 
-LOG2_E = 1.4426950408889634
-LN_2 = 0.6931471805599453
+# Constexpr so that the kernels may read them; the host reads `.value`.
+LOG2_E = tl.constexpr(1.4426950408889634)
+LN_2 = tl.constexpr(0.6931471805599453)
 
 # Tuned first for SM90 (228 KB of shared memory per SM), then smaller tiles and fewer stages for
 # the parts with less shared memory. `rows`: query tokens of a program's tile (or of the key-outer
@@ -68,7 +69,7 @@ LOSS_CONFIGS = (LaunchConfig(rows=64, block_n=128, num_stages=2, num_warps=8),
                 LaunchConfig(rows=32, block_n=32, num_stages=1, num_warps=4))
 QUERY_GRAD_CONFIGS = (LaunchConfig(rows=128, block_n=64, num_stages=3, num_warps=8),
                       LaunchConfig(rows=64, block_n=32, num_stages=1, num_warps=4))
-KEY_GRAD_CONFIGS = (LaunchConfig(rows=64, block_n=64, num_stages=3, num_warps=4),
+KEY_GRAD_CONFIGS = (LaunchConfig(rows=64, block_n=64, num_stages=3, num_warps=8),
                     LaunchConfig(rows=32, block_n=32, num_stages=1, num_warps=4))
 
 
@@ -392,7 +393,7 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, ma
     cu_seqlens_q = cu_seqlens_q.contiguous()
     docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
     group = num_heads // num_kv_heads
-    qk_scale, index_scale = softmax_scale * LOG2_E, index_softmax_scale * LOG2_E
+    qk_scale, index_scale = softmax_scale * LOG2_E.value, index_softmax_scale * LOG2_E.value
     precision, index_precision = dot_precision(q.dtype), dot_precision(index_q.dtype)
     shape_key = (device, q.dtype, index_q.dtype, dim, index_dim, group)
 
@@ -455,7 +456,7 @@ def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
     coefficient = (grad_loss.float() * (index_softmax_scale / (num_queries * num_kv_heads))).reshape(1)
-    index_scale = index_softmax_scale * LOG2_E
+    index_scale = index_softmax_scale * LOG2_E.value
     index_precision = dot_precision(index_q.dtype)
     shape_key = (device, index_q.dtype, index_dim)
 
