@@ -312,7 +312,8 @@ def _key_grad_kernel(
     # Local query t sits at position (Lk - Lq) + t: start at the first that sees this tile (the
     # masks below decide; this only skips queries that see none of it).
     doc_keys = tl.load(cu_seqlens_k + doc + 1) - doc_key_start
-    first_query = tl.maximum(doc_query_start + tl.maximum(0, first_pos - doc_keys + (doc_query_end - doc_query_start)), 0)
+    unseeing = tl.maximum(0, first_pos - doc_keys + (doc_query_end - doc_query_start))
+    first_query = tl.maximum(doc_query_start + unseeing, 0)
     tokens = tl.arange(0, TOKENS)
     acc = tl.zeros((BLOCK_N, INDEX_DIM), tl.float32)
     for kv_head in range(0, NUM_KV_HEADS):
