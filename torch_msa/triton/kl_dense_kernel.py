@@ -69,7 +69,7 @@ LOSS_CONFIGS = (LaunchConfig(rows=64, block_n=128, num_stages=2, num_warps=8),
                 LaunchConfig(rows=32, block_n=32, num_stages=1, num_warps=4))
 QUERY_GRAD_CONFIGS = (LaunchConfig(rows=128, block_n=64, num_stages=3, num_warps=8),
                       LaunchConfig(rows=64, block_n=32, num_stages=1, num_warps=4))
-KEY_GRAD_CONFIGS = (LaunchConfig(rows=64, block_n=64, num_stages=3, num_warps=8),
+KEY_GRAD_CONFIGS = (LaunchConfig(rows=64, block_n=64, num_stages=2, num_warps=8),
                     LaunchConfig(rows=32, block_n=32, num_stages=1, num_warps=4))
 
 
