@@ -19,7 +19,9 @@ triton = pytest.importorskip("triton", reason="triton is not installed (it ships
 
 import torch_msa  # noqa: E402
 from torch_msa import backends  # noqa: E402
-from torch_msa.triton import backward_deterministic_kernel, backward_kernel, forward_kernel, launch, select_kernel  # noqa: E402
+from torch_msa.triton import (  # noqa: E402
+    backward_deterministic_kernel, backward_kernel, forward_kernel, kl_dense_kernel, launch, select_kernel,
+)
 
 # Shared memory per block (opt-in maximum) of each architecture, from the CUDA C++ Programming
 # Guide's table of compute capabilities.
@@ -104,6 +106,40 @@ def _select(config):
     return select_kernel._select_kernel, types, constants
 
 
+DOCUMENT_TABLES = {"key_start": "*i64", "position": "*i64", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
+
+
+def _kl_dense_teacher_lse(config):
+    types = {"q": "*bf16", "k": "*bf16", "teacher_lse": "*fp32", "qk_scale": "fp32"} | DOCUMENT_TABLES
+    constants = dict(NUM_HEADS=M3["num_heads"], GROUP=GROUP, TOKENS=config.rows, BLOCK_N=config.block_n,
+                     DIM=M3["dim"], PRECISION="tf32")
+    return kl_dense_kernel._teacher_lse_kernel, types, constants
+
+
+def _kl_dense_loss(config):
+    types = dict.fromkeys(("q", "k", "index_q", "index_k"), "*bf16") | DOCUMENT_TABLES
+    types |= dict.fromkeys(("teacher_lse", "weighted", "mass", "index_lse", "teacher_index_keys",
+                            "teacher_index_queries"), "*fp32")
+    types |= {"qk_scale": "fp32", "index_scale": "fp32"}
+    constants = dict(NUM_HEADS=M3["num_heads"], NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, TOKENS=config.rows,
+                     BLOCK_N=config.block_n, DIM=M3["dim"], INDEX_DIM=M3["index_dim"], PRECISION="tf32",
+                     INDEX_PRECISION="tf32")
+    return kl_dense_kernel._loss_kernel, types, constants
+
+
+def _kl_dense_grad(kernel):
+    def kernel_spec(config):
+        types = dict.fromkeys(("index_q", "index_k", "d_index_q", "d_index_k"), "*bf16") | DOCUMENT_TABLES
+        types |= dict.fromkeys(("index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries",
+                                "coefficient"), "*fp32")
+        types |= {"index_scale": "fp32"}
+        constants = dict(NUM_KV_HEADS=M3["index_heads"], TOKENS=config.rows, BLOCK_N=config.block_n,
+                         INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32")
+        return kernel, types, constants
+
+    return kernel_spec
+
+
 KERNELS = {
     "forward._blocks_kernel": (_forward_blocks, forward_kernel.BLOCKS_CONFIGS),
     "forward._combine_kernel": (_forward_combine, forward_kernel.COMBINE_CONFIGS),
@@ -115,6 +151,11 @@ KERNELS = {
                                                   backward_deterministic_kernel.KEY_REDUCE_CONFIGS),
     "backward_deterministic._query_kernel": (_deterministic_query, backward_deterministic_kernel.QUERY_CONFIGS),
     "select._select_kernel": (_select, select_kernel.CONFIGS),
+    "kl_dense._teacher_lse_kernel": (_kl_dense_teacher_lse, kl_dense_kernel.TEACHER_LSE_CONFIGS),
+    "kl_dense._loss_kernel": (_kl_dense_loss, kl_dense_kernel.LOSS_CONFIGS),
+    "kl_dense._query_grad_kernel": (_kl_dense_grad(kl_dense_kernel._query_grad_kernel),
+                                    kl_dense_kernel.QUERY_GRAD_CONFIGS),
+    "kl_dense._key_grad_kernel": (_kl_dense_grad(kl_dense_kernel._key_grad_kernel), kl_dense_kernel.KEY_GRAD_CONFIGS),
 }
 
 

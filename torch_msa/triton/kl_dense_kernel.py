@@ -1,0 +1,488 @@
+"""The index branch's KL loss on the dense support in Triton, query-tile-outer (flash style).
+
+The dense support `J(t, r)` is every key `j <= p(t)` of query `t`'s document. For query `t` and
+index head `r` (serving KV head `r` and its `G` query heads `h`):
+
+    u_j  = index_scale <index_q[t, r], index_k[j]>          P_s = softmax_J(u)
+    P_t(j) = mean_h exp(scale <q[t, h], k[j, r]> - lse[t, h])      M = sum_J P_t
+    KL(t, r) = sum_J P_t (log P_t - u) + M lse_s                loss = sum_(t, r) KL / (Tq Hi)
+
+Kernels (each program owns a tile of consecutive queries of one document and walks the causally
+visible key tiles of that document; key tiles past the tile's last position are never read, so
+no value of another document is ever loaded):
+
+* `_teacher_lse_kernel` (only when the caller has no `lse`): programs over (query tile, query
+  head), an online log-sum-exp of the scores: a flash forward without the `P V` product.
+* `_loss_kernel`: programs over (query tile, KV head r). Per key tile it loads the keys once and
+  runs the `G` score GEMMs of the group's heads over them (the heads' queries stream through the
+  inner loop, as keys stream through a flash forward), sums `exp(S - lse)` into `P_t`, computes
+  the student logits (one index GEMM), and accumulates per query the student's online lse,
+  `A = sum P_t (log P_t - u)`, `M` and the teacher's index keys `sum_J P_t index_k`. The
+  teacher's index queries `sum_(t, r) P_t index_q[t, r]` are a reduction over queries: each
+  program adds its `[key tile, Di]` share with fp32 atomics.
+* `_query_grad_kernel` (query tiles) and `_key_grad_kernel` (key tiles, all index heads and the
+  queries that see them, reduced in registers): the backward reads only the student, so it is
+  two index-GEMM passes and needs no atomics.
+
+Cost at M3 (Hq 64, Hkv 4, D = Di = 128), T tokens of one document, `T^2 / 2` visible pairs:
+the teacher GEMMs are `2 Hq D T^2 / 2` FLOPs per pass (8.6 TFLOP at 32K) with one exp per
+(head, pair): one pass when `lse` is given, two when it is not. The student and the two teacher
+terms are three index GEMMs, `3 * 2 Hi Di T^2 / 2` (3/16 of a teacher pass), and the backward
+four more. Why atomics for the key-side teacher term: the alternative, a key-outer pass, would
+recompute every teacher score (one more teacher pass, 8.6 TFLOP and 34 G exps at 32K), while the
+atomics add `Hi Di T^2 / (2 TOKENS)` fp32 values (about 4 G at 32K with 64-token tiles), issued
+as contiguous `[key tile, Di]` rows: an eighth of what a flash-attention backward of the same
+length adds when it accumulates dQ with atomics (`Hq D T^2 / (2 BLOCK_N)`, 34 G). They make
+`teacher_index_queries` order-dependent in its last bits, so under
+`torch.use_deterministic_algorithms(True)` the forward declines and the registry falls back to
+the reference.
+
+Memory: `O(T (Hq + Hi Di))` fp32 outputs; no buffer grows with `T x T`.
+
+Precision: scores and exponentials in fp32; the GEMMs that take probabilities as an operand
+(teacher terms, student gradient) round them to the index inputs' dtype and accumulate in fp32.
+fp32 inputs multiply in full fp32 ("ieee").
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backends import UnsupportedInputs
+from ..documents import locate_queries
+from .common import check_served, dot_precision
+from .launch import LaunchConfig, launch
+
+# Constexpr so that the kernels may read them; the host reads `.value`.
+LOG2_E = tl.constexpr(1.4426950408889634)
+LN_2 = tl.constexpr(0.6931471805599453)
+
+# Tuned first for SM90 (228 KB of shared memory per SM), then smaller tiles and fewer stages for
+# the parts with less shared memory. `rows`: query tokens of a program's tile (or of the key-outer
+# kernel's inner tile); `block_n`: keys per tile.
+TEACHER_LSE_CONFIGS = (LaunchConfig(rows=128, block_n=128, num_stages=3, num_warps=8),
+                       LaunchConfig(rows=64, block_n=64, num_stages=2, num_warps=4))
+LOSS_CONFIGS = (LaunchConfig(rows=64, block_n=128, num_stages=2, num_warps=8),
+                LaunchConfig(rows=64, block_n=64, num_stages=1, num_warps=4),
+                LaunchConfig(rows=32, block_n=32, num_stages=1, num_warps=4))
+QUERY_GRAD_CONFIGS = (LaunchConfig(rows=128, block_n=64, num_stages=3, num_warps=8),
+                      LaunchConfig(rows=64, block_n=32, num_stages=1, num_warps=4))
+KEY_GRAD_CONFIGS = (LaunchConfig(rows=64, block_n=64, num_stages=2, num_warps=8),
+                    LaunchConfig(rows=32, block_n=32, num_stages=1, num_warps=4))
+
+
+def _check_dim(name: str, dim: int) -> None:
+    if dim < 16 or dim > 256 or dim & (dim - 1):
+        raise UnsupportedInputs(f"{name} {dim} (the Triton dense KL kernels take a power of two in [16, 256])")
+
+
+def check_inputs(q, k, index_q) -> None:
+    """Decline, before any launch, what these kernels do not serve (the reference does)."""
+    check_served("q", q.dtype, q.shape[1] // k.shape[1])
+    check_served("index_q", index_q.dtype)
+    _check_dim("head dim", q.shape[-1])
+    _check_dim("index head dim", index_q.shape[-1])
+
+
+@triton.jit
+def _tile_queries(key_start, position, start, end, TOKENS: tl.constexpr):
+    """The tile's query rows (int64; padded rows repeat `start`), which are real, their key
+    positions (`-1`: sees no key) and the packed row of their document's first key."""
+    token = start + tl.arange(0, TOKENS)
+    real = token < end
+    token = tl.where(real, token, start).to(tl.int64)
+    tile_key_start = tl.load(key_start + start)
+    # A row of another document (malformed cu_seqlens) would need other keys: it sees none.
+    same = tl.load(key_start + token) == tile_key_start
+    pos = tl.where(real & same, tl.load(position + token), -1)
+    return token, real, pos, tile_key_start
+
+
+@triton.jit
+def _tile_start(cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS: tl.constexpr):
+    """`(start, end)` rows of the program's query tile; the last tiles of a document see the
+    most keys, so they are launched first."""
+    pid = tl.program_id(0)
+    doc = pid % num_docs
+    end = tl.minimum(tl.load(cu_seqlens_q + doc + 1), num_queries)
+    start = tl.load(cu_seqlens_q + doc) + (tiles_per_doc - 1 - pid // num_docs) * TOKENS
+    return start, end
+
+
+@triton.jit
+def _online_lse(row_max, row_sum, scores):
+    """One step of a running log-sum-exp (log2 domain) over `scores [rows, keys]`."""
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    row_sum = row_sum * tl.exp2(row_max - shift) + tl.sum(tl.exp2(scores - shift[:, None]), axis=1)
+    return new_max, row_sum
+
+
+@triton.jit
+def _finite_or_zero(x):
+    return tl.where((x == float("inf")) | (x == float("-inf")), 0.0, x)
+
+
+@triton.jit
+def _teacher_lse_kernel(
+    q, k, key_start, position, cu_seqlens_q, teacher_lse,
+    num_queries, num_docs, tiles_per_doc, qk_scale,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    head = tl.program_id(1)
+    start, end = _tile_start(cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS)
+    if (start >= end) | (start < 0):
+        return
+    token, real, pos, tile_key_start = _tile_queries(key_start, position, start, end, TOKENS)
+    last = tl.max(pos, axis=0)
+    lowest = tl.min(tl.where(real, pos, last), axis=0)
+    dims = tl.arange(0, DIM)
+    offsets = tl.arange(0, BLOCK_N)
+    query = tl.load(q + token[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
+                    mask=real[:, None], other=0.0)
+    k_head = k + (head // GROUP) * stride_k_head
+    row_max = tl.full((TOKENS,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((TOKENS,), tl.float32)
+    # Key tiles every real query sees entirely: no mask.
+    full = (lowest + 1) // BLOCK_N * BLOCK_N
+    for first in range(0, full, BLOCK_N):
+        key_row = (tile_key_start + first + offsets).to(tl.int64)
+        keys = tl.load(k_head + key_row[:, None] * stride_k_token + dims[None, :])
+        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * qk_scale
+        row_max, row_sum = _online_lse(row_max, row_sum, scores)
+    # The causal edge: mask each query's horizon; keys past the tile's last position are not read.
+    for first in range(full, last + 1, BLOCK_N):
+        key_pos = first + offsets
+        key_row = (tile_key_start + key_pos).to(tl.int64)
+        keys = tl.load(k_head + key_row[:, None] * stride_k_token + dims[None, :],
+                       mask=(key_pos <= last)[:, None], other=0.0)
+        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * qk_scale
+        scores = tl.where(key_pos[None, :] <= pos[:, None], scores, float("-inf"))
+        row_max, row_sum = _online_lse(row_max, row_sum, scores)
+    lse = tl.where(row_sum > 0.0, (row_max + tl.log2(tl.where(row_sum > 0.0, row_sum, 1.0))) * LN_2, float("-inf"))
+    tl.store(teacher_lse + token * NUM_HEADS + head, lse, mask=real)
+
+
+@triton.jit
+def _loss_kernel(
+    q, k, teacher_lse, index_q, index_k, key_start, position, cu_seqlens_q,
+    weighted, mass, index_lse, teacher_index_keys, teacher_index_queries,
+    num_queries, num_docs, tiles_per_doc, qk_scale, index_scale,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head,
+    stride_iq_token, stride_iq_head, stride_ik_token,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
+    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    start, end = _tile_start(cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS)
+    if (start >= end) | (start < 0):
+        return
+    token, real, pos, tile_key_start = _tile_queries(key_start, position, start, end, TOKENS)
+    last = tl.max(pos, axis=0)
+    dims = tl.arange(0, DIM)
+    index_dims = tl.arange(0, INDEX_DIM)
+    offsets = tl.arange(0, BLOCK_N)
+    index_queries = tl.load(
+        index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + index_dims[None, :],
+        mask=real[:, None], other=0.0)
+    q_rows = q + token[:, None] * stride_q_token + dims[None, :]
+    lse_rows = teacher_lse + token * NUM_HEADS
+    k_head = k + kv_head * stride_k_head
+
+    student_max = tl.full((TOKENS,), float("-inf"), tl.float32)
+    student_sum = tl.zeros((TOKENS,), tl.float32)
+    total_weighted = tl.zeros((TOKENS,), tl.float32)
+    total_mass = tl.zeros((TOKENS,), tl.float32)
+    index_keys_acc = tl.zeros((TOKENS, INDEX_DIM), tl.float32)
+    for first in range(0, last + 1, BLOCK_N):
+        key_pos = first + offsets
+        key_ok = key_pos <= last
+        key_row = (tile_key_start + key_pos).to(tl.int64)
+        keys = tl.load(k_head + key_row[:, None] * stride_k_token + dims[None, :], mask=key_ok[:, None], other=0.0)
+        index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + index_dims[None, :],
+                             mask=key_ok[:, None], other=0.0)
+        visible = key_pos[None, :] <= pos[:, None]
+
+        # The teacher: the group's heads stream over the tile's keys, one score GEMM each.
+        teacher = tl.zeros((TOKENS, BLOCK_N), tl.float32)
+        for group_head in tl.range(0, GROUP):
+            head = kv_head * GROUP + group_head
+            queries = tl.load(q_rows + head * stride_q_head, mask=real[:, None], other=0.0)
+            # A query whose lse is infinite (empty key set) shifts by 0, as the reference does.
+            shift = _finite_or_zero(tl.load(lse_rows + head, mask=real, other=0.0) * LOG2_E)
+            scores = tl.dot(queries, tl.trans(keys), input_precision=PRECISION) * qk_scale
+            teacher += tl.exp2(scores - shift[:, None])
+        teacher = tl.where(visible, teacher * (1.0 / GROUP), 0.0)
+
+        logits = tl.dot(index_queries, tl.trans(index_keys), input_precision=INDEX_PRECISION) * index_scale
+        logits = tl.where(visible, logits, float("-inf"))  # log2 domain
+        student_max, student_sum = _online_lse(student_max, student_sum, logits)
+        positive = teacher > 0.0
+        log_ratio = tl.log(tl.where(positive, teacher, 1.0)) - tl.where(positive, logits, 0.0) * LN_2
+        total_weighted += tl.sum(tl.where(positive, teacher * log_ratio, 0.0), axis=1)
+        total_mass += tl.sum(teacher, axis=1)
+
+        probs = teacher.to(index_keys.dtype)
+        index_keys_acc += tl.dot(probs, index_keys, input_precision=INDEX_PRECISION)
+        index_queries_share = tl.dot(tl.trans(probs), index_queries, input_precision=INDEX_PRECISION)
+        tl.atomic_add(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :], index_queries_share,
+                      mask=key_ok[:, None], sem="relaxed")
+
+    pair = token * NUM_KV_HEADS + kv_head
+    student_lse = tl.where(student_sum > 0.0,
+                           (student_max + tl.log2(tl.where(student_sum > 0.0, student_sum, 1.0))) * LN_2,
+                           float("-inf"))
+    tl.store(index_lse + pair, student_lse, mask=real)
+    tl.store(weighted + pair, total_weighted, mask=real)
+    tl.store(mass + pair, total_mass, mask=real)
+    tl.store(teacher_index_keys + pair[:, None] * INDEX_DIM + index_dims[None, :], index_keys_acc,
+             mask=real[:, None])
+
+
+@triton.jit
+def _query_grad_kernel(
+    index_q, index_k, index_lse, teacher_mass, teacher_index_keys, coefficient, d_index_q,
+    key_start, position, cu_seqlens_q,
+    num_queries, num_docs, tiles_per_doc, index_scale,
+    stride_iq_token, stride_iq_head, stride_ik_token,
+    NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_DIM: tl.constexpr,
+    INDEX_PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    start, end = _tile_start(cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS)
+    if (start >= end) | (start < 0):
+        return
+    token, real, pos, tile_key_start = _tile_queries(key_start, position, start, end, TOKENS)
+    last = tl.max(pos, axis=0)
+    index_dims = tl.arange(0, INDEX_DIM)
+    offsets = tl.arange(0, BLOCK_N)
+    pair = token * NUM_KV_HEADS + kv_head
+    index_queries = tl.load(
+        index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + index_dims[None, :],
+        mask=real[:, None], other=0.0)
+    student_shift = _finite_or_zero(tl.load(index_lse + pair, mask=real, other=0.0) * LOG2_E)
+    acc = tl.zeros((TOKENS, INDEX_DIM), tl.float32)
+    for first in range(0, last + 1, BLOCK_N):
+        key_pos = first + offsets
+        key_row = (tile_key_start + key_pos).to(tl.int64)
+        index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + index_dims[None, :],
+                             mask=(key_pos <= last)[:, None], other=0.0)
+        logits = tl.dot(index_queries, tl.trans(index_keys), input_precision=INDEX_PRECISION) * index_scale
+        student = tl.where(key_pos[None, :] <= pos[:, None], tl.exp2(logits - student_shift[:, None]), 0.0)
+        acc += tl.dot(student.to(index_keys.dtype), index_keys, input_precision=INDEX_PRECISION)
+    mass = tl.load(teacher_mass + pair, mask=real, other=0.0)
+    teacher_keys = tl.load(teacher_index_keys + pair[:, None] * INDEX_DIM + index_dims[None, :],
+                           mask=real[:, None], other=0.0)
+    grad = tl.load(coefficient) * (mass[:, None] * acc - teacher_keys)
+    tl.store(d_index_q + pair[:, None] * INDEX_DIM + index_dims[None, :], grad.to(d_index_q.dtype.element_ty),
+             mask=real[:, None])
+
+
+@triton.jit
+def _key_grad_kernel(
+    index_q, index_k, index_lse, teacher_mass, teacher_index_queries, coefficient, d_index_k,
+    key_start, position, cu_seqlens_q, cu_seqlens_k,
+    num_queries, num_keys, num_docs, index_scale,
+    stride_iq_token, stride_iq_head, stride_ik_token,
+    NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_DIM: tl.constexpr,
+    INDEX_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    doc = pid % num_docs
+    doc_key_start = tl.load(cu_seqlens_k + doc)
+    doc_key_end = tl.minimum(tl.load(cu_seqlens_k + doc + 1), num_keys)
+    first_pos = (pid // num_docs) * BLOCK_N  # the first tiles of a document are seen by most queries
+    if (doc_key_start + first_pos >= doc_key_end) | (doc_key_start < 0):
+        return
+    key_pos = first_pos + tl.arange(0, BLOCK_N)
+    key_row = (doc_key_start + key_pos).to(tl.int64)
+    key_ok = key_row < doc_key_end
+    key_row = tl.where(key_ok, key_row, doc_key_start)
+    index_dims = tl.arange(0, INDEX_DIM)
+    index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + index_dims[None, :],
+                         mask=key_ok[:, None], other=0.0)
+    doc_query_start = tl.load(cu_seqlens_q + doc)
+    doc_query_end = tl.load(cu_seqlens_q + doc + 1)
+    query_end = tl.minimum(doc_query_end, num_queries)
+    # Local query t sits at position (Lk - Lq) + t: start at the first that sees this tile (the
+    # masks below decide; this only skips queries that see none of it).
+    doc_keys = tl.load(cu_seqlens_k + doc + 1) - doc_key_start
+    unseeing = tl.maximum(0, first_pos - doc_keys + (doc_query_end - doc_query_start))
+    first_query = tl.maximum(doc_query_start + unseeing, 0)
+    tokens = tl.arange(0, TOKENS)
+    acc = tl.zeros((BLOCK_N, INDEX_DIM), tl.float32)
+    for kv_head in range(0, NUM_KV_HEADS):
+        for first in range(first_query, query_end, TOKENS):
+            token = first + tokens
+            real = token < query_end
+            token = tl.where(real, token, first).to(tl.int64)
+            same = tl.load(key_start + token) == doc_key_start
+            pos = tl.where(real & same, tl.load(position + token), -1)
+            pair = token * NUM_KV_HEADS + kv_head
+            index_queries = tl.load(
+                index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + index_dims[None, :],
+                mask=real[:, None], other=0.0)
+            student_shift = _finite_or_zero(tl.load(index_lse + pair, mask=real, other=0.0) * LOG2_E)
+            mass = tl.load(teacher_mass + pair, mask=real, other=0.0)
+            logits = tl.dot(index_keys, tl.trans(index_queries), input_precision=INDEX_PRECISION) * index_scale
+            visible = (key_pos[:, None] <= pos[None, :]) & key_ok[:, None]
+            weights = tl.where(visible, tl.exp2(logits - student_shift[None, :]) * mass[None, :], 0.0)
+            acc += tl.dot(weights.to(index_queries.dtype), index_queries, input_precision=INDEX_PRECISION)
+    teacher_queries = tl.load(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :],
+                              mask=key_ok[:, None], other=0.0)
+    grad = tl.load(coefficient) * (acc - teacher_queries)
+    tl.store(d_index_k + key_row[:, None] * INDEX_DIM + index_dims[None, :], grad.to(d_index_k.dtype.element_ty),
+             mask=key_ok[:, None])
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The kernels take any token and head strides but a unit stride along the head dim."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _tiles_per_doc(max_seqlen: int, num_rows: int, tile: int) -> int:
+    return triton.cdiv(max(1, min(max_seqlen, num_rows)), tile)
+
+
+def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, index_softmax_scale):
+    """The dense-support KL loss and what its backward needs.
+
+    Args:
+        q: `[Tq, Hq, D]`, k: `[Tk, Hkv, D]` (bf16, fp16 or fp32; D a power of two in [16, 256]).
+        lse: `[Tq, Hq]` the dense causal attention's log-sum-exp (natural log), or None to
+            compute it here.
+        index_q: `[Tq, Hi, Di]` with `Hi == Hkv`; index_k: `[Tk, 1, Di]` (Di a power of two in
+            [16, 256]).
+        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]`; queries are the causal suffix of the keys.
+
+    Returns:
+        `loss` (0-D), `teacher_lse [Tq, Hq]` (the lse used), `index_lse [Tq, Hi]` (the student's
+        lse over J, `-inf` where J is empty), `teacher_mass [Tq, Hi]` (`sum_J P_t`),
+        `teacher_index_keys [Tq, Hi, Di]` (`sum_J P_t index_k`) and `teacher_index_queries
+        [Tk, 1, Di]` (`sum_(t, r): j in J P_t index_q[t, r]`), all fp32.
+    """
+    check_inputs(q, k, index_q)
+    if torch.are_deterministic_algorithms_enabled():
+        raise UnsupportedInputs("deterministic algorithms were requested and the Triton dense KL forward adds "
+                                "the teacher's index queries with atomics")
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    index_dim = index_q.shape[-1]
+    device, f32 = q.device, torch.float32
+    if lse is None:
+        teacher_lse = torch.full((num_queries, num_heads), -math.inf, dtype=f32, device=device)
+    else:
+        teacher_lse = torch.empty((num_queries, num_heads), dtype=f32, device=device)
+        teacher_lse.copy_(lse)
+    index_lse = torch.full((num_queries, num_kv_heads), -math.inf, dtype=f32, device=device)
+    weighted = torch.zeros((num_queries, num_kv_heads), dtype=f32, device=device)
+    mass = torch.zeros_like(weighted)
+    teacher_index_keys = torch.zeros((num_queries, num_kv_heads, index_dim), dtype=f32, device=device)
+    teacher_index_queries = torch.zeros((num_keys, 1, index_dim), dtype=f32, device=device)
+    num_docs = cu_seqlens_q.numel() - 1
+    outputs = (teacher_lse, index_lse, mass, teacher_index_keys, teacher_index_queries)
+    if num_queries == 0 or num_keys == 0 or num_docs < 1:
+        return (torch.zeros((), dtype=f32, device=device), *outputs)
+
+    q, k, index_q, index_k = (_rows_contiguous(x) for x in (q, k, index_q, index_k))
+    cu_seqlens_q = cu_seqlens_q.contiguous()
+    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
+    group = num_heads // num_kv_heads
+    qk_scale, index_scale = softmax_scale * LOG2_E.value, index_softmax_scale * LOG2_E.value
+    precision, index_precision = dot_precision(q.dtype), dot_precision(index_q.dtype)
+    shape_key = (device, q.dtype, index_q.dtype, dim, index_dim, group)
+
+    if lse is None:
+        def launch_teacher_lse(config):
+            tiles = _tiles_per_doc(max_seqlen_q, num_queries, config.rows)
+            _teacher_lse_kernel[(num_docs * tiles, num_heads)](
+                q, k, docs.key_start, docs.position, cu_seqlens_q, teacher_lse,
+                num_queries, num_docs, tiles, qk_scale,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                NUM_HEADS=num_heads, GROUP=group, TOKENS=config.rows, BLOCK_N=config.block_n, DIM=dim,
+                PRECISION=precision, **config.options,
+            )
+
+        launch("kl_dense._teacher_lse_kernel", shape_key, TEACHER_LSE_CONFIGS, launch_teacher_lse)
+
+    def launch_loss(config):
+        tiles = _tiles_per_doc(max_seqlen_q, num_queries, config.rows)
+        _loss_kernel[(num_docs * tiles, num_kv_heads)](
+            q, k, teacher_lse, index_q, index_k, docs.key_start, docs.position, cu_seqlens_q,
+            weighted, mass, index_lse, teacher_index_keys, teacher_index_queries,
+            num_queries, num_docs, tiles, qk_scale, index_scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), index_q.stride(0), index_q.stride(1), index_k.stride(0),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, TOKENS=config.rows, BLOCK_N=config.block_n,
+            DIM=dim, INDEX_DIM=index_dim, PRECISION=precision, INDEX_PRECISION=index_precision, **config.options,
+        )
+
+    launch("kl_dense._loss_kernel", shape_key, LOSS_CONFIGS, launch_loss)
+    divergence = weighted + torch.where(mass > 0, mass * index_lse.masked_fill(torch.isinf(index_lse), 0), 0)
+    loss = divergence.sum() / (num_queries * num_kv_heads)
+    return (loss, *outputs)
+
+
+def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
+                              teacher_index_queries, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              index_softmax_scale):
+    """`(d index_q [Tq, Hi, Di], d index_k [Tk, 1, Di])` in the index inputs' dtype, from the
+    forward's `index_lse`, `teacher_mass`, `teacher_index_keys` and `teacher_index_queries`:
+
+        d index_q[t, r] = c (M[t, r] sum_J P_s(j) index_k[j] - teacher_index_keys[t, r])
+        d index_k[j] = c (sum_(t, r): j in J M[t, r] P_s(t, j) index_q[t, r] - teacher_index_queries[j])
+
+    with `c = grad_loss * index_softmax_scale / (Tq * Hi)`. Deterministic (no atomics).
+    """
+    check_served("index_q", index_q.dtype)
+    index_dim = index_q.shape[-1]
+    _check_dim("index head dim", index_dim)
+    num_queries, num_kv_heads, _ = index_q.shape
+    num_keys = index_k.shape[0]
+    device = index_q.device
+    d_index_q = torch.zeros(index_q.shape, dtype=index_q.dtype, device=device)
+    d_index_k = torch.zeros((num_keys, 1, index_dim), dtype=index_k.dtype, device=device)
+    num_docs = cu_seqlens_q.numel() - 1
+    if num_queries == 0 or num_keys == 0 or num_docs < 1:
+        return d_index_q, d_index_k
+
+    index_q, index_k = _rows_contiguous(index_q), _rows_contiguous(index_k)
+    index_lse, teacher_mass, teacher_index_keys, teacher_index_queries = (
+        x.float().contiguous() for x in (index_lse, teacher_mass, teacher_index_keys, teacher_index_queries))
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
+    coefficient = (grad_loss.float() * (index_softmax_scale / (num_queries * num_kv_heads))).reshape(1)
+    index_scale = index_softmax_scale * LOG2_E.value
+    index_precision = dot_precision(index_q.dtype)
+    shape_key = (device, index_q.dtype, index_dim)
+
+    def launch_query_grad(config):
+        tiles = _tiles_per_doc(max_seqlen_q, num_queries, config.rows)
+        _query_grad_kernel[(num_docs * tiles, num_kv_heads)](
+            index_q, index_k, index_lse, teacher_mass, teacher_index_keys, coefficient, d_index_q,
+            docs.key_start, docs.position, cu_seqlens_q,
+            num_queries, num_docs, tiles, index_scale,
+            index_q.stride(0), index_q.stride(1), index_k.stride(0),
+            NUM_KV_HEADS=num_kv_heads, TOKENS=config.rows, BLOCK_N=config.block_n, INDEX_DIM=index_dim,
+            INDEX_PRECISION=index_precision, **config.options,
+        )
+
+    def launch_key_grad(config):
+        tiles = _tiles_per_doc(max_seqlen_k, num_keys, config.block_n)
+        _key_grad_kernel[(num_docs * tiles,)](
+            index_q, index_k, index_lse, teacher_mass, teacher_index_queries, coefficient, d_index_k,
+            docs.key_start, docs.position, cu_seqlens_q, cu_seqlens_k,
+            num_queries, num_keys, num_docs, index_scale,
+            index_q.stride(0), index_q.stride(1), index_k.stride(0),
+            NUM_KV_HEADS=num_kv_heads, TOKENS=config.rows, BLOCK_N=config.block_n, INDEX_DIM=index_dim,
+            INDEX_PRECISION=index_precision, **config.options,
+        )
+
+    launch("kl_dense._query_grad_kernel", shape_key, QUERY_GRAD_CONFIGS, launch_query_grad)
+    launch("kl_dense._key_grad_kernel", shape_key, KEY_GRAD_CONFIGS, launch_key_grad)
+    return d_index_q, d_index_k
