@@ -130,3 +130,36 @@ def test_a_non_finite_document_changes_no_other_documents_index_gradients(poison
         for rows in (slice(0, 50), slice(90, 120)):
             assert a[rows].isfinite().all(), f"{name} rows {rows} are not finite"
             torch.testing.assert_close(a[rows], b[rows], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {rows}: {m}")
+
+
+def test_fragments_match_reference():
+    """Query fragments sharing their documents' keys (out of order, several per document, an empty
+    and a 1-token document, junk ids): the loss, the forward's outputs and the gradients."""
+    lengths = (150, 0, 1, 90)
+    pieces = ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40), (0, 100, 20))
+    frag = testing.fragments(lengths, pieces, DEVICE)
+    num_heads, num_kv_heads, dim, index_dim, block_size, topk = 4, 2, 64, 32, 64, 3
+    num_queries, num_keys = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+    fragments = frag.tensors
+    block_indices = testing.random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, num_kv_heads, topk, block_size,
+                                                 None, *fragments)
+    block_indices[-1, ::3, 0] = 10_000
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE)
+    k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE)
+    index_q = torch.randn(num_queries, num_kv_heads, index_dim, device=DEVICE)
+    index_k = torch.randn(num_keys, 1, index_dim, device=DEVICE)
+    scales = (dim**-0.5, index_dim**-0.5)
+    _, lse = reference.forward(q, k, k, block_indices, *frag.op_args, block_size, scales[0], None, *fragments)
+    args = (q, k, lse, index_q, index_k, block_indices, *frag.op_args, block_size, *scales, *fragments)
+    expected = reference_kl.indexer_kl(*args)
+    got = kl_kernel.indexer_kl(*args)
+    assert expected[0] > 0 and expected[4].abs().sum() > 0
+    names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
+    for name, a, b in zip(names, got, expected, strict=True):
+        scale = max(1.0, b.nan_to_num(neginf=0).abs().max().item())
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * scale, msg=lambda m: f"{name}: {m}")
+    backward_args = (torch.tensor(1.3, device=DEVICE), index_q, index_k, *expected[2:], block_indices, *frag.op_args,
+                     block_size, scales[1], *fragments)
+    for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backward_args),
+                          reference_kl.indexer_kl_backward(*backward_args)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
