@@ -146,11 +146,11 @@ def _fragment_samples(device) -> list[Sample]:
         sparse = (q, k, lse, index_q, index_k, block_indices, *docs, block_size, scale, index_scale, *extra)
         result.append(Sample(f"indexer_kl-{tag}", "indexer_kl", sparse))
         with torch.no_grad():
-            _, teacher_lse, index_lse, mass = torch.ops.msa.indexer_kl(*sparse)
+            _, _, index_lse, *teacher_terms = torch.ops.msa.indexer_kl(*sparse)
         grad_loss = torch.ones((), dtype=index_lse.dtype, device=device).requires_grad_(requires_grad)
         result.append(Sample(f"indexer_kl_backward-{tag}", "indexer_kl_backward",
-                             (grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, mass, block_indices, *docs,
-                              block_size, scale, index_scale, *extra),
+                             (grad_loss, index_q, index_k, index_lse, *teacher_terms, block_indices, *docs,
+                              block_size, index_scale, *extra),
                              NO_DOUBLE_BACKWARD_CHECKS if requires_grad else CHECKS))
     return result
 
@@ -171,11 +171,11 @@ def _indexer_kl_samples(tag, q, k, lse, index_q, index_k, block_indices, docs, b
     if (q.shape[1], q.dtype) == KL_DENSE_CONFIG:
         samples.append(Sample(f"indexer_kl-dense-{tag}", "indexer_kl", dense))
     with torch.no_grad():
-        _, teacher_lse, index_lse, mass = torch.ops.msa.indexer_kl(*sparse)
+        _, _, index_lse, *teacher_terms = torch.ops.msa.indexer_kl(*sparse)
     grad_loss = torch.ones((), dtype=index_lse.dtype, device=q.device).requires_grad_(requires_grad)
     samples.append(Sample(f"indexer_kl_backward-{tag}", "indexer_kl_backward",
-                          (grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, mass, block_indices, *docs,
-                           block_size, scale, index_scale),
+                          (grad_loss, index_q, index_k, index_lse, *teacher_terms, block_indices, *docs,
+                           block_size, index_scale),
                           NO_DOUBLE_BACKWARD_CHECKS if requires_grad else CHECKS))
     return samples
 

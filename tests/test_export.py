@@ -135,6 +135,12 @@ return [v6]""")
                                        dynamic_shapes=tuple({0: tokens} for _ in range(5)))
         targets = {node.target for node in exported.graph.nodes if node.op == "call_function"}
         self.assertIn(torch.ops.msa.indexer_kl.default, targets)
+        (loss_node,) = (node for node in exported.graph.nodes if node.target is torch.ops.msa.indexer_kl.default)
+        # loss, teacher lse, index lse, teacher mass, and the teacher's index reductions [Tq, Hi, Di], [Tk, 1, Di]
+        tokens_symbol = str(next(iter(exported.graph.find_nodes(op="placeholder"))).meta["val"].shape[0])
+        shapes = [[str(size).replace(tokens_symbol, "tokens") for size in val.shape] for val in loss_node.meta["val"]]
+        self.assertEqual(shapes, [[], ["tokens", "4"], ["tokens", "2"], ["tokens", "2"], ["tokens", "2", "32"],
+                                  ["tokens", "1", "32"]])
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "msa_kl.pt2"
             torch.export.save(exported, path)

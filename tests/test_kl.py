@@ -25,8 +25,8 @@ def _dense_support(cu_q, cu_k, num_kv_heads, num_keys):
     return dense.allowed_keys(block_indices, cu_q, cu_k, num_keys, BLOCK)
 
 
-def oracle_kl(q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, scale, index_scale):
-    """Mean over (t, r) of KL(P_teacher || P_student) on J(t, r), float64, differentiable in index_q/k."""
+def _oracle_terms(q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, scale, index_scale):
+    """`(support, teacher, logits, student_lse)`: `[Hkv, Tq, Tk]` float64 (student_lse `[Hkv, Tq, 1]`)."""
     num_queries, num_heads, _ = q.shape
     num_keys, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -44,9 +44,16 @@ def oracle_kl(q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, scale, ind
     logits = torch.einsum("trd,jd->rtj", index_q.double(), index_k[:, 0].double()) * index_scale
     any_key = support.any(-1, keepdim=True)
     student_lse = torch.logsumexp(torch.where(support, logits, -math.inf).where(any_key, 0.0), -1, keepdim=True)
+    return support, teacher, logits, student_lse
+
+
+def oracle_kl(q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, scale, index_scale):
+    """Mean over (t, r) of KL(P_teacher || P_student) on J(t, r), float64, differentiable in index_q/k."""
+    _, teacher, logits, student_lse = _oracle_terms(q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, scale,
+                                                    index_scale)
     positive = teacher > 0
     terms = torch.where(positive, teacher * (teacher.where(positive, 1.0).log() - (logits - student_lse)), 0.0)
-    return terms.sum() / max(1, num_queries * num_kv_heads)
+    return terms.sum() / max(1, q.shape[0] * k.shape[1])
 
 
 CASE = dict(q_lens=(40, 0, 1, 90, 7), k_lens=(300, 5, 1, 90, 7), heads=4, kv_heads=2, dim=64, index_dim=16, topk=2)
@@ -109,6 +116,35 @@ def test_dense_loss_and_gradients_match_the_oracle(given_lse):
     _check_against_oracle(loss, index_q, index_k, expected, 1e-5)
 
 
+@pytest.mark.parametrize("support", ["sparse", "dense"])
+def test_the_forwards_backward_terms_match_the_oracle(support):
+    """`index_lse`, `teacher_mass` and the teacher's two index reductions, from the definition."""
+    q, k, v, index_q, index_k, block_indices, docs = _problem(**CASE)
+    lse = None
+    if support == "sparse":
+        _, lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
+    else:
+        block_indices = None
+    scales = (64**-0.5, 16**-0.5)
+    with torch.no_grad():
+        _, _, index_lse, mass, index_key_sums, index_query_sums = torch.ops.msa.indexer_kl(
+            q, k, lse, index_q, index_k, block_indices, *docs, BLOCK, *scales)
+        support_mask, teacher, _, student_lse = _oracle_terms(q, k, lse, index_q, index_k, block_indices, docs[0],
+                                                              docs[1], *scales)
+    empty = ~support_mask.any(-1)
+    expected = {
+        "index_lse": student_lse[..., 0].masked_fill(empty, -math.inf).T,
+        "teacher_mass": teacher.sum(-1).T,
+        "teacher_index_keys": torch.einsum("rtj,jd->trd", teacher, index_k[:, 0].double()),
+        "teacher_index_queries": torch.einsum("rtj,trd->jd", teacher, index_q.double())[:, None],
+    }
+    assert (teacher.sum(-1) > 0).any()
+    for name, got in zip(expected, (index_lse, mass, index_key_sums, index_query_sums)):
+        want = expected[name]
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 def test_dense_loss_spans_keys_with_bounded_memory(monkeypatch):
     """A small budget and short key spans force many chunks of a few queries and several spans per
     chunk; each holds at most the budget, and the loss and gradients are unchanged."""
@@ -129,11 +165,14 @@ def test_dense_loss_spans_keys_with_bounded_memory(monkeypatch):
 
     monkeypatch.setattr(reference_kl, "_dense_spans", recording)
     split = torch_msa.indexer_kl_loss_dense(q, k, index_q, index_k, *docs, block_size=BLOCK)
+    forward_shapes = list(shapes)
+    shapes.clear()
     split_grads = torch.autograd.grad(split, (index_q, index_k))
-    pair_bytes = 16 * q.shape[1] + 32 * k.shape[1]
     spans_per_chunk = math.ceil(k.shape[0] / span_keys)
-    assert len(shapes) > 2 * spans_per_chunk
-    assert all(queries * keys * pair_bytes <= budget for _, queries, keys in shapes)
+    # The forward holds the teacher's scores too; the backward recomputes only the student.
+    for pass_shapes, pair_bytes in ((forward_shapes, 16 * q.shape[1] + 32 * k.shape[1]), (shapes, 32 * k.shape[1])):
+        assert len(pass_shapes) > 2 * spans_per_chunk
+        assert all(queries * keys * pair_bytes <= budget for _, queries, keys in pass_shapes)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
     for a, b in zip(split_grads, whole_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -173,12 +212,14 @@ def test_nan_in_one_document_stays_there():
         index_q[: int(cu_q[1])] = math.nan  # document 0's index queries
     _, lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
     args = (block_indices, *docs, BLOCK, 64**-0.5, 16**-0.5)
-    loss, teacher_lse, index_lse, mass = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, *args)
+    loss, _, index_lse, *teacher_terms = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, *args)
     first_doc_queries, first_doc_keys = int(cu_q[1]), int(cu_k[1])
     assert loss.isnan() and index_lse[:first_doc_queries].isnan().all()
     assert not index_lse[first_doc_queries:].isnan().any()
-    d_index_q, d_index_k = torch.ops.msa.indexer_kl_backward(torch.tensor(1.0), q, k, teacher_lse, index_q, index_k,
-                                                             index_lse, mass, *args)
+    assert not teacher_terms[1][first_doc_queries:].isnan().any()
+    assert not teacher_terms[2][first_doc_keys:].isnan().any()
+    d_index_q, d_index_k = torch.ops.msa.indexer_kl_backward(torch.tensor(1.0), index_q, index_k, index_lse,
+                                                             *teacher_terms, *args[:-2], args[-1])
     assert d_index_q[:first_doc_queries].isnan().any()
     assert not d_index_q[first_doc_queries:].isnan().any() and not d_index_k[first_doc_keys:].isnan().any()
 
@@ -188,10 +229,12 @@ def test_nan_in_one_document_stays_there():
         k[:first_doc_keys] = math.nan
         index_k[:first_doc_keys] = math.nan
     dense_args = (None, *docs, BLOCK, 64**-0.5, 16**-0.5)
-    loss, teacher_lse, index_lse, mass = torch.ops.msa.indexer_kl(q, k, None, index_q, index_k, *dense_args)
+    loss, teacher_lse, index_lse, *teacher_terms = torch.ops.msa.indexer_kl(q, k, None, index_q, index_k, *dense_args)
     assert not index_lse[first_doc_queries:].isnan().any() and not teacher_lse[first_doc_queries:].isnan().any()
-    d_index_q, d_index_k = torch.ops.msa.indexer_kl_backward(torch.tensor(1.0), q, k, teacher_lse, index_q, index_k,
-                                                             index_lse, mass, *dense_args)
+    assert not teacher_terms[1][first_doc_queries:].isnan().any()
+    assert not teacher_terms[2][first_doc_keys:].isnan().any()
+    d_index_q, d_index_k = torch.ops.msa.indexer_kl_backward(torch.tensor(1.0), index_q, index_k, index_lse,
+                                                             *teacher_terms, *dense_args[:-2], dense_args[-1])
     assert not d_index_q[first_doc_queries:].isnan().any() and not d_index_k[first_doc_keys:].isnan().any()
 
 
@@ -215,6 +258,31 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="index_softmax_scale: expected a finite float"):
         torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k, block_indices, *docs, block_size=BLOCK,
                                   index_softmax_scale=math.inf)
+
+
+def test_bad_backward_inputs_name_the_argument():
+    q, k, v, index_q, index_k, block_indices, docs = _problem(**CASE)
+    _, lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
+    with torch.no_grad():
+        _, _, *kept = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, block_indices, *docs, BLOCK, 64**-0.5,
+                                               16**-0.5)
+    index_lse, mass, index_key_sums, index_query_sums = kept
+
+    def backward(*kept, ids=block_indices):
+        return torch.ops.msa.indexer_kl_backward(torch.tensor(1.0), index_q, index_k, *kept, ids, *docs, BLOCK,
+                                                 16**-0.5)
+
+    assert [g.shape for g in backward(*kept)] == [index_q.shape, index_k.shape]
+    with pytest.raises(ValueError, match=r"teacher_index_keys: expected shape \[138, 2, 16\] \(\[Tq, Hi, Di\] of index_q"):
+        backward(index_lse, mass, index_key_sums[:, :1], index_query_sums)
+    with pytest.raises(ValueError, match=r"teacher_index_queries: expected shape \[403, 1, 16\]"):
+        backward(index_lse, mass, index_key_sums, index_query_sums[:-1])
+    with pytest.raises(TypeError, match="teacher_index_queries: expected dtype torch.float32"):
+        backward(index_lse, mass, index_key_sums, index_query_sums.double())
+    with pytest.raises(ValueError, match="teacher_mass: expected a 2-D tensor"):
+        backward(index_lse, mass[..., None], index_key_sums, index_query_sums)
+    with pytest.raises(ValueError, match="block_indices: expected shape"):
+        backward(*kept, ids=block_indices[:1])
 
 
 def test_msa_attention_returns_what_the_loss_needs_and_warns_once(monkeypatch):
@@ -336,5 +404,6 @@ def test_kl_timing_rows_run_on_cpu():
 
     shape = Shape(query_heads=4, kv_heads=2, head_dim=64, index_dim=16, block_size=BLOCK, topk=2)
     results = measure_kl(256, shape, "cpu", torch.float32, dense=True, warmup=0, iters=1)
-    assert set(results) == {"attention step", "sparse KL fwd+bwd", "dense SDPA fwd+bwd", "dense KL fwd+bwd"}
+    assert set(results) == {"attention step", "sparse KL fwd+bwd", "sparse KL fwd", "dense SDPA fwd+bwd",
+                            "dense KL fwd+bwd"}
     assert all(ms > 0 for ms in results.values())

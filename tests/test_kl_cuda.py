@@ -65,19 +65,39 @@ def test_m3_sparse_loss_and_gradients_match_reference(layout, selection):
     want = reference_kl.indexer_kl(*args)
     torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=1e-5)
     assert torch.equal(got[1], want[1])
-    for name, a, b in zip(("index_lse", "teacher_mass"), got[2:], want[2:]):
+    for name, a, b in zip(("index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries"), got[2:], want[2:]):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(torch.isinf(a), torch.isinf(b)), name
         assert _relative_error(a.nan_to_num(neginf=0), b.nan_to_num(neginf=0)) < 1e-3, name
 
-    q, k, lse, index_q, index_k, block_indices, *rest = args
-    _, teacher_lse, index_lse, mass = want
-    backward_args = (torch.tensor(1.0, device="cuda"), q, k, teacher_lse, index_q, index_k, index_lse, mass,
-                     block_indices, *rest)
+    q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, max_q, max_k, block_size, _, index_scale = args
+    backward_args = (torch.tensor(1.0, device="cuda"), index_q, index_k, *want[2:], block_indices, cu_q, cu_k,
+                     max_q, max_k, block_size, index_scale)
     for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backward_args),
                           reference_kl.indexer_kl_backward(*backward_args)):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert _relative_error(a, b) < 1e-2, (name, _relative_error(a, b))
+
+
+def test_deterministic_mode_declines_to_the_reference():
+    """Both Triton KL kernels add with atomics (the forward's teacher terms too): under
+    deterministic algorithms the registry runs the reference, and twice gives equal bits."""
+    from torch_msa.triton import kl_kernel
+
+    args = _problem("suffix-pack", "random")
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(torch_msa.UnsupportedInputs, match="deterministic"):
+            kl_kernel.indexer_kl(*args)
+        index_q = args[3].clone().requires_grad_()
+        grads = []
+        for _ in range(2):
+            loss = torch_msa.indexer_kl_loss(*args[:3], index_q, *args[4:10], block_size=BLOCK)
+            grads.append(torch.autograd.grad(loss, index_q)[0])
+        assert torch.equal(grads[0], grads[1])
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def test_training_step_through_the_public_api():

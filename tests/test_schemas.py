@@ -35,13 +35,13 @@ class TestSchemas(expecttest.TestCase):
     def test_indexer_kl(self):
         self.assertExpectedInline(
             str(torch.ops.msa.indexer_kl.default._schema),
-            """msa::indexer_kl(Tensor q, Tensor k, Tensor? lse, Tensor index_q, Tensor index_k, Tensor? block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, float index_softmax_scale, Tensor? fragment_documents=None, Tensor? fragment_starts=None) -> (Tensor, Tensor, Tensor, Tensor)""",
+            """msa::indexer_kl(Tensor q, Tensor k, Tensor? lse, Tensor index_q, Tensor index_k, Tensor? block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, float index_softmax_scale, Tensor? fragment_documents=None, Tensor? fragment_starts=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)""",
         )
 
     def test_indexer_kl_backward(self):
         self.assertExpectedInline(
             str(torch.ops.msa.indexer_kl_backward.default._schema),
-            """msa::indexer_kl_backward(Tensor grad_loss, Tensor q, Tensor k, Tensor teacher_lse, Tensor index_q, Tensor index_k, Tensor index_lse, Tensor teacher_mass, Tensor? block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, float index_softmax_scale, Tensor? fragment_documents=None, Tensor? fragment_starts=None) -> (Tensor, Tensor)""",
+            """msa::indexer_kl_backward(Tensor grad_loss, Tensor index_q, Tensor index_k, Tensor index_lse, Tensor teacher_mass, Tensor teacher_index_keys, Tensor teacher_index_queries, Tensor? block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float index_softmax_scale, Tensor? fragment_documents=None, Tensor? fragment_starts=None) -> (Tensor, Tensor)""",
         )
 
     def test_registered_schemas_are_the_source_strings(self):

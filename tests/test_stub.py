@@ -123,7 +123,7 @@ def test_stub_only_raises_import_hint(stub_library):
             "backward": lambda: torch.ops.msa.backward(t, t, t, t, t, t, t, t, t, 1, 1, 64, 1.0),
             "indexer_kl": lambda: torch.ops.msa.indexer_kl(t, t, t, t, t, t, t, t, 1, 1, 64, 1.0, 1.0),
             "indexer_kl_backward": lambda: torch.ops.msa.indexer_kl_backward(
-                t, t, t, t, t, t, t, t, t, t, t, 1, 1, 64, 1.0, 1.0),
+                t, t, t, t, t, t, t, t, t, t, 1, 1, 64, 1.0),
         }
         errors = {}
         for name, call in calls.items():

@@ -40,18 +40,19 @@ SCHEMAS: dict[str, str] = {
     ),
     # The index branch's KL distillation loss. `lse` omitted: the teacher's normaliser is computed
     # over the support; `block_indices` omitted: the support is every visible key (dense warm-up).
-    # Outputs: loss, the teacher lse used, the student's lse over the support and the teacher's
-    # mass on it (what the backward needs).
+    # Outputs: loss, the teacher lse used, the student's lse over the support, the teacher's mass
+    # on it and the teacher's two index reductions `sum_J P_t index_k` [Tq, Hi, Di] and
+    # `sum_(t, r) P_t index_q` [Tk, 1, Di]: the backward needs these, and neither q nor k.
     "indexer_kl": (
         "indexer_kl(Tensor q, Tensor k, Tensor? lse, Tensor index_q, Tensor index_k, Tensor? block_indices, "
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, "
         "float softmax_scale, float index_softmax_scale, Tensor? fragment_documents=None, "
-        "Tensor? fragment_starts=None) -> (Tensor, Tensor, Tensor, Tensor)"
+        "Tensor? fragment_starts=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
     ),
     "indexer_kl_backward": (
-        "indexer_kl_backward(Tensor grad_loss, Tensor q, Tensor k, Tensor teacher_lse, Tensor index_q, "
-        "Tensor index_k, Tensor index_lse, Tensor teacher_mass, Tensor? block_indices, Tensor cu_seqlens_q, "
-        "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, "
+        "indexer_kl_backward(Tensor grad_loss, Tensor index_q, Tensor index_k, Tensor index_lse, "
+        "Tensor teacher_mass, Tensor teacher_index_keys, Tensor teacher_index_queries, Tensor? block_indices, "
+        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, "
         "float index_softmax_scale, Tensor? fragment_documents=None, Tensor? fragment_starts=None) "
         "-> (Tensor, Tensor)"
     ),

@@ -300,9 +300,9 @@ def indexer_kl_loss(
         raise TypeError(f"block_indices: expected a torch.Tensor [Hkv, Tq, topk], got {type(block_indices).__name__}")
     if not isinstance(lse, torch.Tensor):
         raise TypeError(f"lse: expected a torch.Tensor [Tq, Hq], got {type(lse).__name__}")
-    loss, _, _, _ = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, block_indices, *docs, block_size,
-                                             _scale(q, softmax_scale), _index_scale(index_q, index_softmax_scale),
-                                             *fragments)
+    loss, *_ = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, block_indices, *docs, block_size,
+                                        _scale(q, softmax_scale), _index_scale(index_q, index_softmax_scale),
+                                        *fragments)
     return loss
 
 
@@ -334,9 +334,9 @@ def indexer_kl_loss_dense(
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
-    loss, _, _, _ = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, None, *docs, block_size,
-                                             _scale(q, softmax_scale), _index_scale(index_q, index_softmax_scale),
-                                             *fragments)
+    loss, *_ = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, None, *docs, block_size,
+                                        _scale(q, softmax_scale), _index_scale(index_q, index_softmax_scale),
+                                        *fragments)
     return loss
 
 

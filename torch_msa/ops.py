@@ -114,17 +114,18 @@ def _indexer_kl_kernel(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q,
     return backends.call("indexer_kl", q.device, *args)
 
 
-def _indexer_kl_backward_kernel(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
-                                cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                                index_softmax_scale, fragment_documents=None, fragment_starts=None):
-    args = (grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
+def _indexer_kl_backward_kernel(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
+                                teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, block_size, index_softmax_scale, fragment_documents=None,
+                                fragment_starts=None):
+    args = (grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries,
+            block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, index_softmax_scale,
             fragment_documents, fragment_starts)
     validation.check_indexer_kl_backward(*args)
     if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size,
-                                fragment_documents, fragment_starts)
-    return backends.call("indexer_kl_backward", q.device, *args)
+        validation.check_values(cu_seqlens_q, cu_seqlens_k, index_q.shape[0], index_k.shape[0], max_seqlen_q, max_seqlen_k,
+                                block_indices, block_size, fragment_documents, fragment_starts)
+    return backends.call("indexer_kl_backward", index_q.device, *args)
 
 
 # Fake kernels: contiguous outputs, exactly as every backend returns them.
@@ -170,16 +171,18 @@ def _indexer_kl_fake(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, c
     dtype = loss_dtype(index_q.dtype)
     per_index_head = index_q.shape[:2]
     return (q.new_empty((), dtype=dtype), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype)),
-            q.new_empty(per_index_head, dtype=dtype), q.new_empty(per_index_head, dtype=dtype))
+            q.new_empty(per_index_head, dtype=dtype), q.new_empty(per_index_head, dtype=dtype),
+            q.new_empty(index_q.shape, dtype=dtype), q.new_empty((index_k.shape[0], 1, index_q.shape[2]), dtype=dtype))
 
 
-def _indexer_kl_backward_fake(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
-                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                              index_softmax_scale, fragment_documents=None, fragment_starts=None):
-    validation.check_indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass,
-                                         block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         block_size, softmax_scale, index_softmax_scale, fragment_documents,
-                                         fragment_starts)
+def _indexer_kl_backward_fake(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
+                              teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, block_size, index_softmax_scale, fragment_documents=None,
+                              fragment_starts=None):
+    validation.check_indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
+                                         teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k, block_size, index_softmax_scale,
+                                         fragment_documents, fragment_starts)
     return index_q.new_empty(index_q.shape), index_k.new_empty(index_k.shape)
 
 
@@ -211,13 +214,14 @@ def _forward_backward(ctx, grad_out, grad_lse):
 
 
 def _indexer_kl_setup_context(ctx, inputs, output):
-    (q, k, _, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts) = inputs
-    _, teacher_lse, index_lse, teacher_mass = output
-    ctx.save_for_backward(q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
-                          cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts)
+    (_, _, _, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
+     max_seqlen_q, max_seqlen_k, block_size, _, index_softmax_scale, fragment_documents, fragment_starts) = inputs
+    _, _, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries = output
+    # The teacher's share of the gradient was reduced by the forward: q, k and lse are not kept.
+    ctx.save_for_backward(index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries,
+                          block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
-    ctx.block_size, ctx.softmax_scale, ctx.index_softmax_scale = block_size, softmax_scale, index_softmax_scale
+    ctx.block_size, ctx.index_softmax_scale = block_size, index_softmax_scale
     ctx.set_materialize_grads(False)
 
 
@@ -226,12 +230,10 @@ def _indexer_kl_backward(ctx, grad_loss, *unused_grads):
     and the auxiliary outputs are not differentiable."""
     if grad_loss is None:
         return (None,) * 15
-    (q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices, cu_seqlens_q, cu_seqlens_k,
-     *fragments) = ctx.saved_tensors
+    *saved, fragment_documents, fragment_starts = ctx.saved_tensors
     d_index_q, d_index_k = torch.ops.msa.indexer_kl_backward(
-        grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
-        cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.softmax_scale,
-        ctx.index_softmax_scale, *fragments,
+        grad_loss, *saved, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.index_softmax_scale,
+        fragment_documents, fragment_starts,
     )
     return (None, None, None, d_index_q, d_index_k) + (None,) * 10
 

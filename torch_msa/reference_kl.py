@@ -15,8 +15,13 @@ same support returns). Student `P_s[j] = exp(u[j] - lse_s)` with
 
 `loss = sum_(t, r) KL(P_t || P_s) / (Tq * Hi)` (`0` when `Tq == 0`). With `A = sum_J P_t (log P_t - u)`
 and the teacher's mass `M = sum_J P_t` (1 when `lse` is the attention's over `J`):
-`KL = A + M * lse_s` and `dKL / du[j] = M * P_s[j] - P_t[j]`, the exact gradient. Both
-accumulate over spans of the support, so memory stays bounded: queries are processed in chunks,
+`KL = A + M * lse_s` and `dKL / du[j] = M * P_s[j] - P_t[j]`, the exact gradient. Its teacher half
+does not depend on the student's normaliser nor on the incoming gradient, so the forward, which
+computes `P_t` anyway, also returns the two reductions of it the backward needs:
+`teacher_index_keys[t, r] = sum_J P_t[j] index_k[j]` and
+`teacher_index_queries[j] = sum_((t, r): j in J(t, r)) P_t[t, r, j] index_q[t, r]`. The backward
+then reads neither q nor k: it recomputes only the student (index-dim GEMMs). Everything
+accumulates over spans of the support, so memory stays bounded: queries are processed in chunks,
 and nothing of size `T x T` is built. The sparse support gathers each query's selected keys
 (`topk * block_size` of them); the dense one walks the packed keys in spans shared by the whole
 chunk, so its scores are plain GEMMs, and masks what lies outside each query's document or
@@ -78,17 +83,22 @@ class _Problem:
 
     def __init__(self, q, k, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
                  block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
+        """`q` and `k` are None for the student alone (the backward): only index inputs are read."""
         self.q, self.k, self.index_q, self.index_k = q, k, index_q, index_k
         self.block_indices, self.block_size, self.max_seqlen_k = block_indices, block_size, max_seqlen_k
         self.softmax_scale, self.index_softmax_scale = softmax_scale, index_softmax_scale
-        self.num_queries, self.num_heads, self.dim = q.shape
-        self.num_keys, self.num_kv_heads, _ = k.shape
-        self.index_dim = index_q.shape[-1]
-        self.dtype = torch.promote_types(compute_dtype(q.dtype), loss_dtype(index_q.dtype))
-        self.device = q.device
+        self.num_queries, self.num_kv_heads, self.index_dim = index_q.shape
+        self.num_keys = index_k.shape[0]
+        self.dtype = loss_dtype(index_q.dtype)
+        self.device = index_q.device
+        if q is not None:
+            self.num_heads, self.dim = q.shape[1:]
+            self.dtype = torch.promote_types(compute_dtype(q.dtype), self.dtype)
+            self.k_flat = k.reshape(-1, self.dim)
+        else:
+            self.num_heads, self.dim = 0, 0
         self.docs = locate_queries(cu_seqlens_q, cu_seqlens_k, self.num_queries, self.num_keys,
                                    fragment_documents, fragment_starts)
-        self.k_flat = k.reshape(-1, self.dim)
         self.index_keys = index_k.reshape(self.num_keys, self.index_dim)
         if block_indices is None:
             # Bytes one (query, key) pair of a shared span holds: scores and probabilities of the
@@ -97,9 +107,9 @@ class _Problem:
             self.span_keys = max(1, min(self.num_keys, _DENSE_SPAN_KEYS))
         else:
             # Bytes one (query, support key) pair holds: gathered keys (native + compute copies),
-            # teacher scores and probabilities, index keys, student terms and a gradient row.
-            per_key = (self.num_kv_heads * (self.dim + 2 * self.index_dim) * (q.element_size() + 8)
-                       + self.num_heads * 24)
+            # teacher scores and probabilities, index keys, student terms and a key-sum row.
+            per_key = (self.num_kv_heads * (self.dim + 2 * self.index_dim) * (index_q.element_size() + 8)
+                       + self.num_heads * 24 + self.num_kv_heads * 24)
             self.span_keys = block_indices.shape[-1] * block_size
         self.row_bytes = self.span_keys * per_key
 
@@ -149,6 +159,26 @@ class _Problem:
         """`P_t`, `[Hkv, C, N]`: the mean over the group of `exp(score - lse)` (0 outside the support)."""
         return scores.sub_(_finite_or_zero(teacher_lse)[..., None]).exp_().mean(-2)
 
+    def weighted_sums(self, weights, index_queries, index_keys, span: _Span, key_sums) -> torch.Tensor:
+        """The two reductions of `weights [Hi, C, N]` (0 outside the support): returns
+        `sum_j w[r, t, j] index_k[j]` as `[C, Hi, Di]`, and adds `sum_(t, r) w[r, t, j] index_q[t, r]`
+        into the rows `j` of `key_sums [Tk, Di]`."""
+        # A query's NaN lse makes its weights NaN off its support too.
+        weights = torch.where(span.valid, weights, 0)
+        if span.shared:
+            # GEMMs over the chunk's queries and the span's keys: finite operands, so a NaN of one
+            # document cannot reach another through a zero weight.
+            query_sums = torch.matmul(weights, _finite(index_keys)).transpose(0, 1)
+            key_sums.index_add_(0, span.token_rows,
+                                torch.matmul(weights.transpose(-1, -2), _finite(index_queries)).sum(0))
+        else:
+            # Invalid slots gather row 0, which may be another document's.
+            keys = torch.where(span.valid[..., None], index_keys, 0)
+            query_sums = torch.matmul(weights[:, :, None, :], keys)[:, :, 0].transpose(0, 1)
+            contribution = torch.where(span.valid[..., None], weights[..., None] * index_queries[:, :, None, :], 0)
+            key_sums.index_add_(0, span.token_rows.reshape(-1), contribution.reshape(-1, self.index_dim))
+        return query_sums
+
 
 def _teacher_lse(problem: _Problem, start, end) -> torch.Tensor:
     """`[Hkv, C, G]` log-sum-exp of the teacher's scores over the support."""
@@ -175,7 +205,7 @@ def indexer_kl(
     index_softmax_scale: float,
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss and what its backward needs.
 
     Args:
@@ -186,98 +216,95 @@ def indexer_kl(
 
     Returns:
         `loss` (0-D), `teacher_lse [Tq, Hq]` (the lse used, in lse's dtype), `index_lse [Tq, Hi]`
-        (the student's log-sum-exp over the support, `-inf` where it is empty) and
-        `teacher_mass [Tq, Hi]` (`sum_J P_t`). The loss, index_lse and teacher_mass are fp32
-        (fp64 for fp64 index inputs).
+        (the student's log-sum-exp over the support, `-inf` where it is empty), `teacher_mass
+        [Tq, Hi]` (`sum_J P_t`), `teacher_index_keys [Tq, Hi, Di]` (`sum_J P_t[j] index_k[j]`) and
+        `teacher_index_queries [Tk, 1, Di]` (`sum_((t, r): j in J) P_t[t, r, j] index_q[t, r]`). All
+        but `teacher_lse` are fp32 (fp64 for fp64 index inputs).
     """
     problem = _Problem(q, k, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
                        block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts)
     out_dtype = loss_dtype(index_q.dtype)
-    num_queries, num_index_heads = index_q.shape[:2]
+    num_queries, num_index_heads, index_dim = index_q.shape
     index_lse = torch.full((num_queries, num_index_heads), -math.inf, dtype=out_dtype, device=q.device)
     teacher_mass = torch.zeros((num_queries, num_index_heads), dtype=out_dtype, device=q.device)
+    teacher_index_keys = torch.zeros(index_q.shape, dtype=out_dtype, device=q.device)
+    teacher_index_queries = torch.zeros((problem.num_keys, index_dim), dtype=problem.dtype, device=q.device)
     teacher_lse = (torch.full((num_queries, problem.num_heads), -math.inf, dtype=compute_dtype(q.dtype), device=q.device)
                    if lse is None else lse.clone())
     divergence = torch.zeros((num_queries, num_index_heads), dtype=problem.dtype, device=q.device)
-    if num_queries == 0 or problem.num_keys == 0:
-        return divergence.sum().to(out_dtype), teacher_lse, index_lse, teacher_mass
-    for start, end in problem.chunks():
-        if lse is None:
-            chunk_lse = _teacher_lse(problem, start, end)
-            teacher_lse[start:end] = _tokens_first(chunk_lse).to(teacher_lse.dtype)
-        else:
-            chunk_lse = _heads_first(lse[start:end], problem.num_kv_heads, problem.dtype)
-        index_queries = problem.index_queries(start, end)
-        student_lse = torch.full((num_index_heads, end - start), -math.inf, dtype=problem.dtype, device=q.device)
-        weighted = torch.zeros_like(student_lse)  # A
-        mass = torch.zeros_like(student_lse)  # M
-        for span in problem.spans(start, end):
-            probs = problem.teacher_probs(problem.teacher_scores(start, end, span), chunk_lse)
-            logits = problem.student_logits(index_queries, problem.index_keys_of(span), span)
-            student_lse = torch.logaddexp(student_lse, torch.logsumexp(logits, -1))
-            positive = probs > 0
-            log_probs = torch.where(positive, probs, 1).log()
-            weighted += torch.where(positive, probs * (log_probs - torch.where(positive, logits, 0)), 0).sum(-1)
-            mass += probs.sum(-1)
-        chunk_divergence = weighted + torch.where(mass > 0, mass * _finite_or_zero(student_lse), 0)
-        divergence[start:end] = chunk_divergence.transpose(0, 1)
-        index_lse[start:end] = student_lse.transpose(0, 1).to(out_dtype)
-        teacher_mass[start:end] = mass.transpose(0, 1).to(out_dtype)
-    loss = divergence.sum() / (num_queries * num_index_heads)
-    return loss.to(out_dtype), teacher_lse, index_lse, teacher_mass
+    if num_queries > 0 and problem.num_keys > 0:
+        for start, end in problem.chunks():
+            if lse is None:
+                chunk_lse = _teacher_lse(problem, start, end)
+                teacher_lse[start:end] = _tokens_first(chunk_lse).to(teacher_lse.dtype)
+            else:
+                chunk_lse = _heads_first(lse[start:end], problem.num_kv_heads, problem.dtype)
+            index_queries = problem.index_queries(start, end)
+            student_lse = torch.full((num_index_heads, end - start), -math.inf, dtype=problem.dtype, device=q.device)
+            weighted = torch.zeros_like(student_lse)  # A
+            mass = torch.zeros_like(student_lse)  # M
+            index_key_sums = torch.zeros((end - start, num_index_heads, index_dim), dtype=problem.dtype, device=q.device)
+            for span in problem.spans(start, end):
+                probs = problem.teacher_probs(problem.teacher_scores(start, end, span), chunk_lse)
+                index_keys = problem.index_keys_of(span)
+                logits = problem.student_logits(index_queries, index_keys, span)
+                student_lse = torch.logaddexp(student_lse, torch.logsumexp(logits, -1))
+                positive = probs > 0
+                log_probs = torch.where(positive, probs, 1).log()
+                weighted += torch.where(positive, probs * (log_probs - torch.where(positive, logits, 0)), 0).sum(-1)
+                mass += probs.sum(-1)
+                index_key_sums += problem.weighted_sums(probs, index_queries, index_keys, span, teacher_index_queries)
+            chunk_divergence = weighted + torch.where(mass > 0, mass * _finite_or_zero(student_lse), 0)
+            divergence[start:end] = chunk_divergence.transpose(0, 1)
+            index_lse[start:end] = student_lse.transpose(0, 1).to(out_dtype)
+            teacher_mass[start:end] = mass.transpose(0, 1).to(out_dtype)
+            teacher_index_keys[start:end] = index_key_sums.to(out_dtype)
+    loss = divergence.sum() / max(1, num_queries * num_index_heads)
+    return (loss.to(out_dtype), teacher_lse, index_lse, teacher_mass, teacher_index_keys,
+            teacher_index_queries.view(problem.num_keys, 1, index_dim).to(out_dtype))
 
 
 def indexer_kl_backward(
     grad_loss: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    teacher_lse: torch.Tensor,
     index_q: torch.Tensor,
     index_k: torch.Tensor,
     index_lse: torch.Tensor,
     teacher_mass: torch.Tensor,
+    teacher_index_keys: torch.Tensor,
+    teacher_index_queries: torch.Tensor,
     block_indices: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
     block_size: int,
-    softmax_scale: float,
     index_softmax_scale: float,
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(d index_q [Tq, Hi, Di], d index_k [Tk, 1, Di])` in the index inputs' dtype.
+    """`(d index_q [Tq, Hi, Di], d index_k [Tk, 1, Di])` in the index inputs' dtype, from the
+    forward's `index_lse`, `teacher_mass` and teacher terms; only the student is recomputed.
 
-    `d u[j] = grad_loss * (M * P_s[j] - P_t[j]) / (Tq * Hi)` on the support, then
-    `d index_q[t, r] = index_softmax_scale * sum_j du[j] index_k[j]` and
-    `d index_k[j] = index_softmax_scale * sum_(t, r) du[j] index_q[t, r]`.
+    With `c = grad_loss * index_softmax_scale / (Tq * Hi)`:
+    `d index_q[t, r] = c * (M * sum_J P_s[j] index_k[j] - teacher_index_keys[t, r])` and
+    `d index_k[j] = c * (sum_((t, r): j in J) M P_s[t, r, j] index_q[t, r] - teacher_index_queries[j])`.
     """
-    problem = _Problem(q, k, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                       block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts)
-    num_queries, num_index_heads = index_q.shape[:2]
-    d_index_q = torch.zeros(index_q.shape, dtype=problem.dtype, device=q.device)
-    d_index_k = torch.zeros((problem.num_keys, problem.index_dim), dtype=problem.dtype, device=q.device)
+    problem = _Problem(None, None, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+                       block_size, None, index_softmax_scale, fragment_documents, fragment_starts)
+    num_queries, num_index_heads, index_dim = index_q.shape
+    d_index_q = torch.zeros(index_q.shape, dtype=problem.dtype, device=index_q.device)
+    d_index_k = torch.zeros((problem.num_keys, index_dim), dtype=problem.dtype, device=index_q.device)
     if num_queries > 0 and problem.num_keys > 0:
         coefficient = grad_loss.to(problem.dtype) * (index_softmax_scale / (num_queries * num_index_heads))
         for start, end in problem.chunks():
-            chunk_lse = _heads_first(teacher_lse[start:end], problem.num_kv_heads, problem.dtype)
             student_lse = _finite_or_zero(index_lse[start:end].to(problem.dtype).transpose(0, 1))[..., None]
             mass = teacher_mass[start:end].to(problem.dtype).transpose(0, 1)[..., None]
             index_queries = problem.index_queries(start, end)  # [Hi, C, Di]
             for span in problem.spans(start, end):
-                probs = problem.teacher_probs(problem.teacher_scores(start, end, span), chunk_lse)
                 index_keys = problem.index_keys_of(span)
                 logits = problem.student_logits(index_queries, index_keys, span)
-                grad_logits = torch.where(span.valid, mass * (logits - student_lse).exp() - probs, 0) * coefficient
-                if span.shared:
-                    # GEMMs over the chunk's queries and the span's keys: finite operands, so a
-                    # NaN of one document cannot reach another through a zero weight.
-                    d_index_q[start:end] += torch.matmul(grad_logits, _finite(index_keys)).transpose(0, 1)
-                    key_grad = torch.matmul(grad_logits.transpose(-1, -2), _finite(index_queries)).sum(0)
-                    d_index_k.index_add_(0, span.token_rows, key_grad)
-                else:
-                    d_index_q[start:end] += torch.matmul(grad_logits[:, :, None, :], index_keys)[:, :, 0].transpose(0, 1)
-                    contribution = torch.where(span.valid[..., None], grad_logits[..., None] * index_queries[:, :, None, :], 0)
-                    d_index_k.index_add_(0, span.token_rows.reshape(-1), contribution.reshape(-1, problem.index_dim))
+                student = mass * (logits - student_lse).exp()
+                d_index_q[start:end] += problem.weighted_sums(student, index_queries, index_keys, span, d_index_k)
+        d_index_q = (d_index_q - teacher_index_keys.to(problem.dtype)) * coefficient
+        d_index_k = (d_index_k - teacher_index_queries.view(problem.num_keys, index_dim).to(problem.dtype)) * coefficient
     return d_index_q.to(index_q.dtype), d_index_k.view(index_k.shape).to(index_k.dtype)

@@ -185,11 +185,12 @@ def check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     check_host_args(max_seqlen_q, max_seqlen_k, block_size, softmax_scale=softmax_scale)
 
 
-def check_block_indices(block_indices, q, k) -> None:
-    """Metadata checks of `block_indices [Hkv, Tq, topk]` against q and k (no host sync)."""
+def check_block_indices(block_indices, q, k, anchor: str = "q") -> None:
+    """Metadata checks of `block_indices [Hkv, Tq, topk]` against q and k (no host sync): `Tq`
+    from `q.shape[0]`, `Hkv` from `k.shape[1]`, the device from `q` (named `anchor`)."""
     _tensor("block_indices", block_indices, 3, "[Hkv, Tq, topk]")
     _dtype("block_indices", block_indices, (INDEX_DTYPE,), "int32")
-    _same_device("block_indices", block_indices, "q", q)
+    _same_device("block_indices", block_indices, anchor, q)
     num_kv_heads, num_queries = k.shape[1], q.shape[0]
     if block_indices.shape[0] != num_kv_heads or block_indices.shape[1] != num_queries or block_indices.shape[2] < 1:
         raise ValueError(
@@ -432,20 +433,31 @@ def check_indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, c
     _finite_float("index_softmax_scale", index_softmax_scale)
 
 
-def check_indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
-                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                              index_softmax_scale, fragment_documents=None, fragment_starts=None) -> None:
-    """Metadata checks of `msa::indexer_kl_backward` (no host sync)."""
-    check_indexer_kl(q, k, teacher_lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
-                     fragment_documents, fragment_starts)
+def check_indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
+                              teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, block_size, index_softmax_scale, fragment_documents=None,
+                              fragment_starts=None) -> None:
+    """Metadata checks of `msa::indexer_kl_backward` (no host sync): the index inputs and what
+    `msa::indexer_kl` returned for them."""
+    check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, block_size,
+                        fragment_documents, fragment_starts)
+    if block_indices is not None:
+        # One index head per KV head: index_q gives both Tq and Hkv.
+        check_block_indices(block_indices, index_q, index_q, "index_q")
+    _finite_float("index_softmax_scale", index_softmax_scale)
     loss_dtype = compute_dtype(index_q.dtype)
     _tensor("grad_loss", grad_loss, 0, "[] (a scalar)")
     _dtype("grad_loss", grad_loss, (loss_dtype,), str(loss_dtype))
-    _same_device("grad_loss", grad_loss, "q", q)
-    for name, x in (("index_lse", index_lse), ("teacher_mass", teacher_mass)):
-        _tensor(name, x, 2, "[Tq, Hi]")
-        if list(x.shape) != list(index_q.shape[:2]):
-            raise ValueError(f"{name}: expected shape {list(index_q.shape[:2])} ([Tq, Hi] of index_q), got {_shape(x)}")
+    _same_device("grad_loss", grad_loss, "index_q", index_q)
+    num_queries, num_index_heads, index_dim = index_q.shape
+    for name, x, shape, layout, anchor in (
+        ("index_lse", index_lse, [num_queries, num_index_heads], "[Tq, Hi]", "index_q"),
+        ("teacher_mass", teacher_mass, [num_queries, num_index_heads], "[Tq, Hi]", "index_q"),
+        ("teacher_index_keys", teacher_index_keys, list(index_q.shape), "[Tq, Hi, Di]", "index_q"),
+        ("teacher_index_queries", teacher_index_queries, [index_k.shape[0], 1, index_dim], "[Tk, 1, Di]", "index_k"),
+    ):
+        _tensor(name, x, len(shape), layout)
+        if list(x.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} ({layout} of {anchor}), got {_shape(x)}")
         _dtype(name, x, (loss_dtype,), str(loss_dtype))
-        _same_device(name, x, "q", q)
+        _same_device(name, x, "index_q", index_q)

@@ -5,6 +5,8 @@ For each length (one document, M3 shapes, bf16) it times, with the benchmark's t
 * `attention step`: select + sparse attention forward + backward (`msa_attention`, `lse` and the
   selection returned, `out.backward`), the training step the loss rides on;
 * `sparse KL fwd+bwd`: `indexer_kl_loss` on that step's `lse` and selection, then its backward;
+* `sparse KL fwd`: the same loss without grad (the forward, where the teacher is computed; the
+  backward is the difference);
 * `dense KL fwd+bwd` (warm-up stage, with `--dense`): `indexer_kl_loss_dense` computing its own
   teacher normaliser, against a dense causal SDPA forward + backward (cuDNN on CUDA when
   available);
@@ -65,7 +67,13 @@ def measure_kl(tokens: int, shape: Shape = M3, device=None, dtype=torch.bfloat16
         torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse, index_q, index_k, block_indices,
                                   block_size=shape.block_size).backward()
 
+    def sparse_kl_forward():
+        with torch.no_grad():
+            torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse, index_q, index_k, block_indices,
+                                      block_size=shape.block_size)
+
     results["sparse KL fwd+bwd"] = measure(sparse_kl, device, warmup, iters).median_ms
+    results["sparse KL fwd"] = measure(sparse_kl_forward, device, warmup, iters).median_ms
     if dense:
         def dense_kl():
             torch_msa.indexer_kl_loss_dense(q.detach(), k.detach(), index_q, index_k,

@@ -5,7 +5,9 @@ key-to-query schedule of `torch_msa/schedule.py`, packed as a plan: `torch_msa/p
 `forward_kernel.py` (KV-outer attention + combine), `backward_kernel.py` (KV-outer dQ/dK/dV, adding
 with atomics) and `backward_deterministic_kernel.py` (KV-outer dK/dV reduced in a fixed order,
 query-outer dQ), which serves the backward under `torch.use_deterministic_algorithms(True)`, and
-`kl_kernel.py` (the index branch's KL loss and its gradient on the sparse support, KV-outer).
+`kl_kernel.py` (the index branch's KL loss on the sparse support, KV-outer: the forward computes
+the teacher once and reduces it into the teacher's half of the gradient, the backward only the
+student).
 The forward and the default backward read the plan they are given, or build one.
 
 Importing this package imports no triton: the kernel modules load on the first call, and the
@@ -113,14 +115,13 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
     )
 
 
-def indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
-                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                        index_softmax_scale, fragment_documents=None, fragment_starts=None):
-    check_served("q", q.dtype, q.shape[1] // k.shape[1])
+def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
+                        teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        block_size, index_softmax_scale, fragment_documents=None, fragment_starts=None):
     check_served("index_q", index_q.dtype)
     return _kernels("kl_kernel").indexer_kl_backward(
-        grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
+        grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries, block_indices,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, index_softmax_scale,
         fragment_documents, fragment_starts,
     )
 

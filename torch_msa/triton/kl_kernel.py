@@ -1,23 +1,35 @@
 """`msa::indexer_kl` and `msa::indexer_kl_backward` in Triton, on the sparse support, KV-outer.
 
 Both kernels walk the shared KV-outer schedule (`torch_msa/schedule.py`): one program owns one KV
-head's key block and a run of the queries that chose it, loads the block's keys and index keys
-once, and takes the queries `TOKENS` at a time (at least 16, so the index GEMMs `[TOKENS, Di] x
-[Di, BLOCK]` are full-height). The teacher probability of a (query, key) pair is the mean over the
-query's `G` heads; the heads are taken `HEADS_PER_PASS` at a time, one `[TOKENS * HEADS_PER_PASS,
-BLOCK]` score GEMM per pass (128 rows: for M3, 16 tokens x 8 heads, two passes).
+head's key block and a run of the queries that chose it, loads the block's (index) keys once and
+takes the queries `TOKENS` at a time (at least 16, so the index GEMMs `[TOKENS, Di] x [Di, BLOCK]`
+are full-height).
 
-Forward: each (KV head, query, slot) entry gets partial sums over its block, natural log except
-the student's running max (log2 domain): the max and sum of `exp2` of the index logits,
-`A = sum P_t (log P_t - u)` and `M = sum P_t`. A few PyTorch ops then combine the `topk` partials
-of each (query, index head) into the student's lse and `KL = A + M * lse_s` (`topk` floats per
-pair: no kernel needed).
+Forward: the teacher probability of a (query, key) pair is the mean over the query's `G` heads;
+the heads are taken `HEADS_PER_PASS` at a time, one `[TOKENS * HEADS_PER_PASS, BLOCK]` score GEMM
+per pass (128 rows: for M3, 16 tokens x 8 heads, two passes). This is the only place the teacher
+is computed. Each (KV head, query, slot) entry gets partial sums over its block, natural log
+except the student's running max (log2 domain): the max and sum of `exp2` of the index logits,
+`A = sum P_t (log P_t - u)` and `M = sum P_t`. A few PyTorch ops then combine the `topk`
+partials of each (query, index head) into the student's lse and `KL = A + M * lse_s`. The same
+tile also reduces `P_t` twice by GEMM, the teacher's half of the gradient: into
+`teacher_index_keys [Tq, Hi, Di]` (`P_t index_k`, fp32 atomics, one row per query, `topk` adds per
+row) and into the block's `teacher_index_queries` (`P_t^T index_q`, kept in registers over the
+item and added once).
 
-Backward: the same tiles recompute `P_t` and `P_s`, form `du = M * P_s - P_t` on the block's
-visible keys and reduce it twice by GEMM: into `d index_q` (fp32 atomics, one row per query) and
-into the block's `d index_k`, kept in registers over the item and added once. The atomics make the
-result order-dependent in the last bits, so under `torch.use_deterministic_algorithms(True)` the
-backward declines and the registry falls back to the reference.
+Backward: the student alone, no q, no k. The same tiles recompute the index logits, form
+`M * P_s` on the block's visible keys and reduce it into `d index_q` and `d index_k` exactly as
+the forward reduces `P_t`; the buffers start at `-c * teacher_index_*`, so
+`d = c * (student - teacher)` with `c = grad_loss * index_scale / (Tq * Hi)`. Its schedule has one
+row per entry (`ITEM_ROWS` entries per item), not the teacher's `G`.
+
+Precision: the weights of those reductions (`P_t`, `M * P_s`, fp32) meet 16-bit index inputs in
+two halves of that dtype (`high + low`), so each sum keeps about 16 bits of its weights and
+their difference, the gradient, loses nothing to the rounding of one of them.
+
+Both kernels add with atomics, so their sums are order-dependent in the last bits: under
+`torch.use_deterministic_algorithms(True)` both decline (the forward's teacher terms are atomic
+sums too) and the registry falls back to the reference.
 """
 
 import math
@@ -30,53 +42,88 @@ from ..backends import UnsupportedInputs
 from ..reference_kl import loss_dtype
 from .common import dot_precision
 from .forward_kernel import LOG2_E, item_horizon, schedule_for
+from .launch import LaunchConfig, launch
 
-_LAUNCH = dict(num_warps=8, num_stages=2)
+# `rows`: teacher rows (tokens x heads) of a forward tile; tokens of a backward tile.
+FORWARD_CONFIGS = (LaunchConfig(rows=128, num_stages=2, num_warps=8), LaunchConfig(rows=64, num_stages=1))
+BACKWARD_CONFIGS = (LaunchConfig(rows=64, num_stages=2, num_warps=8), LaunchConfig(rows=32, num_stages=1))
 
 
-def check_inputs(q, lse, index_q, block_indices) -> None:
+def check_inputs(lse_present: bool, index_q, block_indices) -> None:
     """Decline, before any launch, what these kernels do not serve (the reference does)."""
     if block_indices is None:
         raise UnsupportedInputs("the dense support (block_indices=None): the Triton KL kernels serve the sparse one")
-    if lse is None:
+    if not lse_present:
         raise UnsupportedInputs("no lse: the Triton KL kernels take the attention's lse")
     index_dim = index_q.shape[-1]
     if index_dim < 16 or index_dim > 256 or index_dim & (index_dim - 1):
         raise UnsupportedInputs(f"index head dim {index_dim} (the Triton KL kernels take a power of two in [16, 256])")
+    if torch.are_deterministic_algorithms_enabled():
+        raise UnsupportedInputs("deterministic algorithms were requested and the Triton KL kernels add with atomics")
 
 
 def kl_tile_shape(num_heads: int, num_kv_heads: int, rows: int = 128) -> tuple[int, int]:
-    """`(tokens, heads_per_pass)`: the queries of one tile (at least 16, so the index GEMMs are
-    full-height) and how many of their query heads one teacher GEMM of about `rows` rows takes."""
+    """`(tokens, heads_per_pass)` of a forward tile: its queries (at least 16, so the index GEMMs
+    are full-height) and how many of their query heads one teacher GEMM of about `rows` rows takes."""
     group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
     tokens = max(16, rows // group_p2)
     return tokens, max(1, min(group_p2, rows // tokens))
 
 
 @triton.jit
-def _tile(
-    q, k_block, index_q, index_keys, lse, entry_query, position, first, end, kv_head, key_position, key_ok,
-    qk_scale, index_scale,
-    stride_q_token, stride_q_head, stride_iq_token, stride_iq_head,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PASS: tl.constexpr, TOKENS: tl.constexpr,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+def _item_block(
+    index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
+    num_keys, stride_ik_token, TOPK: tl.constexpr, BLOCK: tl.constexpr, INDEX_DIM: tl.constexpr,
 ):
-    """One tile of `TOKENS` entries: teacher probabilities `[TOKENS, BLOCK]`, index logits (log2
-    domain, `-inf` off the support) `[TOKENS, BLOCK]`, the index queries `[TOKENS, Di]`, and per
-    token its `t * topk + slot` and whether it is real."""
+    """The item's KV head and key block: `key_row`, `key_position`, `key_ok` `[BLOCK]` and the
+    index keys `[BLOCK, INDEX_DIM]` (zeros where not `key_ok`)."""
+    bucket = tl.load(item_bucket + item)
+    kv_head = tl.load(bucket_head + bucket)
+    offsets = tl.arange(0, BLOCK)
+    key_row = (tl.load(bucket_key_row + bucket) + offsets).to(tl.int64)
+    key_position = tl.load(bucket_block + bucket) * BLOCK + offsets
+    # Keys past the item's last causal position (the block's tail may be the next document's) are
+    # neither read nor written, so no value of another document meets a zero weight (0 * NaN).
+    key_ok = (key_position <= item_horizon(entry_query, position, start, end, TOPK)) & (key_row < num_keys)
+    index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + tl.arange(0, INDEX_DIM)[None, :],
+                         mask=key_ok[:, None], other=0.0)
+    return kv_head, key_row, key_position, key_ok, index_keys
+
+
+@triton.jit
+def _student_tile(
+    index_q, index_keys, entry_query, position, first, end, kv_head, key_position, key_ok, index_scale,
+    stride_iq_token, stride_iq_head,
+    TOKENS: tl.constexpr, TOPK: tl.constexpr, INDEX_DIM: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+):
+    """The student's side of a tile of `TOKENS` entries: index logits (log2 domain, `-inf` off the
+    support) `[TOKENS, BLOCK]`, the support itself (`visible`), the index queries `[TOKENS, Di]`
+    (zeros for padding entries), and per entry its `t * topk + slot` and whether it is real."""
     tokens = tl.arange(0, TOKENS)
     token_ok = first + tokens < end
     query = tl.load(entry_query + first + tokens, mask=token_ok, other=0)
     token = (query // TOPK).to(tl.int64)
     pos = tl.load(position + token, mask=token_ok, other=-1)
     visible = (key_position[None, :] <= pos[:, None]) & key_ok[None, :] & token_ok[:, None]
+    index_queries = tl.load(
+        index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + tl.arange(0, INDEX_DIM)[None, :],
+        mask=token_ok[:, None], other=0.0)
+    logits = tl.dot(index_queries, tl.trans(index_keys), input_precision=INDEX_PRECISION) * index_scale
+    logits = tl.where(visible, logits, float("-inf"))
+    return logits, visible, index_queries, query, token_ok
 
-    # The teacher: the G heads of each token, HEADS_PER_PASS at a time, one GEMM per pass.
+
+@triton.jit
+def _teacher_tile(
+    q, k_block, lse, entry_query, first, end, kv_head, visible, qk_scale, stride_q_token, stride_q_head,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PASS: tl.constexpr, TOKENS: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Teacher probabilities `[TOKENS, BLOCK]` of a tile: the mean over each entry's `G` query
+    heads, `HEADS_PER_PASS` at a time, one GEMM per pass; 0 where not `visible [TOKENS, BLOCK]`."""
     rows = tl.arange(0, TOKENS * HEADS_PER_PASS)
     row_token_ok = first + rows // HEADS_PER_PASS < end
     row_token = (tl.load(entry_query + first + rows // HEADS_PER_PASS, mask=row_token_ok, other=0) // TOPK).to(tl.int64)
-    row_pos = tl.load(position + row_token, mask=row_token_ok, other=-1)
     dims = tl.arange(0, DIM)
     teacher = tl.zeros((TOKENS, BLOCK), tl.float32)
     for first_head in range(0, GROUP, HEADS_PER_PASS):
@@ -90,69 +137,61 @@ def _tile(
         # A query whose key set is empty (lse = -inf) shifts by 0, as in the attention backward.
         row_lse = tl.where((row_lse == float("inf")) | (row_lse == float("-inf")), 0.0, row_lse)
         scores = tl.dot(q_rows, tl.trans(k_block), input_precision=PRECISION) * qk_scale
-        row_visible = (key_position[None, :] <= row_pos[:, None]) & key_ok[None, :] & row_ok[:, None]
-        probs = tl.where(row_visible, tl.exp2(scores - row_lse[:, None]), 0.0)
+        probs = tl.exp2(scores - row_lse[:, None])
+        if GROUP % HEADS_PER_PASS != 0:
+            # The last pass's padding heads (zero rows of q, so probability 1) must add nothing.
+            probs = tl.where((group_head < GROUP)[:, None], probs, 0.0)
         teacher += tl.sum(tl.reshape(probs, (TOKENS, HEADS_PER_PASS, BLOCK)), axis=1)
-    teacher = teacher * (1.0 / GROUP)
-
-    index_queries = tl.load(
-        index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + tl.arange(0, INDEX_DIM)[None, :],
-        mask=token_ok[:, None], other=0.0)
-    logits = tl.dot(index_queries, tl.trans(index_keys), input_precision=INDEX_PRECISION) * index_scale
-    logits = tl.where(visible, logits, float("-inf"))
-    return teacher, logits, index_queries, query, token_ok
+    # Visibility is a property of the (token, key) pair, shared by the token's heads: masking the
+    # sum replaces whatever the hidden pairs held (Inf, NaN) with 0, once per pair, not per head.
+    return tl.where(visible, teacher * (1.0 / GROUP), 0.0)
 
 
 @triton.jit
-def _item_keys(
-    k, index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
-    num_keys,
-    stride_k_token, stride_k_head, stride_ik_token,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-):
-    """The item's KV head and key block: `key_row`, `key_position`, `key_ok` `[BLOCK]`, the keys
-    `[BLOCK, DIM]` and index keys `[BLOCK, INDEX_DIM]` (zeros where not `key_ok`)."""
-    bucket = tl.load(item_bucket + item)
-    kv_head = tl.load(bucket_head + bucket)
-    offsets = tl.arange(0, BLOCK)
-    key_row = (tl.load(bucket_key_row + bucket) + offsets).to(tl.int64)
-    key_position = tl.load(bucket_block + bucket) * BLOCK + offsets
-    # Keys past the item's last causal position (the block's tail may be the next document's) are
-    # neither read nor written, so no value of another document meets a zero weight (0 * NaN).
-    key_ok = (key_position <= item_horizon(entry_query, position, start, end, TOPK)) & (key_row < num_keys)
-    k_block = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + tl.arange(0, DIM)[None, :],
-                      mask=key_ok[:, None], other=0.0)
-    index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + tl.arange(0, INDEX_DIM)[None, :],
-                         mask=key_ok[:, None], other=0.0)
-    return kv_head, key_row, key_position, key_ok, k_block, index_keys
+def _weighted_dot(weights, operand, acc, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """`acc + weights @ operand` for fp32 `weights`: with `SPLIT` (16-bit operands), in two halves
+    of the operand's dtype, so the product keeps about 16 bits of the weights."""
+    high = weights.to(operand.dtype)
+    acc = tl.dot(high, operand, acc, input_precision=PRECISION)
+    if SPLIT:
+        low = (weights - high.to(tl.float32)).to(operand.dtype)
+        acc = tl.dot(low, operand, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
 def _forward_kernel(
-    q, k, lse, index_q, index_k, part_max, part_sum, part_weighted, part_mass,
+    q, k, lse, index_q, index_k, part_max, part_sum, part_weighted, part_mass, teacher_index_keys,
+    teacher_index_queries,
     entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
     num_queries, num_keys, qk_scale, index_scale,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_iq_token, stride_iq_head, stride_ik_token,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PASS: tl.constexpr, TOKENS: tl.constexpr,
     TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     item = tl.program_id(0)
     start = tl.load(item_start + item)
     end = tl.load(item_end + item)
     if start >= end:
         return
-    kv_head, key_row, key_position, key_ok, k_block, index_keys = _item_keys(
-        k, index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
-        num_keys,
-        stride_k_token, stride_k_head, stride_ik_token, TOPK, BLOCK, DIM, INDEX_DIM,
+    kv_head, key_row, key_position, key_ok, index_keys = _item_block(
+        index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
+        num_keys, stride_ik_token, TOPK, BLOCK, INDEX_DIM,
     )
+    k_block = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + tl.arange(0, DIM)[None, :],
+                      mask=key_ok[:, None], other=0.0)
+    index_dims = tl.arange(0, INDEX_DIM)
+    key_sums = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
 
     for first in range(start, end, TOKENS):
-        teacher, logits, _, query, token_ok = _tile(
-            q, k_block, index_q, index_keys, lse, entry_query, position, first, end, kv_head, key_position, key_ok,
-            qk_scale, index_scale, stride_q_token, stride_q_head, stride_iq_token, stride_iq_head,
-            NUM_KV_HEADS, GROUP, HEADS_PER_PASS, TOKENS, TOPK, BLOCK, DIM, INDEX_DIM, PRECISION, INDEX_PRECISION,
+        logits, visible, index_queries, query, token_ok = _student_tile(
+            index_q, index_keys, entry_query, position, first, end, kv_head, key_position, key_ok, index_scale,
+            stride_iq_token, stride_iq_head, TOKENS, TOPK, INDEX_DIM, INDEX_PRECISION,
+        )
+        teacher = _teacher_tile(
+            q, k_block, lse, entry_query, first, end, kv_head, visible, qk_scale, stride_q_token, stride_q_head,
+            NUM_KV_HEADS, GROUP, HEADS_PER_PASS, TOKENS, TOPK, BLOCK, DIM, PRECISION,
         )
         row_max = tl.max(logits, axis=1)
         shift = tl.where(row_max == float("-inf"), 0.0, row_max)
@@ -169,110 +208,141 @@ def _forward_kernel(
         tl.store(part_weighted + partial, weighted, mask=token_ok)
         tl.store(part_mass + partial, mass, mask=token_ok)
 
+        # The teacher's half of the gradient: padding entries and keys off the block are zero
+        # rows of `teacher` and of the operands, so nothing of another document is read.
+        query_sums = _weighted_dot(teacher, index_keys, tl.zeros((TOKENS, INDEX_DIM), tl.float32), SPLIT,
+                                   INDEX_PRECISION)
+        pair = (query // TOPK).to(tl.int64) * NUM_KV_HEADS + kv_head
+        tl.atomic_add(teacher_index_keys + pair[:, None] * INDEX_DIM + index_dims[None, :], query_sums,
+                      mask=token_ok[:, None], sem="relaxed")
+        key_sums = _weighted_dot(tl.trans(teacher), index_queries, key_sums, SPLIT, INDEX_PRECISION)
+    tl.atomic_add(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :], key_sums,
+                  mask=key_ok[:, None], sem="relaxed")
+
 
 @triton.jit
 def _backward_kernel(
-    q, k, lse, index_q, index_k, index_lse, teacher_mass, coefficient, d_index_q, d_index_k,
+    index_q, index_k, index_lse, teacher_mass, coefficient, d_index_q, d_index_k,
     entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
-    num_keys, qk_scale, index_scale,
-    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_iq_token, stride_iq_head, stride_ik_token,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PASS: tl.constexpr, TOKENS: tl.constexpr,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+    num_keys, index_scale, stride_iq_token, stride_iq_head, stride_ik_token,
+    NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+    INDEX_DIM: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     item = tl.program_id(0)
     start = tl.load(item_start + item)
     end = tl.load(item_end + item)
     if start >= end:
         return
-    kv_head, key_row, key_position, key_ok, k_block, index_keys = _item_keys(
-        k, index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
-        num_keys,
-        stride_k_token, stride_k_head, stride_ik_token, TOPK, BLOCK, DIM, INDEX_DIM,
+    kv_head, key_row, key_position, key_ok, index_keys = _item_block(
+        index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
+        num_keys, stride_ik_token, TOPK, BLOCK, INDEX_DIM,
     )
     index_dims = tl.arange(0, INDEX_DIM)
     scale = tl.load(coefficient)
-    d_keys = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
+    key_sums = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
 
     for first in range(start, end, TOKENS):
-        teacher, logits, index_queries, query, token_ok = _tile(
-            q, k_block, index_q, index_keys, lse, entry_query, position, first, end, kv_head, key_position, key_ok,
-            qk_scale, index_scale, stride_q_token, stride_q_head, stride_iq_token, stride_iq_head,
-            NUM_KV_HEADS, GROUP, HEADS_PER_PASS, TOKENS, TOPK, BLOCK, DIM, INDEX_DIM, PRECISION, INDEX_PRECISION,
+        logits, _, index_queries, query, token_ok = _student_tile(
+            index_q, index_keys, entry_query, position, first, end, kv_head, key_position, key_ok, index_scale,
+            stride_iq_token, stride_iq_head, TOKENS, TOPK, INDEX_DIM, INDEX_PRECISION,
         )
         pair = (query // TOPK).to(tl.int64) * NUM_KV_HEADS + kv_head
         student_lse = tl.load(index_lse + pair, mask=token_ok, other=0.0) * 1.4426950408889634
         student_lse = tl.where((student_lse == float("inf")) | (student_lse == float("-inf")), 0.0, student_lse)
         mass = tl.load(teacher_mass + pair, mask=token_ok, other=0.0)
-        on_support = logits != float("-inf")
-        student = mass[:, None] * tl.exp2(logits - student_lse[:, None])
-        d_logits = (tl.where(on_support, student - teacher, 0.0) * scale).to(index_keys.dtype)
-        d_keys += tl.dot(tl.trans(d_logits), index_queries, input_precision=INDEX_PRECISION)
-        d_queries = tl.dot(d_logits, index_keys, input_precision=INDEX_PRECISION)
-        tl.atomic_add(d_index_q + pair[:, None] * INDEX_DIM + index_dims[None, :], d_queries,
+        # exp2(-inf) = 0 off the support; `where` keeps a NaN mass of a padding row out too.
+        student = tl.where(logits != float("-inf"), mass[:, None] * tl.exp2(logits - student_lse[:, None]), 0.0)
+        query_sums = _weighted_dot(student, index_keys, tl.zeros((TOKENS, INDEX_DIM), tl.float32), SPLIT,
+                                   INDEX_PRECISION)
+        tl.atomic_add(d_index_q + pair[:, None] * INDEX_DIM + index_dims[None, :], query_sums * scale,
                       mask=token_ok[:, None], sem="relaxed")
-    tl.atomic_add(d_index_k + key_row[:, None] * INDEX_DIM + index_dims[None, :], d_keys,
+        key_sums = _weighted_dot(tl.trans(student), index_queries, key_sums, SPLIT, INDEX_PRECISION)
+    tl.atomic_add(d_index_k + key_row[:, None] * INDEX_DIM + index_dims[None, :], key_sums * scale,
                   mask=key_ok[:, None], sem="relaxed")
 
 
-def _launch(kernel, q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, fragments, block_size,
-            softmax_scale, index_softmax_scale, *outputs):
-    num_queries, num_heads, dim = q.shape
-    num_keys, num_kv_heads, _ = k.shape
-    tokens, heads_per_pass = kl_tile_shape(num_heads, num_kv_heads)
-    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, None, *fragments)
-    q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
-    scalars = (num_queries, num_keys) if kernel is _forward_kernel else (num_keys,)
-    kernel[(schedule.item_start.numel(),)](
-        q, k, lse, index_q, index_k, *outputs,
-        schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
-        schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-        *scalars, softmax_scale * LOG2_E, index_softmax_scale * LOG2_E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), index_q.stride(0), index_q.stride(1), index_k.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEADS_PER_PASS=heads_per_pass, TOKENS=tokens,
-        TOPK=block_indices.shape[-1], BLOCK=block_size, DIM=dim, INDEX_DIM=index_q.shape[-1],
-        PRECISION=dot_precision(q.dtype), INDEX_PRECISION=dot_precision(index_q.dtype),
-        **_LAUNCH,
-    )
+def _schedule_tables(schedule) -> tuple:
+    return (schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
+            schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position)
+
+
+def _split(index_dtype: torch.dtype) -> bool:
+    return index_dtype in (torch.float16, torch.bfloat16)
 
 
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
     """Same contract as `torch_msa.reference_kl.indexer_kl` (sparse support, `lse` given)."""
-    check_inputs(q, lse, index_q, block_indices)
-    num_queries, num_index_heads = index_q.shape[:2]
+    check_inputs(lse is not None, index_q, block_indices)
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    num_index_heads, index_dim = index_q.shape[1:]
+    topk = block_indices.shape[-1]
     dtype = loss_dtype(index_q.dtype)
     lse = lse.contiguous()
-    shape = (num_index_heads, num_queries, block_indices.shape[-1])
+    shape = (num_index_heads, num_queries, topk)
     part_max = torch.full(shape, -math.inf, dtype=torch.float32, device=q.device)
     part_sum, part_weighted, part_mass = (torch.zeros(shape, dtype=torch.float32, device=q.device) for _ in range(3))
-    if num_queries > 0 and k.shape[0] > 0:
-        _launch(_forward_kernel, q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-                (fragment_documents, fragment_starts), block_size, softmax_scale, index_softmax_scale,
-                part_max, part_sum, part_weighted, part_mass)
+    teacher_index_keys = torch.zeros((num_queries, num_index_heads, index_dim), dtype=torch.float32, device=q.device)
+    teacher_index_queries = torch.zeros((num_keys, 1, index_dim), dtype=torch.float32, device=q.device)
+    if num_queries > 0 and num_keys > 0:
+        q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
+        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, None,
+                                fragment_documents, fragment_starts)
+
+        def launch_forward(config):
+            tokens, heads_per_pass = kl_tile_shape(num_heads, num_kv_heads, config.rows)
+            _forward_kernel[(schedule.item_start.numel(),)](
+                q, k, lse, index_q, index_k, part_max, part_sum, part_weighted, part_mass,
+                teacher_index_keys, teacher_index_queries, *_schedule_tables(schedule),
+                num_queries, num_keys, softmax_scale * LOG2_E, index_softmax_scale * LOG2_E,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), index_q.stride(0), index_q.stride(1),
+                index_k.stride(0),
+                NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEADS_PER_PASS=heads_per_pass,
+                TOKENS=tokens, TOPK=topk, BLOCK=block_size, DIM=dim, INDEX_DIM=index_dim,
+                PRECISION=dot_precision(q.dtype), INDEX_PRECISION=dot_precision(index_q.dtype),
+                SPLIT=_split(index_q.dtype), **config.options,
+            )
+
+        shape_key = (q.device, q.dtype, index_q.dtype, dim, index_dim, block_size, num_heads // num_kv_heads)
+        launch("kl._forward_kernel", shape_key, FORWARD_CONFIGS, launch_forward)
     used = part_sum > 0
     slot_lse = torch.where(used, (part_max + torch.where(used, part_sum, 1).log2()) * math.log(2), -math.inf)
     index_lse = torch.logsumexp(slot_lse, -1)  # [Hi, Tq]
     mass = part_mass.sum(-1)
     divergence = part_weighted.sum(-1) + torch.where(mass > 0, mass * index_lse.masked_fill(mass <= 0, 0), 0)
     loss = divergence.sum() / max(1, num_queries * num_index_heads)
-    return loss.to(dtype), lse.clone(), index_lse.t().to(dtype).contiguous(), mass.t().to(dtype).contiguous()
+    return (loss.to(dtype), lse.clone(), index_lse.t().to(dtype).contiguous(), mass.t().to(dtype).contiguous(),
+            teacher_index_keys, teacher_index_queries)
 
 
-def indexer_kl_backward(grad_loss, q, k, teacher_lse, index_q, index_k, index_lse, teacher_mass, block_indices,
-                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                        index_softmax_scale, fragment_documents=None, fragment_starts=None):
+def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
+                        teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        block_size, index_softmax_scale, fragment_documents=None, fragment_starts=None):
     """Same contract as `torch_msa.reference_kl.indexer_kl_backward` (sparse support)."""
-    check_inputs(q, teacher_lse, index_q, block_indices)
-    if torch.are_deterministic_algorithms_enabled():
-        raise UnsupportedInputs("deterministic algorithms were requested and the Triton KL backward adds with atomics")
+    check_inputs(True, index_q, block_indices)
     num_queries, num_index_heads, index_dim = index_q.shape
-    d_index_q = torch.zeros((num_queries, num_index_heads, index_dim), dtype=torch.float32, device=q.device)
-    d_index_k = torch.zeros((k.shape[0], 1, index_dim), dtype=torch.float32, device=q.device)
-    if num_queries > 0 and k.shape[0] > 0:
-        # du = grad * (M P_s - P_t) / (Tq Hi); the index scale of the logits is folded in too.
-        coefficient = (grad_loss.float() * (index_softmax_scale / (num_queries * num_index_heads))).reshape(1)
-        _launch(_backward_kernel, q, k, teacher_lse.contiguous(), index_q, index_k, block_indices, cu_seqlens_q,
-                cu_seqlens_k, (fragment_documents, fragment_starts), block_size, softmax_scale, index_softmax_scale,
-                index_lse.float().contiguous(), teacher_mass.float().contiguous(), coefficient, d_index_q, d_index_k)
+    num_keys = index_k.shape[0]
+    # d = c * (student - teacher): the buffers start at the teacher's half, the kernel adds the student's.
+    coefficient = (grad_loss.float() * (index_softmax_scale / max(1, num_queries * num_index_heads))).reshape(1)
+    d_index_q = (teacher_index_keys.float() * -coefficient).contiguous()
+    d_index_k = (teacher_index_queries.float() * -coefficient).contiguous()
+    if num_queries > 0 and num_keys > 0:
+        index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
+        # One row per entry: the student has one head per index head.
+        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_index_heads,
+                                None, fragment_documents, fragment_starts)
+        student_lse, mass = index_lse.float().contiguous(), teacher_mass.float().contiguous()
+
+        def launch_backward(config):
+            _backward_kernel[(schedule.item_start.numel(),)](
+                index_q, index_k, student_lse, mass, coefficient, d_index_q, d_index_k, *_schedule_tables(schedule),
+                num_keys, index_softmax_scale * LOG2_E, index_q.stride(0), index_q.stride(1), index_k.stride(0),
+                NUM_KV_HEADS=num_index_heads, TOKENS=config.rows, TOPK=block_indices.shape[-1], BLOCK=block_size,
+                INDEX_DIM=index_dim, INDEX_PRECISION=dot_precision(index_q.dtype), SPLIT=_split(index_q.dtype),
+                **config.options,
+            )
+
+        launch("kl._backward_kernel", (index_q.device, index_q.dtype, index_dim, block_size), BACKWARD_CONFIGS,
+               launch_backward)
     return d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)
