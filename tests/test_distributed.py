@@ -111,7 +111,9 @@ def _check_case(name, lengths, device, dtype, tolerance, group=None, seed=0):
     got = _context_parallel(x, layout, group)
 
     def close(what, a, b):
-        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance,
+        # Absolute tolerance relative to the largest entry: the index gradients are ~1 / (T x Hi).
+        scale = b.abs().max().item() if b.numel() else 0.0
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance * max(scale, 1e-30),
                                    msg=lambda m: f"{name}, rank {rank} of {world_size}, {what}: {m}")
 
     for what in ("out", "lse", "dq", "dk", "dv", "d_index_q", "d_index_k", "dense_d_index_q", "dense_d_index_k"):
