@@ -42,7 +42,8 @@ import torch.distributed as dist
 from . import api
 from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK, INDEX_DTYPE
 
-# torch 2.14 renamed the tensor collectives; older versions have only the old names.
+# Recent torch (2.14 here) names the tensor collectives `*_single` and deprecates the old names,
+# which older versions (such as 2.11) have alone.
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
