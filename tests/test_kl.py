@@ -405,5 +405,5 @@ def test_kl_timing_rows_run_on_cpu():
     shape = Shape(query_heads=4, kv_heads=2, head_dim=64, index_dim=16, block_size=BLOCK, topk=2)
     results = measure_kl(256, shape, "cpu", torch.float32, dense=True, warmup=0, iters=1)
     assert set(results) == {"attention step", "sparse KL fwd+bwd", "sparse KL fwd", "dense SDPA fwd+bwd",
-                            "dense KL fwd+bwd"}
+                            "dense KL fwd+bwd", "dense KL fwd+bwd, lse given"}
     assert all(ms > 0 for ms in results.values())

@@ -5,6 +5,8 @@ compared relatively (both sides accumulate in fp32); the gradients by relative F
 about 1e-3 for bf16 rounding and O(1) for any wrong row, so 1e-2 separates the two.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -117,10 +119,16 @@ def test_training_step_through_the_public_api():
     torch.testing.assert_close(kl.detach(), want, rtol=2e-3, atol=1e-5)
 
 
-def test_dense_warm_up_falls_back_to_the_reference_on_cuda():
+def test_dense_warm_up_is_served_by_the_triton_kernels():
     q, k, _, index_q, index_k, _, cu_q, cu_k, max_q, max_k, *_ = _problem("suffix-pack", "random")
-    index_q = index_q.requires_grad_()
-    with pytest.warns(UserWarning, match="dense support"):
-        loss = torch_msa.indexer_kl_loss_dense(q, k, index_q, index_k, cu_q, cu_k, max_q, max_k)
-    loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(index_q.grad).all()
+    docs = (cu_q, cu_k, max_q, max_k)
+    index_q, index_k = index_q.requires_grad_(), index_k.requires_grad_()
+    assert torch_msa.resolve("indexer_kl", q.device).name == "triton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the reference would warn
+        loss = torch_msa.indexer_kl_loss_dense(q, k, index_q, index_k, *docs)
+        loss.backward()
+    want = reference_kl.indexer_kl(q, k, None, index_q.detach(), index_k.detach(), None, *docs, BLOCK, DIM**-0.5,
+                                   INDEX_DIM**-0.5)[0]
+    torch.testing.assert_close(loss.detach(), want, rtol=2e-3, atol=1e-5)
+    assert torch.isfinite(index_q.grad).all() and torch.isfinite(index_k.grad).all()

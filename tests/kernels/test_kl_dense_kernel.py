@@ -182,3 +182,22 @@ def test_a_non_finite_document_changes_no_other_documents_outputs_or_gradients(p
         for rows in (slice(0, 50), slice(90, 120)):
             assert a[rows].isfinite().all(), f"{name} rows {rows} are not finite"
             torch.testing.assert_close(a[rows], b[rows], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name} {rows}: {m}")
+
+
+def test_fragments_forward_matches_reference_and_backward_declines():
+    """Query fragments sharing their documents' keys: the forward against the reference; the
+    backward declines them (its key kernel walks each document's queries as one run)."""
+    frag = testing.fragments((150, 0, 1, 90), ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40)), DEVICE)
+    num_queries, num_keys = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+    q = torch.randn(num_queries, 4, 64, device=DEVICE)
+    k = torch.randn(num_keys, 2, 64, device=DEVICE)
+    index_q, index_k = torch.randn(num_queries, 2, 16, device=DEVICE), torch.randn(num_keys, 1, 16, device=DEVICE)
+    args = (q, k, None, index_q, index_k)
+    got = kl_dense_kernel.indexer_kl_dense(*args, *frag.op_args, 0.125, 0.25, *frag.tensors)
+    want = reference_kl.indexer_kl(*args, None, *frag.op_args, 64, 0.125, 0.25, *frag.tensors)
+    names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
+    for name, actual, expected in zip(names, got, want):
+        _close(actual, expected, 2e-4, name)
+    with pytest.raises(UnsupportedInputs, match="query fragments"):
+        kl_dense_kernel.indexer_kl_dense_backward(torch.ones((), device=DEVICE), index_q, index_k, *got[2:],
+                                                  *frag.op_args, 0.25, *frag.tensors)

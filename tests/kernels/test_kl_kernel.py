@@ -74,18 +74,15 @@ def test_kl_forward_and_backward_match_reference(case):
 
 def test_kl_kernels_decline_what_they_do_not_serve():
     index_q = torch.zeros(4, 2, 16, device=DEVICE)
-    ids = torch.zeros(2, 4, 1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(UnsupportedInputs, match="dense support"):
-        kl_kernel.check_inputs(True, index_q, None)
     with pytest.raises(UnsupportedInputs, match="no lse"):
-        kl_kernel.check_inputs(False, index_q, ids)
+        kl_kernel.check_inputs(False, index_q)
     with pytest.raises(UnsupportedInputs, match="index head dim 24"):
-        kl_kernel.check_inputs(True, torch.zeros(4, 2, 24, device=DEVICE), ids)
+        kl_kernel.check_inputs(True, torch.zeros(4, 2, 24, device=DEVICE))
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         with pytest.raises(UnsupportedInputs, match="deterministic"):
-            kl_kernel.check_inputs(True, index_q, ids)
+            kl_kernel.check_inputs(True, index_q)
     finally:
         torch.use_deterministic_algorithms(deterministic)
 

@@ -8,12 +8,9 @@ For each length (one document, M3 shapes, bf16) it times, with the benchmark's t
 * `sparse KL fwd`: the same loss without grad (the forward, where the teacher is computed; the
   backward is the difference);
 * `dense KL fwd+bwd` (warm-up stage, with `--dense`): `indexer_kl_loss_dense` computing its own
-  teacher normaliser, against a dense causal SDPA forward + backward (cuDNN on CUDA when
-  available);
-* `dense KL kernels` and `dense KL kernels, lse given` (with `--dense`, on CUDA with triton): the
-  Triton dense-support kernels (`torch_msa/triton/kl_dense_kernel.py`) called directly, forward
-  then backward, computing the teacher's lse or taking it, with the peak memory they add, and
-  `dense KL kernels, backward` alone.
+  teacher normaliser, then its backward, against a dense causal SDPA forward + backward (cuDNN on
+  CUDA when available), with the peak memory it adds; `dense KL fwd+bwd, lse given` takes the
+  normaliser (the difference of the two rows is the cost of computing it).
 
 and prints the KL rows as a share of their reference step and the backend serving each op.
 """
@@ -26,7 +23,6 @@ import torch.nn.functional as F
 
 import torch_msa
 
-from .. import triton as triton_backend
 from ..testing import M3, Shape, pick_device
 from .timing import free_memory, measure
 
@@ -75,8 +71,8 @@ def measure_kl(tokens: int, shape: Shape = M3, device=None, dtype=torch.bfloat16
     results["sparse KL fwd+bwd"] = measure(sparse_kl, device, warmup, iters).median_ms
     results["sparse KL fwd"] = measure(sparse_kl_forward, device, warmup, iters).median_ms
     if dense:
-        def dense_kl():
-            torch_msa.indexer_kl_loss_dense(q.detach(), k.detach(), index_q, index_k,
+        def dense_kl(teacher_lse=None):
+            torch_msa.indexer_kl_loss_dense(q.detach(), k.detach(), index_q, index_k, lse=teacher_lse,
                                             block_size=shape.block_size).backward()
 
         def sdpa_step():
@@ -89,47 +85,34 @@ def measure_kl(tokens: int, shape: Shape = M3, device=None, dtype=torch.bfloat16
             out.backward(grad_out.transpose(0, 1).unsqueeze(0))
 
         results["dense SDPA fwd+bwd"] = measure(sdpa_step, device, warmup, iters).median_ms
-        if triton_backend.available(device):
-            results |= _dense_kernel_rows(q, k, index_q, index_k, shape, device, warmup, iters)
-        # The dense loss runs on the reference (seconds at 32K): one timed call.
-        results["dense KL fwd+bwd"] = measure(dense_kl, device, 0, 1).median_ms
+        _print_peak_memory(device, tokens, dense_kl)
+        results["dense KL fwd+bwd"] = measure(dense_kl, device, warmup, iters).median_ms
+        # The dense causal attention's lse, as a training loop that has it would pass it.
+        with torch.no_grad():
+            _, dense_lse, *_ = torch.ops.msa.indexer_kl(
+                q, k, None, index_q, index_k, None, *_one_document(tokens, device), shape.block_size,
+                shape.head_dim**-0.5, shape.index_dim**-0.5)
+        results["dense KL fwd+bwd, lse given"] = measure(lambda: dense_kl(dense_lse), device, warmup, iters).median_ms
     del q, k, v, index_q, index_k, lse, block_indices
     free_memory(device)
     return results
 
 
-def _dense_kernel_rows(q, k, index_q, index_k, shape: Shape, device, warmup: int, iters: int) -> dict[str, float]:
-    """Milliseconds of the Triton dense KL kernels (forward + backward) without and with `lse`."""
-    from ..triton import kl_dense_kernel
-
-    tokens = q.shape[0]
+def _one_document(tokens: int, device) -> tuple:
     cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32, device=device)
-    docs = (cu_seqlens, cu_seqlens, tokens, tokens)
-    q, k, index_q, index_k = (x.detach() for x in (q, k, index_q, index_k))
-    scales = (shape.head_dim**-0.5, shape.index_dim**-0.5)
-    grad_loss = torch.ones((), device=device)
+    return cu_seqlens, cu_seqlens, tokens, tokens
 
-    def step(lse):
-        _, teacher_lse, *saved = kl_dense_kernel.indexer_kl_dense(q, k, lse, index_q, index_k, *docs, *scales)
-        kl_dense_kernel.indexer_kl_dense_backward(grad_loss, index_q, index_k, *saved, *docs, scales[1])
-        return teacher_lse
 
+def _print_peak_memory(device, tokens: int, step) -> None:
+    """Run `step` once and print the memory it added at its peak (CUDA only)."""
+    if device.type != "cuda":
+        return
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    lse = step(None)
+    step()
     peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    print(f"T={tokens:>6}  dense KL kernels: {peak_mib:.0f} MiB peak added (outputs and gradients included)",
-          flush=True)
-    _, _, *saved = kl_dense_kernel.indexer_kl_dense(q, k, lse, index_q, index_k, *docs, *scales)
-
-    def backward():
-        kl_dense_kernel.indexer_kl_dense_backward(grad_loss, index_q, index_k, *saved, *docs, scales[1])
-
-    # The lse pass costs the difference of the first two rows; the loss pass that of the last two.
-    return {"dense KL kernels": measure(lambda: step(None), device, warmup, iters).median_ms,
-            "dense KL kernels, lse given": measure(lambda: step(lse), device, warmup, iters).median_ms,
-            "dense KL kernels, backward": measure(backward, device, warmup, iters).median_ms}
+    print(f"T={tokens:>6}  dense KL fwd+bwd: {peak_mib:.0f} MiB peak added (outputs and gradients included)", flush=True)
 
 
 def main(argv=None) -> int:
@@ -148,7 +131,7 @@ def main(argv=None) -> int:
             share = ""
             if name == "sparse KL fwd+bwd":
                 share = f"  {100 * ms / step:5.1f}% of the attention step (target <= 20%)"
-            elif name.startswith("dense KL") and not name.endswith("backward"):
+            elif name.startswith("dense KL"):
                 share = f"  {ms / sdpa:5.2f}x dense SDPA fwd+bwd (target <= 3x)"
             print(f"T={tokens:>6}  {name:<28} {ms:10.2f} ms{share}", flush=True)
     return 0

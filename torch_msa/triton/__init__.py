@@ -7,7 +7,8 @@ with atomics) and `backward_deterministic_kernel.py` (KV-outer dK/dV reduced in 
 query-outer dQ), which serves the backward under `torch.use_deterministic_algorithms(True)`, and
 `kl_kernel.py` (the index branch's KL loss on the sparse support, KV-outer: the forward computes
 the teacher once and reduces it into the teacher's half of the gradient, the backward only the
-student).
+student) and `kl_dense_kernel.py` (the same loss on the dense causal support of the warm-up
+stage, query-tile-outer like a flash forward).
 The forward and the default backward read the plan they are given, or build one.
 
 Importing this package imports no triton: the kernel modules load on the first call, and the
@@ -109,6 +110,11 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
                block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
     check_served("q", q.dtype, q.shape[1] // k.shape[1])
     check_served("index_q", index_q.dtype)
+    if block_indices is None:
+        return _kernels("kl_dense_kernel").indexer_kl_dense(
+            q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, index_softmax_scale, fragment_documents, fragment_starts,
+        )
     return _kernels("kl_kernel").indexer_kl(
         q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts,
@@ -119,6 +125,12 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
                         teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         block_size, index_softmax_scale, fragment_documents=None, fragment_starts=None):
     check_served("index_q", index_q.dtype)
+    if block_indices is None:
+        return _kernels("kl_dense_kernel").indexer_kl_dense_backward(
+            grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries,
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, index_softmax_scale,
+            fragment_documents, fragment_starts,
+        )
     return _kernels("kl_kernel").indexer_kl_backward(
         grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries, block_indices,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, index_softmax_scale,

@@ -40,8 +40,9 @@ the reference.
 Memory: `O(T (Hq + Hi Di))` fp32 outputs; no buffer grows with `T x T`.
 
 Precision: scores and exponentials in fp32; the GEMMs that take probabilities as an operand
-(teacher terms, student gradient) round them to the index inputs' dtype and accumulate in fp32.
-fp32 inputs multiply in full fp32 ("ieee").
+(teacher terms, student gradient) split them into two halves of the index inputs' dtype
+(`kl_kernel.weighted_dot`), so the gradient's teacher and student terms, nearly equal once the
+student has learnt, keep their difference. fp32 inputs multiply in full fp32 ("ieee").
 """
 
 import math
@@ -53,6 +54,7 @@ import triton.language as tl
 from ..backends import UnsupportedInputs
 from ..documents import locate_queries
 from .common import check_served, dot_precision
+from .kl_kernel import split_weights, weighted_dot
 from .launch import LaunchConfig, launch
 
 # Constexpr so that the kernels may read them; the host reads `.value`.
@@ -176,7 +178,7 @@ def _loss_kernel(
     stride_iq_token, stride_iq_head, stride_ik_token,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_N: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     start, end = _tile_start(cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS)
@@ -227,9 +229,9 @@ def _loss_kernel(
         total_weighted += tl.sum(tl.where(positive, teacher * log_ratio, 0.0), axis=1)
         total_mass += tl.sum(teacher, axis=1)
 
-        probs = teacher.to(index_keys.dtype)
-        index_keys_acc += tl.dot(probs, index_keys, input_precision=INDEX_PRECISION)
-        index_queries_share = tl.dot(tl.trans(probs), index_queries, input_precision=INDEX_PRECISION)
+        index_keys_acc = weighted_dot(teacher, index_keys, index_keys_acc, SPLIT, INDEX_PRECISION)
+        index_queries_share = weighted_dot(tl.trans(teacher), index_queries,
+                                           tl.zeros((BLOCK_N, INDEX_DIM), tl.float32), SPLIT, INDEX_PRECISION)
         tl.atomic_add(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :], index_queries_share,
                       mask=key_ok[:, None], sem="relaxed")
 
@@ -251,7 +253,7 @@ def _query_grad_kernel(
     num_queries, num_docs, tiles_per_doc, index_scale,
     stride_iq_token, stride_iq_head, stride_ik_token,
     NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_DIM: tl.constexpr,
-    INDEX_PRECISION: tl.constexpr,
+    INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     start, end = _tile_start(cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS)
@@ -274,7 +276,7 @@ def _query_grad_kernel(
                              mask=(key_pos <= last)[:, None], other=0.0)
         logits = tl.dot(index_queries, tl.trans(index_keys), input_precision=INDEX_PRECISION) * index_scale
         student = tl.where(key_pos[None, :] <= pos[:, None], tl.exp2(logits - student_shift[:, None]), 0.0)
-        acc += tl.dot(student.to(index_keys.dtype), index_keys, input_precision=INDEX_PRECISION)
+        acc = weighted_dot(student, index_keys, acc, SPLIT, INDEX_PRECISION)
     mass = tl.load(teacher_mass + pair, mask=real, other=0.0)
     teacher_keys = tl.load(teacher_index_keys + pair[:, None] * INDEX_DIM + index_dims[None, :],
                            mask=real[:, None], other=0.0)
@@ -290,7 +292,7 @@ def _key_grad_kernel(
     num_queries, num_keys, num_docs, index_scale,
     stride_iq_token, stride_iq_head, stride_ik_token,
     NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_DIM: tl.constexpr,
-    INDEX_PRECISION: tl.constexpr,
+    INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     doc = pid % num_docs
@@ -332,7 +334,7 @@ def _key_grad_kernel(
             logits = tl.dot(index_keys, tl.trans(index_queries), input_precision=INDEX_PRECISION) * index_scale
             visible = (key_pos[:, None] <= pos[None, :]) & key_ok[:, None]
             weights = tl.where(visible, tl.exp2(logits - student_shift[None, :]) * mass[None, :], 0.0)
-            acc += tl.dot(weights.to(index_queries.dtype), index_queries, input_precision=INDEX_PRECISION)
+            acc = weighted_dot(weights, index_queries, acc, SPLIT, INDEX_PRECISION)
     teacher_queries = tl.load(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :],
                               mask=key_ok[:, None], other=0.0)
     grad = tl.load(coefficient) * (acc - teacher_queries)
@@ -350,7 +352,7 @@ def _tiles_per_doc(max_seqlen: int, num_rows: int, tile: int) -> int:
 
 
 def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, index_softmax_scale):
+                     softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
     """The dense-support KL loss and what its backward needs.
 
     Args:
@@ -359,7 +361,9 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, ma
             compute it here.
         index_q: `[Tq, Hi, Di]` with `Hi == Hkv`; index_k: `[Tk, 1, Di]` (Di a power of two in
             [16, 256]).
-        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]`; queries are the causal suffix of the keys.
+        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]`; queries are the causal suffix of the keys,
+            or, with `fragment_documents` / `fragment_starts` (int32 `[F]`), `cu_seqlens_q`
+            `[F + 1]` delimits query fragments (`torch_msa/documents.py`).
 
     Returns:
         `loss` (0-D), `teacher_lse [Tq, Hq]` (the lse used), `index_lse [Tq, Hi]` (the student's
@@ -392,7 +396,7 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, ma
 
     q, k, index_q, index_k = (_rows_contiguous(x) for x in (q, k, index_q, index_k))
     cu_seqlens_q = cu_seqlens_q.contiguous()
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
+    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
     group = num_heads // num_kv_heads
     qk_scale, index_scale = softmax_scale * LOG2_E.value, index_softmax_scale * LOG2_E.value
     precision, index_precision = dot_precision(q.dtype), dot_precision(index_q.dtype)
@@ -419,7 +423,9 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, ma
             num_queries, num_docs, tiles, qk_scale, index_scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), index_q.stride(0), index_q.stride(1), index_k.stride(0),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, TOKENS=config.rows, BLOCK_N=config.block_n,
-            DIM=dim, INDEX_DIM=index_dim, PRECISION=precision, INDEX_PRECISION=index_precision, **config.options,
+            DIM=dim, INDEX_DIM=index_dim, PRECISION=precision, INDEX_PRECISION=index_precision,
+            SPLIT=split_weights(index_q.dtype),
+            **config.options,
         )
 
     launch("kl_dense._loss_kernel", shape_key, LOSS_CONFIGS, launch_loss)
@@ -430,15 +436,20 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, ma
 
 def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
                               teacher_index_queries, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              index_softmax_scale):
+                              index_softmax_scale, fragment_documents=None, fragment_starts=None):
     """`(d index_q [Tq, Hi, Di], d index_k [Tk, 1, Di])` in the index inputs' dtype, from the
     forward's `index_lse`, `teacher_mass`, `teacher_index_keys` and `teacher_index_queries`:
 
         d index_q[t, r] = c (M[t, r] sum_J P_s(j) index_k[j] - teacher_index_keys[t, r])
         d index_k[j] = c (sum_(t, r): j in J M[t, r] P_s(t, j) index_q[t, r] - teacher_index_queries[j])
 
-    with `c = grad_loss * index_softmax_scale / (Tq * Hi)`. Deterministic (no atomics).
+    with `c = grad_loss * index_softmax_scale / (Tq * Hi)`. Deterministic (no atomics). Query
+    fragments are declined: the key-gradient kernel walks each document's queries as one run.
     """
+    del fragment_starts
+    if fragment_documents is not None:
+        raise UnsupportedInputs("query fragments (fragment_documents given): the Triton dense KL backward walks each "
+                                "document's queries as one causal suffix")
     check_served("index_q", index_q.dtype)
     index_dim = index_q.shape[-1]
     _check_dim("index head dim", index_dim)
@@ -469,7 +480,8 @@ def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
             num_queries, num_docs, tiles, index_scale,
             index_q.stride(0), index_q.stride(1), index_k.stride(0),
             NUM_KV_HEADS=num_kv_heads, TOKENS=config.rows, BLOCK_N=config.block_n, INDEX_DIM=index_dim,
-            INDEX_PRECISION=index_precision, **config.options,
+            INDEX_PRECISION=index_precision, SPLIT=split_weights(index_q.dtype),
+            **config.options,
         )
 
     def launch_key_grad(config):
@@ -480,7 +492,8 @@ def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
             num_queries, num_keys, num_docs, index_scale,
             index_q.stride(0), index_q.stride(1), index_k.stride(0),
             NUM_KV_HEADS=num_kv_heads, TOKENS=config.rows, BLOCK_N=config.block_n, INDEX_DIM=index_dim,
-            INDEX_PRECISION=index_precision, **config.options,
+            INDEX_PRECISION=index_precision, SPLIT=split_weights(index_q.dtype),
+            **config.options,
         )
 
     launch("kl_dense._query_grad_kernel", shape_key, QUERY_GRAD_CONFIGS, launch_query_grad)

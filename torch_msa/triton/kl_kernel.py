@@ -49,10 +49,8 @@ FORWARD_CONFIGS = (LaunchConfig(rows=128, num_stages=2, num_warps=8), LaunchConf
 BACKWARD_CONFIGS = (LaunchConfig(rows=64, num_stages=2, num_warps=8), LaunchConfig(rows=32, num_stages=1))
 
 
-def check_inputs(lse_present: bool, index_q, block_indices) -> None:
+def check_inputs(lse_present: bool, index_q) -> None:
     """Decline, before any launch, what these kernels do not serve (the reference does)."""
-    if block_indices is None:
-        raise UnsupportedInputs("the dense support (block_indices=None): the Triton KL kernels serve the sparse one")
     if not lse_present:
         raise UnsupportedInputs("no lse: the Triton KL kernels take the attention's lse")
     index_dim = index_q.shape[-1]
@@ -148,7 +146,7 @@ def _teacher_tile(
 
 
 @triton.jit
-def _weighted_dot(weights, operand, acc, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+def weighted_dot(weights, operand, acc, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     """`acc + weights @ operand` for fp32 `weights`: with `SPLIT` (16-bit operands), in two halves
     of the operand's dtype, so the product keeps about 16 bits of the weights."""
     high = weights.to(operand.dtype)
@@ -210,12 +208,12 @@ def _forward_kernel(
 
         # The teacher's half of the gradient: padding entries and keys off the block are zero
         # rows of `teacher` and of the operands, so nothing of another document is read.
-        query_sums = _weighted_dot(teacher, index_keys, tl.zeros((TOKENS, INDEX_DIM), tl.float32), SPLIT,
+        query_sums = weighted_dot(teacher, index_keys, tl.zeros((TOKENS, INDEX_DIM), tl.float32), SPLIT,
                                    INDEX_PRECISION)
         pair = (query // TOPK).to(tl.int64) * NUM_KV_HEADS + kv_head
         tl.atomic_add(teacher_index_keys + pair[:, None] * INDEX_DIM + index_dims[None, :], query_sums,
                       mask=token_ok[:, None], sem="relaxed")
-        key_sums = _weighted_dot(tl.trans(teacher), index_queries, key_sums, SPLIT, INDEX_PRECISION)
+        key_sums = weighted_dot(tl.trans(teacher), index_queries, key_sums, SPLIT, INDEX_PRECISION)
     tl.atomic_add(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :], key_sums,
                   mask=key_ok[:, None], sem="relaxed")
 
@@ -252,11 +250,11 @@ def _backward_kernel(
         mass = tl.load(teacher_mass + pair, mask=token_ok, other=0.0)
         # exp2(-inf) = 0 off the support; `where` keeps a NaN mass of a padding row out too.
         student = tl.where(logits != float("-inf"), mass[:, None] * tl.exp2(logits - student_lse[:, None]), 0.0)
-        query_sums = _weighted_dot(student, index_keys, tl.zeros((TOKENS, INDEX_DIM), tl.float32), SPLIT,
+        query_sums = weighted_dot(student, index_keys, tl.zeros((TOKENS, INDEX_DIM), tl.float32), SPLIT,
                                    INDEX_PRECISION)
         tl.atomic_add(d_index_q + pair[:, None] * INDEX_DIM + index_dims[None, :], query_sums * scale,
                       mask=token_ok[:, None], sem="relaxed")
-        key_sums = _weighted_dot(tl.trans(student), index_queries, key_sums, SPLIT, INDEX_PRECISION)
+        key_sums = weighted_dot(tl.trans(student), index_queries, key_sums, SPLIT, INDEX_PRECISION)
     tl.atomic_add(d_index_k + key_row[:, None] * INDEX_DIM + index_dims[None, :], key_sums * scale,
                   mask=key_ok[:, None], sem="relaxed")
 
@@ -266,14 +264,16 @@ def _schedule_tables(schedule) -> tuple:
             schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position)
 
 
-def _split(index_dtype: torch.dtype) -> bool:
+def split_weights(index_dtype: torch.dtype) -> bool:
+    """Whether `weighted_dot` splits its weights: for 16-bit index inputs, whose single rounding
+    would cost the gradient's two near-equal terms (teacher and student) their difference."""
     return index_dtype in (torch.float16, torch.bfloat16)
 
 
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
     """Same contract as `torch_msa.reference_kl.indexer_kl` (sparse support, `lse` given)."""
-    check_inputs(lse is not None, index_q, block_indices)
+    check_inputs(lse is not None, index_q)
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     num_index_heads, index_dim = index_q.shape[1:]
@@ -301,7 +301,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
                 NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEADS_PER_PASS=heads_per_pass,
                 TOKENS=tokens, TOPK=topk, BLOCK=block_size, DIM=dim, INDEX_DIM=index_dim,
                 PRECISION=dot_precision(q.dtype), INDEX_PRECISION=dot_precision(index_q.dtype),
-                SPLIT=_split(index_q.dtype), **config.options,
+                SPLIT=split_weights(index_q.dtype), **config.options,
             )
 
         shape_key = (q.device, q.dtype, index_q.dtype, dim, index_dim, block_size, num_heads // num_kv_heads)
@@ -320,7 +320,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
                         teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         block_size, index_softmax_scale, fragment_documents=None, fragment_starts=None):
     """Same contract as `torch_msa.reference_kl.indexer_kl_backward` (sparse support)."""
-    check_inputs(True, index_q, block_indices)
+    check_inputs(True, index_q)
     num_queries, num_index_heads, index_dim = index_q.shape
     num_keys = index_k.shape[0]
     # d = c * (student - teacher): the buffers start at the teacher's half, the kernel adds the student's.
@@ -339,7 +339,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
                 index_q, index_k, student_lse, mass, coefficient, d_index_q, d_index_k, *_schedule_tables(schedule),
                 num_keys, index_softmax_scale * LOG2_E, index_q.stride(0), index_q.stride(1), index_k.stride(0),
                 NUM_KV_HEADS=num_index_heads, TOKENS=config.rows, TOPK=block_indices.shape[-1], BLOCK=block_size,
-                INDEX_DIM=index_dim, INDEX_PRECISION=dot_precision(index_q.dtype), SPLIT=_split(index_q.dtype),
+                INDEX_DIM=index_dim, INDEX_PRECISION=dot_precision(index_q.dtype), SPLIT=split_weights(index_q.dtype),
                 **config.options,
             )
 
