@@ -45,7 +45,7 @@ from .forward_kernel import LOG2_E, item_horizon, schedule_for
 from .launch import LaunchConfig, launch
 
 # `rows`: teacher rows (tokens x heads) of a forward tile; tokens of a backward tile.
-FORWARD_CONFIGS = (LaunchConfig(rows=128, num_stages=2, num_warps=8), LaunchConfig(rows=64, num_stages=1))
+FORWARD_CONFIGS = (LaunchConfig(rows=64, num_stages=2, num_warps=8), LaunchConfig(rows=64, num_stages=1))
 BACKWARD_CONFIGS = (LaunchConfig(rows=64, num_stages=2, num_warps=8), LaunchConfig(rows=32, num_stages=1))
 
 
