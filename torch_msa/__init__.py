@@ -5,7 +5,7 @@ it imports neither triton nor cutlass (optional backends bind on first use).
 """
 
 from . import ops  # noqa: F401  (registers torch.ops.msa.*)
-from . import distributed, sm90, sm100, triton
+from . import sm90, sm100, triton
 from .api import (
     build_plan,
     indexer_kl_loss,
