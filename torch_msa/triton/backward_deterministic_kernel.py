@@ -130,7 +130,7 @@ def _query_kernel(
     d_out = tl.load(grad_out + token * stride_do_token + query_head[:, None] * stride_do_head + dims[None, :],
                     mask=head_ok[:, None], other=0.0)
     head_row = token * (NUM_KV_HEADS * GROUP) + query_head
-    row_lse = tl.load(lse + head_row, mask=head_ok, other=0.0) * 1.4426950408889634
+    row_lse = tl.load(lse + head_row, mask=head_ok, other=0.0) * LOG2_E
     # Like the reference, a query with an empty key set (lse = -inf) shifts by 0, not inf.
     row_lse = tl.where((row_lse == float("inf")) | (row_lse == float("-inf")), 0.0, row_lse)
     row_delta = tl.load(delta + head_row, mask=head_ok, other=0.0)
@@ -215,7 +215,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     def launch_query(config):
         _query_kernel[(num_queries, num_kv_heads)](
             q, k, v, grad_out, lse, delta, dq, block_indices, docs.key_start, docs.position,
-            num_queries, softmax_scale, softmax_scale * LOG2_E,
+            num_queries, softmax_scale, softmax_scale * LOG2_E.value,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
             NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=max(_MIN_DOT, triton.next_power_of_2(group)),

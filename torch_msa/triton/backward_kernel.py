@@ -115,7 +115,7 @@ def _blocks_kernel(
         d_out = tl.load(grad_out + token[:, None] * stride_do_token + query_head[:, None] * stride_do_head + dims[None, :],
                         mask=row_ok[:, None], other=0.0)
         head_row = token * num_heads + query_head
-        row_lse = tl.load(lse + head_row, mask=row_ok, other=0.0) * 1.4426950408889634
+        row_lse = tl.load(lse + head_row, mask=row_ok, other=0.0) * LOG2_E
         # Like the reference, a query with an empty key set (lse = -inf) shifts by 0, not inf.
         row_lse = tl.where((row_lse == float("inf")) | (row_lse == float("-inf")), 0.0, row_lse)
         row_delta = tl.load(delta + head_row, mask=row_ok, other=0.0)
@@ -199,7 +199,7 @@ def launch_blocks(q, k, v, grad_out, lse, delta, outputs, schedule, topk, block_
             q, k, v, grad_out, lse, delta, *outputs,
             schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
             schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-            num_keys, softmax_scale, softmax_scale * LOG2_E,
+            num_keys, softmax_scale, softmax_scale * LOG2_E.value,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1),
             NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, GROUP_P2=group_p2, TOKENS=tokens,

@@ -26,7 +26,9 @@ from .common import dot_precision
 from .launch import LaunchConfig, launch
 from .plan_kernel import build_plan
 
-LOG2_E = math.log2(math.e)
+# Constexpr so that kernels read them as constants; host code reads `.value`.
+LOG2_E = tl.constexpr(math.log2(math.e))
+LN_2 = tl.constexpr(math.log(2))
 _ROWS = 128  # query rows (tokens x heads) per tile of the tuned configuration
 # Tuned on SM90 first; fewer rows and no pipelining for devices with less shared memory.
 BLOCKS_CONFIGS = (LaunchConfig(rows=_ROWS, num_stages=3), LaunchConfig(rows=64, num_stages=1))
@@ -162,7 +164,7 @@ def _combine_kernel(
     query_head = kv_head * GROUP + heads
     tl.store(out + token * stride_out_token + query_head[:, None] * stride_out_head + dims[None, :],
              acc.to(out.dtype.element_ty), mask=head_ok[:, None])
-    natural = tl.where(total > 0, (shift + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453, float("-inf"))
+    natural = tl.where(total > 0, (shift + tl.log2(tl.where(total > 0, total, 1.0))) * LN_2, float("-inf"))
     tl.store(lse + token * NUM_KV_HEADS * GROUP + query_head, natural, mask=head_ok)
 
 
@@ -193,7 +195,7 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             q, k, v, partial_out, partial_lse,
             schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
             schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-            num_keys, softmax_scale * LOG2_E,
+            num_keys, softmax_scale * LOG2_E.value,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=group_p2, TOKENS=tokens,
             TOPK=topk, BLOCK=block_size, DIM=dim, PRECISION=dot_precision(q.dtype),

@@ -54,12 +54,10 @@ import triton.language as tl
 from ..backends import UnsupportedInputs
 from ..documents import locate_queries
 from .common import check_served, dot_precision
+from .forward_kernel import LN_2, LOG2_E
 from .kl_kernel import split_weights, weighted_dot
 from .launch import LaunchConfig, launch
 
-# Constexpr so that the kernels may read them; the host reads `.value`.
-LOG2_E = tl.constexpr(1.4426950408889634)
-LN_2 = tl.constexpr(0.6931471805599453)
 
 # Tuned first for SM90 (228 KB of shared memory per SM), then smaller tiles and fewer stages for
 # the parts with less shared memory. `rows`: query tokens of a program's tile (or of the key-outer

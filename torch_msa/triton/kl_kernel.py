@@ -41,7 +41,7 @@ import triton.language as tl
 from ..backends import UnsupportedInputs
 from ..reference_kl import loss_dtype
 from .common import dot_precision
-from .forward_kernel import LOG2_E, item_horizon, schedule_for
+from .forward_kernel import LN_2, LOG2_E, item_horizon, schedule_for
 from .launch import LaunchConfig, launch
 
 # `rows`: teacher rows (tokens x heads) of a forward tile; tokens of a backward tile.
@@ -131,7 +131,7 @@ def _teacher_tile(
         q_rows = tl.load(q + row_token[:, None] * stride_q_token + query_head[:, None] * stride_q_head + dims[None, :],
                          mask=row_ok[:, None], other=0.0)
         row_lse = tl.load(lse + row_token * (NUM_KV_HEADS * GROUP) + query_head, mask=row_ok, other=0.0)
-        row_lse = row_lse * 1.4426950408889634
+        row_lse = row_lse * LOG2_E
         # A query whose key set is empty (lse = -inf) shifts by 0, as in the attention backward.
         row_lse = tl.where((row_lse == float("inf")) | (row_lse == float("-inf")), 0.0, row_lse)
         scores = tl.dot(q_rows, tl.trans(k_block), input_precision=PRECISION) * qk_scale
@@ -196,7 +196,7 @@ def _forward_kernel(
         total = tl.sum(tl.exp2(logits - shift[:, None]), axis=1)
         positive = teacher > 0.0
         log_teacher = tl.log(tl.where(positive, teacher, 1.0))
-        natural_logits = tl.where(positive, logits, 0.0) * 0.6931471805599453
+        natural_logits = tl.where(positive, logits, 0.0) * LN_2
         weighted = tl.sum(tl.where(positive, teacher * (log_teacher - natural_logits), 0.0), axis=1)
         mass = tl.sum(teacher, axis=1)
         # Partials are laid out [Hkv, Tq, topk], like block_indices.
@@ -245,7 +245,7 @@ def _backward_kernel(
             stride_iq_token, stride_iq_head, TOKENS, TOPK, INDEX_DIM, INDEX_PRECISION,
         )
         pair = (query // TOPK).to(tl.int64) * NUM_KV_HEADS + kv_head
-        student_lse = tl.load(index_lse + pair, mask=token_ok, other=0.0) * 1.4426950408889634
+        student_lse = tl.load(index_lse + pair, mask=token_ok, other=0.0) * LOG2_E
         student_lse = tl.where((student_lse == float("inf")) | (student_lse == float("-inf")), 0.0, student_lse)
         mass = tl.load(teacher_mass + pair, mask=token_ok, other=0.0)
         # exp2(-inf) = 0 off the support; `where` keeps a NaN mass of a padding row out too.
@@ -295,7 +295,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
             _forward_kernel[(schedule.item_start.numel(),)](
                 q, k, lse, index_q, index_k, part_max, part_sum, part_weighted, part_mass,
                 teacher_index_keys, teacher_index_queries, *_schedule_tables(schedule),
-                num_queries, num_keys, softmax_scale * LOG2_E, index_softmax_scale * LOG2_E,
+                num_queries, num_keys, softmax_scale * LOG2_E.value, index_softmax_scale * LOG2_E.value,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), index_q.stride(0), index_q.stride(1),
                 index_k.stride(0),
                 NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEADS_PER_PASS=heads_per_pass,
@@ -337,7 +337,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
         def launch_backward(config):
             _backward_kernel[(schedule.item_start.numel(),)](
                 index_q, index_k, student_lse, mass, coefficient, d_index_q, d_index_k, *_schedule_tables(schedule),
-                num_keys, index_softmax_scale * LOG2_E, index_q.stride(0), index_q.stride(1), index_k.stride(0),
+                num_keys, index_softmax_scale * LOG2_E.value, index_q.stride(0), index_q.stride(1), index_k.stride(0),
                 NUM_KV_HEADS=num_index_heads, TOKENS=config.rows, TOPK=block_indices.shape[-1], BLOCK=block_size,
                 INDEX_DIM=index_dim, INDEX_PRECISION=dot_precision(index_q.dtype), SPLIT=split_weights(index_q.dtype),
                 **config.options,
