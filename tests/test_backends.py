@@ -227,7 +227,7 @@ def test_a_cuda_call_served_by_the_reference_warns_once_naming_why(fake_cuda):
     # The registry decides by the device it is given; the reference then runs on CPU tensors.
     device = fake_cuda(triton=False)
     with pytest.warns(UserWarning, match="msa::forward on cuda:0 runs on the reference backend, the slow path: "
-                                         "triton: triton is not installed"):
+                                         "sm90: cannot find triton; .*; triton: triton is not installed"):
         backends.call("forward", device, *_cpu_inputs())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -273,13 +273,18 @@ def test_deterministic_mode_serves_the_deterministic_backward(monkeypatch):
     assert calls == ["deterministic", "atomic"]
 
 
-def test_sm90_is_opt_in_and_says_why_it_cannot_serve(fake_cuda, monkeypatch):
+def test_sm90_serves_the_forward_by_default_and_says_why_it_cannot_serve(fake_cuda, monkeypatch):
     hopper = fake_cuda(capability=(9, 0))
     assert sm90.available(hopper)
-    assert torch_msa.resolve("forward", hopper).name == "triton"
+    expected = dict.fromkeys(backends.OPS, "triton") | {"forward": "sm90"}
+    assert {op: torch_msa.resolve(op, hopper).name for op in backends.OPS} == expected
     monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
-    assert {op: torch_msa.resolve(op, hopper).name for op in backends.OPS} == (
-        dict.fromkeys(backends.OPS, "triton") | {"forward": "sm90"})
+    assert {op: torch_msa.resolve(op, hopper).name for op in backends.OPS} == expected
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "triton")
+    assert torch_msa.resolve("forward", hopper).name == "triton"
+    monkeypatch.delenv(torch_msa.BACKEND_ENV)
+    assert torch_msa.resolve("forward", fake_cuda(capability=(9, 0), extras=False)).name == "triton"
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
     blackwell = fake_cuda(capability=(10, 0))
     with pytest.raises(torch_msa.BackendError, match="cuda:0 has compute capability 10.0; the SM90 kernel needs 9.0"):
         torch_msa.resolve("forward", blackwell)

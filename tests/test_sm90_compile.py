@@ -24,9 +24,11 @@ from torch_msa.backends import UnsupportedInputs
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 K_STEPS = 128 // 16  # K = 128 (dims for Q K^T, keys for P V) in steps of the 16-bit wgmma's K = 16
-# TMA boxes in the compiled loop: K and V tiles (two 64-column boxes each) once per item, and a
+# TMA loads in the compiled loop: K and V tiles (two 64-column boxes each) once per item, and a
 # Q tile of 4 tokens (two boxes each) at the item's start and for the next tile.
-TMA_BOXES = 2 * 2 + 2 * 4 * 2
+TMA_LOADS = 2 * 2 + 2 * 4 * 2
+# TMA stores: the output tile's 4 tokens, two boxes each.
+TMA_STORES = 4 * 2
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +72,15 @@ def test_blocks_kernel_lowers_to_an_sm90a_cubin(sm90_build):
 
 
 @requires_cute
-def test_ptx_has_both_wgmmas_and_the_tma_loads(sm90_build):
+def test_ptx_has_both_wgmmas_and_the_tma_copies(sm90_build):
     dump_dir = sm90_build
     ptx = _listing(dump_dir, ".ptx")
     qk = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+,", ptx)
     pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{[^}]*\}, %rd\d+,", ptx)
     assert len(qk) == K_STEPS, "Q K^T: both operands from shared memory"
     assert len(pv) == K_STEPS, "P V: P from registers"
-    assert ptx.count("cp.async.bulk.tensor") == TMA_BOXES
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx)) == TMA_LOADS
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)) == TMA_STORES
     # V rows past a document's end are zeroed by ordinary stores that the tensor cores read next.
     assert "fence.proxy.async.shared::cta" in ptx
 
@@ -89,7 +92,8 @@ def test_sass_has_hgmma_and_no_spills(sm90_build):
         pytest.skip("nvdisasm is not installed (pip package nvidia-cuda-nvdisasm, a dependency of the CuTe DSL)")
     sass = _listing(dump_dir, ".sass")
     assert len(re.findall(r"\bHGMMA\.64x128x16\.F32\.BF16\b", sass)) == 2 * K_STEPS
-    assert len(re.findall(r"\bUTMALDG\.[23]D\b", sass)) == TMA_BOXES
+    assert len(re.findall(r"\bUTMALDG\.[23]D\b", sass)) == TMA_LOADS
+    assert len(re.findall(r"\bUTMASTG\.[23]D\b", sass)) == TMA_STORES
     assert not re.findall(r"\b(STL|LDL)\b", sass)
 
 
@@ -132,14 +136,14 @@ def test_mixed_dtypes_are_declined():
         check_served(q, k, k, 128)
 
 
-def test_partials_beyond_32_bit_offsets_are_declined():
-    """At M3 (4 KV heads, topk 16) the partials reach 2**31 elements at 16K queries: an H200 run
-    at 32K read out of bounds before this bound, so from there the Triton forward serves."""
-    from torch_msa.sm90.forward_sm90 import check_offsets
+def test_partial_rows_beyond_32_bit_indices_are_declined():
+    """The partial outputs move by TMA (64-bit addresses), so 16K queries and more are served; only
+    their rows are indexed with 32-bit integers: 2**31 of them at 2M queries for M3."""
+    from torch_msa.sm90.forward_sm90 import check_rows
 
-    check_offsets(16383, 4, 16)
-    with pytest.raises(UnsupportedInputs, match="32-bit offsets: 16384 queries"):
-        check_offsets(16384, 4, 16)
+    check_rows(2**21 - 1, 4, 16)
+    with pytest.raises(UnsupportedInputs, match="32-bit integers: 2097152 queries"):
+        check_rows(2**21, 4, 16)
 
 
 def test_bucket_key_count_stops_at_the_document_end():

@@ -2,7 +2,9 @@
 
 M3 shapes (Hq = 64, Hkv = 4, D = 128, block 128, top-16): a 1K document, a pack with empty and
 one-token documents, an Lq < Lk pack, junk ids, a skewed selection, NaN in one document, bf16 and
-fp16, and dispatch through `torch.ops.msa.forward`. Skipped without such a GPU or the CuTe DSL.
+fp16, query fragments, given plans of any item size, a 32K document (partials past 2**31
+elements, against the Triton forward), CUDA-graph replay, `torch.compile(fullgraph=True)` and
+dispatch through `torch.ops.msa.forward`. Skipped without such a GPU or the CuTe DSL.
 """
 
 import math
@@ -12,7 +14,7 @@ import torch
 
 from tests.cute_dsl import requires_cute
 from torch_msa import reference
-from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
+from torch_msa.testing import cu_seqlens, fragments, random_block_indices, skewed_block_indices
 
 requires_sm90 = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
@@ -113,14 +115,13 @@ def test_nan_in_one_document_stays_there():
     assert torch.isnan(out[200:500]).all()
 
 
-def test_sm90_is_opt_in_and_serves_forward_when_forced(monkeypatch):
+def test_sm90_serves_forward_by_default(monkeypatch):
     import torch_msa
 
     cuda = torch.device("cuda")
-    assert torch_msa.resolve("forward", cuda).name == "triton"
-    monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
+    monkeypatch.delenv(torch_msa.BACKEND_ENV, raising=False)
     assert torch_msa.resolve("forward", cuda).name == "sm90"
-    assert torch_msa.resolve("backward", cuda).name == "triton"  # the ops it lacks resolve as usual
+    assert torch_msa.resolve("backward", cuda).name == "triton"
     inputs = _inputs([1500], [1500], torch.bfloat16, seed=3)
     got = torch.ops.msa.forward(*inputs, BLOCK, SCALE)
     _check(got, _reference(*inputs))
@@ -149,3 +150,69 @@ def test_cuda_graph_replay_matches_eager():
     torch.cuda.synchronize()
     torch.testing.assert_close(captured[0], eager[0], atol=0, rtol=0)
     torch.testing.assert_close(captured[1], eager[1], atol=0, rtol=0)
+
+
+def test_long_document_past_32_bit_element_offsets():
+    """32K queries: the partials hold 2**32 elements, written by TMA. The reference would gather
+    too much at this size, so the Triton forward (checked against it elsewhere) is the oracle."""
+    from torch_msa.triton.forward_kernel import forward as triton_forward
+
+    inputs = _inputs([32768], [32768], torch.bfloat16, seed=6)
+    _check(_sm90(*inputs), triton_forward(*inputs, BLOCK, SCALE))
+
+
+@pytest.mark.parametrize("entries", [None, 7, 128])
+def test_given_plans_of_any_item_size(entries):
+    """The kernel walks the items of the plan it is given, whatever their size."""
+    from torch_msa.sm90.forward_sm90 import forward
+    from torch_msa.triton.plan_kernel import build_plan
+
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([1000, 1500], [1000, 1500], torch.bfloat16, seed=7)
+    plan = None if entries is None else build_plan(blocks, cu_q, cu_k, k.shape[0], BLOCK, entries)
+    got = forward(q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE, plan)
+    _check(got, _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k))
+
+
+def test_fragments_match_reference():
+    """A context-parallel rank's share: two chunks of a 4K document, the middle of a 2K one and a
+    1-token document, as query fragments over the whole documents' keys."""
+    from torch_msa.sm90.forward_sm90 import forward
+
+    frag = fragments((4096, 2048, 1), ((0, 0, 1024), (0, 3072, 1024), (1, 500, 700), (2, 0, 1)), "cuda")
+    generator = torch.Generator().manual_seed(8)
+    tq, tk = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16)
+
+    q, k, v = tensor(tq, HQ, D), tensor(tk, HKV, D), tensor(tk, HKV, D)
+    blocks = random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, HKV, TOPK, BLOCK, generator,
+                                  *frag.tensors).cuda()
+    args = (blocks, *frag.op_args, BLOCK, SCALE)
+    got = forward(q, k, v, *args, None, *frag.tensors)
+    want_out, want_lse = reference.forward(q.float(), k.float(), v.float(), *args, None, *frag.tensors)
+    _check(got, (want_out.to(q.dtype), want_lse))
+
+
+def test_compiles_into_one_graph(monkeypatch):
+    import torch_msa
+
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
+    inputs = _inputs([1200, 800], [1200, 800], torch.bfloat16, seed=9)
+
+    def attend(q, k, v, blocks, cu_q, cu_k):
+        return torch.ops.msa.forward(q, k, v, blocks, cu_q, cu_k, 1200, 1200, BLOCK, SCALE)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True)
+    got = compiled(*inputs[:6])
+    _check(got, _reference(*inputs))
+
+
+def test_opcheck_through_the_sm90_kernel(monkeypatch):
+    """Schema, fake kernel (shapes and strides) and AOT dispatch agree with the kernel's outputs."""
+    import torch_msa
+
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([300, 1, 200], [300, 1, 200], torch.bfloat16, seed=10)
+    torch.library.opcheck(torch.ops.msa.forward.default, (q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE))

@@ -4,8 +4,6 @@
   host without the extras gets torch_msa's `UnavailableError` (naming the install command)
   instead of a bare `ModuleNotFoundError`.
 * `sm_capability(device)`, `sm_count(device)`: memoized device facts the backends ask per call.
-* `decline_fragments(...)`: the CuTe kernels serve the suffix rule only; query fragments
-  (`torch_msa/documents.py`) go to the next backend.
 * `cute_io`: how torch tensors reach the kernels (fake compile-time tensors, launch conversion,
   streams, compile options).
 * The architecture-neutral kernels of the backward pipeline: `preprocess` (delta), `tasks` (task
@@ -23,18 +21,10 @@ import importlib.util
 
 import torch
 
-from ..backends import UnavailableError, UnsupportedInputs
+from ..backends import UnavailableError
 
 INSTALL_COMMAND = 'pip install "torch_msa[msa,cute]"'
 CUTE_DSL_MODULES = ("cutlass", "cuda.bindings.driver")
-
-
-def decline_fragments(fragment_documents, kernels: str) -> None:
-    """Raise `UnsupportedInputs` for query fragments: `kernels` (e.g. "SM90 CuTe") take each
-    document's queries as the causal suffix of its keys, so the registry falls back."""
-    if fragment_documents is not None:
-        raise UnsupportedInputs(f"query fragments (fragment_documents given): the {kernels} kernels serve one causal "
-                                "suffix of queries per document")
 
 
 def require_cute_dsl() -> None:

@@ -31,7 +31,7 @@ from ..backends import BACKEND_ENV, Backend, UnsupportedInputs, register_backend
 from ..documents import locate_queries
 from ..schedule import valid_entries
 from . import bindings
-from ..cute_dsl import decline_fragments, device_unavailable_reason, importable
+from ..cute_dsl import device_unavailable_reason, importable
 from .kernels import INSTALL_COMMAND, SM100_CAPABILITY, sm_capability
 
 NAME = "sm100"
@@ -82,6 +82,14 @@ def _on_sm100(device: torch.device) -> bool:
 @functools.cache
 def _extras_installed() -> bool:
     return all(importable(name) for name in _REQUIRED_MODULES)
+
+
+def _decline_fragments(fragment_documents) -> None:
+    """Raise `UnsupportedInputs` for query fragments: the official forward and the backward's task
+    build take each document's queries as the causal suffix of its keys."""
+    if fragment_documents is not None:
+        raise UnsupportedInputs("query fragments (fragment_documents given): the SM100 kernels serve one causal "
+                                "suffix of queries per document")
 
 
 def _require_official_configuration(q, k, v, block_indices, block_size) -> None:
@@ -157,7 +165,7 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             documents with fewer queries than keys, or for query fragments; nothing has been
             launched.
     """
-    decline_fragments(fragment_documents, "SM100")
+    _decline_fragments(fragment_documents)
     _require_official_configuration(q, k, v, block_indices, block_size)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise UnsupportedInputs(
@@ -234,7 +242,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
             accumulated with atomics), outside the official configuration, or for query
             fragments; nothing launched.
     """
-    decline_fragments(fragment_documents, "SM100")
+    _decline_fragments(fragment_documents)
     if torch.are_deterministic_algorithms_enabled():
         raise UnsupportedInputs(
             "the SM100 backward adds dQ, dK and dV with fp32 atomics, so it is not deterministic, and "

@@ -7,8 +7,9 @@ block_size = 128, bf16 or fp16 (MiniMax-M3). Other inputs raise `UnsupportedInpu
 work, and the registry falls back to the Triton backend with a one-time warning. The backward and
 the block selection stay with the Triton backend.
 
-It is opt-in (`TORCH_MSA_BACKEND=sm90`): on an H200 it matches the reference, but it does not
-yet beat the Triton forward, which therefore serves by default.
+It serves `msa::forward` by default on such devices (priority above the Triton backend): on an
+H200 it is about 1.35x faster than the Triton forward at every length measured (8K to 128K
+tokens, `python -m torch_msa.sm90`). `TORCH_MSA_BACKEND=triton` forces the Triton forward.
 
 Importing this package imports neither cutlass nor triton; the kernel compiles on first use (one
 executable per process, dtype and KV head count; sequence lengths are runtime arguments).
@@ -20,7 +21,7 @@ import importlib
 import torch
 
 from ..backends import Backend, register_backend
-from ..cute_dsl import decline_fragments, device_unavailable_reason, importable, sm_capability
+from ..cute_dsl import device_unavailable_reason, importable, sm_capability
 
 NAME = "sm90"
 PRIORITY = 15  # above the portable Triton backend (10), below SM100 (20), which other devices get
@@ -52,22 +53,15 @@ def unavailable_reason(device: torch.device) -> str | None:
                                      f"install the extra with: {INSTALL_COMMAND}")
 
 
-def opt_in_note(device: torch.device) -> None:
-    """No note: the Triton forward is the faster default on SM90 (see the module docstring)."""
-    return None
-
-
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
             plan=None, fragment_documents=None, fragment_starts=None):
-    """`msa::forward` through the SM90 kernel; see `torch_msa.sm90.forward_sm90.forward`. Query
-    fragments are declined (the Triton backend serves them)."""
-    decline_fragments(fragment_documents, "SM90 CuTe")
+    """`msa::forward` through the SM90 kernel; see `torch_msa.sm90.forward_sm90.forward`."""
     module = importlib.import_module(f"{__name__}.forward_sm90")
     module.check_served(q, k, v, block_size)
     with torch.cuda.device(q.device):
         return module.forward(
             q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            plan,
+            plan, fragment_documents, fragment_starts,
         )
 
 
@@ -78,10 +72,9 @@ BACKEND = Backend(
     device_types=("cuda",),
     available=available,
     unavailable_reason=unavailable_reason,
-    opt_in_note=opt_in_note,
 )
 
 
 def register() -> None:
-    """Add the backend to the registry (`import torch_msa` does); it serves when `TORCH_MSA_BACKEND=sm90`."""
+    """Add the backend to the registry (`import torch_msa` does)."""
     register_backend(BACKEND)

@@ -4,8 +4,8 @@ On an H200 (or any compute capability 9.0 GPU), for M3 shapes (Hq = 64, Hkv = 4,
 block 128, top-16, bf16) and random selections: the first-call compile time, then per problem
 the agreement with the Triton forward and both forwards' milliseconds and effective TF/s
 (docs/performance.md's count: `4 Hq D S`, S the attended (query, key) pairs per KV head), with the
-SM90 time split into its plan build, blocks kernel and combine. Problems beyond the kernel's
-32-bit offsets (16K queries at M3) are reported as declined.
+SM90 time split into its plan build (the public API builds it once per step, not per call),
+blocks kernel and combine. Problems the kernel declines are reported as declined.
 """
 
 import argparse
@@ -17,7 +17,7 @@ import torch
 from ..backends import UnsupportedInputs
 from ..bench.flops import selected_keys
 from ..documents import locate_queries
-from ..plan import unpack
+from ..plan import entries_per_item, unpack
 from ..testing import cu_seqlens, random_block_indices
 
 HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
@@ -39,7 +39,7 @@ def _milliseconds(fn, iterations: int) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m torch_msa.sm90", description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", nargs="+", default=["8192", "4x2048", "16383"],
+    parser.add_argument("--docs", nargs="+", default=["8192", "32768", "8x16384"],
                         help="problems: a document length, or COUNTxLENGTH for a pack")
     parser.add_argument("--iterations", type=int, default=10)
     args = parser.parse_args(argv)
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
         lse_error = (lse - want_lse).abs().max().item()
 
         def plan():
-            return build_plan(blocks, cu_q, cu_k, num_tokens, BLOCK, forward_sm90.ENTRIES_PER_ITEM)
+            return build_plan(blocks, cu_q, cu_k, num_tokens, BLOCK, entries_per_item(HQ, HKV))
 
         schedule = unpack(plan(), blocks, num_tokens, len(lengths), BLOCK)
         key_count = forward_sm90.bucket_key_count(schedule.bucket_key_row, cu_k)

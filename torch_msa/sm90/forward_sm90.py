@@ -5,11 +5,11 @@ Hq = 64, Hkv = 4); any top-k. Everything else is the Triton backend's.
 
 Design
 ------
-* **Work.** The shared key-to-query schedule (`torch_msa.schedule.build_schedule`) lists *items*:
-  one KV head's key block (a *bucket*) and a run of at most `ENTRIES_PER_ITEM` of the (query,
-  slot) entries that chose it. The grid is persistent: CTA `c` walks items `c, c + grid, ...` up
+* **Work.** The step's plan (`torch_msa/plan.py`, the one every op of the step reads) lists
+  *items*: one KV head's key block (a *bucket*) and a run of the (query, slot) entries that chose
+  it (128 in the plans the public API builds; the kernel walks items of any size). The grid is persistent: CTA `c` walks items `c, c + grid, ...` up
   to the real item count, which it reads on the device (no host sync, CUDA-graph safe).
-* **CTA.** One warpgroup (128 threads), two CTAs per SM (96 KiB of shared memory each). Per item
+* **CTA.** One warpgroup (128 threads), two CTAs per SM (112 KiB of shared memory each). Per item
   warp 0 loads the block's K and V (128 keys x 128 dims each) once with two TMA boxes; then the
   item's entries are taken four at a time: a *tile* of 4 tokens x 16 heads = 64 rows, one wgmma
   M. A token's 16 heads of one KV head are 16 consecutive rows of the `[Tq * Hq, 128]` view of q,
@@ -27,22 +27,24 @@ Design
   the block runs past its document's end (`bucket_key_count < 128`) the rows of V beyond it are
   zeroed in shared memory before `P V`. Masked scores never reach a max or a sum.
 * **Output.** Per (query, slot): the block-normalised partial output (input dtype) and its
-  log2-sum-exp (fp32), laid out `[Tq, Hkv, topk, G]`, merged by the Triton combine kernel
-  (`torch_msa.triton.forward_kernel.combine`) into `out` and the natural-log `lse`.
+  log2-sum-exp (fp32). The output tile goes through shared memory and leaves as one 16 x 128 TMA
+  store per token (full 32-byte sectors; the TMA's 64-bit addressing, so no 2**31-element
+  bound), the next tile's math overlapping the store. Laid out `[Tq, Hkv, topk, G]`, they are
+  merged by the Triton combine kernel (`torch_msa.triton.forward_kernel.combine`) into `out` and
+  the natural-log `lse`.
 
 Bytes per token (M3, bf16, top-16, long documents, nothing kept in L2): a token has 64 entries
 (4 KV heads x 16 slots). Q is read once per entry, 64 x 16 heads x 128 x 2 B = 256 KiB; the
 partial outputs are written and read back, 2 x 256 KiB, and their lse 2 x 4 KiB; `out` is
-written, 16 KiB; K and V of a block (64 KiB) are read once per item of up to 64 entries, 64 KiB
-per token. Total about 856 KiB = 0.88 MB per token. The effective FLOPs per token
+written, 16 KiB; K and V of a block (64 KiB) are read once per item of up to 128 entries, 32 KiB
+per token. Total about 824 KiB = 0.84 MB per token. The effective FLOPs per token
 (docs/performance.md: `4 Hq D S`, S = 2048 keys) are 67 MFLOP, so at 4.3 TB/s the blocks and
-combine kernels together are bounded at about 67e6 / 0.88e6 x 4.3e12 = 330 effective TF/s, half
+combine kernels together are bounded at about 67e6 / 0.84e6 x 4.3e12 = 340 effective TF/s, half
 of the dense bf16 wgmma rate. The partials are 60 % of the bytes: a combine fused into the
 persistent kernel (partials kept in L2 or shared memory) is where the next factor lies.
 
 Not done yet (speed, not correctness): warp specialisation (a producer warp and `setmaxnreg`),
-two consumer warpgroups sharing one K/V tile, a TMA store of the partials (they are written with
-per-thread 4-byte stores), a fused combine.
+two consumer warpgroups sharing one K/V tile, a fused combine.
 
 The CuTe DSL is imported only inside functions, so this module imports on hosts without it.
 """
@@ -55,15 +57,13 @@ import torch
 from ..backends import UnsupportedInputs
 from ..contract import compute_dtype
 from ..cute_dsl import require_cute_dsl, sm_count
-from ..plan import unpack
 
 HEADS_PER_KV = 16
 HEAD_DIM = 128
 BLOCK_SIZE = 128
 TOKENS_PER_TILE = 4  # one warp per token: 4 x 16 heads = the 64 rows of one wgmma
 TILE_ROWS = TOKENS_PER_TILE * HEADS_PER_KV
-ENTRIES_PER_ITEM = 16 * TOKENS_PER_TILE  # bounds an item's work; K/V are reused by 16 tiles
-CTAS_PER_SM = 2  # shared memory: K, V and two Q tiles are 96 KiB
+CTAS_PER_SM = 2  # shared memory: K, V, two Q tiles and the output tile are 112 KiB
 THREADS = 128
 SERVED_DTYPES = (torch.bfloat16, torch.float16)
 LOG2_E = math.log2(math.e)
@@ -84,54 +84,54 @@ def check_served(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: 
         )
 
 
-# The kernel's tensors carry 32-bit dynamic shapes and strides (`cute_rows`), so no operand may
-# hold 2**31 elements or more. The partial outputs are the largest: Tq * Hkv * topk * G * D
-# elements, which reaches 2**31 at 16K queries for M3 (an illegal address was seen at 32K).
-MAX_OPERAND_ELEMENTS = 2**31 - 1
+# The kernel's tensor arguments carry 32-bit dynamic extents (`cute_rows`). Q and the partial
+# outputs are read and written only by TMA, whose coordinates are 32-bit per dimension and whose
+# addresses are 64-bit, so the bound is on rows, not elements: the partials' `Tq * Hkv * topk * G`
+# rows (2**31 at two million queries for M3), whose lse the threads index directly.
+MAX_PARTIAL_ROWS = 2**31 - 1
 
 
-def check_offsets(num_queries: int, num_kv_heads: int, topk: int) -> None:
-    """Raise `UnsupportedInputs` when the partial outputs would need 64-bit offsets."""
-    elements = num_queries * num_kv_heads * topk * HEADS_PER_KV * HEAD_DIM
-    if elements > MAX_OPERAND_ELEMENTS:
+def check_rows(num_queries: int, num_kv_heads: int, topk: int) -> None:
+    """Raise `UnsupportedInputs` when the partial rows would not fit 32-bit indices."""
+    rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
+    if rows > MAX_PARTIAL_ROWS:
         raise UnsupportedInputs(
-            f"the SM90 forward indexes its partial outputs with 32-bit offsets: {num_queries} queries x "
-            f"{num_kv_heads} KV heads x topk {topk} need {elements} elements, more than {MAX_OPERAND_ELEMENTS}"
+            f"the SM90 forward indexes its partial rows with 32-bit integers: {num_queries} queries x "
+            f"{num_kv_heads} KV heads x topk {topk} x {HEADS_PER_KV} heads need {rows} rows, more than "
+            f"{MAX_PARTIAL_ROWS}"
         )
 
 
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            plan=None):
+            plan=None, fragment_documents=None, fragment_starts=None):
     """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
 
-    A given `plan` is not read: the kernel's items hold at most `ENTRIES_PER_ITEM` entries, so it
-    builds its own plan of that item size (with the Triton plan kernels).
+    Walks `plan`'s items (any item size), or, without one, those of a new plan with the public
+    API's item size. Query fragments (`torch_msa/documents.py`) are read from the plan: a token's
+    position and a key block's document are all the kernel needs.
 
     Raises:
         UnsupportedInputs: outside the served configuration (see `check_served`) or beyond
-            32-bit offsets (`check_offsets`: from 16K queries at M3).
+            32-bit row indices (`check_rows`).
     """
     del max_seqlen_q, max_seqlen_k
     check_served(q, k, v, block_size)
-    check_offsets(q.shape[0], k.shape[1], block_indices.shape[-1])
+    check_rows(q.shape[0], k.shape[1], block_indices.shape[-1])
     require_cute_dsl()
     from ..cute_dsl.cute_io import aligned_operand
-    from ..triton.forward_kernel import combine
-    from ..triton.plan_kernel import build_plan
+    from ..triton.forward_kernel import combine, schedule_for
 
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     topk = block_indices.shape[-1]
     out = torch.empty((num_queries, num_heads, dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
-    if num_queries == 0 or topk == 0:
-        return out.zero_(), lse.fill_(-math.inf)
-    if num_keys == 0:
+    if num_queries == 0 or topk == 0 or num_keys == 0:
         return out.zero_(), lse.fill_(-math.inf)
     # TMA reads whole 16-byte aligned rows.
     q, k, v = (aligned_operand(x) for x in (q, k, v))
-    schedule = unpack(build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, BLOCK_SIZE, ENTRIES_PER_ITEM),
-                      block_indices, num_keys, cu_seqlens_q.numel() - 1, BLOCK_SIZE)
+    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, BLOCK_SIZE, num_heads, plan,
+                            fragment_documents, fragment_starts)
     key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
     rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
     partial_out = torch.empty((rows, dim), dtype=q.dtype, device=q.device)
@@ -352,25 +352,33 @@ def _kernel_class():
                 cute.make_layout(((8, 2), (64, 2)), stride=((64, 8 * 64), (1, TILE_ROWS * 64))),
             )
             tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, q_rows, token_rows, (HEADS_PER_KV, HEAD_DIM))
+            # The partial outputs leave through a one-stage tile laid out like a Q stage, one
+            # token's 16 rows per TMA store into its (query, KV head, slot) rows.
+            sO_layout = sm90_utils.make_smem_layout_a(row_major, qk_tiler, dtype, 1)
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mPartialOut, token_rows, (HEADS_PER_KV, HEAD_DIM)
+            )
 
             self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
             self.q_bytes = cute.size_in_bytes(dtype, cute.select(sQ_layout, mode=[0, 1]))
 
             @cute.struct
             class SharedStorage:
-                # [0]: K/V loaded; [1 + s]: Q tile of stage s loaded.
-                barriers: cute.struct.MemRange[Int64, 1 + self.q_stages]
                 # 1024-byte alignment keeps the 128-byte swizzle pattern of every tile intact.
                 sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
                 sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
                 sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+                sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sO_layout)], 1024]
+                # [0]: K/V loaded; [1 + s]: Q tile of stage s loaded. Last, so that no alignment
+                # padding precedes the tiles: two CTAs' 112 KiB must fit an SM's 228 KiB.
+                barriers: cute.struct.MemRange[Int64, 1 + self.q_stages]
 
             self.shared_storage = SharedStorage
             self.kernel(
-                mma_qk, mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
+                mma_qk, mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
                 mPartialOut, mPartialLse, mEntryQuery, mItemBucket, mItemStart, mItemEnd,
                 mBucketHead, mBucketKeyRow, mBucketBlock, mBucketKeyCount, mPosition, mNumItems,
-                topk, scale_log2, sQ_layout, sK_layout,
+                topk, scale_log2, sQ_layout, sK_layout, sO_layout,
             ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
         @cute.kernel
@@ -384,6 +392,8 @@ def _kernel_class():
             tma_K: cute.Tensor,
             tma_atom_V: cute.CopyAtom,
             tma_V: cute.Tensor,
+            tma_atom_O: cute.CopyAtom,
+            tma_O: cute.Tensor,
             mPartialOut: cute.Tensor,
             mPartialLse: cute.Tensor,
             mEntryQuery: cute.Tensor,
@@ -400,6 +410,7 @@ def _kernel_class():
             scale_log2: Float32,
             sQ_layout: cute.ComposedLayout,
             sK_layout: cute.ComposedLayout,
+            sO_layout: cute.ComposedLayout,
         ):
             tidx, _, _ = cute.arch.thread_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -414,9 +425,10 @@ def _kernel_class():
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             # V as the (dim, key) B operand of P V: the same bytes, modes swapped (MN-major).
             sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
             if tidx == 0:
-                for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
+                for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                     cpasync.prefetch_descriptor(atom)
                 for index in cutlass.range_constexpr(1 + self.q_stages):
                     cute.arch.mbarrier_init(barriers + index, 1)
@@ -434,12 +446,23 @@ def _kernel_class():
             tQsQ, tQgQ = cpasync.tma_partition(
                 tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(q_slots, 0, 2), cute.group_modes(q_blocks, 0, 2)
             )
+            # The partial outputs: the 4 token slots of the output tile into 16-row blocks of
+            # the partial rows (block (token * Hkv + kv head) * topk + slot).
+            plain_o = cute.composition(
+                sO, cute.make_layout((TILE_ROWS, HEAD_DIM, 1), stride=(1, TILE_ROWS, TILE_ROWS * HEAD_DIM))
+            )
+            o_slots = cute.flat_divide(plain_o, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, 4, 1, 1)
+            o_blocks = cute.flat_divide(tma_O, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, partial rows / 16, 1)
+            tOsO_tma, tOgO_tma = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(o_slots, 0, 2), cute.group_modes(o_blocks, 0, 2)
+            )
 
             thr_qk = mma_qk.get_slice(tidx)
             thr_pv = mma_pv.get_slice(tidx)
             tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
             tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
             tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
+            tOsO = thr_pv.partition_C(sO[None, None, 0])
             cS = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, BLOCK_SIZE)))
             cO = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HEAD_DIM)))
             acc_S = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
@@ -465,7 +488,10 @@ def _kernel_class():
                 key_count = mBucketKeyCount[bucket]
                 num_tiles = (end - start + TOKENS_PER_TILE - 1) // TOKENS_PER_TILE
 
-                # Every thread is done with the previous item's K, V and Q tiles.
+                # Every thread is done with the previous item's K, V and Q tiles, and the TMA with
+                # the previous output tile.
+                if warp == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier()
                 # Warp 0 issues the loads: a TMA copy elects one lane of a converged warp
                 # (elect.sync), so it must not run under a one-thread branch.
@@ -480,7 +506,9 @@ def _kernel_class():
                     first = start + tile * TOKENS_PER_TILE
                     if tile > 0:
                         # Every thread's wgmma of the previous tile has completed (wait_group 0),
-                        # so its Q stage may be overwritten.
+                        # so its Q stage may be overwritten, and the TMA has read the output tile.
+                        if warp == 0:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
                         cute.arch.barrier()
                     if warp == 0:
                         if tile + 1 < num_tiles:
@@ -545,21 +573,29 @@ def _kernel_class():
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
 
-                    if row_valid:
+                    # Normalise each row by its block sum: a row always sees its own key (sum >= 1),
+                    # unless its document holds NaN: then NaN flows on into out, as in the reference.
+                    for r in cutlass.range_constexpr(rows_per_thread):
+                        inverse = Float32(1.0) / row_sum[r]
+                        for c in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
+                            o_rc[r, c] = o_rc[r, c] * inverse
+                    tOsO.store(acc_O.load().to(self.dtype))
+                    # The generic-proxy stores of every thread before the TMA reads the tile.
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier()
+                    if warp == 0:
+                        self.store_partials(tma_atom_O, tOsO_tma, tOgO_tma, mEntryQuery, first, end, topk, kv_head)
+                    if row_valid and lane % 4 == 0:
                         # Partials are [Tq, Hkv, topk, 16] rows: one (query, KV head) is contiguous.
                         base = ((token * self.num_kv_heads + kv_head) * topk + slot) * HEADS_PER_KV
                         for r in cutlass.range_constexpr(rows_per_thread):
                             head = cO_rc[r, 0][0] % HEADS_PER_KV
-                            # A row always sees its own key (total >= 1), unless its document
-                            # holds NaN: then NaN flows on into out, as in the reference.
-                            total = row_sum[r]
-                            inverse = Float32(1.0) / total
-                            for c in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
-                                mPartialOut[base + head, cO_rc[r, c][1]] = (o_rc[r, c] * inverse).to(self.dtype)
-                            if lane % 4 == 0:
-                                mPartialLse[base + head] = row_max[r] + cute.math.log2(total, fastmath=True)
+                            mPartialLse[base + head] = row_max[r] + cute.math.log2(row_sum[r], fastmath=True)
                     q_loads += 1
                 kv_loads += 1
+            # Shared memory must outlive the TMA's reads of the last output tile.
+            if warp == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
         @cute.jit
         def load_kv(
@@ -591,6 +627,22 @@ def _kernel_class():
                 token = mEntryQuery[entry] // topk
                 block = token * self.num_kv_heads + kv_head
                 cute.copy(tma_atom, tQgQ[None, block, 0], tQsQ[None, slot, 0, stage], tma_bar_ptr=barrier)
+
+        @cute.jit
+        def store_partials(
+            self, tma_atom: cute.CopyAtom, tOsO: cute.Tensor, tOgO: cute.Tensor, mEntryQuery: cute.Tensor, first: Int32,
+            end: Int32, topk: Int32, kv_head: Int32,
+        ):
+            """The output tile of entries `first .. first + 3` (those before `end`) to their partial
+            rows: one TMA store per token, then one bulk group for the next tile to wait on."""
+            for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
+                entry = first + slot
+                if entry < end:
+                    query = mEntryQuery[entry]
+                    token = query // topk
+                    block = (token * self.num_kv_heads + kv_head) * topk + query - token * topk
+                    cute.copy(tma_atom, tOsO[None, slot, 0, 0], tOgO[None, block, 0])
+            cute.arch.cp_async_bulk_commit_group()
 
         @cute.jit
         def zero_rows_past(self, tile: cute.Tensor, key_count: Int32, tidx: Int32):
