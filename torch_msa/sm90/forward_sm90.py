@@ -7,9 +7,10 @@ Design
 ------
 * **Work.** The step's plan (`torch_msa/plan.py`, the one every op of the step reads) lists
   *items*: one KV head's key block (a *bucket*) and a run of the (query, slot) entries that chose
-  it (128 in the plans the public API builds; the kernel walks items of any size). The grid is persistent: CTA `c` walks items `c, c + grid, ...` up
-  to the real item count, which it reads on the device (no host sync, CUDA-graph safe).
-* **CTA.** One warpgroup (128 threads), two CTAs per SM (112 KiB of shared memory each). Per item
+  it (128 in the plans the public API builds; the kernel walks items of any size). The grid is
+  persistent: CTA `c` walks items `c, c + grid, ...` up to the real item count, which it reads on
+  the device (no host sync, CUDA-graph safe).
+* **CTA.** One warpgroup (128 threads), two CTAs per SM (113 KiB of shared memory each). Per item
   warp 0 loads the block's K and V (128 keys x 128 dims each) once with two TMA boxes; then the
   item's entries are taken four at a time: a *tile* of 4 tokens x 16 heads = 64 rows, one wgmma
   M. A token's 16 heads of one KV head are 16 consecutive rows of the `[Tq * Hq, 128]` view of q,
@@ -43,8 +44,12 @@ combine kernels together are bounded at about 67e6 / 0.84e6 x 4.3e12 = 340 effec
 of the dense bf16 wgmma rate. The partials are 60 % of the bytes: a combine fused into the
 persistent kernel (partials kept in L2 or shared memory) is where the next factor lies.
 
-Not done yet (speed, not correctness): warp specialisation (a producer warp and `setmaxnreg`),
-two consumer warpgroups sharing one K/V tile, a fused combine.
+Measured on an H200 the blocks kernel runs at 277-291 effective TF/s and the whole forward at
+211-220 (docs/performance.md). Nsight Compute finds it latency-bound: the tensor pipe and issue
+slots about 30% busy, no eligible warp in 68% of the cycles, with two warpgroups per SM that
+each serialise wgmma, softmax and stores. Not done yet (speed, not correctness): warp
+specialisation (a producer warp, `setmaxnreg`, two consumer warpgroups alternating MMA and
+softmax on one K/V tile) and a combine fused into the persistent kernel.
 
 The CuTe DSL is imported only inside functions, so this module imports on hosts without it.
 """
@@ -63,7 +68,7 @@ HEAD_DIM = 128
 BLOCK_SIZE = 128
 TOKENS_PER_TILE = 4  # one warp per token: 4 x 16 heads = the 64 rows of one wgmma
 TILE_ROWS = TOKENS_PER_TILE * HEADS_PER_KV
-CTAS_PER_SM = 2  # shared memory: K, V, two Q tiles and the output tile are 112 KiB
+CTAS_PER_SM = 2  # shared memory: K, V, two Q tiles and the output tile are 113 KiB
 THREADS = 128
 SERVED_DTYPES = (torch.bfloat16, torch.float16)
 LOG2_E = math.log2(math.e)
@@ -370,7 +375,7 @@ def _kernel_class():
                 sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
                 sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sO_layout)], 1024]
                 # [0]: K/V loaded; [1 + s]: Q tile of stage s loaded. Last, so that no alignment
-                # padding precedes the tiles: two CTAs' 112 KiB must fit an SM's 228 KiB.
+                # padding precedes the tiles: two CTAs' 113 KiB must fit an SM's 228 KiB.
                 barriers: cute.struct.MemRange[Int64, 1 + self.q_stages]
 
             self.shared_storage = SharedStorage
@@ -630,8 +635,8 @@ def _kernel_class():
 
         @cute.jit
         def store_partials(
-            self, tma_atom: cute.CopyAtom, tOsO: cute.Tensor, tOgO: cute.Tensor, mEntryQuery: cute.Tensor, first: Int32,
-            end: Int32, topk: Int32, kv_head: Int32,
+            self, tma_atom: cute.CopyAtom, tOsO: cute.Tensor, tOgO: cute.Tensor, mEntryQuery: cute.Tensor,
+            first: Int32, end: Int32, topk: Int32, kv_head: Int32,
         ):
             """The output tile of entries `first .. first + 3` (those before `end`) to their partial
             rows: one TMA store per token, then one bulk group for the next tile to wait on."""
