@@ -4,7 +4,8 @@ M3 shapes (Hq = 64, Hkv = 4, D = 128, block 128, top-16): a 1K document, a pack 
 one-token documents, an Lq < Lk pack, junk ids, a skewed selection, NaN in one document, bf16 and
 fp16, query fragments, given plans of any item size, a 32K document (partials past 2**31
 elements, against the Triton forward), CUDA-graph replay, `torch.compile(fullgraph=True)`,
-`torch.library.opcheck` and dispatch through `torch.ops.msa.forward`. Skipped without such a GPU or the CuTe DSL.
+`torch.library.opcheck` and dispatch through `torch.ops.msa.forward`. Skipped without such a GPU
+or the CuTe DSL.
 """
 
 import math
