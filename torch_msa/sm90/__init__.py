@@ -57,7 +57,6 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             plan=None, fragment_documents=None, fragment_starts=None):
     """`msa::forward` through the SM90 kernel; see `torch_msa.sm90.forward_sm90.forward`."""
     module = importlib.import_module(f"{__name__}.forward_sm90")
-    module.check_served(q, k, v, block_size)
     with torch.cuda.device(q.device):
         return module.forward(
             q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
