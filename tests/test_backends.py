@@ -1,5 +1,6 @@
 """The backend registry: default choice, TORCH_MSA_BACKEND, fallback on unsupported inputs."""
 
+import contextlib
 import importlib.util
 import warnings
 
@@ -273,15 +274,16 @@ def test_deterministic_mode_serves_the_deterministic_backward(monkeypatch):
     assert calls == ["deterministic", "atomic"]
 
 
-def test_sm90_serves_the_forward_by_default_and_says_why_it_cannot_serve(fake_cuda, monkeypatch):
+def test_sm90_serves_forward_and_backward_by_default_and_says_why_it_cannot_serve(fake_cuda, monkeypatch):
     hopper = fake_cuda(capability=(9, 0))
     assert sm90.available(hopper)
-    expected = dict.fromkeys(backends.OPS, "triton") | {"forward": "sm90"}
+    expected = dict.fromkeys(backends.OPS, "triton") | {"forward": "sm90", "backward": "sm90"}
     assert {op: torch_msa.resolve(op, hopper).name for op in backends.OPS} == expected
     monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
     assert {op: torch_msa.resolve(op, hopper).name for op in backends.OPS} == expected
     monkeypatch.setenv(torch_msa.BACKEND_ENV, "triton")
     assert torch_msa.resolve("forward", hopper).name == "triton"
+    assert torch_msa.resolve("backward", hopper).name == "triton"
     monkeypatch.delenv(torch_msa.BACKEND_ENV)
     assert torch_msa.resolve("forward", fake_cuda(capability=(9, 0), extras=False)).name == "triton"
     monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
@@ -291,3 +293,21 @@ def test_sm90_serves_the_forward_by_default_and_says_why_it_cannot_serve(fake_cu
     without_extra = fake_cuda(capability=(9, 0), extras=False)
     with pytest.raises(torch_msa.BackendError, match='install the extra with: pip install "torch_msa\\[cute\\]"'):
         torch_msa.resolve("forward", without_extra)
+
+
+def test_sm90_hands_deterministic_mode_to_the_triton_deterministic_backward(monkeypatch):
+    """The SM90 backward adds with atomics, so under deterministic algorithms its backend calls the
+    Triton deterministic backward instead; otherwise its own kernel."""
+    pytest.importorskip("triton", reason="triton is not installed (it ships with Linux x86_64 torch)")
+    from torch_msa.sm90 import backward_sm90
+    from torch_msa.triton import backward_deterministic_kernel
+
+    calls = []
+    monkeypatch.setattr(backward_deterministic_kernel, "backward", lambda *args: calls.append("deterministic"))
+    monkeypatch.setattr(backward_sm90, "backward", lambda *args: calls.append("sm90"))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # a CPU host
+    q, k = torch.zeros(1, 16, 128), torch.zeros(1, 1, 128)
+    for enabled in (True, False):
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda enabled=enabled: enabled)
+        sm90.backward(q, q, k, k, q, None, None, None, None, 1, 1, 128, 1.0)
+    assert calls == ["deterministic", "sm90"]

@@ -1,11 +1,13 @@
-"""The SM90 forward kernel (`torch_msa/sm90/forward_sm90.py`) on a host without a GPU.
+"""The SM90 kernels (`torch_msa/sm90/forward_sm90.py`, `backward_sm90.py`) on a host without a GPU.
 
-CI proves that the kernel *lowers* for `sm_90a`: the CuTe DSL traces it, NVVM emits PTX and ptxas
-assembles a cubin, and the machine code holds what the design says (wgmma from shared memory for
-`Q K^T` and from registers for `P V`, TMA loads, no local-memory spills). Also on any host: the
-module imports without the CuTe DSL, the launch arguments have the compiled types, the backend
-declines configurations it does not serve, and the per-bucket key counts. Whether the kernel
-computes the right result is checked on a compute capability 9.0 GPU (`tests/test_sm90_forward.py`).
+CI proves that the kernels *lower* for `sm_90a`: the CuTe DSL traces them, NVVM emits PTX and
+ptxas assembles a cubin, and the machine code holds what the design says (the forward: wgmma from
+shared memory for `Q K^T` and from registers for `P V`, TMA loads and stores; the backward: five
+wgmma GEMMs, dQ by bulk reduce-add, dK/dV by vector atomics; neither spills to local memory).
+Also on any host: the modules import without the CuTe DSL, the launch arguments have the
+compiled types, the backend declines configurations it does not serve, and the per-bucket key
+counts. Whether the kernels compute the right result is checked on a compute capability 9.0 GPU
+(`tests/test_sm90_forward.py`, `tests/test_sm90_backward.py`).
 """
 
 import importlib.metadata
@@ -31,15 +33,27 @@ TMA_LOADS = 2 * 2 + 2 * 4 * 2
 TMA_STORES = 4 * 2
 
 
-@pytest.fixture(scope="module")
-def sm90_build(tmp_path_factory):
-    """Compile once for sm_90a (bf16, Hkv = 4) with the cubin, PTX and SASS kept; returns the dump
-    folder. The CuTe DSL writes SASS only for the architecture named by `CUTE_DSL_ARCH` when it
-    is imported, so the compile runs in a fresh interpreter with it set."""
-    dump_dir = tmp_path_factory.mktemp("sm90")
+# The backward per tile: S^T = K Q^T and dP^T = V dO^T (64 x 64 per warpgroup, K = 128 dims),
+# dV and dK (64 x 128, K = 64 rows, A from registers), dQ = dS K (64 x 64, K = 128 keys).
+BACKWARD_SS_STEPS = 3 * K_STEPS
+BACKWARD_RS_STEPS = 2 * (64 // 16)
+# TMA loads: K and V once per item (two boxes each); Q and dO of 4 tokens (two boxes each) at the
+# item's start and for the next tile.
+BACKWARD_TMA_LOADS = 2 * 2 + 2 * 2 * 4 * 2
+# dQ: one bulk reduce-add per token of the tile; dK and dV: a thread's 2 key rows x 32 dims of
+# each, two dims per atomic.
+BACKWARD_BULK_REDUCES = 4
+BACKWARD_VECTOR_ATOMICS = 2 * 2 * 32 // 2
+
+
+def _build(tmp_path_factory, module: str):
+    """Compile `module`'s blocks kernel once for sm_90a (bf16, Hkv = 4) with the cubin, PTX and
+    SASS kept; returns the dump folder. The CuTe DSL writes SASS only for the architecture named
+    by `CUTE_DSL_ARCH` when it is imported, so the compile runs in a fresh interpreter with it set."""
+    dump_dir = tmp_path_factory.mktemp(module)
     code = (
         "import sys, torch\n"
-        "from torch_msa.sm90.forward_sm90 import compile_blocks_kernel\n"
+        f"from torch_msa.sm90.{module} import compile_blocks_kernel\n"
         "compile_blocks_kernel(torch.bfloat16, 4, 'sm_90a', sys.argv[1], listings=True)\n"
     )
     environment = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(REPO_ROOT)}
@@ -48,6 +62,16 @@ def sm90_build(tmp_path_factory):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return dump_dir
+
+
+@pytest.fixture(scope="module")
+def sm90_build(tmp_path_factory):
+    return _build(tmp_path_factory, "forward_sm90")
+
+
+@pytest.fixture(scope="module")
+def sm90_backward_build(tmp_path_factory):
+    return _build(tmp_path_factory, "backward_sm90")
 
 
 def _listing(dump_dir: Path, suffix: str) -> str:
@@ -98,6 +122,50 @@ def test_sass_has_hgmma_and_no_spills(sm90_build):
 
 
 @requires_cute
+def test_backward_ptx_has_its_gemms_bulk_reduces_and_atomics(sm90_backward_build):
+    ptx = _listing(sm90_backward_build, ".ptx")
+    assert ".target sm_90a" in ptx
+    ss = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+,", ptx)
+    rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{[^}]*\}, %rd\d+,", ptx)
+    assert len(ss) == BACKWARD_SS_STEPS, "S^T, dP^T and dQ: both operands from shared memory"
+    assert len(rs) == BACKWARD_RS_STEPS, "dV and dK: P^T and dS^T from registers"
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx)) == BACKWARD_TMA_LOADS
+    bulk = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
+    assert ptx.count(bulk) == BACKWARD_BULK_REDUCES
+    assert ptx.count("red.global.add.v2.f32") == BACKWARD_VECTOR_ATOMICS
+    # No scalar atomics: dQ leaves by the bulk reduce only.
+    assert not re.findall(r"\b(atom|red)\.global(\.\w+)*\.add\.f32\b", ptx)
+
+
+@requires_cute
+def test_backward_sass_has_hgmma_and_no_spills(sm90_backward_build):
+    if not list(sm90_backward_build.glob("*.sass")) and not _installed("nvidia-cuda-nvdisasm"):
+        pytest.skip("nvdisasm is not installed (pip package nvidia-cuda-nvdisasm, a dependency of the CuTe DSL)")
+    sass = _listing(sm90_backward_build, ".sass")
+    assert len(re.findall(r"\bHGMMA\.64x64x16\.F32\.BF16\b", sass)) == BACKWARD_SS_STEPS
+    assert len(re.findall(r"\bHGMMA\.64x128x16\.F32\.BF16\b", sass)) == BACKWARD_RS_STEPS
+    assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\b", sass)) == BACKWARD_BULK_REDUCES
+    assert not re.findall(r"\b(STL|LDL)\b", sass)
+
+
+@requires_cute
+def test_backward_launch_arguments_have_the_compiled_types():
+    from torch_msa.sm90.backward_sm90 import operands
+
+    assert_launch_types_match(
+        (name, torch.float16 if dtype is None else dtype, inner) for name, inner, dtype in operands(4)
+    )
+
+
+def test_query_rows_beyond_32_bit_indices_are_declined():
+    from torch_msa.sm90.backward_sm90 import check_query_rows
+
+    check_query_rows(2**25 - 1, 64)
+    with pytest.raises(UnsupportedInputs, match="32-bit integers: 33554432 queries x 64 heads"):
+        check_query_rows(2**25, 64)
+
+
+@requires_cute
 def test_launch_arguments_have_the_compiled_types():
     """`launch_blocks` converts each operand as the kernel was compiled for it."""
     from torch_msa.sm90.forward_sm90 import operands
@@ -108,7 +176,8 @@ def test_launch_arguments_have_the_compiled_types():
 
 
 def test_module_imports_without_the_cute_dsl():
-    assert_imports_without("import torch_msa.sm90, torch_msa.sm90.forward_sm90", ("cutlass", "triton"))
+    assert_imports_without("import torch_msa.sm90, torch_msa.sm90.forward_sm90, torch_msa.sm90.backward_sm90",
+                           ("cutlass", "triton"))
 
 
 @pytest.mark.parametrize(
@@ -159,4 +228,4 @@ def test_backend_is_unavailable_off_sm90():
     from torch_msa import sm90
 
     assert not sm90.available(torch.device("cpu"))
-    assert set(sm90.BACKEND.ops) == {"forward"}
+    assert set(sm90.BACKEND.ops) == {"forward", "backward"}

@@ -68,12 +68,13 @@ def _selections(layout, inputs, kind):
 
 
 def test_the_triton_backend_serves_cuda():
-    """Every op but the forward, which the SM90 CuTe kernel serves where it is available."""
+    """Every op but the forward and the backward, which the SM90 CuTe kernels serve where they are
+    available."""
     from torch_msa import sm90
 
     cuda = torch.device("cuda")
     for op in backends.OPS:
-        want = "sm90" if op == "forward" and sm90.available(cuda) else "triton"
+        want = "sm90" if op in ("forward", "backward") and sm90.available(cuda) else "triton"
         assert torch_msa.resolve(op, cuda).name == want
 
 
@@ -309,8 +310,12 @@ def test_deterministic_backward_matches_reference_and_repeats_bitwise(layout, ki
     """Under torch.use_deterministic_algorithms(True) the Triton backend serves the backward with
     its deterministic kernels (no fallback warning): close to the reference, and bitwise equal
     over repeated runs (the skewed selection splits block 0 of every document over many items)."""
+    from torch_msa import sm90
+
     args = _backward_inputs(layout, kind)
-    assert torch_msa.resolve("backward", torch.device("cuda")).name == "triton"
+    # The SM90 backend, where available, hands deterministic mode to these kernels.
+    cuda = torch.device("cuda")
+    assert torch_msa.resolve("backward", cuda).name == ("sm90" if sm90.available(cuda) else "triton")
     backends._warned.clear()
     with _deterministic_mode(), warnings.catch_warnings():
         warnings.filterwarnings("error", message="torch_msa")  # a fallback would warn

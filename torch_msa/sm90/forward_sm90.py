@@ -79,12 +79,12 @@ def check_served(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: 
     dtypes = {q.dtype, k.dtype, v.dtype}
     if len(dtypes) != 1 or q.dtype not in SERVED_DTYPES:
         raise UnsupportedInputs(
-            f"the SM90 forward takes q, k, v all bf16 or all fp16; got {', '.join(sorted(map(str, dtypes)))}"
+            f"the SM90 kernels take q, k, v all bf16 or all fp16; got {', '.join(sorted(map(str, dtypes)))}"
         )
     num_heads, num_kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     if num_kv_heads == 0 or num_heads != HEADS_PER_KV * num_kv_heads or dim != HEAD_DIM or block_size != BLOCK_SIZE:
         raise UnsupportedInputs(
-            f"the SM90 forward serves {HEADS_PER_KV} query heads per KV head, D={HEAD_DIM}, block_size={BLOCK_SIZE}; "
+            f"the SM90 kernels serve {HEADS_PER_KV} query heads per KV head, D={HEAD_DIM}, block_size={BLOCK_SIZE}; "
             f"got Hq={num_heads}, Hkv={num_kv_heads}, D={dim}, block_size={block_size}"
         )
 
@@ -256,33 +256,7 @@ def _kernel_class():
     from cutlass import Float32, Int32, Int64
     from cutlass.cute.nvgpu import cpasync, warpgroup
 
-    def accumulator_rows_cols(layout: cute.Layout) -> cute.Layout:
-        """The wgmma accumulator `((2, 2, N / 8), M, N)` viewed as (rows, cols) of one thread:
-        mode 0 of the value mode pairs adjacent columns, mode 1 picks row r or r + 8."""
-        flat = cute.make_layout(layout.shape)
-        rows = ((flat.shape[0][1], flat.shape[1]), (flat.stride[0][1], flat.stride[1]))
-        cols = (
-            (flat.shape[0][0], flat.shape[0][2], flat.shape[2]),
-            (flat.stride[0][0], flat.stride[0][2], flat.stride[2]),
-        )
-        return cute.composition(layout, cute.make_layout((rows[0], cols[0]), stride=(rows[1], cols[1])))
-
-    def accumulator_as_operand_a(layout: cute.Layout) -> cute.Layout:
-        """The accumulator layout `((2, 2, N / 8), M, N)` as the register A operand of a wgmma whose
-        K is that N: `((2, 2, 2), M, N / 16)` (each K = 16 step takes two 8-column groups)."""
-        split = cute.logical_divide(layout, ((None, None, 2), None, None))
-        return cute.make_layout(
-            (
-                (split.shape[0][0], split.shape[0][1], split.shape[0][2][0]),
-                split.shape[1],
-                (split.shape[0][2][1], split.shape[2]),
-            ),
-            stride=(
-                (split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
-                split.stride[1],
-                (split.stride[0][2][1], split.stride[2]),
-            ),
-        )
+    from .layouts import accumulator_as_operand_a, accumulator_rows_cols, token_box_layout, token_slots
 
     class BlocksKernel:
         """The SM90 forward blocks kernel; `__call__` is the `cute.jit` host function."""
@@ -348,14 +322,7 @@ def _kernel_class():
             sK_one = cute.select(sK_layout, mode=[0, 1])
             tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, k_view, sK_one, (BLOCK_SIZE, HEAD_DIM))
             tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, v_view, sK_one, (BLOCK_SIZE, HEAD_DIM))
-            # One token (16 rows) of the 64-row K-major tile: the 128-byte swizzle atom is 8 rows
-            # of 64 elements, repeated down the rows (stride 512) and then across the two
-            # 64-column halves (stride 64 * 64); the TMA writes it as two 16 x 64 boxes.
-            token_rows = cute.make_composed_layout(
-                sQ_layout.inner,
-                0,
-                cute.make_layout(((8, 2), (64, 2)), stride=((64, 8 * 64), (1, TILE_ROWS * 64))),
-            )
+            token_rows = token_box_layout(sQ_layout)
             tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, q_rows, token_rows, (HEADS_PER_KV, HEAD_DIM))
             # The partial outputs leave through a one-stage tile laid out like a Q stage, one
             # token's 16 rows per TMA store into its (query, KV head, slot) rows.
@@ -441,22 +408,14 @@ def _kernel_class():
             cute.arch.barrier()
 
             # Q: 16-row token blocks of the [Tq * Hq, 128] view into the 4 token slots of a tile.
-            # The colexicographic index of the tile ((8, 8), (64, 2), stage) is row + 64 col +
-            # 8192 stage, so this composition is its plain (row, col, stage) view.
-            plain_q = cute.composition(
-                sQ, cute.make_layout((TILE_ROWS, HEAD_DIM, self.q_stages), stride=(1, TILE_ROWS, TILE_ROWS * HEAD_DIM))
-            )
-            q_slots = cute.flat_divide(plain_q, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, 4, 1, stage)
+            q_slots = token_slots(sQ, self.q_stages)  # (16, 128, 4, 1, stage)
             q_blocks = cute.flat_divide(tma_Q, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, Tq * Hq / 16, 1)
             tQsQ, tQgQ = cpasync.tma_partition(
                 tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(q_slots, 0, 2), cute.group_modes(q_blocks, 0, 2)
             )
             # The partial outputs: the 4 token slots of the output tile into 16-row blocks of
             # the partial rows (block (token * Hkv + kv head) * topk + slot).
-            plain_o = cute.composition(
-                sO, cute.make_layout((TILE_ROWS, HEAD_DIM, 1), stride=(1, TILE_ROWS, TILE_ROWS * HEAD_DIM))
-            )
-            o_slots = cute.flat_divide(plain_o, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, 4, 1, 1)
+            o_slots = token_slots(sO, 1)  # (16, 128, 4, 1, 1)
             o_blocks = cute.flat_divide(tma_O, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, partial rows / 16, 1)
             tOsO_tma, tOgO_tma = cpasync.tma_partition(
                 tma_atom_O, 0, cute.make_layout(1), cute.group_modes(o_slots, 0, 2), cute.group_modes(o_blocks, 0, 2)

@@ -285,30 +285,10 @@ def _kernel_class():
     import cutlass.utils as utils
     import cutlass.utils.blackwell_helpers as sm100_utils
     from cutlass import Boolean, Float32, Int32, Int64
-    from cutlass._mlir.dialects import llvm
     from cutlass.cute.nvgpu import cpasync, tcgen05
     from cutlass.cute.nvgpu.common import OperandMajorMode
 
-    @cutlass.dsl_user_op
-    def red_add_f32x4(
-        address: Int64, v0: Float32, v1: Float32, v2: Float32, v3: Float32, *, loc=None, ip=None
-    ) -> None:
-        """`red.global.add.v4.f32`: one 16-byte fp32 atomic add (the address must be 16-byte aligned)."""
-        llvm.inline_asm(
-            None,
-            [
-                Int64(address).ir_value(loc=loc, ip=ip),
-                Float32(v0).ir_value(loc=loc, ip=ip),
-                Float32(v1).ir_value(loc=loc, ip=ip),
-                Float32(v2).ir_value(loc=loc, ip=ip),
-                Float32(v3).ir_value(loc=loc, ip=ip),
-            ],
-            "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
-            "l,f,f,f,f",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
+    from ...cute_dsl.ptx import red_add_f32x4
 
     class MainKernel:
         """The SM100 main backward kernel; `__call__` is the `cute.jit` host function."""

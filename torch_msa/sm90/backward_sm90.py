@@ -1,0 +1,672 @@
+"""`msa::backward` on Hopper (sm_90a) in CuTe DSL: KV-outer, dK/dV on chip, dQ by bulk reduce-add.
+
+Scope: the SM90 forward's (`forward_sm90.py`): G = 16 query heads per KV head, D = 128, key
+blocks of 128, bf16 or fp16 (MiniMax-M3); any top-k. The kernel adds with atomics, so under
+`torch.use_deterministic_algorithms(True)` the backend hands the call to the Triton deterministic
+backward instead.
+
+Design
+------
+* **Work.** The step's plan, walked as in the forward: a persistent grid, CTA `c` takes items
+  `c, c + grid, ...`, an item being one KV head's key block and a run of the (query, slot) entries
+  that chose it, taken four tokens (a 64-row tile of 4 tokens x 16 heads) at a time.
+* **CTA.** Two warpgroups (256 threads), one CTA per SM (177 KiB of shared memory). Warp 0 loads
+  the block's K and V once per item (two TMA boxes) and, per tile, Q and dO (one 16 x 128 TMA
+  box per token each, double-buffered: the next tile loads while this one is computed).
+* **Math, keys as the wgmma M side** (warpgroup w owns keys 64 w .. 64 w + 63):
+  `S^T = K Q^T` and `dP^T = V dO^T` (both operands from shared memory);
+  `P^T = exp2(S^T scale - lse)` and `dS^T = P^T (dP^T - delta)` in registers, with the
+  per-column lse, delta and last visible key of the tile's 64 rows staged in shared memory;
+  `dV += P^T dO` and `dK += dS^T Q` with P^T and dS^T as register A operands and dO, Q read
+  through transposed views of their tiles, the fp32 dK/dV accumulators living for the whole
+  item; dS^T goes to shared memory and `dQ = dS K` (warpgroup w computes dims 64 w .. 64 w + 63,
+  K read through a transposed view).
+* **dQ leaves as whole tiles.** The scaled fp32 tile goes to shared memory and then, per token,
+  one `cp.reduce.async.bulk .add.f32` of 8 KiB (a token's 16 heads x 128 dims are contiguous in
+  the fp32 accumulator `[Tq, Hq, D]`) while the next tile is computed: no per-element atomics.
+* **dK/dV** are added once per item (several items may share a block) with 8-byte vector atomics
+  into fp32 accumulators `[Tk, Hkv, D]`, for the keys inside the block's document only.
+* **Document isolation under NaN.** Masks are selects, never products (a hidden key's NaN dP
+  cannot reach dS); K rows past the document end are zeroed in shared memory before `dQ = dS K`
+  (`0 * NaN = NaN`), and dK/dV rows past it are not written. Every query of an item lies in the
+  block's document; a tile's padding rows reload its first token and are masked out.
+* **Around the kernel**: `delta = rowsum(dO * O) - grad_lse` and the final casts of the fp32
+  accumulators, both Triton/torch (`torch_msa.triton.backward_kernel.compute_delta`).
+
+Traffic per token (M3, bf16, top-16, long documents): its 64 entries read Q and dO once each,
+2 x 256 KiB, and add 64 dQ tiles of 8 KiB (512 KiB, reduced in L2); K/V are read once per item.
+The five GEMMs of a tile do 10.5 MFLOP on 48 KiB of operands read (Q, dO) and 8 KiB reduced.
+
+The CuTe DSL is imported only inside functions, so this module imports on hosts without it.
+"""
+
+import functools
+
+import torch
+
+from ..backends import UnsupportedInputs
+from ..cute_dsl import require_cute_dsl, sm_count
+from .forward_sm90 import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    HEADS_PER_KV,
+    LOG2_E,
+    TILE_ROWS,
+    TOKENS_PER_TILE,
+    bucket_key_count,
+    check_served,
+)
+
+THREADS = 256  # two MMA warpgroups
+KEYS_PER_WARPGROUP = BLOCK_SIZE // 2
+# Q and dO tiles are fetched two at a time: the next tile loads while this one is computed.
+TILE_STAGES = 2
+# Q, dO and the lse/delta rows are addressed with 32-bit row indices (query x head).
+MAX_QUERY_ROWS = 2**31 - 1
+
+
+def check_query_rows(num_queries: int, num_heads: int) -> None:
+    """Raise `UnsupportedInputs` when the `Tq * Hq` query rows would not fit 32-bit indices."""
+    if num_queries * num_heads > MAX_QUERY_ROWS:
+        raise UnsupportedInputs(
+            f"the SM90 backward indexes query rows with 32-bit integers: {num_queries} queries x {num_heads} heads "
+            f"are more than {MAX_QUERY_ROWS} rows"
+        )
+
+
+def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
+             fragment_documents=None, fragment_starts=None):
+    """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype.
+
+    Shapes: `grad_out`, `q`, `out` `[Tq, Hq, D]`; `k`, `v` `[Tk, Hkv, D]`; `lse`, `grad_lse`
+    `[Tq, Hq]` fp32; `block_indices` int32 `[Hkv, Tq, topk]`. Walks `plan`'s items (any item
+    size) or those of a new plan with the public API's item size; query fragments are read from
+    the plan, as in the forward.
+
+    Raises:
+        UnsupportedInputs: outside the served configuration (`check_served`, and `grad_out` of
+            q's dtype) or beyond 32-bit query rows (`check_query_rows`).
+    """
+    del max_seqlen_q, max_seqlen_k
+    check_served(q, k, v, block_size)
+    if grad_out.dtype != q.dtype:
+        raise UnsupportedInputs(f"the SM90 backward takes grad_out of q's dtype {q.dtype}, got {grad_out.dtype}")
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    check_query_rows(num_queries, num_heads)
+    require_cute_dsl()
+    from ..cute_dsl.cute_io import aligned_operand
+    from ..triton.backward_kernel import compute_delta
+    from ..triton.forward_kernel import schedule_for
+
+    topk = block_indices.shape[-1]
+    device = q.device
+    dq_acc = torch.zeros((num_queries, num_heads, dim), dtype=torch.float32, device=device)
+    dk_acc = torch.zeros((num_keys, num_kv_heads, dim), dtype=torch.float32, device=device)
+    dv_acc = torch.zeros((num_keys, num_kv_heads, dim), dtype=torch.float32, device=device)
+    if num_queries > 0 and num_keys > 0 and topk > 0:
+        # TMA reads whole 16-byte aligned rows.
+        q, k, v, grad_out = (aligned_operand(x) for x in (q, k, v, grad_out))
+        out = out if out.stride(-1) == 1 else out.contiguous()
+        lse = lse.contiguous()
+        delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
+        compute_delta(grad_out, out, grad_lse, delta, (device, q.dtype, dim, block_size, HEADS_PER_KV, topk))
+        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, BLOCK_SIZE, num_heads, plan,
+                                fragment_documents, fragment_starts)
+        key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
+        launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk, softmax_scale)
+    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+# The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).
+# Dim 0 is dynamic; `compile_blocks_kernel` describes each with `fake_rows`, `launch_blocks`
+# converts each with `cute_rows`, so the two cannot disagree.
+def operands(num_kv_heads: int):
+    num_heads = HEADS_PER_KV * num_kv_heads
+    return (
+        ("q", (num_heads, HEAD_DIM), None),
+        ("k", (num_kv_heads, HEAD_DIM), None),
+        ("v", (num_kv_heads, HEAD_DIM), None),
+        ("grad_out", (num_heads, HEAD_DIM), None),
+        ("lse", (num_heads,), torch.float32),
+        ("delta", (num_heads,), torch.float32),
+        ("dq_acc", (num_heads, HEAD_DIM), torch.float32),
+        ("dk_acc", (num_kv_heads, HEAD_DIM), torch.float32),
+        ("dv_acc", (num_kv_heads, HEAD_DIM), torch.float32),
+        ("entry_query", (), torch.int32),
+        ("item_bucket", (), torch.int32),
+        ("item_start", (), torch.int32),
+        ("item_end", (), torch.int32),
+        ("bucket_head", (), torch.int32),
+        ("bucket_key_row", (), torch.int32),
+        ("bucket_block", (), torch.int32),
+        ("bucket_key_count", (), torch.int32),
+        ("position", (), torch.int32),
+        ("num_items", (), torch.int32),
+    )
+
+
+def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk,
+                  softmax_scale) -> None:
+    """Launch the blocks kernel: adds every scheduled entry's dQ, dK and dV to the fp32 accumulators."""
+    import cutlass
+
+    from ..cute_dsl.cute_io import cute_rows, cute_stream
+
+    tensors = {
+        "q": q, "k": k, "v": v, "grad_out": grad_out, "lse": lse, "delta": delta,
+        "dq_acc": dq_acc, "dk_acc": dk_acc, "dv_acc": dv_acc,
+        "entry_query": schedule.entry_query, "item_bucket": schedule.item_bucket,
+        "item_start": schedule.item_start, "item_end": schedule.item_end, "bucket_head": schedule.bucket_head,
+        "bucket_key_row": schedule.bucket_key_row, "bucket_block": schedule.bucket_block,
+        "bucket_key_count": key_count, "position": schedule.position, "num_items": schedule.num_items,
+    }
+    num_kv_heads = k.shape[1]
+    grid = max(1, min(schedule.item_start.numel(), sm_count(q.device)))
+    kernel = _compiled(q.dtype, num_kv_heads)
+    kernel(
+        *(cute_rows(tensors[name]) for name, _, _ in operands(num_kv_heads)),
+        cutlass.Int32(topk),
+        cutlass.Float32(softmax_scale * LOG2_E),
+        cutlass.Float32(softmax_scale),
+        cutlass.Int32(grid),
+        cute_stream(q.device),
+    )
+
+
+@functools.cache
+def _compiled(dtype: torch.dtype, num_kv_heads: int):
+    """One executable per process and (dtype, Hkv); token, key and item counts are dynamic."""
+    return compile_blocks_kernel(dtype, num_kv_heads)
+
+
+def compile_blocks_kernel(
+    dtype: torch.dtype = torch.bfloat16,
+    num_kv_heads: int = 4,
+    arch: str | None = None,
+    dump_dir: str | None = None,
+    listings: bool = False,
+):
+    """`cute.compile` the blocks kernel (`arch=None`: this host's GPU) on fake tensors with dynamic
+    leading extents. `dump_dir` keeps the cubin there, and with `listings` the PTX and SASS too."""
+    require_cute_dsl()
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from ..cute_dsl.cute_io import compile_options, fake_rows
+
+    fakes = [fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads)]
+    options = compile_options(arch, dump_dir)
+    if listings:
+        if dump_dir is None:
+            raise ValueError("listings: needs a dump_dir to write the PTX and SASS to")
+        options += " --keep-ptx --keep-sass"
+    return cute.compile(
+        _kernel_class()(num_kv_heads),
+        *fakes,
+        cutlass.Int32(1),
+        cutlass.Float32(1.0),
+        cutlass.Float32(1.0),
+        cutlass.Int32(1),
+        make_fake_stream(),
+        options=options,
+    )
+
+
+@functools.cache
+def _kernel_class():
+    """Define the CuTe DSL kernel class; imports cutlass, so it runs on first use only."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils as utils
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Float32, Int32, Int64
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+
+    from ..cute_dsl.ptx import bulk_reduce_add_f32, red_add_f32x2
+    from .layouts import accumulator_as_operand_a, accumulator_rows_cols, token_box_layout, token_slots
+
+    class BlocksKernel:
+        """The SM90 backward blocks kernel; `__call__` is the `cute.jit` host function."""
+
+        acc_dtype = Float32
+
+        def __init__(self, num_kv_heads: int):
+            self.num_kv_heads = num_kv_heads
+            self.num_heads = HEADS_PER_KV * num_kv_heads
+
+        @cute.jit
+        def __call__(
+            self,
+            mQ: cute.Tensor,  # [Tq, Hq, 128]
+            mK: cute.Tensor,  # [Tk, Hkv, 128]
+            mV: cute.Tensor,  # [Tk, Hkv, 128]
+            mdO: cute.Tensor,  # [Tq, Hq, 128]
+            mLse: cute.Tensor,  # fp32 [Tq, Hq], natural log
+            mDelta: cute.Tensor,  # fp32 [Tq, Hq]
+            mdQ: cute.Tensor,  # fp32 [Tq, Hq, 128], added to
+            mdK: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
+            mdV: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
+            mEntryQuery: cute.Tensor,
+            mItemBucket: cute.Tensor,
+            mItemStart: cute.Tensor,
+            mItemEnd: cute.Tensor,
+            mBucketHead: cute.Tensor,
+            mBucketKeyRow: cute.Tensor,
+            mBucketBlock: cute.Tensor,
+            mBucketKeyCount: cute.Tensor,
+            mPosition: cute.Tensor,
+            mNumItems: cute.Tensor,
+            topk: Int32,
+            scale_log2: Float32,
+            softmax_scale: Float32,
+            grid_size: Int32,
+            stream,
+        ):
+            dtype = mQ.element_type
+            self.dtype = dtype
+            K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+            # S^T = K Q^T, dP^T = V dO^T: M = 128 keys (64 per warpgroup), N = 64 rows, K = 128 dims.
+            mma_sdp = sm90_utils.make_trivial_tiled_mma(
+                dtype, dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (2, 1, 1), (KEYS_PER_WARPGROUP, TILE_ROWS)
+            )
+            # dV += P^T dO, dK += dS^T Q: M = 128 keys, N = 128 dims, K = 64 rows; A from registers.
+            mma_dkv = sm90_utils.make_trivial_tiled_mma(
+                dtype, dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (2, 1, 1), (KEYS_PER_WARPGROUP, HEAD_DIM),
+                warpgroup.OperandSource.RMEM,
+            )
+            # dQ = dS K: M = 64 rows, N = 128 dims (64 per warpgroup), K = 128 keys.
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                dtype, dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 2, 1), (TILE_ROWS, HEAD_DIM // 2)
+            )
+            row_major = utils.LayoutEnum.ROW_MAJOR
+            sdp_tiler = (BLOCK_SIZE, TILE_ROWS, HEAD_DIM)
+            # K and V: (key, dim) tiles; Q and dO: (row, dim) tiles; dS: (row, key). All K-major
+            # with the 128-byte swizzle; the GEMMs that need them transposed read them through
+            # views with the modes swapped (MN-major).
+            sK_layout = sm90_utils.make_smem_layout_a(row_major, sdp_tiler, dtype, 1)
+            sQ_layout = sm90_utils.make_smem_layout_b(row_major, sdp_tiler, dtype, TILE_STAGES)
+            sdS_layout = sm90_utils.make_smem_layout_a(row_major, (TILE_ROWS, HEAD_DIM, BLOCK_SIZE), dtype, 1)
+
+            query_rows_layout = cute.make_layout((mQ.shape[0] * self.num_heads, HEAD_DIM), stride=(HEAD_DIM, 1))
+            kv_layout = cute.make_layout(
+                (mK.shape[0], HEAD_DIM, self.num_kv_heads), stride=(self.num_kv_heads * HEAD_DIM, 1, HEAD_DIM)
+            )
+            tma_load = cpasync.CopyBulkTensorTileG2SOp()
+            sK_one = cute.select(sK_layout, mode=[0, 1])
+            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+                tma_load, cute.make_tensor(mK.iterator, kv_layout), sK_one, (BLOCK_SIZE, HEAD_DIM)
+            )
+            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+                tma_load, cute.make_tensor(mV.iterator, kv_layout), sK_one, (BLOCK_SIZE, HEAD_DIM)
+            )
+            token_rows = token_box_layout(sQ_layout)
+            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+                tma_load, cute.make_tensor(mQ.iterator, query_rows_layout), token_rows, (HEADS_PER_KV, HEAD_DIM)
+            )
+            tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+                tma_load, cute.make_tensor(mdO.iterator, query_rows_layout), token_rows, (HEADS_PER_KV, HEAD_DIM)
+            )
+            self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
+            self.tile_bytes = 2 * cute.size_in_bytes(dtype, cute.select(sQ_layout, mode=[0, 1]))
+
+            @cute.struct
+            class SharedStorage:
+                # 1024-byte alignment keeps the 128-byte swizzle pattern of every tile intact.
+                sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+                sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+                sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+                sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdS_layout)], 1024]
+                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, TILE_ROWS * HEAD_DIM], 1024]
+                # Per row of the tile: lse (log2 domain), delta, and the last key it sees (-1: none).
+                sLse: cute.struct.MemRange[Float32, TILE_ROWS]
+                sDelta: cute.struct.MemRange[Float32, TILE_ROWS]
+                sLast: cute.struct.MemRange[Int32, TILE_ROWS]
+                # [0]: K/V loaded; [1 + s]: Q and dO of stage s loaded.
+                barriers: cute.struct.MemRange[Int64, 1 + TILE_STAGES]
+
+            self.shared_storage = SharedStorage
+            self.kernel(
+                mma_sdp, mma_dkv, mma_dq, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+                mLse, mDelta, mdQ, mdK, mdV, mEntryQuery, mItemBucket, mItemStart, mItemEnd,
+                mBucketHead, mBucketKeyRow, mBucketBlock, mBucketKeyCount, mPosition, mNumItems,
+                topk, scale_log2, softmax_scale, sQ_layout, sK_layout, sdS_layout,
+            ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+        @cute.kernel
+        def kernel(
+            self,
+            mma_sdp: cute.TiledMma,
+            mma_dkv: cute.TiledMma,
+            mma_dq: cute.TiledMma,
+            tma_atom_Q: cute.CopyAtom,
+            tma_Q: cute.Tensor,
+            tma_atom_dO: cute.CopyAtom,
+            tma_dO: cute.Tensor,
+            tma_atom_K: cute.CopyAtom,
+            tma_K: cute.Tensor,
+            tma_atom_V: cute.CopyAtom,
+            tma_V: cute.Tensor,
+            mLse: cute.Tensor,
+            mDelta: cute.Tensor,
+            mdQ: cute.Tensor,
+            mdK: cute.Tensor,
+            mdV: cute.Tensor,
+            mEntryQuery: cute.Tensor,
+            mItemBucket: cute.Tensor,
+            mItemStart: cute.Tensor,
+            mItemEnd: cute.Tensor,
+            mBucketHead: cute.Tensor,
+            mBucketKeyRow: cute.Tensor,
+            mBucketBlock: cute.Tensor,
+            mBucketKeyCount: cute.Tensor,
+            mPosition: cute.Tensor,
+            mNumItems: cute.Tensor,
+            topk: Int32,
+            scale_log2: Float32,
+            softmax_scale: Float32,
+            sQ_layout: cute.ComposedLayout,
+            sK_layout: cute.ComposedLayout,
+            sdS_layout: cute.ComposedLayout,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            cta = cute.arch.block_idx()[0]
+            grid = cute.arch.grid_dim()[0]
+
+            storage = utils.SmemAllocator().allocate(self.shared_storage)
+            barriers = storage.barriers.data_ptr()
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+            sdQ = storage.sdQ.get_tensor(cute.make_layout((TILE_ROWS, HEAD_DIM), stride=(HEAD_DIM, 1)))
+            sLse = storage.sLse.get_tensor(cute.make_layout(TILE_ROWS))
+            sDelta = storage.sDelta.get_tensor(cute.make_layout(TILE_ROWS))
+            sLast = storage.sLast.get_tensor(cute.make_layout(TILE_ROWS))
+            # Transposed views (the same bytes, modes swapped): Q and dO as (dim, row), K as
+            # (dim, key), dS as (key, row).
+            sQt = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[1, 0, 2]))
+            sdOt = cute.make_tensor(sdO.iterator, cute.select(sdO.layout, mode=[1, 0, 2]))
+            sKt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0, 2]))
+            sdSt = cute.make_tensor(sdS.iterator, cute.select(sdS.layout, mode=[1, 0, 2]))
+
+            if tidx == 0:
+                for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V):
+                    cpasync.prefetch_descriptor(atom)
+                for index in cutlass.range_constexpr(1 + TILE_STAGES):
+                    cute.arch.mbarrier_init(barriers + index, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.barrier()
+
+            # Q and dO: 16-row token blocks of the [Tq * Hq, 128] views into a tile's 4 token slots.
+            q_blocks = cute.flat_divide(tma_Q, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, Tq * Hq / 16, 1)
+            do_blocks = cute.flat_divide(tma_dO, (HEADS_PER_KV, HEAD_DIM))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(token_slots(sQ, TILE_STAGES), 0, 2),
+                cute.group_modes(q_blocks, 0, 2),
+            )
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(token_slots(sdO, TILE_STAGES), 0, 2),
+                cute.group_modes(do_blocks, 0, 2),
+            )
+
+            thr_sdp = mma_sdp.get_slice(tidx)
+            thr_dkv = mma_dkv.get_slice(tidx)
+            thr_dq = mma_dq.get_slice(tidx)
+            tSrK = mma_sdp.make_fragment_A(thr_sdp.partition_A(sK))
+            tSrV = mma_sdp.make_fragment_A(thr_sdp.partition_A(sV))
+            tSrQ = mma_sdp.make_fragment_B(thr_sdp.partition_B(sQ))
+            tSrdO = mma_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
+            tVrdO = mma_dkv.make_fragment_B(thr_dkv.partition_B(sdOt))
+            tKrQ = mma_dkv.make_fragment_B(thr_dkv.partition_B(sQt))
+            tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
+            tQrK = mma_dq.make_fragment_B(thr_dq.partition_B(sKt))
+            tdSsdS = thr_sdp.partition_C(sdSt[None, None, 0])
+            tdQsdQ = thr_dq.partition_C(sdQ)
+
+            cS = thr_sdp.partition_C(cute.make_identity_tensor((BLOCK_SIZE, TILE_ROWS)))
+            cKV = thr_dkv.partition_C(cute.make_identity_tensor((BLOCK_SIZE, HEAD_DIM)))
+            cQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_ROWS, HEAD_DIM)))
+            acc_S = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
+            acc_dP = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
+            acc_dK = cute.make_rmem_tensor(cKV.shape, self.acc_dtype)
+            acc_dV = cute.make_rmem_tensor(cKV.shape, self.acc_dtype)
+            acc_dQ = cute.make_rmem_tensor(cQ.shape, self.acc_dtype)
+            s_rc = cute.make_tensor(acc_S.iterator, accumulator_rows_cols(acc_S.layout))
+            dp_rc = cute.make_tensor(acc_dP.iterator, accumulator_rows_cols(acc_dP.layout))
+            cS_rc = cute.make_tensor(cS.iterator, accumulator_rows_cols(cS.layout))
+            dk_rc = cute.make_tensor(acc_dK.iterator, accumulator_rows_cols(acc_dK.layout))
+            dv_rc = cute.make_tensor(acc_dV.iterator, accumulator_rows_cols(acc_dV.layout))
+            cKV_rc = cute.make_tensor(cKV.iterator, accumulator_rows_cols(cKV.layout))
+            rP = cute.make_rmem_tensor(cS.shape, self.dtype)
+            rdS = cute.make_rmem_tensor(cS.shape, self.dtype)
+            tVrP = cute.make_tensor(rP.iterator, accumulator_as_operand_a(rP.layout))
+            tKrdS = cute.make_tensor(rdS.iterator, accumulator_as_operand_a(rdS.layout))
+            # dK/dV accumulate over an item's tiles from zeros set at its start.
+            mma_dkv.set(warpgroup.Field.ACCUMULATE, True)
+
+            num_items = mNumItems[0]
+            tile_loads = Int32(0)  # Q/dO tiles this CTA has consumed: stage and phase of the next one
+            kv_loads = Int32(0)
+            for item in cutlass.range(cta, num_items, grid, unroll=1):
+                start = mItemStart[item]
+                end = mItemEnd[item]
+                bucket = mItemBucket[item]
+                kv_head = mBucketHead[bucket]
+                key_row = mBucketKeyRow[bucket]
+                first_key = mBucketBlock[bucket] * BLOCK_SIZE  # document position of key 0
+                key_count = mBucketKeyCount[bucket]
+                num_tiles = (end - start + TOKENS_PER_TILE - 1) // TOKENS_PER_TILE
+
+                # Every thread is done with the previous item's tiles.
+                cute.arch.barrier()
+                if warp == 0:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(barriers, self.kv_bytes)
+                    self.load_kv(tma_atom_K, tma_K, sK, kv_head, key_row, barriers)
+                    self.load_kv(tma_atom_V, tma_V, sV, kv_head, key_row, barriers)
+                    self.load_tile(
+                        tma_atom_Q, tQgQ, tQsQ, tma_atom_dO, tdOgdO, tdOsdO, barriers, mEntryQuery, start, end, topk,
+                        kv_head, tile_loads,
+                    )
+                acc_dK.fill(0.0)
+                acc_dV.fill(0.0)
+
+                for tile in cutlass.range(num_tiles, unroll=1):
+                    first = start + tile * TOKENS_PER_TILE
+                    if tile > 0:
+                        # Every thread's GEMMs of the previous tile have completed, so its stage,
+                        # the dS tile and the row data may be overwritten.
+                        cute.arch.barrier()
+                    if warp == 0:
+                        if tile + 1 < num_tiles:
+                            self.load_tile(
+                                tma_atom_Q, tQgQ, tQsQ, tma_atom_dO, tdOgdO, tdOsdO, barriers, mEntryQuery,
+                                first + TOKENS_PER_TILE, end, topk, kv_head, tile_loads + 1,
+                            )
+                    if tidx < TILE_ROWS:
+                        self.stage_row(
+                            sLse, sDelta, sLast, mLse, mDelta, mEntryQuery, mPosition, first, end, topk, kv_head,
+                            first_key, tidx,
+                        )
+                    stage = tile_loads % TILE_STAGES
+                    cute.arch.mbarrier_wait(barriers + 1 + stage, (tile_loads // TILE_STAGES) % 2)
+                    if tile == 0:
+                        cute.arch.mbarrier_wait(barriers, kv_loads % 2)
+                        if key_count < BLOCK_SIZE:
+                            self.zero_keys_past(sK, key_count, tidx)
+
+                    # S^T = K Q^T, dP^T = V dO^T
+                    warpgroup.fence()
+                    mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
+                    for k in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
+                        cute.gemm(mma_sdp, acc_S, tSrK[None, None, k, 0], tSrQ[None, None, k, stage], acc_S)
+                        mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
+                    mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
+                    for k in cutlass.range_constexpr(cute.size(tSrV, mode=[2])):
+                        cute.gemm(mma_sdp, acc_dP, tSrV[None, None, k, 0], tSrdO[None, None, k, stage], acc_dP)
+                        mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    # The row data staged above is visible to every thread.
+                    cute.arch.barrier()
+                    warpgroup.wait_group(0)
+
+                    # P^T and dS^T, column by column (a column is one query row of the tile).
+                    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                        col = cS_rc[0, c][1]
+                        row_lse = sLse[col]
+                        row_delta = sDelta[col]
+                        last = sLast[col]
+                        for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+                            prob = cute.math.exp2(s_rc[r, c] * scale_log2 - row_lse, fastmath=True)
+                            d_score = prob * (dp_rc[r, c] - row_delta)
+                            if cS_rc[r, c][0] > last:
+                                prob = Float32(0.0)
+                                d_score = Float32(0.0)
+                            s_rc[r, c] = prob
+                            dp_rc[r, c] = d_score
+                    rP.store(acc_S.load().to(self.dtype))
+                    rdS.store(acc_dP.load().to(self.dtype))
+
+                    # dV += P^T dO, dK += dS^T Q
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(cute.size(tVrP, mode=[2])):
+                        cute.gemm(mma_dkv, acc_dV, tVrP[None, None, k], tVrdO[None, None, k, stage], acc_dV)
+                    for k in cutlass.range_constexpr(cute.size(tKrdS, mode=[2])):
+                        cute.gemm(mma_dkv, acc_dK, tKrdS[None, None, k], tKrQ[None, None, k, stage], acc_dK)
+                    warpgroup.commit_group()
+
+                    # dS to shared memory, for dQ = dS K.
+                    tdSsdS.store(rdS.load())
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    if warp == 0:
+                        # The previous tile's dQ has left the dQ tile.
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.barrier()
+                    warpgroup.fence()
+                    mma_dq.set(warpgroup.Field.ACCUMULATE, False)
+                    for k in cutlass.range_constexpr(cute.size(tQrdS, mode=[2])):
+                        cute.gemm(mma_dq, acc_dQ, tQrdS[None, None, k, 0], tQrK[None, None, k, 0], acc_dQ)
+                        mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+
+                    tdQsdQ.store(acc_dQ.load() * softmax_scale)
+                    # The generic-proxy stores of every thread before the TMA engine reads the tile.
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier()
+                    if warp == 0:
+                        self.reduce_dq(sdQ, mdQ, mEntryQuery, first, end, topk, kv_head)
+                    tile_loads += 1
+
+                self.add_keys(mdK, acc_dK, dk_rc, cKV_rc, key_row, key_count, kv_head, softmax_scale)
+                self.add_keys(mdV, acc_dV, dv_rc, cKV_rc, key_row, key_count, kv_head, Float32(1.0))
+                kv_loads += 1
+            # Shared memory must outlive the TMA engine's reads of the last dQ tile.
+            if warp == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+        @cute.jit
+        def load_kv(
+            self, tma_atom: cute.CopyAtom, tma_rows: cute.Tensor, tile: cute.Tensor, kv_head: Int32, key_row: Int32, barrier
+        ):
+            """One TMA box: keys `key_row .. key_row + 127` of `kv_head` (past the packed keys: zeros)."""
+            rows = cute.domain_offset((key_row, 0), tma_rows[None, None, kv_head])
+            block = cute.local_tile(rows, (BLOCK_SIZE, HEAD_DIM), (0, 0))
+            tile_smem, tile_gmem = cpasync.tma_partition(
+                tma_atom, 0, cute.make_layout(1), cute.group_modes(tile, 0, 2), cute.group_modes(block, 0, 2)
+            )
+            cute.copy(tma_atom, tile_gmem, tile_smem[None, 0], tma_bar_ptr=barrier)
+
+        @cute.jit
+        def load_tile(
+            self, tma_atom_Q: cute.CopyAtom, tQgQ: cute.Tensor, tQsQ: cute.Tensor, tma_atom_dO: cute.CopyAtom,
+            tdOgdO: cute.Tensor, tdOsdO: cute.Tensor, barriers, mEntryQuery: cute.Tensor, first: Int32, end: Int32,
+            topk: Int32, kv_head: Int32, load_index: Int32,
+        ):
+            """Q and dO of entries `first .. first + 3` into stage `load_index % 2`: one TMA box per
+            token and tensor (its 16 heads of `kv_head`); entries at or past `end` reload the first."""
+            stage = load_index % TILE_STAGES
+            barrier = barriers + 1 + stage
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.tile_bytes)
+            for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
+                entry = first + slot
+                if entry >= end:
+                    entry = first
+                block = (mEntryQuery[entry] // topk) * self.num_kv_heads + kv_head
+                cute.copy(tma_atom_Q, tQgQ[None, block, 0], tQsQ[None, slot, 0, stage], tma_bar_ptr=barrier)
+                cute.copy(tma_atom_dO, tdOgdO[None, block, 0], tdOsdO[None, slot, 0, stage], tma_bar_ptr=barrier)
+
+        @cute.jit
+        def stage_row(
+            self, sLse: cute.Tensor, sDelta: cute.Tensor, sLast: cute.Tensor, mLse: cute.Tensor, mDelta: cute.Tensor,
+            mEntryQuery: cute.Tensor, mPosition: cute.Tensor, first: Int32, end: Int32, topk: Int32, kv_head: Int32,
+            first_key: Int32, row: Int32,
+        ):
+            """Row `row` of the tile (token `row // 16`, head `row % 16`): its lse in the log2
+            domain, delta, and the last key of the block it sees (-1 for a padding row)."""
+            entry = first + row // HEADS_PER_KV
+            last = Int32(-1)
+            if entry < end:
+                token = mEntryQuery[entry] // topk
+                head = kv_head * HEADS_PER_KV + row % HEADS_PER_KV
+                last = mPosition[token] - first_key
+                row_lse = mLse[token, head] * Float32(LOG2_E)
+                # Like the reference, a query with an empty key set (lse = -inf) shifts by 0, not inf.
+                if row_lse == Float32.inf or row_lse == -Float32.inf:
+                    row_lse = Float32(0.0)
+                sLse[row] = row_lse
+                sDelta[row] = mDelta[token, head]
+            sLast[row] = last
+
+        @cute.jit
+        def zero_keys_past(self, tile: cute.Tensor, key_count: Int32, tidx: Int32):
+            """Zero keys `key_count ..` of a (key, dim) tile (another document's, or TMA fill), then
+            make the stores visible to the tensor cores."""
+            if tidx < BLOCK_SIZE and tidx >= key_count:
+                for d in cutlass.range(HEAD_DIM, unroll_full=True):
+                    tile[tidx, d, 0] = tile.element_type(0.0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier()
+
+        @cute.jit
+        def reduce_dq(
+            self, sdQ: cute.Tensor, mdQ: cute.Tensor, mEntryQuery: cute.Tensor, first: Int32, end: Int32, topk: Int32,
+            kv_head: Int32,
+        ):
+            """Add the dQ tile's token blocks (those before `end`) into the fp32 accumulator, one bulk
+            reduce-add of 16 heads x 128 dims each, then close the bulk group."""
+            token_bytes = HEADS_PER_KV * HEAD_DIM * 4
+            with cute.arch.elect_one():
+                for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
+                    entry = first + slot
+                    if entry < end:
+                        token = Int64(mEntryQuery[entry] // topk)
+                        row = token * self.num_heads + kv_head * HEADS_PER_KV
+                        source = (sdQ.iterator + slot * HEADS_PER_KV * HEAD_DIM).toint()
+                        bulk_reduce_add_f32((mdQ.iterator + row * HEAD_DIM).toint(), source, Int32(token_bytes))
+                cute.arch.cp_async_bulk_commit_group()
+
+        @cute.jit
+        def add_keys(
+            self, accumulator: cute.Tensor, acc: cute.Tensor, acc_rc: cute.Tensor, coords_rc: cute.Tensor,
+            key_row: Int32, key_count: Int32, kv_head: Int32, scale: Float32,
+        ):
+            """accumulator[key_row + key, kv_head, :] += scale * acc for the block's keys inside its
+            document (`key < key_count`), two adjacent dims per 8-byte atomic."""
+            for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
+                key = coords_rc[r, 0][0]
+                if key < key_count:
+                    row = (Int64(key_row) + key) * self.num_kv_heads + kv_head
+                    base = (accumulator.iterator + row * HEAD_DIM).toint()
+                    for c in cutlass.range_constexpr(0, cute.size(acc_rc, mode=[1]), 2):
+                        dim = coords_rc[r, c][1]
+                        red_add_f32x2(base + dim * 4, acc_rc[r, c] * scale, acc_rc[r, c + 1] * scale)
+
+    return BlocksKernel

@@ -1,0 +1,67 @@
+"""Layouts the SM90 forward and backward kernels share: wgmma accumulators seen as (rows, cols) or
+reused as a register A operand, and the per-token TMA boxes of a 64-row operand tile.
+
+This module imports cutlass at the top: the kernel modules import it only inside their lazily
+built kernel classes, after `require_cute_dsl()`.
+"""
+
+import cutlass.cute as cute
+
+from .forward_sm90 import HEAD_DIM, HEADS_PER_KV, TILE_ROWS
+
+SWIZZLE_COLS = 64  # elements of one 128-byte swizzle row (16-bit types)
+
+
+def accumulator_rows_cols(layout: cute.Layout) -> cute.Layout:
+    """The wgmma accumulator `((2, 2, N / 8), M, N)` viewed as (rows, cols) of one thread:
+    mode 0 of the value mode pairs adjacent columns, mode 1 picks row r or r + 8."""
+    flat = cute.make_layout(layout.shape)
+    rows = ((flat.shape[0][1], flat.shape[1]), (flat.stride[0][1], flat.stride[1]))
+    cols = (
+        (flat.shape[0][0], flat.shape[0][2], flat.shape[2]),
+        (flat.stride[0][0], flat.stride[0][2], flat.stride[2]),
+    )
+    return cute.composition(layout, cute.make_layout((rows[0], cols[0]), stride=(rows[1], cols[1])))
+
+
+def accumulator_as_operand_a(layout: cute.Layout) -> cute.Layout:
+    """The accumulator layout `((2, 2, N / 8), M, N)` as the register A operand of a wgmma whose
+    K is that N: `((2, 2, 2), M, N / 16)` (each K = 16 step takes two 8-column groups)."""
+    split = cute.logical_divide(layout, ((None, None, 2), None, None))
+    return cute.make_layout(
+        (
+            (split.shape[0][0], split.shape[0][1], split.shape[0][2][0]),
+            split.shape[1],
+            (split.shape[0][2][1], split.shape[2]),
+        ),
+        stride=(
+            (split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
+            split.stride[1],
+            (split.stride[0][2][1], split.stride[2]),
+        ),
+    )
+
+
+def token_box_layout(tile_layout: cute.ComposedLayout) -> cute.ComposedLayout:
+    """One token (16 rows) of a 64 x 128 K-major tile with the 128-byte swizzle (`tile_layout`, a
+    `make_smem_layout_a/b` result): the swizzle atom is 8 rows of 64 elements, repeated down the
+    rows (stride 512) and then across the two 64-column halves (stride 64 * 64); the TMA writes
+    or reads it as two 16 x 64 boxes."""
+    return cute.make_composed_layout(
+        tile_layout.inner,
+        0,
+        cute.make_layout(
+            ((8, 2), (SWIZZLE_COLS, 2)), stride=((SWIZZLE_COLS, 8 * SWIZZLE_COLS), (1, TILE_ROWS * SWIZZLE_COLS))
+        ),
+    )
+
+
+def token_slots(tile: cute.Tensor, stages: int) -> cute.Tensor:
+    """A staged 64 x 128 tile as `(16, 128, 4, 1, stage)`: the 16-row slots of its four tokens.
+
+    The colexicographic index of the tile ((8, 8), (64, 2), stage) is row + 64 col + 8192 stage,
+    so this composition is its plain (row, col, stage) view."""
+    plain = cute.composition(
+        tile, cute.make_layout((TILE_ROWS, HEAD_DIM, stages), stride=(1, TILE_ROWS, TILE_ROWS * HEAD_DIM))
+    )
+    return cute.flat_divide(plain, (HEADS_PER_KV, HEAD_DIM))
