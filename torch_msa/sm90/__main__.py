@@ -1,11 +1,18 @@
-"""`python -m torch_msa.sm90`: the SM90 forward against the Triton forward, in one process.
+"""`python -m torch_msa.sm90`: the SM90 forward and backward against Triton's, in one process.
 
 On an H200 (or any compute capability 9.0 GPU), for M3 shapes (Hq = 64, Hkv = 4, D = 128,
-block 128, top-16, bf16) and random selections: the first-call compile time, then per problem
-the agreement with the Triton forward and both forwards' milliseconds and effective TF/s
-(docs/performance.md's count: `4 Hq D S`, S the attended (query, key) pairs per KV head), with the
-SM90 time split into its plan build (the public API builds it once per step, not per call),
-blocks kernel and combine. Problems the kernel declines are reported as declined.
+block 128, top-16, bf16) and random selections: the first-call compile times, then per problem
+two lines, each with the agreement with the Triton kernels and both sides' milliseconds and
+effective TF/s (docs/performance.md's count: `4 Hq D S` forward, 2.5 times that backward, S the
+attended (query, key) pairs per KV head):
+
+* forward: the SM90 time split into its plan build (the public API builds it once per step, not
+  per call), blocks kernel and combine;
+* backward (given the step's plan, as in a training step): the SM90 time and its blocks kernel
+  (the rest is delta and the casts), and the Triton deterministic backward, which serves
+  deterministic mode.
+
+Problems the kernels decline are reported as declined.
 """
 
 import argparse
@@ -44,18 +51,24 @@ def main(argv=None) -> None:
     parser.add_argument("--iterations", type=int, default=10)
     args = parser.parse_args(argv)
 
+    from ..triton import backward_deterministic_kernel as triton_deterministic
+    from ..triton import backward_kernel as triton_backward
     from ..triton import forward_kernel as triton_forward
     from ..triton.plan_kernel import build_plan
-    from . import forward_sm90
+    from . import backward_sm90, forward_sm90
 
     cu = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
     tiny = torch.zeros(256, HQ, D, dtype=torch.bfloat16, device="cuda")
     tiny_kv = torch.zeros(256, HKV, D, dtype=torch.bfloat16, device="cuda")
     blocks = random_block_indices(cu, cu, HKV, TOPK, BLOCK).cuda()
     began = time.perf_counter()
-    forward_sm90.forward(tiny, tiny_kv, tiny_kv, blocks, cu, cu, 256, 256, BLOCK, SCALE)
+    tiny_out, tiny_lse = forward_sm90.forward(tiny, tiny_kv, tiny_kv, blocks, cu, cu, 256, 256, BLOCK, SCALE)
     torch.cuda.synchronize()
-    print(f"first call (compile + launch): {time.perf_counter() - began:.1f} s", flush=True)
+    print(f"forward first call (compile + launch): {time.perf_counter() - began:.1f} s", flush=True)
+    began = time.perf_counter()
+    backward_sm90.backward(tiny, tiny, tiny_kv, tiny_kv, tiny_out, tiny_lse, blocks, cu, cu, 256, 256, BLOCK, SCALE)
+    torch.cuda.synchronize()
+    print(f"backward first call (compile + launch): {time.perf_counter() - began:.1f} s", flush=True)
 
     for problem in args.docs:
         count, _, length = problem.rpartition("x")
@@ -107,11 +120,52 @@ def main(argv=None) -> None:
             return f"{times[name]:.2f} ms ({flops / (times[name] * 1e-3) / 1e12:.0f} TF/s)"
 
         print(
-            f"{problem}: triton {rate('triton')} | sm90 {rate('sm90')} = plan {times['plan']:.2f} ms"
+            f"{problem} forward: triton {rate('triton')} | sm90 {rate('sm90')} = plan {times['plan']:.2f} ms"
             f" + blocks {rate('blocks')} + combine {times['combine']:.2f} ms"
             f" | vs triton: out rel. error {out_error:.1e}, lse max error {lse_error:.1e}",
             flush=True,
         )
+        _time_backward(problem, inputs, out, lse, schedule, key_count, plan(), flops * 2.5, args.iterations,
+                       triton_backward, triton_deterministic, backward_sm90)
+
+
+def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, iterations, triton_backward,
+                   triton_deterministic, backward_sm90) -> None:
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k, _, _ = inputs
+    grad_out = torch.randn_like(q)
+    args = (grad_out, q, k, v, out, lse, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE, None, plan)
+    want = triton_backward.backward(*args)
+    try:
+        got = backward_sm90.backward(*args)
+    except UnsupportedInputs as declined:
+        print(f"{problem} backward: declined ({declined})", flush=True)
+        return
+    errors = "/".join(f"{((g.float() - w.float()).norm() / w.float().norm()).item():.1e}" for g, w in zip(got, want))
+    num_tokens = q.shape[0]
+    delta = torch.empty(num_tokens, HQ, device="cuda")
+    triton_backward.compute_delta(grad_out, out, None, delta, (q.device, q.dtype, D, BLOCK, HQ // HKV, TOPK))
+    dq_acc = torch.zeros(num_tokens, HQ, D, device="cuda")
+    dk_acc, dv_acc = (torch.zeros(num_tokens, HKV, D, device="cuda") for _ in range(2))
+    times = {
+        "triton": _milliseconds(lambda: triton_backward.backward(*args), iterations),
+        "sm90": _milliseconds(lambda: backward_sm90.backward(*args), iterations),
+        "blocks": _milliseconds(
+            lambda: backward_sm90.launch_blocks(
+                q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, TOPK, SCALE
+            ),
+            iterations,
+        ),
+        "deterministic": _milliseconds(lambda: triton_deterministic.backward(*args), iterations),
+    }
+
+    def rate(name):
+        return f"{times[name]:.2f} ms ({flops / (times[name] * 1e-3) / 1e12:.0f} TF/s)"
+
+    print(
+        f"{problem} backward: triton {rate('triton')} | sm90 {rate('sm90')}, blocks {rate('blocks')}"
+        f" | triton deterministic {rate('deterministic')} | vs triton: dq/dk/dv rel. error {errors}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
