@@ -321,10 +321,11 @@ def _kernel_class():
                 sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
                 sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdS_layout)], 1024]
                 sdQ: cute.struct.Align[cute.struct.MemRange[Float32, TILE_ROWS * HEAD_DIM], 1024]
-                # Per row of the tile: lse (log2 domain), delta, and the last key it sees (-1: none).
-                sLse: cute.struct.MemRange[Float32, TILE_ROWS]
-                sDelta: cute.struct.MemRange[Float32, TILE_ROWS]
-                sLast: cute.struct.MemRange[Int32, TILE_ROWS]
+                # Per row of a tile: lse (log2 domain), delta, and the last key it sees (-1: none);
+                # two buffers, the next tile's rows are staged while this one is computed.
+                sLse: cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES]
+                sDelta: cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES]
+                sLast: cute.struct.MemRange[Int32, TILE_ROWS * TILE_STAGES]
                 # [0]: K/V loaded; [1 + s]: Q and dO of stage s loaded.
                 barriers: cute.struct.MemRange[Int64, 1 + TILE_STAGES]
 
@@ -385,9 +386,10 @@ def _kernel_class():
             sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
             sdQ = storage.sdQ.get_tensor(cute.make_layout((TILE_ROWS, HEAD_DIM), stride=(HEAD_DIM, 1)))
-            sLse = storage.sLse.get_tensor(cute.make_layout(TILE_ROWS))
-            sDelta = storage.sDelta.get_tensor(cute.make_layout(TILE_ROWS))
-            sLast = storage.sLast.get_tensor(cute.make_layout(TILE_ROWS))
+            rows_layout = cute.make_layout((TILE_ROWS, TILE_STAGES))
+            sLse = storage.sLse.get_tensor(rows_layout)
+            sDelta = storage.sDelta.get_tensor(rows_layout)
+            sLast = storage.sLast.get_tensor(rows_layout)
             # Transposed views (the same bytes, modes swapped): Q and dO as (dim, row), K as
             # (dim, key), dS as (key, row).
             sQt = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[1, 0, 2]))
@@ -463,8 +465,8 @@ def _kernel_class():
                 key_count = mBucketKeyCount[bucket]
                 num_tiles = (end - start + TOKENS_PER_TILE - 1) // TOKENS_PER_TILE
 
-                # Every thread is done with the previous item's tiles.
-                cute.arch.barrier()
+                # Shared memory is free to refill: the previous item's last tile ended with a
+                # barrier that every thread passed after all its GEMMs had completed.
                 if warp == 0:
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(barriers, self.kv_bytes)
@@ -474,26 +476,26 @@ def _kernel_class():
                         tma_atom_Q, tQgQ, tQsQ, tma_atom_dO, tdOgdO, tdOsdO, barriers, mEntryQuery, start, end, topk,
                         kv_head, tile_loads,
                     )
+                if tidx >= THREADS - TILE_ROWS:
+                    self.stage_row(
+                        sLse, sDelta, sLast, mLse, mDelta, mEntryQuery, mPosition, start, end, topk, kv_head,
+                        first_key, tidx - (THREADS - TILE_ROWS), tile_loads % TILE_STAGES,
+                    )
+                # The first tile's rows are visible to every thread.
+                cute.arch.barrier()
                 acc_dK.fill(0.0)
                 acc_dV.fill(0.0)
 
+                # A tile's stage, row buffer and dS tile are reused two (stage, rows) or one (dS)
+                # tiles later; the two barriers of every tile order each reuse after the last read.
                 for tile in cutlass.range(num_tiles, unroll=1):
                     first = start + tile * TOKENS_PER_TILE
-                    if tile > 0:
-                        # Every thread's GEMMs of the previous tile have completed, so its stage,
-                        # the dS tile and the row data may be overwritten.
-                        cute.arch.barrier()
                     if warp == 0:
                         if tile + 1 < num_tiles:
                             self.load_tile(
                                 tma_atom_Q, tQgQ, tQsQ, tma_atom_dO, tdOgdO, tdOsdO, barriers, mEntryQuery,
                                 first + TOKENS_PER_TILE, end, topk, kv_head, tile_loads + 1,
                             )
-                    if tidx < TILE_ROWS:
-                        self.stage_row(
-                            sLse, sDelta, sLast, mLse, mDelta, mEntryQuery, mPosition, first, end, topk, kv_head,
-                            first_key, tidx,
-                        )
                     stage = tile_loads % TILE_STAGES
                     cute.arch.mbarrier_wait(barriers + 1 + stage, (tile_loads // TILE_STAGES) % 2)
                     if tile == 0:
@@ -512,16 +514,23 @@ def _kernel_class():
                         cute.gemm(mma_sdp, acc_dP, tSrV[None, None, k, 0], tSrdO[None, None, k, stage], acc_dP)
                         mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.commit_group()
-                    # The row data staged above is visible to every thread.
-                    cute.arch.barrier()
+                    # The next tile's rows, in the shadow of the GEMMs; the barriers below make
+                    # them visible.
+                    if tidx >= THREADS - TILE_ROWS:
+                        if tile + 1 < num_tiles:
+                            self.stage_row(
+                                sLse, sDelta, sLast, mLse, mDelta, mEntryQuery, mPosition, first + TOKENS_PER_TILE,
+                                end, topk, kv_head, first_key, tidx - (THREADS - TILE_ROWS),
+                                (tile_loads + 1) % TILE_STAGES,
+                            )
                     warpgroup.wait_group(0)
 
                     # P^T and dS^T, column by column (a column is one query row of the tile).
                     for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                         col = cS_rc[0, c][1]
-                        row_lse = sLse[col]
-                        row_delta = sDelta[col]
-                        last = sLast[col]
+                        row_lse = sLse[col, stage]
+                        row_delta = sDelta[col, stage]
+                        last = sLast[col, stage]
                         for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
                             prob = cute.math.exp2(s_rc[r, c] * scale_log2 - row_lse, fastmath=True)
                             d_score = prob * (dp_rc[r, c] - row_delta)
@@ -607,10 +616,11 @@ def _kernel_class():
         def stage_row(
             self, sLse: cute.Tensor, sDelta: cute.Tensor, sLast: cute.Tensor, mLse: cute.Tensor, mDelta: cute.Tensor,
             mEntryQuery: cute.Tensor, mPosition: cute.Tensor, first: Int32, end: Int32, topk: Int32, kv_head: Int32,
-            first_key: Int32, row: Int32,
+            first_key: Int32, row: Int32, buffer: Int32,
         ):
-            """Row `row` of the tile (token `row // 16`, head `row % 16`): its lse in the log2
-            domain, delta, and the last key of the block it sees (-1 for a padding row)."""
+            """Row `row` of the tile of entries `first ..` (token `row // 16`, head `row % 16`) into
+            row buffer `buffer`: its lse in the log2 domain, delta, and the last key of the block
+            it sees (-1 for a padding row)."""
             entry = first + row // HEADS_PER_KV
             last = Int32(-1)
             if entry < end:
@@ -621,9 +631,9 @@ def _kernel_class():
                 # Like the reference, a query with an empty key set (lse = -inf) shifts by 0, not inf.
                 if row_lse == Float32.inf or row_lse == -Float32.inf:
                     row_lse = Float32(0.0)
-                sLse[row] = row_lse
-                sDelta[row] = mDelta[token, head]
-            sLast[row] = last
+                sLse[row, buffer] = row_lse
+                sDelta[row, buffer] = mDelta[token, head]
+            sLast[row, buffer] = last
 
         @cute.jit
         def zero_keys_past(self, tile: cute.Tensor, key_count: Int32, tidx: Int32):
