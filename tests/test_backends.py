@@ -295,19 +295,17 @@ def test_sm90_serves_forward_and_backward_by_default_and_says_why_it_cannot_serv
         torch_msa.resolve("forward", without_extra)
 
 
-def test_sm90_hands_deterministic_mode_to_the_triton_deterministic_backward(monkeypatch):
-    """The SM90 backward adds with atomics, so under deterministic algorithms its backend calls the
-    Triton deterministic backward instead; otherwise its own kernel."""
-    pytest.importorskip("triton", reason="triton is not installed (it ships with Linux x86_64 torch)")
+def test_sm90_serves_deterministic_mode_with_its_deterministic_variant(monkeypatch):
+    """The SM90 backward kernel adds with atomics, so under deterministic algorithms the backend
+    calls its bitwise-reproducible variant instead; otherwise the kernel."""
     from torch_msa.sm90 import backward_sm90
-    from torch_msa.triton import backward_deterministic_kernel
 
     calls = []
-    monkeypatch.setattr(backward_deterministic_kernel, "backward", lambda *args: calls.append("deterministic"))
-    monkeypatch.setattr(backward_sm90, "backward", lambda *args: calls.append("sm90"))
+    monkeypatch.setattr(backward_sm90, "backward_deterministic", lambda *args: calls.append("deterministic"))
+    monkeypatch.setattr(backward_sm90, "backward", lambda *args: calls.append("atomic"))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # a CPU host
     q, k = torch.zeros(1, 16, 128), torch.zeros(1, 1, 128)
     for enabled in (True, False):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda enabled=enabled: enabled)
         sm90.backward(q, q, k, k, q, None, None, None, None, 1, 1, 128, 1.0)
-    assert calls == ["deterministic", "sm90"]
+    assert calls == ["deterministic", "atomic"]

@@ -199,8 +199,9 @@ def test_sm90_serves_backward_by_default(monkeypatch):
 
 
 def test_deterministic_mode_is_bitwise_reproducible(monkeypatch):
-    """Under `torch.use_deterministic_algorithms(True)` the backend serves the Triton deterministic
-    backward: two runs agree bit for bit, and with the reference."""
+    """Under `torch.use_deterministic_algorithms(True)` the backend serves its deterministic variant
+    (the kernel without dQ storing dK/dV per item, the Triton reduction and query-outer dQ): two
+    runs agree bit for bit, and with the reference; the skewed selection splits hot blocks."""
     import torch_msa
 
     monkeypatch.delenv(torch_msa.BACKEND_ENV, raising=False)

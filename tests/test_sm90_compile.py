@@ -46,15 +46,15 @@ BACKWARD_BULK_REDUCES = 4
 BACKWARD_VECTOR_ATOMICS = 2 * 2 * 32 // 2
 
 
-def _build(tmp_path_factory, module: str):
-    """Compile `module`'s blocks kernel once for sm_90a (bf16, Hkv = 4) with the cubin, PTX and
-    SASS kept; returns the dump folder. The CuTe DSL writes SASS only for the architecture named
+def _build(tmp_path_factory, module: str, options: str = ""):
+    """Compile `module`'s blocks kernel once for sm_90a (bf16, Hkv = 4, keyword `options`) with the
+    cubin, PTX and SASS kept; returns the dump folder. The CuTe DSL writes SASS only for the architecture named
     by `CUTE_DSL_ARCH` when it is imported, so the compile runs in a fresh interpreter with it set."""
     dump_dir = tmp_path_factory.mktemp(module)
     code = (
         "import sys, torch\n"
         f"from torch_msa.sm90.{module} import compile_blocks_kernel\n"
-        "compile_blocks_kernel(torch.bfloat16, 4, 'sm_90a', sys.argv[1], listings=True)\n"
+        f"compile_blocks_kernel(torch.bfloat16, 4, 'sm_90a', sys.argv[1], listings=True, {options})\n"
     )
     environment = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(
@@ -72,6 +72,11 @@ def sm90_build(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sm90_backward_build(tmp_path_factory):
     return _build(tmp_path_factory, "backward_sm90")
+
+
+@pytest.fixture(scope="module")
+def sm90_deterministic_build(tmp_path_factory):
+    return _build(tmp_path_factory, "backward_sm90", "deterministic=True")
 
 
 def _listing(dump_dir: Path, suffix: str) -> str:
@@ -149,11 +154,25 @@ def test_backward_sass_has_hgmma_and_no_spills(sm90_backward_build):
 
 
 @requires_cute
-def test_backward_launch_arguments_have_the_compiled_types():
+def test_deterministic_backward_has_no_dq_and_no_atomics(sm90_deterministic_build):
+    """The variant that serves deterministic mode: S^T, dP^T, dV and dK only; dK/dV stored, never
+    added."""
+    ptx = _listing(sm90_deterministic_build, ".ptx")
+    ss = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+,", ptx)
+    rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{[^}]*\}, %rd\d+,", ptx)
+    assert (len(ss), len(rs)) == (2 * K_STEPS, BACKWARD_RS_STEPS)
+    assert not re.findall(r"\b(atom|red)\.", ptx) and "cp.reduce.async.bulk" not in ptx
+    if list(sm90_deterministic_build.glob("*.sass")):
+        assert not re.findall(r"\b(STL|LDL)\b", _listing(sm90_deterministic_build, ".sass"))
+
+
+@requires_cute
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_launch_arguments_have_the_compiled_types(deterministic):
     from torch_msa.sm90.backward_sm90 import operands
 
     assert_launch_types_match(
-        (name, torch.float16 if dtype is None else dtype, inner) for name, inner, dtype in operands(4)
+        (name, torch.float16 if dtype is None else dtype, inner) for name, inner, dtype in operands(4, deterministic)
     )
 
 

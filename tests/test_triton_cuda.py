@@ -304,18 +304,23 @@ def _assert_matches_reference(got, args):
         assert error < 1e-2, f"{name}: relative error {error:.3g}"
 
 
+@pytest.mark.parametrize("backend", ["triton", "sm90"])
 @pytest.mark.parametrize("kind", ["index", "random", "skewed"])
 @pytest.mark.parametrize("layout", ["4K", "pack", "suffix-pack"])
-def test_deterministic_backward_matches_reference_and_repeats_bitwise(layout, kind):
+def test_deterministic_backward_matches_reference_and_repeats_bitwise(layout, kind, backend, monkeypatch):
     """Under torch.use_deterministic_algorithms(True) the Triton backend serves the backward with
-    its deterministic kernels (no fallback warning): close to the reference, and bitwise equal
-    over repeated runs (the skewed selection splits block 0 of every document over many items)."""
+    its deterministic kernels, and the SM90 backend with its deterministic variant (the SM90 kernel
+    for dK/dV, the Triton reduction and dQ); no fallback warning: close to the reference, and
+    bitwise equal over repeated runs (the skewed selection splits block 0 of every document over
+    many items)."""
     from torch_msa import sm90
 
-    args = _backward_inputs(layout, kind)
-    # The SM90 backend, where available, hands deterministic mode to these kernels.
     cuda = torch.device("cuda")
-    assert torch_msa.resolve("backward", cuda).name == ("sm90" if sm90.available(cuda) else "triton")
+    if backend == "sm90" and not sm90.available(cuda):
+        pytest.skip(f"the sm90 backend is unavailable: {sm90.unavailable_reason(cuda)}")
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, backend)
+    args = _backward_inputs(layout, kind)
+    assert torch_msa.resolve("backward", cuda).name == backend
     backends._warned.clear()
     with _deterministic_mode(), warnings.catch_warnings():
         warnings.filterwarnings("error", message="torch_msa")  # a fallback would warn

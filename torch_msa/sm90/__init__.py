@@ -10,9 +10,10 @@ one-time warning. The block selection and the plan stay with the Triton backend.
 
 It serves both ops by default on such devices (priority above the Triton backend): on an H200 the
 forward is about 1.35x and the backward about 1.65x faster than Triton's at every length measured
-(8K to 128K tokens, `python -m torch_msa.sm90`). The backward kernel adds with atomics, so under
-`torch.use_deterministic_algorithms(True)` the backend serves the backward with the Triton
-deterministic kernels. `TORCH_MSA_BACKEND=triton` forces the Triton kernels.
+(8K to 128K tokens, `python -m torch_msa.sm90`). The backward kernel adds with atomics; under
+`torch.use_deterministic_algorithms(True)` its bitwise-reproducible variant serves (the kernel
+without dQ for dK/dV, the Triton deterministic backward's reduction and query-outer dQ).
+`TORCH_MSA_BACKEND=triton` forces the Triton kernels.
 
 Importing this package imports neither cutlass nor triton; a kernel compiles on first use (one
 executable per process, dtype and KV head count; sequence lengths are runtime arguments).
@@ -70,17 +71,13 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              block_size, softmax_scale, grad_lse=None, plan=None, fragment_documents=None, fragment_starts=None):
     """`msa::backward` through the SM90 kernel (`torch_msa.sm90.backward_sm90.backward`), or, under
-    `torch.use_deterministic_algorithms(True)`, the Triton deterministic backward: the kernel adds
-    dQ, dK and dV with atomics, whose order varies from run to run."""
-    arguments = (grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 block_size, softmax_scale, grad_lse, plan, fragment_documents, fragment_starts)
-    if torch.are_deterministic_algorithms_enabled():
-        from .. import triton as triton_backend
-
-        return triton_backend.backward(*arguments)
+    `torch.use_deterministic_algorithms(True)`, through its bitwise-reproducible variant
+    (`backward_deterministic`): the kernel adds dQ, dK and dV with atomics, whose order varies."""
     module = importlib.import_module(f"{__name__}.backward_sm90")
+    serve = module.backward_deterministic if torch.are_deterministic_algorithms_enabled() else module.backward
     with torch.cuda.device(q.device):
-        return module.backward(*arguments)
+        return serve(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, block_size, softmax_scale, grad_lse, plan, fragment_documents, fragment_starts)
 
 
 BACKEND = Backend(

@@ -9,8 +9,8 @@ attended (query, key) pairs per KV head):
 * forward: the SM90 time split into its plan build (the public API builds it once per step, not
   per call), blocks kernel and combine;
 * backward (given the step's plan, as in a training step): the SM90 time and its blocks kernel
-  (the rest is delta and the casts), and the Triton deterministic backward, which serves
-  deterministic mode.
+  (the rest is delta and the casts), then deterministic mode's: the SM90 deterministic variant
+  (its share of the SM90 speed) and the Triton deterministic backward.
 
 Problems the kernels decline are reported as declined.
 """
@@ -155,7 +155,8 @@ def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, 
             ),
             iterations,
         ),
-        "deterministic": _milliseconds(lambda: triton_deterministic.backward(*args), iterations),
+        "sm90 deterministic": _milliseconds(lambda: backward_sm90.backward_deterministic(*args), iterations),
+        "triton deterministic": _milliseconds(lambda: triton_deterministic.backward(*args), iterations),
     }
 
     def rate(name):
@@ -163,7 +164,9 @@ def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, 
 
     print(
         f"{problem} backward: triton {rate('triton')} | sm90 {rate('sm90')}, blocks {rate('blocks')}"
-        f" | triton deterministic {rate('deterministic')} | vs triton: dq/dk/dv rel. error {errors}",
+        f" | deterministic: sm90 {rate('sm90 deterministic')}"
+        f" = {times['sm90'] / times['sm90 deterministic']:.0%} of sm90, triton {rate('triton deterministic')}"
+        f" | vs triton: dq/dk/dv rel. error {errors}",
         flush=True,
     )
 

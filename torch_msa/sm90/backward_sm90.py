@@ -1,9 +1,8 @@
 """`msa::backward` on Hopper (sm_90a) in CuTe DSL: KV-outer, dK/dV on chip, dQ by bulk reduce-add.
 
 Scope: the SM90 forward's (`forward_sm90.py`): G = 16 query heads per KV head, D = 128, key
-blocks of 128, bf16 or fp16 (MiniMax-M3); any top-k. The kernel adds with atomics, so under
-`torch.use_deterministic_algorithms(True)` the backend hands the call to the Triton deterministic
-backward instead.
+blocks of 128, bf16 or fp16 (MiniMax-M3); any top-k. The kernel adds with atomics; under
+`torch.use_deterministic_algorithms(True)` its deterministic variant serves instead (below).
 
 Design
 ------
@@ -32,6 +31,11 @@ Design
   block's document; a tile's padding rows reload its first token and are masked out.
 * **Around the kernel**: `delta = rowsum(dO * O) - grad_lse` and the final casts of the fp32
   accumulators, both Triton/torch (`torch_msa.triton.backward_kernel.compute_delta`).
+* **Deterministic variant** (`backward_deterministic`, bitwise reproducible): the same kernel
+  compiled without dQ stores each item's dK/dV in the item's own workspace rows instead of adding
+  them; the rest is the Triton deterministic backward's (`backward_deterministic_kernel.py`): a
+  fixed-order reduction of the workspace per key block and a query-outer dQ, each element with
+  one owner.
 
 Traffic per token (M3, bf16, top-16, long documents): its 64 entries read Q and dO once each,
 2 x 256 KiB, and add 64 dQ tiles of 8 KiB (512 KiB, reduced in L2); K/V are read once per item.
@@ -74,6 +78,14 @@ def check_query_rows(num_queries: int, num_heads: int) -> None:
         )
 
 
+def check_inputs(grad_out, q, k, v, block_size) -> None:
+    """Raise `UnsupportedInputs` for inputs the kernel does not serve; nothing launched."""
+    check_served(q, k, v, block_size)
+    if grad_out.dtype != q.dtype:
+        raise UnsupportedInputs(f"the SM90 backward takes grad_out of q's dtype {q.dtype}, got {grad_out.dtype}")
+    check_query_rows(q.shape[0], q.shape[1])
+
+
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
              max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
              fragment_documents=None, fragment_starts=None):
@@ -85,16 +97,12 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     the plan, as in the forward.
 
     Raises:
-        UnsupportedInputs: outside the served configuration (`check_served`, and `grad_out` of
-            q's dtype) or beyond 32-bit query rows (`check_query_rows`).
+        UnsupportedInputs: outside the served configuration (`check_inputs`).
     """
     del max_seqlen_q, max_seqlen_k
-    check_served(q, k, v, block_size)
-    if grad_out.dtype != q.dtype:
-        raise UnsupportedInputs(f"the SM90 backward takes grad_out of q's dtype {q.dtype}, got {grad_out.dtype}")
+    check_inputs(grad_out, q, k, v, block_size)
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
-    check_query_rows(num_queries, num_heads)
     require_cute_dsl()
     from ..cute_dsl.cute_io import aligned_operand
     from ..triton.backward_kernel import compute_delta
@@ -119,11 +127,39 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
+def backward_deterministic(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
+                           fragment_documents=None, fragment_starts=None):
+    """`backward`, bitwise reproducible: the Triton deterministic backward with its dK/dV pass run
+    by this kernel's deterministic variant. Same contract and `UnsupportedInputs` as `backward`;
+    a given `plan` is not read (the workspace is laid out by the deterministic plan's items)."""
+    check_inputs(grad_out, q, k, v, block_size)
+    require_cute_dsl()
+    from ..cute_dsl.cute_io import aligned_operand
+    from ..triton import backward_deterministic_kernel
+
+    def key_blocks(q, k, v, grad_out, lse, delta, dk_part, dv_part, schedule, topk, softmax_scale):
+        q, k, v, grad_out = (aligned_operand(x) for x in (q, k, v, grad_out))
+        key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
+        unused_dq = torch.empty((1, *q.shape[1:]), dtype=torch.float32, device=q.device)
+        launch_blocks(q, k, v, grad_out, lse, delta, unused_dq, dk_part, dv_part, schedule, key_count, topk,
+                      softmax_scale, deterministic=True)
+
+    with torch.cuda.device(q.device):
+        return backward_deterministic_kernel.backward(
+            grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            block_size, softmax_scale, grad_lse, plan, fragment_documents, fragment_starts, key_blocks=key_blocks,
+        )
+
+
 # The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).
 # Dim 0 is dynamic; `compile_blocks_kernel` describes each with `fake_rows`, `launch_blocks`
-# converts each with `cute_rows`, so the two cannot disagree.
-def operands(num_kv_heads: int):
+# converts each with `cute_rows`, so the two cannot disagree. The deterministic variant stores
+# dK/dV into per-item workspace rows `[items * 128, D]` instead of adding to `[Tk, Hkv, D]`, and
+# its dq_acc is not read.
+def operands(num_kv_heads: int, deterministic: bool = False):
     num_heads = HEADS_PER_KV * num_kv_heads
+    key_rows = (HEAD_DIM,) if deterministic else (num_kv_heads, HEAD_DIM)
     return (
         ("q", (num_heads, HEAD_DIM), None),
         ("k", (num_kv_heads, HEAD_DIM), None),
@@ -132,8 +168,8 @@ def operands(num_kv_heads: int):
         ("lse", (num_heads,), torch.float32),
         ("delta", (num_heads,), torch.float32),
         ("dq_acc", (num_heads, HEAD_DIM), torch.float32),
-        ("dk_acc", (num_kv_heads, HEAD_DIM), torch.float32),
-        ("dv_acc", (num_kv_heads, HEAD_DIM), torch.float32),
+        ("dk_acc", key_rows, torch.float32),
+        ("dv_acc", key_rows, torch.float32),
         ("entry_query", (), torch.int32),
         ("item_bucket", (), torch.int32),
         ("item_start", (), torch.int32),
@@ -148,8 +184,9 @@ def operands(num_kv_heads: int):
 
 
 def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk,
-                  softmax_scale) -> None:
-    """Launch the blocks kernel: adds every scheduled entry's dQ, dK and dV to the fp32 accumulators."""
+                  softmax_scale, deterministic: bool = False) -> None:
+    """Launch the blocks kernel: adds every scheduled entry's dQ, dK and dV to the fp32 accumulators,
+    or, `deterministic`, stores each item's dK/dV into its workspace rows (see `operands`)."""
     import cutlass
 
     from ..cute_dsl.cute_io import cute_rows, cute_stream
@@ -164,9 +201,9 @@ def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedul
     }
     num_kv_heads = k.shape[1]
     grid = max(1, min(schedule.item_start.numel(), sm_count(q.device)))
-    kernel = _compiled(q.dtype, num_kv_heads)
+    kernel = _compiled(q.dtype, num_kv_heads, deterministic)
     kernel(
-        *(cute_rows(tensors[name]) for name, _, _ in operands(num_kv_heads)),
+        *(cute_rows(tensors[name]) for name, _, _ in operands(num_kv_heads, deterministic)),
         cutlass.Int32(topk),
         cutlass.Float32(softmax_scale * LOG2_E),
         cutlass.Float32(softmax_scale),
@@ -176,9 +213,9 @@ def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedul
 
 
 @functools.cache
-def _compiled(dtype: torch.dtype, num_kv_heads: int):
-    """One executable per process and (dtype, Hkv); token, key and item counts are dynamic."""
-    return compile_blocks_kernel(dtype, num_kv_heads)
+def _compiled(dtype: torch.dtype, num_kv_heads: int, deterministic: bool):
+    """One executable per process and (dtype, Hkv, variant); token, key and item counts are dynamic."""
+    return compile_blocks_kernel(dtype, num_kv_heads, deterministic=deterministic)
 
 
 def compile_blocks_kernel(
@@ -187,9 +224,11 @@ def compile_blocks_kernel(
     arch: str | None = None,
     dump_dir: str | None = None,
     listings: bool = False,
+    deterministic: bool = False,
 ):
-    """`cute.compile` the blocks kernel (`arch=None`: this host's GPU) on fake tensors with dynamic
-    leading extents. `dump_dir` keeps the cubin there, and with `listings` the PTX and SASS too."""
+    """`cute.compile` the blocks kernel (`arch=None`: this host's GPU; `deterministic`: the variant
+    without dQ that stores dK/dV per item) on fake tensors with dynamic leading extents.
+    `dump_dir` keeps the cubin there, and with `listings` the PTX and SASS too."""
     require_cute_dsl()
     import cutlass
     import cutlass.cute as cute
@@ -197,14 +236,16 @@ def compile_blocks_kernel(
 
     from ..cute_dsl.cute_io import compile_options, fake_rows
 
-    fakes = [fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads)]
+    fakes = [
+        fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads, deterministic)
+    ]
     options = compile_options(arch, dump_dir)
     if listings:
         if dump_dir is None:
             raise ValueError("listings: needs a dump_dir to write the PTX and SASS to")
         options += " --keep-ptx --keep-sass"
     return cute.compile(
-        _kernel_class()(num_kv_heads),
+        _kernel_class()(num_kv_heads, deterministic),
         *fakes,
         cutlass.Int32(1),
         cutlass.Float32(1.0),
@@ -233,9 +274,10 @@ def _kernel_class():
 
         acc_dtype = Float32
 
-        def __init__(self, num_kv_heads: int):
+        def __init__(self, num_kv_heads: int, deterministic: bool):
             self.num_kv_heads = num_kv_heads
             self.num_heads = HEADS_PER_KV * num_kv_heads
+            self.deterministic = deterministic
 
         @cute.jit
         def __call__(
@@ -550,31 +592,40 @@ def _kernel_class():
                         cute.gemm(mma_dkv, acc_dK, tKrdS[None, None, k], tKrQ[None, None, k, stage], acc_dK)
                     warpgroup.commit_group()
 
-                    # dS to shared memory, for dQ = dS K.
-                    tdSsdS.store(rdS.load())
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    if warp == 0:
-                        # The previous tile's dQ has left the dQ tile.
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    cute.arch.barrier()
-                    warpgroup.fence()
-                    mma_dq.set(warpgroup.Field.ACCUMULATE, False)
-                    for k in cutlass.range_constexpr(cute.size(tQrdS, mode=[2])):
-                        cute.gemm(mma_dq, acc_dQ, tQrdS[None, None, k, 0], tQrK[None, None, k, 0], acc_dQ)
-                        mma_dq.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+                    if cutlass.const_expr(self.deterministic):
+                        # No dQ: one barrier, after every thread's GEMMs of the tile have completed.
+                        warpgroup.wait_group(0)
+                        cute.arch.barrier()
+                    else:
+                        # dS to shared memory, for dQ = dS K.
+                        tdSsdS.store(rdS.load())
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        if warp == 0:
+                            # The previous tile's dQ has left the dQ tile.
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        cute.arch.barrier()
+                        warpgroup.fence()
+                        mma_dq.set(warpgroup.Field.ACCUMULATE, False)
+                        for k in cutlass.range_constexpr(cute.size(tQrdS, mode=[2])):
+                            cute.gemm(mma_dq, acc_dQ, tQrdS[None, None, k, 0], tQrK[None, None, k, 0], acc_dQ)
+                            mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
 
-                    tdQsdQ.store(acc_dQ.load() * softmax_scale)
-                    # The generic-proxy stores of every thread before the TMA engine reads the tile.
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier()
-                    if warp == 0:
-                        self.reduce_dq(sdQ, mdQ, mEntryQuery, first, end, topk, kv_head)
+                        tdQsdQ.store(acc_dQ.load() * softmax_scale)
+                        # The generic-proxy stores of every thread before the TMA engine reads the tile.
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.barrier()
+                        if warp == 0:
+                            self.reduce_dq(sdQ, mdQ, mEntryQuery, first, end, topk, kv_head)
                     tile_loads += 1
 
-                self.add_keys(mdK, acc_dK, dk_rc, cKV_rc, key_row, key_count, kv_head, softmax_scale)
-                self.add_keys(mdV, acc_dV, dv_rc, cKV_rc, key_row, key_count, kv_head, Float32(1.0))
+                if cutlass.const_expr(self.deterministic):
+                    self.store_keys(mdK, dk_rc, cKV_rc, item, key_count, softmax_scale)
+                    self.store_keys(mdV, dv_rc, cKV_rc, item, key_count, Float32(1.0))
+                else:
+                    self.add_keys(mdK, acc_dK, dk_rc, cKV_rc, key_row, key_count, kv_head, softmax_scale)
+                    self.add_keys(mdV, acc_dV, dv_rc, cKV_rc, key_row, key_count, kv_head, Float32(1.0))
                 kv_loads += 1
             # Shared memory must outlive the TMA engine's reads of the last dQ tile.
             if warp == 0:
@@ -678,5 +729,21 @@ def _kernel_class():
                     for c in cutlass.range_constexpr(0, cute.size(acc_rc, mode=[1]), 2):
                         dim = coords_rc[r, c][1]
                         red_add_f32x2(base + dim * 4, acc_rc[r, c] * scale, acc_rc[r, c + 1] * scale)
+
+        @cute.jit
+        def store_keys(
+            self, workspace: cute.Tensor, acc_rc: cute.Tensor, coords_rc: cute.Tensor, item: Int32, key_count: Int32,
+            scale: Float32,
+        ):
+            """workspace[item * 128 + key, :] = scale * acc for the block's keys inside its document
+            (`key < key_count`; the reduction reads no key past the item's horizon, which is inside)."""
+            for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
+                key = coords_rc[r, 0][0]
+                if key < key_count:
+                    row = Int64(item) * BLOCK_SIZE + key
+                    # A pointer of its own: the workspace may pass 2**31 elements.
+                    target = cute.make_tensor(workspace.iterator + row * HEAD_DIM, cute.make_layout(HEAD_DIM))
+                    for c in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
+                        target[coords_rc[r, c][1]] = acc_rc[r, c] * scale
 
     return BlocksKernel

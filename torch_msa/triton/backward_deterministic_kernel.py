@@ -162,7 +162,7 @@ def _query_kernel(
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
              max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
-             fragment_documents=None, fragment_starts=None):
+             fragment_documents=None, fragment_starts=None, key_blocks=None):
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype,
     bitwise reproducible. A given `plan` is not read: the key kernels need items of exactly
     `_ITEM_TILES` tiles (the workspace and its reduction are laid out by item), so this backward
@@ -170,6 +170,12 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
 
     Shapes: `grad_out`, `q`, `out` `[Tq, Hq, D]`; `k`, `v` `[Tk, Hkv, D]`; `lse`, `grad_lse`
     `[Tq, Hq]` fp32; `block_indices` int32 `[Hkv, Tq, topk]`.
+
+    `key_blocks`, when given, replaces the Triton key-blocks kernel (the SM90 backend passes its
+    CuTe kernel's deterministic variant): called as `key_blocks(q, k, v, grad_out, lse, delta,
+    dk_part, dv_part, schedule, topk, softmax_scale)`, it must store every item's dK (scaled) and
+    dV of the keys up to the item's horizon into the item's workspace rows `item * block_size + c`
+    (fp32 `[items * block_size, D]`).
     """
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
@@ -225,8 +231,12 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
         )
 
     compute_delta(grad_out, out, grad_lse, delta, shape_key)
-    launch_blocks(q, k, v, grad_out, lse, delta, (dk_part, dk_part, dv_part), schedule, topk, block_size, softmax_scale,
-                  KEY_BLOCKS_CONFIGS, "backward_deterministic._blocks_kernel", shape_key, deterministic=True)
+    if key_blocks is not None:
+        key_blocks(q, k, v, grad_out, lse, delta, dk_part, dv_part, schedule, topk, softmax_scale)
+    else:
+        launch_blocks(q, k, v, grad_out, lse, delta, (dk_part, dk_part, dv_part), schedule, topk, block_size,
+                      softmax_scale, KEY_BLOCKS_CONFIGS, "backward_deterministic._blocks_kernel", shape_key,
+                      deterministic=True)
     launch("backward_deterministic._key_reduce_kernel", shape_key, KEY_REDUCE_CONFIGS, launch_key_reduce)
     launch("backward_deterministic._query_kernel", shape_key, QUERY_CONFIGS, launch_query)
     return dq, dk, dv
