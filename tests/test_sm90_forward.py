@@ -13,34 +13,12 @@ import math
 import pytest
 import torch
 
-from tests.cute_dsl import requires_cute
+from tests.sm90 import BLOCK, D, HKV, HQ, REFERENCE_LAYOUTS, SCALE, SM90_MARKS, TOPK, random_problem, with_junk_ids
 from torch_msa import reference
-from torch_msa.testing import cu_seqlens, fragments, random_block_indices, skewed_block_indices
+from torch_msa.testing import fragments, random_block_indices
 
-requires_sm90 = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-    reason="needs a GPU of compute capability 9.0 (H100 / H200)",
-)
-pytestmark = [requires_cute, requires_sm90]
-
-HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
-SCALE = D**-0.5
-
-
-def _inputs(q_lens, k_lens, dtype, selection="random", seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    cu_q, cu_k = cu_seqlens(q_lens, k_lens, device="cuda")
-    num_queries, num_keys = sum(q_lens), sum(k_lens)
-
-    def tensor(*shape):
-        return torch.randn(*shape, generator=generator).to("cuda", dtype)
-
-    q, k, v = tensor(num_queries, HQ, D), tensor(num_keys, HKV, D), tensor(num_keys, HKV, D)
-    if selection == "skewed":
-        blocks = skewed_block_indices(cu_q, cu_k, HKV, TOPK, BLOCK)
-    else:
-        blocks = random_block_indices(cu_q, cu_k, HKV, TOPK, BLOCK, generator=generator).cuda()
-    return q, k, v, blocks, cu_q, cu_k, max(q_lens, default=0), max(k_lens, default=0)
+pytestmark = SM90_MARKS
+_inputs = random_problem
 
 
 def _sm90(q, k, v, blocks, cu_q, cu_k, max_q, max_k):
@@ -69,15 +47,7 @@ def _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "q_lens, k_lens",
-    [
-        ([1024], [1024]),
-        ([0, 1, 300, 0, 1000, 1, 129], [0, 1, 300, 0, 1000, 1, 129]),  # empty and one-token documents
-        ([100, 500, 77, 1], [1000, 700, 77, 260]),  # fewer queries than keys
-    ],
-    ids=["1k", "pack", "lq-lt-lk"],
-)
+@REFERENCE_LAYOUTS
 def test_matches_reference(q_lens, k_lens, dtype):
     inputs = _inputs(q_lens, k_lens, dtype)
     _check(_sm90(*inputs), _reference(*inputs))
@@ -92,13 +62,7 @@ def test_skewed_selection_splits_hot_blocks():
 def test_junk_ids_are_ignored():
     """Negative, beyond-horizon, huge and repeated ids add nothing and read nothing out of bounds."""
     q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([700, 513], [700, 513], torch.bfloat16)
-    generator = torch.Generator().manual_seed(5)
-    junk = torch.randint(-3, 12, blocks.shape, generator=generator, dtype=torch.int32).cuda()
-    junk[0, :, 3] = 2**31 - 1
-    junk[1, :, 4] = -(2**31)
-    junk[2, :, 5:8] = junk[2, :, 4:5]  # repeats
-    blocks = torch.where(blocks >= 0, blocks, junk)
-    blocks[:, :, 9] = junk[:, :, 9]  # over a valid id too
+    blocks = with_junk_ids(blocks)
     inputs = (q, k, v, blocks, cu_q, cu_k, max_q, max_k)
     _check(_sm90(*inputs), _reference(*inputs))
 

@@ -69,13 +69,18 @@ def cute_stream(device: torch.device):
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
-def compile_options(arch: str | None, dump_dir: str | None) -> str:
-    """`cute.compile` options: a target other than this host's GPU, and where to keep the cubin."""
+def compile_options(arch: str | None, dump_dir: str | None, listings: bool = False) -> str:
+    """`cute.compile` options: a target other than this host's GPU, where to keep the cubin, and
+    with `listings` the PTX and SASS next to it."""
     options = []
     if arch is not None:
         options.append(f"--gpu-arch {arch}")
     if dump_dir is not None:
         options.append(f"--keep-cubin --dump-dir {dump_dir}")
+    if listings:
+        if dump_dir is None:
+            raise ValueError("listings: needs a dump_dir to write the PTX and SASS to")
+        options.append("--keep-ptx --keep-sass")
     return " ".join(options)
 
 

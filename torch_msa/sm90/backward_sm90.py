@@ -55,10 +55,12 @@ from .forward_sm90 import (
     HEAD_DIM,
     HEADS_PER_KV,
     LOG2_E,
+    SCHEDULE_OPERANDS,
     TILE_ROWS,
     TOKENS_PER_TILE,
     bucket_key_count,
     check_served,
+    schedule_tensors,
 )
 
 THREADS = 256  # two MMA warpgroups
@@ -170,16 +172,7 @@ def operands(num_kv_heads: int, deterministic: bool = False):
         ("dq_acc", (num_heads, HEAD_DIM), torch.float32),
         ("dk_acc", key_rows, torch.float32),
         ("dv_acc", key_rows, torch.float32),
-        ("entry_query", (), torch.int32),
-        ("item_bucket", (), torch.int32),
-        ("item_start", (), torch.int32),
-        ("item_end", (), torch.int32),
-        ("bucket_head", (), torch.int32),
-        ("bucket_key_row", (), torch.int32),
-        ("bucket_block", (), torch.int32),
-        ("bucket_key_count", (), torch.int32),
-        ("position", (), torch.int32),
-        ("num_items", (), torch.int32),
+        *SCHEDULE_OPERANDS,
     )
 
 
@@ -194,10 +187,7 @@ def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedul
     tensors = {
         "q": q, "k": k, "v": v, "grad_out": grad_out, "lse": lse, "delta": delta,
         "dq_acc": dq_acc, "dk_acc": dk_acc, "dv_acc": dv_acc,
-        "entry_query": schedule.entry_query, "item_bucket": schedule.item_bucket,
-        "item_start": schedule.item_start, "item_end": schedule.item_end, "bucket_head": schedule.bucket_head,
-        "bucket_key_row": schedule.bucket_key_row, "bucket_block": schedule.bucket_block,
-        "bucket_key_count": key_count, "position": schedule.position, "num_items": schedule.num_items,
+        **schedule_tensors(schedule, key_count),
     }
     num_kv_heads = k.shape[1]
     grid = max(1, min(schedule.item_start.numel(), sm_count(q.device)))
@@ -239,11 +229,7 @@ def compile_blocks_kernel(
     fakes = [
         fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads, deterministic)
     ]
-    options = compile_options(arch, dump_dir)
-    if listings:
-        if dump_dir is None:
-            raise ValueError("listings: needs a dump_dir to write the PTX and SASS to")
-        options += " --keep-ptx --keep-sass"
+    options = compile_options(arch, dump_dir, listings)
     return cute.compile(
         _kernel_class()(num_kv_heads, deterministic),
         *fakes,
@@ -267,7 +253,13 @@ def _kernel_class():
     from cutlass.cute.nvgpu import cpasync, warpgroup
 
     from ..cute_dsl.ptx import bulk_reduce_add_f32, red_add_f32x2
-    from .layouts import accumulator_as_operand_a, accumulator_rows_cols, token_box_layout, token_slots
+    from .tiles import (
+        accumulator_as_operand_a,
+        accumulator_rows_cols,
+        load_key_block,
+        token_box_layout,
+        token_slots,
+    )
 
     class BlocksKernel:
         """The SM90 backward blocks kernel; `__call__` is the `cute.jit` host function."""
@@ -512,8 +504,8 @@ def _kernel_class():
                 if warp == 0:
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(barriers, self.kv_bytes)
-                    self.load_kv(tma_atom_K, tma_K, sK, kv_head, key_row, barriers)
-                    self.load_kv(tma_atom_V, tma_V, sV, kv_head, key_row, barriers)
+                    load_key_block(tma_atom_K, tma_K, sK, kv_head, key_row, barriers)
+                    load_key_block(tma_atom_V, tma_V, sV, kv_head, key_row, barriers)
                     self.load_tile(
                         tma_atom_Q, tQgQ, tQsQ, tma_atom_dO, tdOgdO, tdOsdO, barriers, mEntryQuery, start, end, topk,
                         kv_head, tile_loads,
@@ -630,18 +622,6 @@ def _kernel_class():
             # Shared memory must outlive the TMA engine's reads of the last dQ tile.
             if warp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-        @cute.jit
-        def load_kv(
-            self, tma_atom: cute.CopyAtom, tma_rows: cute.Tensor, tile: cute.Tensor, kv_head: Int32, key_row: Int32, barrier
-        ):
-            """One TMA box: keys `key_row .. key_row + 127` of `kv_head` (past the packed keys: zeros)."""
-            rows = cute.domain_offset((key_row, 0), tma_rows[None, None, kv_head])
-            block = cute.local_tile(rows, (BLOCK_SIZE, HEAD_DIM), (0, 0))
-            tile_smem, tile_gmem = cpasync.tma_partition(
-                tma_atom, 0, cute.make_layout(1), cute.group_modes(tile, 0, 2), cute.group_modes(block, 0, 2)
-            )
-            cute.copy(tma_atom, tile_gmem, tile_smem[None, 0], tma_bar_ptr=barrier)
 
         @cute.jit
         def load_tile(

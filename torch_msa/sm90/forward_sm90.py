@@ -159,6 +159,22 @@ def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor) -
     return (doc_end - bucket_key_row).clamp_(0, BLOCK_SIZE).to(torch.int32)
 
 
+# The schedule's tensors both SM90 kernels read, in launch order after their own operands.
+SCHEDULE_OPERANDS = tuple(
+    (name, (), torch.int32)
+    for name in ("entry_query", "item_bucket", "item_start", "item_end", "bucket_head", "bucket_key_row",
+                 "bucket_block", "bucket_key_count", "position", "num_items")
+)
+
+
+def schedule_tensors(schedule, key_count: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of `SCHEDULE_OPERANDS` by name: `schedule`'s (`torch_msa.schedule.Schedule`) and
+    the per-bucket key counts (`bucket_key_count`)."""
+    return {
+        name: key_count if name == "bucket_key_count" else getattr(schedule, name) for name, _, _ in SCHEDULE_OPERANDS
+    }
+
+
 # The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).
 # Dim 0 is dynamic; `compile_blocks_kernel` describes each with `fake_rows`, `launch_blocks`
 # converts each with `cute_rows`, so the two cannot disagree.
@@ -169,16 +185,7 @@ def operands(num_kv_heads: int):
         ("v", (num_kv_heads, HEAD_DIM), None),
         ("partial_out", (HEAD_DIM,), None),
         ("partial_lse", (), torch.float32),
-        ("entry_query", (), torch.int32),
-        ("item_bucket", (), torch.int32),
-        ("item_start", (), torch.int32),
-        ("item_end", (), torch.int32),
-        ("bucket_head", (), torch.int32),
-        ("bucket_key_row", (), torch.int32),
-        ("bucket_block", (), torch.int32),
-        ("bucket_key_count", (), torch.int32),
-        ("position", (), torch.int32),
-        ("num_items", (), torch.int32),
+        *SCHEDULE_OPERANDS,
     )
 
 
@@ -190,10 +197,7 @@ def launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, 
 
     tensors = {
         "q": q, "k": k, "v": v, "partial_out": partial_out, "partial_lse": partial_lse,
-        "entry_query": schedule.entry_query, "item_bucket": schedule.item_bucket,
-        "item_start": schedule.item_start, "item_end": schedule.item_end, "bucket_head": schedule.bucket_head,
-        "bucket_key_row": schedule.bucket_key_row, "bucket_block": schedule.bucket_block,
-        "bucket_key_count": key_count, "position": schedule.position, "num_items": schedule.num_items,
+        **schedule_tensors(schedule, key_count),
     }
     num_kv_heads = k.shape[1]
     grid = max(1, min(schedule.item_start.numel(), CTAS_PER_SM * sm_count(q.device)))
@@ -230,11 +234,7 @@ def compile_blocks_kernel(
     from ..cute_dsl.cute_io import compile_options, fake_rows
 
     fakes = [fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads)]
-    options = compile_options(arch, dump_dir)
-    if listings:
-        if dump_dir is None:
-            raise ValueError("listings: needs a dump_dir to write the PTX and SASS to")
-        options += " --keep-ptx --keep-sass"
+    options = compile_options(arch, dump_dir, listings)
     return cute.compile(
         _kernel_class()(num_kv_heads),
         *fakes,
@@ -256,7 +256,13 @@ def _kernel_class():
     from cutlass import Float32, Int32, Int64
     from cutlass.cute.nvgpu import cpasync, warpgroup
 
-    from .layouts import accumulator_as_operand_a, accumulator_rows_cols, token_box_layout, token_slots
+    from .tiles import (
+        accumulator_as_operand_a,
+        accumulator_rows_cols,
+        load_key_block,
+        token_box_layout,
+        token_slots,
+    )
 
     class BlocksKernel:
         """The SM90 forward blocks kernel; `__call__` is the `cute.jit` host function."""
@@ -462,8 +468,8 @@ def _kernel_class():
                 if warp == 0:
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(barriers, self.kv_bytes)
-                    self.load_kv(tma_atom_K, tma_K, sK, kv_head, key_row, barriers)
-                    self.load_kv(tma_atom_V, tma_V, sV, kv_head, key_row, barriers)
+                    load_key_block(tma_atom_K, tma_K, sK, kv_head, key_row, barriers)
+                    load_key_block(tma_atom_V, tma_V, sV, kv_head, key_row, barriers)
                     self.load_q(tma_atom_Q, tQgQ, tQsQ, barriers, mEntryQuery, start, end, topk, kv_head, q_loads)
 
                 for tile in cutlass.range(num_tiles, unroll=1):
@@ -560,18 +566,6 @@ def _kernel_class():
             # Shared memory must outlive the TMA's reads of the last output tile.
             if warp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-        @cute.jit
-        def load_kv(
-            self, tma_atom: cute.CopyAtom, tma_rows: cute.Tensor, tile: cute.Tensor, kv_head: Int32, key_row: Int32, barrier
-        ):
-            """One TMA box: keys `key_row .. key_row + 127` of `kv_head` (past the packed keys: zeros)."""
-            rows = cute.domain_offset((key_row, 0), tma_rows[None, None, kv_head])
-            block = cute.local_tile(rows, (BLOCK_SIZE, HEAD_DIM), (0, 0))
-            tile_smem, tile_gmem = cpasync.tma_partition(
-                tma_atom, 0, cute.make_layout(1), cute.group_modes(tile, 0, 2), cute.group_modes(block, 0, 2)
-            )
-            cute.copy(tma_atom, tile_gmem, tile_smem[None, 0], tma_bar_ptr=barrier)
 
         @cute.jit
         def load_q(

@@ -266,11 +266,7 @@ def compile_main_kernel(arch: str | None = None, dump_dir: str | None = None, li
     from cutlass.cute.runtime import make_fake_stream
 
     operands = [fake_rows(dtype, inner) for _, dtype, _, inner in OPERANDS]
-    options = compile_options(arch, dump_dir)
-    if listings:
-        if dump_dir is None:
-            raise ValueError("listings: needs a dump_dir to write the PTX and SASS to")
-        options += " --keep-ptx --keep-sass"
+    options = compile_options(arch, dump_dir, listings)
     return cute.compile(
         _kernel_class()(), *operands, cutlass.Int32(1), cutlass.Float32(1.0), make_fake_stream(), options=options
     )

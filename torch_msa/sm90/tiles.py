@@ -1,13 +1,16 @@
-"""Layouts the SM90 forward and backward kernels share: wgmma accumulators seen as (rows, cols) or
-reused as a register A operand, and the per-token TMA boxes of a 64-row operand tile.
+"""What the SM90 forward and backward kernels share about their tiles: wgmma accumulators seen as
+(rows, cols) or reused as a register A operand, the per-token TMA boxes of a 64-row operand
+tile, and the TMA load of a key block.
 
 This module imports cutlass at the top: the kernel modules import it only inside their lazily
 built kernel classes, after `require_cute_dsl()`.
 """
 
 import cutlass.cute as cute
+from cutlass import Int32
+from cutlass.cute.nvgpu import cpasync
 
-from .forward_sm90 import HEAD_DIM, HEADS_PER_KV, TILE_ROWS
+from .forward_sm90 import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS
 
 SWIZZLE_COLS = 64  # elements of one 128-byte swizzle row (16-bit types)
 
@@ -65,3 +68,17 @@ def token_slots(tile: cute.Tensor, stages: int) -> cute.Tensor:
         tile, cute.make_layout((TILE_ROWS, HEAD_DIM, stages), stride=(1, TILE_ROWS, TILE_ROWS * HEAD_DIM))
     )
     return cute.flat_divide(plain, (HEADS_PER_KV, HEAD_DIM))
+
+
+@cute.jit
+def load_key_block(
+    tma_atom: cute.CopyAtom, tma_rows: cute.Tensor, tile: cute.Tensor, kv_head: Int32, key_row: Int32, barrier
+):
+    """One TMA box into `tile`: keys `key_row .. key_row + 127` of `kv_head` from the `(key, dim,
+    kv head)` TMA view `tma_rows` (past the packed keys: zeros), completing on `barrier`."""
+    rows = cute.domain_offset((key_row, 0), tma_rows[None, None, kv_head])
+    block = cute.local_tile(rows, (BLOCK_SIZE, HEAD_DIM), (0, 0))
+    tile_smem, tile_gmem = cpasync.tma_partition(
+        tma_atom, 0, cute.make_layout(1), cute.group_modes(tile, 0, 2), cute.group_modes(block, 0, 2)
+    )
+    cute.copy(tma_atom, tile_gmem, tile_smem[None, 0], tma_bar_ptr=barrier)
