@@ -15,7 +15,9 @@ Design
 * **Math, keys as the wgmma M side** (warpgroup w owns keys 64 w .. 64 w + 63):
   `S^T = K Q^T` and `dP^T = V dO^T` (both operands from shared memory);
   `P^T = exp2(S^T scale - lse)` and `dS^T = P^T (dP^T - delta)` in registers, with the
-  per-column lse, delta and last visible key of the tile's 64 rows staged in shared memory;
+  per-column lse, delta and last visible key of the tile's 64 rows read from shared memory, where
+  warps 6-7 staged them during the tile before (their loads depend on the plan's entries, so on
+  the critical path they would stall every tile);
   `dV += P^T dO` and `dK += dS^T Q` with P^T and dS^T as register A operands and dO, Q read
   through transposed views of their tiles, the fp32 dK/dV accumulators living for the whole
   item; dS^T goes to shared memory and `dQ = dS K` (warpgroup w computes dims 64 w .. 64 w + 63,
@@ -40,6 +42,13 @@ Design
 Traffic per token (M3, bf16, top-16, long documents): its 64 entries read Q and dO once each,
 2 x 256 KiB, and add 64 dQ tiles of 8 KiB (512 KiB, reduced in L2); K/V are read once per item.
 The five GEMMs of a tile do 10.5 MFLOP on 48 KiB of operands read (Q, dO) and 8 KiB reduced.
+
+Measured on an H200 the blocks kernel runs at 302-335 effective TF/s and the whole backward at
+286-311 (docs/performance.md). Both warpgroups work on the same tile, so they pass its phases in
+lockstep, two CTA barriers per tile, and the tensor cores idle while they exponentiate or move
+dS and dQ through shared memory. Not done yet (speed, not correctness): warp specialisation (a
+producer warp, `setmaxnreg`) with the warpgroups on alternating tiles, and a swizzled dQ tile
+(the row-major one the 1-D bulk reduce needs takes bank-conflicted stores).
 
 The CuTe DSL is imported only inside functions, so this module imports on hosts without it.
 """
@@ -147,11 +156,10 @@ def backward_deterministic(grad_out, q, k, v, out, lse, block_indices, cu_seqlen
         launch_blocks(q, k, v, grad_out, lse, delta, unused_dq, dk_part, dv_part, schedule, key_count, topk,
                       softmax_scale, deterministic=True)
 
-    with torch.cuda.device(q.device):
-        return backward_deterministic_kernel.backward(
-            grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            block_size, softmax_scale, grad_lse, plan, fragment_documents, fragment_starts, key_blocks=key_blocks,
-        )
+    return backward_deterministic_kernel.backward(
+        grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        block_size, softmax_scale, grad_lse, plan, fragment_documents, fragment_starts, key_blocks=key_blocks,
+    )
 
 
 # The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).
