@@ -31,8 +31,8 @@ REFERENCE_LAYOUTS = pytest.mark.parametrize(
 def random_problem(q_lens, k_lens, dtype, selection="random", seed=0, generator=None, device="cuda"):
     """`(q, k, v, block_indices, cu_q, cu_k, max_q, max_k)` of documents `q_lens` / `k_lens` at M3
     shapes: standard normal q, k, v in `dtype`, and random selections (or, with
-    `selection="skewed"`, every query reading block 0 of its document). Draws from `generator` when given (the caller may
-    draw more from it), else from one seeded with `seed`."""
+    `selection="skewed"`, every query reading block 0 of its document). Draws from `generator`
+    when given (the caller may draw more from it), else from one seeded with `seed`."""
     generator = torch.Generator().manual_seed(seed) if generator is None else generator
     cu_q, cu_k = cu_seqlens(q_lens, k_lens, device=device)
     num_queries, num_keys = sum(q_lens), sum(k_lens)

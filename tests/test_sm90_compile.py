@@ -48,8 +48,9 @@ BACKWARD_VECTOR_ATOMICS = 2 * 2 * 32 // 2
 
 def _build(tmp_path_factory, module: str, options: str = ""):
     """Compile `module`'s blocks kernel once for sm_90a (bf16, Hkv = 4, keyword `options`) with the
-    cubin, PTX and SASS kept; returns the dump folder. The CuTe DSL writes SASS only for the architecture named
-    by `CUTE_DSL_ARCH` when it is imported, so the compile runs in a fresh interpreter with it set."""
+    cubin, PTX and SASS kept; returns the dump folder. The CuTe DSL writes SASS only for the
+    architecture named by `CUTE_DSL_ARCH` when it is imported, so the compile runs in a fresh
+    interpreter with it set."""
     dump_dir = tmp_path_factory.mktemp(module)
     code = (
         "import sys, torch\n"
