@@ -1,8 +1,9 @@
 """`python -m torch_msa.bench.deterministic`: the backward with and without deterministic algorithms.
 
-Times `msa::backward` (whichever backend the registry resolves; the Triton backend's atomic
-kernels by default, its deterministic kernels under `torch.use_deterministic_algorithms(True)`)
-at M3 shapes on the benchmark's inputs, and prints per length the two medians, their effective
+Times `msa::backward` (whichever backend the registry resolves: on H100 / H200 with the `cute`
+extra the `sm90` kernel by default and its deterministic variant under
+`torch.use_deterministic_algorithms(True)`, elsewhere the Triton backend's atomic and
+deterministic kernels) at M3 shapes on the benchmark's inputs, and prints per length the two medians, their effective
 TF/s and the deterministic backward's share of the default one's speed (the target is >= 50%).
 `--profile` adds the device time of each kernel of one call of each (torch.profiler);
 `--sweep` times the deterministic backward once per candidate launch configuration of its dQ
