@@ -267,6 +267,7 @@ def _kernel_class():
         load_key_block,
         token_box_layout,
         token_slots,
+        zero_keys_past,
     )
 
     class BlocksKernel:
@@ -543,7 +544,7 @@ def _kernel_class():
                     if tile == 0:
                         cute.arch.mbarrier_wait(barriers, kv_loads % 2)
                         if key_count < BLOCK_SIZE:
-                            self.zero_keys_past(sK, key_count, tidx)
+                            zero_keys_past(sK, key_count, tidx)
 
                     # S^T = K Q^T, dP^T = V dO^T
                     warpgroup.fence()
@@ -673,16 +674,6 @@ def _kernel_class():
                 sLse[row, buffer] = row_lse
                 sDelta[row, buffer] = mDelta[token, head]
             sLast[row, buffer] = last
-
-        @cute.jit
-        def zero_keys_past(self, tile: cute.Tensor, key_count: Int32, tidx: Int32):
-            """Zero keys `key_count ..` of a (key, dim) tile (another document's, or TMA fill), then
-            make the stores visible to the tensor cores."""
-            if tidx < BLOCK_SIZE and tidx >= key_count:
-                for d in cutlass.range(HEAD_DIM, unroll_full=True):
-                    tile[tidx, d, 0] = tile.element_type(0.0)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier()
 
         @cute.jit
         def reduce_dq(

@@ -262,6 +262,7 @@ def _kernel_class():
         load_key_block,
         token_box_layout,
         token_slots,
+        zero_keys_past,
     )
 
     class BlocksKernel:
@@ -491,7 +492,7 @@ def _kernel_class():
                     if tile == 0:
                         cute.arch.mbarrier_wait(barriers, kv_loads % 2)
                         if key_count < BLOCK_SIZE:
-                            self.zero_rows_past(sV, key_count, tidx)
+                            zero_keys_past(sV, key_count, tidx)
 
                     # This warp's token (warp w owns rows 16 w .. 16 w + 15 of the tile).
                     entry = first + warp
@@ -601,15 +602,5 @@ def _kernel_class():
                     block = (token * self.num_kv_heads + kv_head) * topk + query - token * topk
                     cute.copy(tma_atom, tOsO[None, slot, 0, 0], tOgO[None, block, 0])
             cute.arch.cp_async_bulk_commit_group()
-
-        @cute.jit
-        def zero_rows_past(self, tile: cute.Tensor, key_count: Int32, tidx: Int32):
-            """Zero keys `key_count ..` of a (key, dim) tile (another document's, or TMA fill), then
-            make the stores visible to the tensor cores."""
-            if tidx >= key_count:
-                for d in cutlass.range(HEAD_DIM, unroll_full=True):
-                    tile[tidx, d, 0] = tile.element_type(0.0)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier()
 
     return BlocksKernel

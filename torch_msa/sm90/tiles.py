@@ -1,11 +1,12 @@
 """What the SM90 forward and backward kernels share about their tiles: wgmma accumulators seen as
 (rows, cols) or reused as a register A operand, the per-token TMA boxes of a 64-row operand
-tile, and the TMA load of a key block.
+tile, the TMA load of a key block and the zeroing of its keys past a document's end.
 
 This module imports cutlass at the top: the kernel modules import it only inside their lazily
 built kernel classes, after `require_cute_dsl()`.
 """
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
@@ -82,3 +83,15 @@ def load_key_block(
         tma_atom, 0, cute.make_layout(1), cute.group_modes(tile, 0, 2), cute.group_modes(block, 0, 2)
     )
     cute.copy(tma_atom, tile_gmem, tile_smem[None, 0], tma_bar_ptr=barrier)
+
+
+@cute.jit
+def zero_keys_past(tile: cute.Tensor, key_count: Int32, tidx: Int32):
+    """Zero keys `key_count ..` of a (key, dim, 1) tile (another document's, or TMA fill), thread
+    `tidx < 128` taking key `tidx`, then make the stores visible to the tensor cores; every thread
+    of the CTA calls it (it ends with a CTA barrier)."""
+    if tidx < BLOCK_SIZE and tidx >= key_count:
+        for d in cutlass.range(HEAD_DIM, unroll_full=True):
+            tile[tidx, d, 0] = tile.element_type(0.0)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier()
