@@ -56,7 +56,7 @@ def test_nominal_work_bounds_the_valid_work_of_the_benchmark():
     nominal_forward = flops.forward_flops(shapes["q"], None, None, shapes["block_indices"], None, None, 300, 300, BLOCK, 0.1)
     assert work.msa_forward < nominal_forward
     assert work.msa_backward == 2.5 * work.msa_forward
-    assert work.index_scoring < flops.select_blocks_flops((300, HKV, DI), None, None, None, 300, 300, TOPK, BLOCK)
+    assert work.index_scoring < flops.select_blocks_flops((300, HKV, DI), (300, 1, DI), None, None, 300, 300, TOPK, BLOCK)
 
 
 def test_registration_waits_for_the_flop_counter_import():

@@ -122,6 +122,36 @@ def test_4d_padding_mask(hf_model):
     _assert_same(_run(_torch_msa_model(hf_model, "torch_msa"), ids, mask, attention_mask=mask_4d), theirs)
 
 
+LEFT_PADDED_BY_HF = "attention_mask: row 1 is left-padded, which HF's indexer .*use_torch_msa"
+
+
+def test_hf_indexer_refuses_a_left_padded_batch_eagerly_and_compiled(hf_model):
+    """HF's block ids count from the row's first slot, padding included: no torch_msa document
+    reproduces them, so attn_implementation="torch_msa" with HF's indexer refuses left padding."""
+    model = _torch_msa_model(hf_model, "hf")
+    ids, mask = _batch([SEQLEN, 131], left=True)
+    causal = torch.ones(SEQLEN, SEQLEN, dtype=torch.bool).tril()
+    mask_4d = (causal[None] & mask.bool()[:, None, :])[:, None]
+    for attention_mask in (mask, mask_4d):
+        with pytest.raises(ValueError, match=LEFT_PADDED_BY_HF):
+            model(ids, attention_mask=attention_mask)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=LEFT_PADDED_BY_HF):
+        torch.compile(model, backend="aot_eager", fullgraph=True)(ids, attention_mask=mask)
+
+
+def test_hf_indexer_compiles_right_padded_without_graph_break(hf_model):
+    model = _torch_msa_model(hf_model, "hf")
+    ids, mask = _batch([SEQLEN, 150])
+    expected = _run(model, ids, mask, attention_mask=mask)
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    logits = torch.compile(model, backend="aot_eager", fullgraph=True)(ids, attention_mask=mask).logits
+    (logits * _weights(ids.shape) * mask[..., None]).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    _assert_same((logits[mask.bool()].detach(), _without_zero_indexer_grads(grads, expected[1])), expected)
+
+
 def _hf_selection(model, ids, **kwargs):
     captured = []
     hook = model.model.layers[0].self_attn.indexer.register_forward_hook(lambda module, args, out: captured.append(out))
@@ -165,6 +195,13 @@ def test_left_padded_selections_equal_hf_on_each_sequence_alone(hf_model):
         assert _as_sets(ours[row, :, SEQLEN - length:]) == _as_sets(theirs[0])
 
 
+def _without_zero_indexer_grads(grads, expected):
+    """AOTAutograd may hand the selection's non-differentiable inputs a zero gradient instead of None."""
+    for name in grads.keys() - expected.keys():
+        assert "indexer" in name and not grads.pop(name).any(), name
+    return grads
+
+
 def test_compiled_forward_and_backward_have_no_graph_break(hf_model):
     model = _torch_msa_model(hf_model, "torch_msa")
     ids, mask = _batch([SEQLEN, 150])
@@ -175,10 +212,7 @@ def test_compiled_forward_and_backward_have_no_graph_break(hf_model):
     logits = torch.compile(model, backend="aot_eager", fullgraph=True)(ids, attention_mask=mask).logits
     (logits * _weights(ids.shape) * mask[..., None]).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    # AOTAutograd may hand the selection's non-differentiable inputs a zero gradient instead of None.
-    for name in grads.keys() - expected[1].keys():
-        assert "indexer" in name and not grads.pop(name).any(), name
-    _assert_same((logits[mask.bool()].detach(), grads), expected)
+    _assert_same((logits[mask.bool()].detach(), _without_zero_indexer_grads(grads, expected[1])), expected)
 
 
 def test_use_torch_msa_keeps_the_parameters(hf_model):

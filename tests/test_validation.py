@@ -213,3 +213,181 @@ def test_debug_checks_run_inside_compiled_code(monkeypatch):
     monkeypatch.setenv(torch_msa.DEBUG_ENV, "1")
     with pytest.raises(ValueError, match="cu_seqlens_k: expected the last boundary to equal the token count 150, got 149"):
         compiled(*args[:5], broken)
+
+
+# Arguments of the wrong type or range: the public functions name them before the dispatcher,
+# whose own RuntimeError names neither the expectation nor the fix.
+def _dense_loss(**changes):
+    good = _good()
+    args = dict(q=good["q"], k=good["k"], index_q=torch.randn(T, 2, 32), index_k=torch.randn(T, 1, 32), block_size=64)
+    return torch_msa.indexer_kl_loss_dense(**{**args, **changes})
+
+
+def _sparse_loss(**changes):
+    good = _good()
+    _, lse = torch_msa.sparse_attention(**good, block_size=64, return_lse=True)
+    args = dict(q=good["q"], k=good["k"], lse=lse, index_q=torch.randn(T, 2, 32), index_k=torch.randn(T, 1, 32),
+                block_indices=good["block_indices"], cu_seqlens_q=good["cu_seqlens_q"],
+                cu_seqlens_k=good["cu_seqlens_k"], block_size=64)
+    return torch_msa.indexer_kl_loss(**{**args, **changes})
+
+
+def _plan(**changes):
+    good = _good()
+    args = dict(block_indices=good["block_indices"], cu_seqlens_q=good["cu_seqlens_q"], cu_seqlens_k=good["cu_seqlens_k"],
+                num_keys=T, num_heads=4, block_size=64)
+    return torch_msa.build_plan(**{**args, **changes})
+
+
+ILL_TYPED_CASES = [
+    (lambda: _attention(cu_seqlens_q=[0, 100, 150]), TypeError, ["cu_seqlens_q:", "torch.Tensor", "list"]),
+    (lambda: _attention(cu_seqlens_k=(0, 100, 150)), TypeError, ["cu_seqlens_k:", "torch.Tensor", "tuple"]),
+    (lambda: _select(cu_seqlens_q=[0, 100, 150]), TypeError, ["cu_seqlens_q:", "torch.Tensor", "list"]),
+    (lambda: _attention(plan=[1, 2]), TypeError, ["plan:", "torch.Tensor", "list"]),
+    (lambda: _attention(fragment_documents=[0, 1], fragment_starts=torch.zeros(2, dtype=torch.int32)), TypeError,
+     ["fragment_documents:", "torch.Tensor", "list"]),
+    (lambda: _attention(fragment_documents=torch.zeros(2, dtype=torch.int32), fragment_starts=[0, 0]), TypeError,
+     ["fragment_starts:", "torch.Tensor", "list"]),
+    (lambda: _dense_loss(lse=[0.0]), TypeError, ["lse:", "torch.Tensor", "list"]),
+    (lambda: _dense_loss(index_softmax_scale="0.1"), TypeError, ["index_softmax_scale:", "float", "str"]),
+    (lambda: _sparse_loss(index_softmax_scale="0.1"), TypeError, ["index_softmax_scale:", "float", "str"]),
+    (lambda: _sparse_loss(index_softmax_scale=float("nan")), ValueError, ["index_softmax_scale:", "finite", "nan"]),
+    (lambda: _plan(num_keys=150.0), TypeError, ["num_keys:", "int", "float"]),
+    (lambda: _plan(num_heads="4"), TypeError, ["num_heads:", "int", "str"]),
+    (lambda: _attention(max_seqlen_k=2**64), ValueError, ["max_seqlen_k:", "2**63 - 1", str(2**64)]),
+    (lambda: _select(max_seqlen_q=2**63), ValueError, ["max_seqlen_q:", "2**63 - 1", str(2**63)]),
+    (lambda: _select(topk=2**64), ValueError, ["topk:", "2**63 - 1", str(2**64)]),
+]
+
+
+@pytest.mark.parametrize("call,error,fragments", ILL_TYPED_CASES,
+                         ids=[c[2][0] + str(i) for i, c in enumerate(ILL_TYPED_CASES)])
+def test_ill_typed_arguments_are_named(call, error, fragments):
+    with pytest.raises(error) as raised:
+        call()
+    for fragment in fragments:
+        assert fragment in str(raised.value), str(raised.value)
+
+
+def _plan_of_other_shape():
+    """A plan msa::plan built for another Tk and topk: its length fits none of _good()'s shapes."""
+    cu = torch.tensor([0, 120], dtype=torch.int32)
+    return torch_msa.build_plan(random_block_indices(cu, cu, 2, 3, 64), cu, cu, num_keys=120, num_heads=4, block_size=64)
+
+
+@pytest.mark.parametrize("plan", [torch.zeros(10, dtype=torch.int32), _plan_of_other_shape()], ids=["10", "other-shape"])
+def test_a_plan_of_the_wrong_length_is_refused_eagerly_and_at_trace_time(plan):
+    good = _good()
+    with pytest.raises(ValueError, match=r"plan: expected \d+ \+ 3 \* num_items int32 entries"):
+        _attention(plan=plan)
+    docs = (good["cu_seqlens_q"], good["cu_seqlens_k"], 100, 100)
+    with pytest.raises(ValueError, match="plan: expected"):  # the op itself, not only the API
+        torch.ops.msa.forward(good["q"], good["k"], good["v"], good["block_indices"], *docs, 64, 0.125, plan)
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, v, b, p: torch_msa.sparse_attention(q, k, v, b, block_size=64, plan=p),
+                                 backend="aot_eager", fullgraph=True, dynamic=dynamic)
+        with pytest.raises(Exception, match=r"plan: expected \d+ \+ 3 \* num_items"):
+            compiled(good["q"], good["k"], good["v"], good["block_indices"], plan)
+
+
+def test_a_plan_built_in_the_compiled_graph_passes_the_length_check():
+    good = _good()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, b: torch_msa.sparse_attention(q, k, v, b, block_size=64, return_lse=True),
+                             backend="aot_eager", fullgraph=True, dynamic=True)
+    out, lse = compiled(good["q"], good["k"], good["v"], good["block_indices"])
+    expected = torch_msa.sparse_attention(**{k: v for k, v in good.items() if "seqlen" not in k and "cu_" not in k},
+                                          block_size=64, return_lse=True)
+    torch.testing.assert_close(out, expected[0])
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _stale_plan_problem(device):
+    good = {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in _good().items()}
+    other = good["block_indices"].clone()
+    other[1, 99] = torch.tensor([1, -1])  # query 99 keeps only its local block: in contract, another selection
+    assert not torch.equal(other, good["block_indices"])
+    return good, other
+
+
+def _plan_for(good, block_indices, cu_seqlens_q=None, cu_seqlens_k=None):
+    cu_q = good["cu_seqlens_q"] if cu_seqlens_q is None else cu_seqlens_q
+    cu_k = good["cu_seqlens_k"] if cu_seqlens_k is None else cu_seqlens_k
+    return torch_msa.build_plan(block_indices, cu_q, cu_k, num_keys=T, num_heads=4, block_size=64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_stale_plan_is_detected_by_validate_inputs_and_debug_mode(device, monkeypatch):
+    """A plan of the same shapes built for another selection, or for other documents: the
+    kernels would compute the plan's selection, so the value checks compare the two."""
+    good, other = _stale_plan_problem(device)
+    stale_selection = _plan_for(good, other)
+    stale_documents = _plan_for(good, good["block_indices"], *cu_seqlens([50, 100], device=device))
+    torch_msa.validate_inputs(**good, plan=_plan_for(good, good["block_indices"]), block_size=64)  # the right plan
+    for stale in (stale_selection, stale_documents):
+        with pytest.raises(ValueError, match="plan: expected the .* rebuild it with torch_msa.build_plan"):
+            torch_msa.validate_inputs(**good, plan=stale, block_size=64)
+    with pytest.raises(ValueError, match="block_indices: expected the selection the plan was built for"):
+        torch_msa.validate_inputs(**{**good, "block_indices": None}, plan=stale_selection, block_size=64)
+    monkeypatch.setenv(torch_msa.DEBUG_ENV, "1")
+    q, k, v = (good[name].requires_grad_() for name in "qkv")
+    with pytest.raises(ValueError, match="plan: expected the .* rebuild it with torch_msa.build_plan"):
+        torch_msa.sparse_attention(**good, plan=stale_selection, block_size=64)
+    out = torch_msa.sparse_attention(**good, plan=_plan_for(good, good["block_indices"]), block_size=64)
+    out.sum().backward()  # the backward's debug checks accept the forward's own plan
+    assert q.grad is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_plan_check_accepts_every_plan_msa_plan_builds(device):
+    """No false alarm: packs with empty and one-token documents, Lq < Lk, query fragments."""
+    from torch_msa.testing import fragments
+    from torch_msa.validation import check_plan_values
+
+    generator = torch.Generator().manual_seed(3)
+    for q_lens, k_lens in (([0, 1, 200, 0, 77], [0, 1, 200, 0, 77]), ([30, 1, 64], [130, 1, 200])):
+        cu_q, cu_k = cu_seqlens(q_lens, k_lens, device)
+        ids = random_block_indices(cu_q.cpu(), cu_k.cpu(), 2, 3, 64, generator).to(device)
+        plan = torch_msa.build_plan(ids, cu_q, cu_k, num_keys=sum(k_lens), num_heads=4, block_size=64)
+        check_plan_values(plan, ids, cu_q, cu_k, sum(k_lens), 64)
+        # Another random selection keeps as many blocks per row: only the entries tell them apart.
+        other = random_block_indices(cu_q.cpu(), cu_k.cpu(), 2, 3, 64, generator).to(device)
+        assert (other >= 0).sum() == (ids >= 0).sum() and not torch.equal(other, ids)
+        with pytest.raises(ValueError, match="plan: expected the entries of this block_indices; the plan's entry"):
+            check_plan_values(plan, other, cu_q, cu_k, sum(k_lens), 64)
+    pieces = fragments([150, 90], [(1, 10, 40), (0, 0, 64), (0, 100, 50)], device)
+    ids = random_block_indices(pieces.cu_seqlens_q.cpu(), pieces.cu_seqlens_k.cpu(), 2, 3, 64, generator,
+                               *(x.cpu() for x in pieces.tensors)).to(device)
+    plan = torch_msa.build_plan(ids, pieces.cu_seqlens_q, pieces.cu_seqlens_k, pieces.max_seqlen_q, pieces.max_seqlen_k,
+                                num_keys=240, num_heads=4, block_size=64, fragment_documents=pieces.fragment_documents,
+                                fragment_starts=pieces.fragment_starts)
+    check_plan_values(plan, ids, pieces.cu_seqlens_q, pieces.cu_seqlens_k, 240, 64, *pieces.tensors)
+
+
+def test_the_cpu_selection_costs_the_keys_present_not_max_seqlen_k():
+    """A generous fixed max_seqlen_k (to keep compiled graphs static) changes neither the result
+    nor the work: the candidate blocks are bounded by the keys present."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from torch_msa import reference
+
+    index_q, index_k = torch.randn(200, 2, 32), torch.randn(200, 1, 32)
+
+    def select(max_seqlen_k):
+        """The op's result and nominal FLOPs, and the FLOPs the CPU reference really runs."""
+        with FlopCounterMode(display=False) as nominal:
+            ids = torch_msa.select_blocks(index_q, index_k, max_seqlen_k=max_seqlen_k, topk=4, block_size=64)
+        docs = torch.tensor([0, 200], dtype=torch.int32)
+        with FlopCounterMode(display=False) as real:
+            reference.select_blocks(index_q, index_k, docs, docs, 200, max_seqlen_k, 4, 64)
+        return ids, nominal.get_total_flops(), real.get_total_flops()
+
+    exact, exact_nominal, exact_real = select(200)
+    assert exact_nominal == 2 * 32 * 2 * 200 * 200 and exact_real > 0
+    for generous in (2**17, 2**40):
+        ids, nominal, real = select(generous)
+        assert torch.equal(ids, exact)
+        assert (nominal, real) == (exact_nominal, exact_real)

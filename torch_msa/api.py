@@ -34,6 +34,8 @@ from .plan import entries_per_item
 def _document_args(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                block_size, topk=None, softmax_scale=None):
     """Fill the document defaults and check the host arguments; returns the ops' four document args."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        validation.check_optional_tensor(name, cu, "int32 [B + 1]")
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         missing = "cu_seqlens_k" if cu_seqlens_k is None else "cu_seqlens_q"
         raise ValueError(f"{missing}: expected a tensor when the other cu_seqlens is given (or neither), got None")
@@ -49,6 +51,8 @@ def _document_args(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, ma
 
 def _fragments(fragment_documents, fragment_starts, cu_seqlens_q):
     """The ops' two trailing fragment arguments, checked to come together with `cu_seqlens`."""
+    for name, x in (("fragment_documents", fragment_documents), ("fragment_starts", fragment_starts)):
+        validation.check_optional_tensor(name, x, "int32 [F]")
     if (fragment_documents is None) != (fragment_starts is None):
         missing = "fragment_starts" if fragment_starts is None else "fragment_documents"
         other = "fragment_documents" if fragment_starts is None else "fragment_starts"
@@ -135,9 +139,15 @@ def build_plan(
 
     Returns:
         A 1-D int32 tensor (`msa::plan`; layout in `torch_msa/plan.py`), valid for calls with
-        these `block_indices`, documents, `Tk` and `block_size`.
+        these `block_indices`, documents, `Tk` and `block_size`. Every call checks its length
+        against the shapes; a plan of the same shapes built for another selection or other
+        documents (a stale plan) is caught only by `TORCH_MSA_DEBUG=1` and
+        `validate_inputs(..., plan=plan)`: otherwise the kernels compute the plan's selection.
     """
     _rows("block_indices", block_indices, "[Hkv, Tq, topk]")
+    # Checked before they stand in for defaults (max_seqlen_k defaults to num_keys).
+    validation.check_host_int("num_keys", num_keys, 0)
+    validation.check_host_int("num_heads", num_heads, 1)
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     num_queries = block_indices.shape[1] if block_indices.dim() == 3 else 0  # msa::plan names a wrong rank
     docs = _document_args(num_queries, num_keys, block_indices.device, cu_seqlens_q, cu_seqlens_k,
@@ -186,6 +196,7 @@ def sparse_attention(
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
+    validation.check_optional_tensor("plan", plan, "from build_plan")
     if plan is None:
         plan = _plan_for(q, k, block_indices, docs, block_size, fragments)
     out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan, *fragments)
@@ -252,7 +263,10 @@ def msa_attention(
 
 
 def _index_scale(index_q, index_softmax_scale):
-    return index_q.shape[-1] ** -0.5 if index_softmax_scale is None else index_softmax_scale
+    if index_softmax_scale is None:
+        return index_q.shape[-1] ** -0.5
+    validation.check_scale("index_softmax_scale", index_softmax_scale)
+    return index_softmax_scale
 
 
 def indexer_kl_loss(
@@ -334,6 +348,7 @@ def indexer_kl_loss_dense(
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
+    validation.check_optional_tensor("lse", lse, "[Tq, Hq]")
     loss, *_ = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, None, *docs, block_size,
                                         _scale(q, softmax_scale), _index_scale(index_q, index_softmax_scale),
                                         *fragments)
@@ -352,6 +367,7 @@ def validate_inputs(
     *,
     index_q: torch.Tensor | None = None,
     index_k: torch.Tensor | None = None,
+    plan: torch.Tensor | None = None,
     topk: int = DEFAULT_TOPK,
     block_size: int = DEFAULT_BLOCK_SIZE,
     softmax_scale: float | None = None,
@@ -364,8 +380,11 @@ def validate_inputs(
     devices; `cu_seqlens` starting at 0, non-decreasing, ending at the token counts, `Lq <= Lk`
     per document (with fragments: each names a document and fits in it) and `max_seqlen_*` large
     enough; and, when given, the block-id contract of
-    `block_indices` (valid prefix then `-1`, distinct, `< nvb`, local block last) and the index
-    inputs. Use it in eager code when debugging; it is not meant for compiled regions.
+    `block_indices` (valid prefix then `-1`, distinct, `< nvb`, local block last), the index
+    inputs, and a `plan` (which needs `block_indices`): its length, and that it was built for this
+    selection and these documents (a stale plan of the same shapes would make the kernels compute
+    the plan's own selection). Use it in eager code when debugging; it is not meant for compiled
+    regions.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
@@ -377,5 +396,12 @@ def validate_inputs(
     if index_q is not None:
         validation.check_index_inputs(index_q, index_k, q, k)
         validation.check_select_blocks(index_q, index_k, *docs, topk, block_size, *fragments)
+    validation.check_optional_tensor("plan", plan, "from build_plan")
+    if plan is not None:
+        if block_indices is None:
+            raise ValueError("block_indices: expected the selection the plan was built for when plan is given, got None")
+        validation.check_plan(plan, block_indices, k.shape[0], docs[1].shape[0] - 1, block_size)
     validation.check_values(docs[0], docs[1], q.shape[0], k.shape[0], docs[2], docs[3], block_indices, block_size,
                             *fragments)
+    if plan is not None:
+        validation.check_plan_values(plan, block_indices, docs[0], docs[1], k.shape[0], block_size, *fragments)

@@ -7,7 +7,7 @@ multiplies them by the pairs a problem really computes (`torch_msa.bench.flops`)
 
 A registered formula sees shapes, not values, so it counts the *nominal* work: every query reads
 `topk * block_size` keys per head in the forward and the backward, and scores `max_seqlen_k` keys
-per index head in the selection. That is an upper bound of the valid work the benchmark counts
+per index head in the selection (no more than the `Tk` keys present). That is an upper bound of the valid work the benchmark counts
 (early queries see fewer blocks, the local block is causal, `-1` slots read nothing).
 
 `torch.utils.flop_counter` imports triton, which `import torch_msa` must not: the formulas are
@@ -42,9 +42,10 @@ def index_scoring(index_heads: int, index_dim: int, pairs: int | float) -> int |
 # their shapes, and the output's shape as `out_shape`.
 def select_blocks_flops(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
                         fragment_documents=None, fragment_starts=None, out_shape=None) -> int:
-    """`msa::select_blocks`: each of the `Tq` queries scores at most `max_seqlen_k` keys per index head."""
+    """`msa::select_blocks`: each of the `Tq` queries scores at most `min(max_seqlen_k, Tk)` keys per
+    index head."""
     num_queries, index_heads, index_dim = index_q
-    return index_scoring(index_heads, index_dim, num_queries * max_seqlen_k)
+    return index_scoring(index_heads, index_dim, num_queries * min(max_seqlen_k, index_k[0]))
 
 
 def forward_flops(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,

@@ -76,15 +76,27 @@ def _plan_kernel(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     return backends.call("plan", block_indices.device, *args, *fragments)
 
 
+def _check_plan(plan, block_indices, k, cu_seqlens_k, block_size):
+    validation.check_plan(plan, block_indices, k.shape[0], cu_seqlens_k.shape[0] - 1, block_size)
+
+
+def _check_values_with_plan(plan, block_indices, cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k,
+                            block_size, fragments):
+    validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                            block_indices, block_size, *fragments)
+    if plan is not None:
+        validation.check_plan_values(plan, block_indices, cu_seqlens_q, cu_seqlens_k, k.shape[0], block_size, *fragments)
+
+
 def _forward_kernel(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
                     plan=None, fragment_documents=None, fragment_starts=None):
     fragments = (fragment_documents, fragment_starts)
     args = (q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
     validation.check_forward(*args, *fragments)
-    validation.check_plan(plan, block_indices)
+    _check_plan(plan, block_indices, k, cu_seqlens_k, block_size)
     if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size,
-                                *fragments)
+        _check_values_with_plan(plan, block_indices, cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k,
+                                block_size, fragments)
     return backends.call("forward", q.device, *args, plan, *fragments)
 
 
@@ -95,10 +107,10 @@ def _backward_kernel(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, c
     args = (grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse)
     validation.check_backward(*args, *fragments)
-    validation.check_plan(plan, block_indices)
+    _check_plan(plan, block_indices, k, cu_seqlens_k, block_size)
     if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size,
-                                *fragments)
+        _check_values_with_plan(plan, block_indices, cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k,
+                                block_size, fragments)
     return backends.call("backward", q.device, *args, plan, *fragments)
 
 
@@ -148,7 +160,7 @@ def _forward_fake(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen
                   plan=None, fragment_documents=None, fragment_starts=None):
     validation.check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
                              fragment_documents, fragment_starts)
-    validation.check_plan(plan, block_indices)
+    _check_plan(plan, block_indices, k, cu_seqlens_k, block_size)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype))
 
 
@@ -158,7 +170,7 @@ def _backward_fake(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_
     validation.check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
                               max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse,
                               fragment_documents, fragment_starts)
-    validation.check_plan(plan, block_indices)
+    _check_plan(plan, block_indices, k, cu_seqlens_k, block_size)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -17,7 +17,11 @@ length, so a consumer splits the plan without being told `entries_per_item` and 
 sync. The item size only bounds the work of one program; every kernel walks an item of any size.
 
 A plan is opaque: pass what `msa::plan` returned for the same arguments. Its length is checked
-against the shapes; its values are trusted, so a hand-made plan is not a supported input.
+against the shapes on every call and at trace time. Its values are trusted by the kernels: a
+plan of the same shapes built for another selection or other documents (a stale plan) is
+detected by `torch_msa.validation.check_plan_values`, which `TORCH_MSA_DEBUG=1` and `torch_msa.validate_inputs` run
+(a host sync); without them the kernels compute the plan's own selection. A hand-made plan is
+not a supported input.
 """
 
 from collections.abc import Sequence
@@ -66,6 +70,22 @@ def pack(schedule: Schedule) -> torch.Tensor:
     return torch.cat(schedule)
 
 
+def item_rows(numel, block_shape: Sequence, num_keys, num_docs, block_size):
+    """The item rows `MI` of a plan of `numel` entries for these shapes, or None when no plan of
+    them has that length (fixed sections plus `3 * MI`, `MI >= 1`)."""
+    fixed = sum(section_sizes(block_shape, num_keys, num_docs, block_size, 0))
+    rows, remainder = divmod(numel - fixed, 3)
+    return rows if rows >= 1 and remainder == 0 else None
+
+
+def length_error(numel, block_shape: Sequence, num_keys, num_docs, block_size) -> str:
+    """The message of a plan whose length does not fit these shapes."""
+    fixed = sum(section_sizes(block_shape, num_keys, num_docs, block_size, 0))
+    return (f"plan: expected {fixed} + 3 * num_items int32 entries with num_items >= 1 (a plan from msa::plan for "
+            f"block_indices of shape {list(block_shape)}, Tk = {num_keys}, B = {num_docs}, block_size = {block_size}), "
+            f"got {numel}")
+
+
 def unpack(plan: torch.Tensor, block_indices: torch.Tensor, num_keys: int, num_docs: int, block_size: int) -> Schedule:
     """The `Schedule` views of `plan`, which must have been built for these arguments.
 
@@ -73,13 +93,8 @@ def unpack(plan: torch.Tensor, block_indices: torch.Tensor, num_keys: int, num_d
         ValueError: the plan's length does not fit `block_indices`, `num_keys`, `num_docs` and
             `block_size` (a plan of another layer shape or another batch).
     """
-    fixed = sum(section_sizes(block_indices.shape, num_keys, num_docs, block_size, 0))
-    item_rows, remainder = divmod(plan.numel() - fixed, 3)
-    if item_rows < 1 or remainder:
-        raise ValueError(
-            f"plan: expected {fixed} + 3 * num_items int32 entries (a plan from msa::plan for block_indices of "
-            f"shape {list(block_indices.shape)}, Tk = {num_keys}, B = {num_docs}, block_size = {block_size}), "
-            f"got {plan.numel()}"
-        )
+    rows = item_rows(plan.numel(), block_indices.shape, num_keys, num_docs, block_size)
+    if rows is None:
+        raise ValueError(length_error(plan.numel(), list(block_indices.shape), num_keys, num_docs, block_size))
     plan = plan if plan.is_contiguous() else plan.contiguous()  # the kernels index the tables densely
-    return Schedule(*plan.split_with_sizes(section_sizes(block_indices.shape, num_keys, num_docs, block_size, item_rows)))
+    return Schedule(*plan.split_with_sizes(section_sizes(block_indices.shape, num_keys, num_docs, block_size, rows)))

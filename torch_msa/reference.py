@@ -53,7 +53,9 @@ def select_blocks(
     Args:
         index_q: `[Tq, Hi, Di]` index queries.
         index_k: `[Tk, 1, Di]` index keys, shared by all index heads.
-        max_seqlen_k: bounds the candidate blocks a query scores (`ceil(max_seqlen_k / bs)`).
+        max_seqlen_k: bounds the candidate blocks a query scores, `ceil(min(max_seqlen_k, Tk) / bs)`:
+            a generous bound (a fixed one that keeps compiled graphs static) costs nothing, since
+            no document holds more than the `Tk` keys present.
 
     Returns:
         int32 `[Hi, Tq, topk]`: the `min(topk - 1, nvb - 1)` best non-local visible blocks by
@@ -67,7 +69,7 @@ def select_blocks(
         return result
     cdtype = compute_dtype(index_q.dtype)
     docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
-    num_blocks = max(1, math.ceil(max_seqlen_k / block_size))
+    num_blocks = max(1, math.ceil(min(max_seqlen_k, num_keys) / block_size))
     keys = index_k.reshape(num_keys, index_dim)
     scale = index_dim**-0.5
     # Scores are built per (query chunk, key span): a span of whole blocks sized so that even a

@@ -20,6 +20,8 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .contract import FLOAT_DTYPES, INDEX_DTYPE, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, compute_dtype
 from .documents import locate_queries
+from .plan import item_rows, length_error, unpack
+from .schedule import valid_entries
 
 DEBUG_ENV = "TORCH_MSA_DEBUG"
 
@@ -76,11 +78,16 @@ def _float_tensor(name: str, x, layout: str) -> None:
     _dtype(name, x, FLOAT_DTYPES, "bfloat16, float16, float32 or float64")
 
 
-def _host_int(name: str, value, minimum: int) -> None:
+_INT64_MAX = 2**63 - 1  # the ops' `int` / `SymInt` arguments are int64
+
+
+def check_host_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     if guard_or_false(value < minimum):
         raise ValueError(f"{name}: expected an int >= {minimum}, got {_concrete(value)}")
+    if guard_or_false(value > _INT64_MAX):
+        raise ValueError(f"{name}: expected an int <= 2**63 - 1 (an int64), got {value}")
     if isinstance(value, torch.SymInt):
         # A data-dependent value (`.item()` in a compiled region) is unknown while tracing: the
         # bound becomes a check of the running graph instead of a guard that cannot be decided.
@@ -89,29 +96,37 @@ def _host_int(name: str, value, minimum: int) -> None:
 
 
 def _block_size(block_size) -> None:
-    _host_int("block_size", block_size, 1)
+    check_host_int("block_size", block_size, 1)
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(f"block_size: expected one of {SUPPORTED_BLOCK_SIZES}, got {block_size}")
 
 
-def _softmax_scale(softmax_scale) -> None:
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (float, int)):
-        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale: expected a finite float, got {softmax_scale}")
+def check_scale(name: str, value) -> None:
+    """A softmax scale: a finite Python float (or int)."""
+    if isinstance(value, bool) or not isinstance(value, (float, int)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite float, got {value}")
+
+
+def check_optional_tensor(name: str, value, layout: str) -> None:
+    """A tensor argument that may be None; anything else would reach the dispatcher, whose
+    error names neither the expectation nor the fix."""
+    if value is not None and not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor {layout} or None, got {type(value).__name__}")
 
 
 def check_host_args(max_seqlen_q, max_seqlen_k, block_size, topk=None, softmax_scale=None) -> None:
     """The non-tensor arguments. The ops check them, and the public API checks them again before
     dispatch, whose own type errors name neither the expectation nor the fix; `None` skips
     `topk` / `softmax_scale`."""
-    _host_int("max_seqlen_q", max_seqlen_q, 0)
-    _host_int("max_seqlen_k", max_seqlen_k, 0)
+    check_host_int("max_seqlen_q", max_seqlen_q, 0)
+    check_host_int("max_seqlen_k", max_seqlen_k, 0)
     _block_size(block_size)
     if topk is not None:
-        _host_int("topk", topk, 1)
+        check_host_int("topk", topk, 1)
     if softmax_scale is not None:
-        _softmax_scale(softmax_scale)
+        check_scale("softmax_scale", softmax_scale)
 
 
 def _documents(cu_seqlens_q, cu_seqlens_k, anchor_name, anchor, fragment_documents=None, fragment_starts=None) -> None:
@@ -264,14 +279,16 @@ def check_plan_args(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         raise ValueError(f"block_indices: expected shape [Hkv >= 1, Tq, topk >= 1], got {_shape(block_indices)}")
     _documents(cu_seqlens_q, cu_seqlens_k, "block_indices", block_indices, fragment_documents, fragment_starts)
     check_host_args(max_seqlen_q, max_seqlen_k, block_size)
-    _host_int("num_keys", num_keys, 0)
-    _host_int("entries_per_item", entries_per_item, 1)
+    check_host_int("num_keys", num_keys, 0)
+    check_host_int("entries_per_item", entries_per_item, 1)
 
 
-def check_plan(plan, block_indices) -> None:
+def check_plan(plan, block_indices, num_keys, num_docs, block_size) -> None:
     """Metadata checks of the optional `plan` of `msa::forward` / `msa::backward` (no host sync):
-    a 1-D int32 tensor on the device of `block_indices`, as `msa::plan` returns it. Whether it
-    fits these shapes is checked where it is split (`torch_msa.plan.unpack`)."""
+    a 1-D int32 tensor on the device of `block_indices` whose length fits `block_indices`,
+    `num_keys` (`Tk`), `num_docs` (`B`) and `block_size`, as `msa::plan` builds it
+    (`torch_msa.plan.item_rows`). While tracing with dynamic shapes the length is compared for
+    the example being traced (no guard); the kernel compares it again on every call."""
     if plan is None:
         return
     if not isinstance(plan, torch.Tensor):
@@ -279,6 +296,12 @@ def check_plan(plan, block_indices) -> None:
     if plan.dim() != 1 or plan.dtype != INDEX_DTYPE:
         raise ValueError(f"plan: expected a 1-D int32 tensor from msa::plan, got {plan.dtype} of shape {_shape(plan)}")
     _same_device("plan", plan, "block_indices", block_indices)
+    sizes = [_concrete(size) for size in (plan.shape[0], *block_indices.shape, num_keys, num_docs)]
+    if any(isinstance(size, torch.SymInt) for size in sizes):
+        return  # a size without an example value (data-dependent): left to the kernel's check
+    numel, shape, (num_keys, num_docs) = sizes[0], sizes[1:4], sizes[4:]
+    if item_rows(numel, shape, num_keys, num_docs, block_size) is None:
+        raise ValueError(length_error(numel, shape, num_keys, num_docs, block_size))
 
 
 def _first(mask: torch.Tensor) -> tuple[int, ...]:
@@ -393,11 +416,51 @@ def _check_block_ids(block_indices, cu_seqlens_q, cu_seqlens_k, num_queries, num
         )
 
 
-def _finite_float(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (float, int)):
-        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite float, got {value}")
+def check_plan_values(plan, block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size,
+                      fragment_documents=None, fragment_starts=None) -> None:
+    """Content checks of `plan` (host sync): it must be the plan of this selection and these
+    documents, not a stale one of the same shapes.
+
+    Every query's position in the plan is the one the documents give it, and the plan's entries
+    are exactly the valid entries of `block_indices` (each bucket's key block, KV head and first
+    key row matching them), the set of (query, block) pairs the kernels will compute.
+    """
+    num_docs = cu_seqlens_k.shape[0] - 1
+    schedule = unpack(plan.detach(), block_indices, num_keys, num_docs, block_size)
+    num_kv_heads, num_queries, topk = block_indices.shape
+    ids = block_indices.detach().to("cpu", torch.int64)
+    fragments = (None, None) if fragment_documents is None else (fragment_documents.cpu(), fragment_starts.cpu())
+    docs = locate_queries(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), num_queries, num_keys, *fragments)
+    table = {name: getattr(schedule, name).detach().to("cpu", torch.int64) for name in schedule._fields}
+    stale = "a plan built for other arguments: rebuild it with torch_msa.build_plan for these"
+    wrong = (table["position"] != docs.position).nonzero()
+    if wrong.numel():
+        t = int(wrong[0])
+        raise ValueError(f"plan: expected the plan of these documents, whose query {t} sits at position "
+                         f"{int(docs.position[t])}; the plan has {int(table['position'][t])} ({stale})")
+    valid = valid_entries(ids, docs.position, block_size)
+    num_buckets = int(table["num_buckets"][0])
+    pointers = table["bucket_ptr"]
+    if not 0 <= num_buckets < pointers.numel() or (pointers[:num_buckets + 1].diff() < 0).any():
+        raise ValueError(f"plan: expected the tables msa::plan builds, got {num_buckets} buckets ({stale})")
+    count = int(pointers[num_buckets])
+    if count != int(valid.sum()):
+        raise ValueError(f"plan: expected the {int(valid.sum())} valid (query, block) entries of block_indices, "
+                         f"the plan holds {count} ({stale})")
+    bucket = torch.repeat_interleave(torch.arange(num_buckets), pointers[:num_buckets + 1].diff())
+    entry = table["entry_query"][:count]
+    head, block = table["bucket_head"][bucket], table["bucket_block"][bucket]
+    query, slot = entry // topk, entry % topk
+    inside = (entry >= 0) & (query < num_queries) & (head >= 0) & (head < num_kv_heads)
+    query, slot, head = query.clamp(0, num_queries - 1), slot.clamp(min=0), head.clamp(0, num_kv_heads - 1)
+    matches = inside & valid[head, query, slot] & (ids[head, query, slot] == block)
+    matches &= table["bucket_key_row"][bucket] == docs.key_start[query] + block * block_size
+    flat = (head * num_queries + query) * topk + slot
+    if not bool(matches.all()) or flat.unique().numel() != count:
+        e = int((~matches).nonzero()[0]) if not bool(matches.all()) else 0
+        raise ValueError(f"plan: expected the entries of this block_indices; the plan's entry {e} has block "
+                         f"{int(block[e])} of KV head {int(head[e])} for query {int(query[e])}, slot {int(slot[e])}, "
+                         f"where block_indices holds {int(ids[head[e], query[e], slot[e]])} ({stale})")
 
 
 def _lse_like(name: str, x, q) -> None:
@@ -430,7 +493,7 @@ def check_indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, c
     if index_k.shape[0] != k.shape[0]:
         raise ValueError(f"index_k: expected Tk = {k.shape[0]} rows (the rows of k), got {index_k.shape[0]}")
     _same_device("index_q", index_q, "q", q)
-    _finite_float("index_softmax_scale", index_softmax_scale)
+    check_scale("index_softmax_scale", index_softmax_scale)
 
 
 def check_indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
@@ -444,7 +507,7 @@ def check_indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
     if block_indices is not None:
         # One index head per KV head: index_q gives both Tq and Hkv.
         check_block_indices(block_indices, index_q, index_q, "index_q")
-    _finite_float("index_softmax_scale", index_softmax_scale)
+    check_scale("index_softmax_scale", index_softmax_scale)
     loss_dtype = compute_dtype(index_q.dtype)
     _tensor("grad_loss", grad_loss, 0, "[] (a scalar)")
     _dtype("grad_loss", grad_loss, (loss_dtype,), str(loss_dtype))

@@ -22,7 +22,8 @@ static shapes). With right padding this equals HF exactly. With left padding HF'
 anchors its blocks to absolute slots, so its result depends on the padding; torch_msa's result
 equals HF run on each sequence alone (RoPE is relative; pass `position_ids` counting from each
 row's first real token for the same positions too). Left padding needs `use_torch_msa`'s
-indexer. Packed rows (several documents in one row through `position_ids`) are not read: a row
+indexer: with HF's own indexer (`attn_implementation="torch_msa"` alone) a left-padded batch
+raises a `ValueError`, eagerly and compiled. Packed rows (several documents in one row through `position_ids`) are not read: a row
 is one document.
 
 Supported: training, prefill and decoding from a `DynamicCache` (`generate`; padded batches
@@ -142,6 +143,49 @@ def _real_keys_of_4d(attention_mask: torch.Tensor, q_len: int, k_len: int) -> to
     return keep[:, 0, -1]
 
 
+@torch.library.custom_op("torch_msa_hf::slot_block_indices", mutates_args=())
+def _slot_block_indices(block_indices: torch.Tensor, real_keys: torch.Tensor) -> torch.Tensor:
+    """HF's block ids `[B, H_idx, Sq, topk]` as torch_msa's int32 `[H_idx, B * Sq, topk]`, refusing
+    left-padded rows of `real_keys` (`[B, Sk]` bool, True at real tokens).
+
+    HF's indexer counts its blocks from the row's first slot, padding included, while torch_msa's
+    document of a row's real tokens starts at position 0: with left padding the two block grids
+    differ, and no block ids of torch_msa's reproduce HF's selection. Right padding (and no
+    padding) maps exactly. The check reads the mask, so it is an op of its own: it runs on every
+    call, compiled or not (a host sync; during CUDA-graph capture a device-side assert instead).
+    """
+    left_padded = (~real_keys[:, :-1] & real_keys[:, 1:]).any(dim=1)
+    if real_keys.is_cuda and torch.cuda.is_current_stream_capturing():
+        torch._assert_async(~left_padded.any(), "torch_msa: HF's indexer with a left-padded batch (see use_torch_msa)")
+    elif bool(left_padded.any()):
+        row = int(left_padded.nonzero()[0])
+        raise ValueError(
+            f"attention_mask: row {row} is left-padded, which HF's indexer under attn_implementation={ATTENTION_NAME!r} "
+            "cannot serve (its block ids count from the row's first slot, padding included, so they do not map to "
+            "torch_msa's documents). Switch the model with torch_msa.integrations.transformers.use_torch_msa, whose "
+            "indexer selects per document, or pad on the right")
+    batch, heads, q_len, topk = block_indices.shape
+    return block_indices.permute(1, 0, 2, 3).reshape(heads, batch * q_len, topk).to(torch.int32, copy=True)
+
+
+@_slot_block_indices.register_fake
+def _(block_indices, real_keys):
+    batch, heads, q_len, topk = block_indices.shape
+    return block_indices.new_empty((heads, batch * q_len, topk), dtype=torch.int32)
+
+
+def _hf_block_indices(block_indices: torch.Tensor, attention_mask, q_len: int, k_len: int) -> torch.Tensor:
+    """HF's block ids in torch_msa's layout (`_slot_block_indices`) for a mask `_documents` accepted."""
+    if attention_mask is None:  # every slot real: HF's grid is the document's
+        batch, heads, _, topk = block_indices.shape
+        return block_indices.permute(1, 0, 2, 3).reshape(heads, batch * q_len, topk).to(torch.int32)
+    if attention_mask.dim() == 4:
+        real_keys = _real_keys_of_4d(attention_mask, q_len, k_len)
+    else:
+        real_keys = attention_mask != 0
+    return _slot_block_indices(block_indices, real_keys)
+
+
 def _documents(attention_mask, batch: int, q_len: int, k_len: int, device):
     """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` of the packed rows `[B * Sq]`, `[B * Sk]`.
 
@@ -225,7 +269,7 @@ def attention_forward(
             got = tuple(block_indices.shape) if isinstance(block_indices, torch.Tensor) else type(block_indices).__name__
             raise ValueError(f"block_indices: expected [{batch}, {kv_heads}, {q_len}, topk] (HF's layout), got {got}")
         block_size = module.indexer.block_size
-        blocks = block_indices.permute(1, 0, 2, 3).reshape(kv_heads, batch * q_len, -1).to(torch.int32)
+        blocks = _hf_block_indices(block_indices, attention_mask, q_len, k_len)
     q = query.transpose(1, 2).reshape(batch * q_len, q_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch * k_len, kv_heads, head_dim)
     v = value.transpose(1, 2).reshape(batch * k_len, kv_heads, head_dim)
