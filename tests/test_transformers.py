@@ -5,6 +5,7 @@ HF's model (written independently of torch_msa) is the oracle: a tiny random
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -222,18 +223,100 @@ def test_use_torch_msa_keeps_the_parameters(hf_model):
     assert model.state_dict().keys() == hf_model.state_dict().keys()
 
 
-def test_use_torch_msa_rejects_what_torch_msa_cannot_select():
-    with pytest.raises(ValueError, match="index_local_blocks: .*expected 1, got 2"):
-        use_torch_msa(MiniMaxM3VLForCausalLM(_config(index_local_blocks=2)))
-    with pytest.raises(ValueError, match="model: expected a MiniMax-M3 model with sparse layers"):
-        use_torch_msa(MiniMaxM3VLForCausalLM(_config(layer_types=["full_attention"] * 2)))
+@pytest.mark.parametrize("overrides,message", [
+    (dict(index_local_blocks=2), "index_local_blocks: .*expected 1, got 2"),
+    (dict(head_dim=32), r"head_dim: torch_msa's sparse attention serves head dims \(64, 128\); got 32"),
+    (dict(index_block_size=8), r"index_block_size: torch_msa serves blocks of \(64, 128\) keys; got 8"),
+    (dict(layer_types=["full_attention"] * 2), "model: expected a MiniMax-M3 model with sparse layers"),
+])
+def test_use_torch_msa_rejects_configs_it_cannot_serve_up_front(overrides, message):
+    model = MiniMaxM3VLForCausalLM(_config(**overrides))
+    with pytest.raises(ValueError, match=message):
+        use_torch_msa(model)
+    assert model.config._attn_implementation == "eager"  # nothing was changed
+    assert not any(isinstance(m, TorchMSAIndexer) for m in model.modules())
 
 
-def test_patched_indexer_needs_the_torch_msa_attention(hf_model):
+def test_switching_back_restores_hf_and_switching_again_torch_msa(hf_model):
+    """set_attn_implementation undoes use_torch_msa: the patched indexer is HF's again."""
     model = _torch_msa_model(hf_model, "torch_msa")
+    ids, mask = _batch([SEQLEN, 150])
     model.set_attn_implementation("eager")
-    with pytest.raises(ValueError, match="attn_implementation: expected 'torch_msa'"):
-        model(_batch([SEQLEN])[0])
+    _assert_same(_run(model, ids, mask, attention_mask=mask), _run(hf_model, ids, mask, attention_mask=mask))
+    model.set_attn_implementation(ATTENTION_NAME)
+    _assert_same(_run(model, ids, mask, attention_mask=mask),
+                 _run(_torch_msa_model(hf_model, "torch_msa"), ids, mask, attention_mask=mask))
+
+
+def test_output_attentions_warns_once_that_there_are_no_weights(hf_model, monkeypatch):
+    from torch_msa.integrations import transformers as integration
+
+    monkeypatch.setattr(integration, "_warned_output_attentions", False)
+    model = _torch_msa_model(hf_model, "torch_msa")
+    ids = _batch([SEQLEN])[0]
+    with pytest.warns(UserWarning, match="'torch_msa' attention does not return attention weights"):
+        with torch.no_grad():
+            model(ids, output_attentions=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(ids, output_attentions=True)  # once only
+
+
+DOCS = [200, 131]  # two packed documents: the second starts inside the first's last block
+
+
+def _packed_batch(flash_kwargs):
+    from transformers import DataCollatorWithFlattening
+
+    generator = torch.Generator().manual_seed(5)
+    documents = [torch.randint(1, VOCAB, (n,), generator=generator) for n in DOCS]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)([{"input_ids": d.tolist()} for d in documents])
+    batch.pop("labels")
+    return batch, documents
+
+
+@pytest.mark.parametrize("flash_kwargs", [True, False], ids=["cu_seq_lens", "position_ids"])
+def test_packed_rows_equal_each_document_alone(hf_model, flash_kwargs):
+    """HF's padding-free recipe (DataCollatorWithFlattening): every packed document, through the
+    sparse and the full-attention layer, gives the logits and gradients of that document alone."""
+    batch, documents = _packed_batch(flash_kwargs)
+    model = _torch_msa_model(hf_model, "torch_msa")
+    weights = _weights((1, sum(DOCS)))
+    logits = model(**batch).logits
+    (logits * weights).sum().backward()
+    ours = (logits[0].detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+
+    hf_model.zero_grad(set_to_none=True)
+    alone, start = [], 0
+    for document in documents:
+        out = hf_model(document[None]).logits
+        (out * weights[:, start:start + len(document)]).sum().backward()
+        alone.append(out[0].detach())
+        start += len(document)
+    theirs = (torch.cat(alone), {name: p.grad.clone() for name, p in hf_model.named_parameters() if p.grad is not None})
+    _assert_same(ours, theirs)
+
+
+def test_packed_rows_through_hf_indexer_are_refused(hf_model):
+    batch, _ = _packed_batch(True)
+    with pytest.raises(ValueError, match="cu_seq_lens_q: packed rows .* need torch_msa's indexer.*use_torch_msa"):
+        _torch_msa_model(hf_model, "hf")(**batch)
+
+
+def test_packed_kwargs_are_checked():
+    from torch_msa.integrations.transformers import packed_kwargs_from_position_ids
+
+    assert packed_kwargs_from_position_ids(torch.arange(7)[None]) is None  # one document: nothing to pack
+    packed = packed_kwargs_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 5, 6]]))
+    assert packed["cu_seq_lens_q"].tolist() == [0, 3, 5, 7] and packed["max_length_k"] == 3
+
+
+def test_packed_rows_take_no_padding_mask(hf_model):
+    batch, _ = _packed_batch(True)
+    mask = torch.ones_like(batch["input_ids"])
+    with pytest.raises(ValueError, match="attention_mask: expected None with packed rows"):
+        _torch_msa_model(hf_model, "torch_msa")(**batch, attention_mask=mask)
 
 
 def test_sparse_attention_dropout_is_refused(hf_model):

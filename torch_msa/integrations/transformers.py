@@ -23,15 +23,26 @@ anchors its blocks to absolute slots, so its result depends on the padding; torc
 equals HF run on each sequence alone (RoPE is relative; pass `position_ids` counting from each
 row's first real token for the same positions too). Left padding needs `use_torch_msa`'s
 indexer: with HF's own indexer (`attn_implementation="torch_msa"` alone) a left-padded batch
-raises a `ValueError`, eagerly and compiled. Packed rows (several documents in one row through `position_ids`) are not read: a row
-is one document.
+raises a `ValueError`, eagerly and compiled.
+
+Packed rows (HF's padding-free training, `DataCollatorWithFlattening`): HF's packed kwargs
+(`PACKED_KWARGS`: `cu_seq_lens_q/k`, `max_length_q/k`) make each document a torch_msa document in
+the sparse layers and a causal block of its own in the full-attention layers, so each document
+gets the result it gets alone (HF's own indexer scores across documents). With `use_torch_msa`,
+`position_ids` that restart per document (one row, no mask) are read too, at one host sync per
+forward. HF's indexer (`attn_implementation="torch_msa"` alone) refuses packed kwargs.
+
+Switching back: after `use_torch_msa`, `set_attn_implementation` to another implementation
+makes the patched indexers HF's again.
 
 Supported: training, prefill and decoding from a `DynamicCache` (`generate`; padded batches
 left-padded, as `generate` wants them; not from a static cache), with no mask, a 2-D padding
-mask or a 4-D causal padding mask. Not supported: attention dropout in sparse layers, masks with
-other patterns than causal + padding.
+mask or a 4-D causal padding mask, and packed rows in training and prefill. Not supported:
+attention dropout in sparse layers, masks with other patterns than causal + padding, attention
+weights (`output_attentions=True` warns once and returns None for these layers).
 """
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +54,7 @@ try:
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
         MiniMaxM3VLIndexer,
         MiniMaxM3VLSparseStaticCacheLayer,
+        MiniMaxM3VLTextModel,
         apply_rotary_pos_emb,
     )
 except ImportError as error:  # transformers missing, or older than its MiniMax-M3 model
@@ -51,6 +63,7 @@ except ImportError as error:  # transformers missing, or older than its MiniMax-
         'install torch_msa with its hf extra (pip install ".[hf]" in a checkout)') from error
 
 from .. import api
+from ..contract import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
 from ..padding import padded_cu_seqlens
 
 ATTENTION_NAME = "torch_msa"
@@ -58,9 +71,11 @@ ATTENTION_NAME = "torch_msa"
 
 __all__ = [
     "ATTENTION_NAME",
+    "PACKED_KWARGS",
     "PendingSelection",
     "TorchMSAIndexer",
     "attention_forward",
+    "packed_kwargs_from_position_ids",
     "padding_mask",
     "use_torch_msa",
 ]
@@ -110,13 +125,14 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
     `forward` computes the index queries and keys exactly as HF's indexer does and returns a
     `PendingSelection`; the `"torch_msa"` attention function selects from it. `use_torch_msa`
     swaps the class of existing indexers in place, so weights and state-dict keys are unchanged.
+    Under any other attention implementation (`model.set_attn_implementation("eager")`, say) it
+    is HF's indexer again, so the switch is reversible.
     """
 
-    def forward(self, hidden_states, position_embeddings, past_key_values, position_ids) -> PendingSelection:
+    def forward(self, hidden_states, position_embeddings, past_key_values, position_ids) -> PendingSelection | torch.Tensor:
         if self.config._attn_implementation != ATTENTION_NAME:
-            raise ValueError(
-                f"attn_implementation: expected {ATTENTION_NAME!r} for a model patched by use_torch_msa (its indexer "
-                f"returns a PendingSelection only that attention function reads), got {self.config._attn_implementation!r}")
+            # The model was switched to another attention implementation: HF's own selection.
+            return super().forward(hidden_states, position_embeddings, past_key_values, position_ids)
         batch, q_len, _ = hidden_states.shape
         index_q = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
         index_k = self.k_norm(self.k_proj(hidden_states).view(batch, q_len, 1, self.head_dim)).transpose(1, 2)
@@ -186,6 +202,74 @@ def _hf_block_indices(block_indices: torch.Tensor, attention_mask, q_len: int, k
     return _slot_block_indices(block_indices, real_keys)
 
 
+PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""HF's keyword arguments of packed, padding-free rows (what `DataCollatorWithFlattening(
+return_flash_attn_kwargs=True)` returns): int32 boundaries over the `B * S` flattened slots and
+the longest document as host ints."""
+
+
+def _packed_documents(kwargs: dict, attention_mask, q_len: int, k_len: int, device):
+    """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` of HF's packed kwargs, or None."""
+    given = {name: kwargs.get(name) for name in PACKED_KWARGS}
+    if all(value is None for value in given.values()):
+        return None
+    for name, value in given.items():
+        if value is None:
+            raise ValueError(f"{name}: expected it with the other packed-row arguments {PACKED_KWARGS}, got None")
+    for name in PACKED_KWARGS[:2]:
+        if not isinstance(given[name], torch.Tensor):
+            raise TypeError(f"{name}: expected an int32 torch.Tensor [num_docs + 1], got {type(given[name]).__name__}")
+    if attention_mask is not None:
+        raise ValueError("attention_mask: expected None with packed rows (cu_seq_lens_q / cu_seq_lens_k), which have "
+                         f"no padding; got a {attention_mask.dim()}-D mask")
+    if q_len != k_len:
+        raise ValueError(f"cu_seq_lens_q: torch_msa reads packed rows in training and prefill (as many queries as keys); "
+                         f"got {q_len} queries over {k_len} keys (decoding from a cache)")
+    cu_q, cu_k = (given[name].to(device=device, dtype=torch.int32) for name in PACKED_KWARGS[:2])
+    return cu_q, cu_k, given["max_length_q"], given["max_length_k"]
+
+
+def packed_kwargs_from_position_ids(position_ids: torch.Tensor) -> dict | None:
+    """HF's packed kwargs (`PACKED_KWARGS`) of one row whose `position_ids` `[1, S]` restart at
+    every document (what `DataCollatorWithFlattening` returns), or None for a single document.
+
+    A document starts wherever a position is not its predecessor's plus one. This reads the
+    positions on the host (one sync, as HF's own packed path does); pass the packed kwargs
+    themselves (`DataCollatorWithFlattening(return_flash_attn_kwargs=True)`) to avoid it.
+    """
+    positions = position_ids.reshape(-1)
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[1:] = positions[1:] != positions[:-1] + 1
+    bounds = starts.nonzero().flatten().tolist() + [positions.numel()]
+    if len(bounds) <= 2:
+        return None
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=position_ids.device)
+    longest = max(end - start for start, end in zip(bounds, bounds[1:]))
+    return dict(zip(PACKED_KWARGS, (cu_seqlens, cu_seqlens, longest, longest)))
+
+
+def _read_packed_position_ids(module, args, kwargs):
+    """Forward pre-hook of the text model (`use_torch_msa`): rows packed through `position_ids`
+    alone become HF's packed kwargs, which reach every layer's attention function."""
+    position_ids = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if (position_ids is None or attention_mask is not None or any(kwargs.get(name) is not None for name in PACKED_KWARGS)
+            or position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] < 2
+            or (cache is not None and cache.get_seq_length() > 0)):
+        return None
+    packed = packed_kwargs_from_position_ids(position_ids)
+    return None if packed is None else (args, {**kwargs, **packed})
+
+
+def _document_mask(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Bool `[B, 1, S, S]`: causal inside each packed document of `cu_seqlens` (over `B * S` slots)."""
+    slots = torch.arange(batch * length, device=cu_seqlens.device)
+    document = torch.searchsorted(cu_seqlens[1:].contiguous(), slots, right=True).view(batch, length)
+    causal = torch.ones(length, length, dtype=torch.bool, device=cu_seqlens.device).tril()
+    return (causal & (document[:, :, None] == document[:, None, :]))[:, None]
+
+
 def _documents(attention_mask, batch: int, q_len: int, k_len: int, device):
     """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` of the packed rows `[B * Sq]`, `[B * Sk]`.
 
@@ -222,10 +306,25 @@ def _causal_padding_mask(padding: torch.Tensor, q_len: int, k_len: int) -> torch
     return causal[None, None] & visible
 
 
-def _full_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+def _full_attention(module, query, key, value, attention_mask, dropout, scaling, packed, **kwargs):
+    if packed is not None:
+        attention_mask = _document_mask(packed[0], query.shape[0], query.shape[2])
+    elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
         attention_mask = _causal_padding_mask(attention_mask, query.shape[2], key.shape[2])
+    # Packing is in the mask now; output_attentions was answered by attention_forward's warning.
+    kwargs = {name: value for name, value in kwargs.items() if name not in (*PACKED_KWARGS, "output_attentions")}
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+_warned_output_attentions = False
+
+
+def _warn_no_attention_weights() -> None:
+    global _warned_output_attentions
+    if not _warned_output_attentions and not torch.compiler.is_compiling():
+        _warned_output_attentions = True
+        warnings.warn(f"{ATTENTION_NAME!r} attention does not return attention weights: output_attentions=True gives "
+                      "None for its layers. Set the attention implementation to 'eager' for them.", stacklevel=3)
 
 
 def attention_forward(
@@ -246,24 +345,36 @@ def attention_forward(
         query: `[B, Hq, Sq, D]`; key, value: `[B, Hkv, Sk, D]` (D 64 or 128 for sparse layers).
         attention_mask: None (causal, every token real), a 2-D padding mask `[B, Sk]` (bool, True
             at real tokens: what `"torch_msa"`'s registered mask function passes), or a 4-D causal
-            padding mask `[B, 1, Sq, Sk]` (bool keep, or additive with 0 = keep).
+            padding mask `[B, 1, Sq, Sk]` (bool keep, or additive with 0 = keep). None with
+            packed rows.
         block_indices: HF's int64 `[B, H_idx, Sq, topk]` (`-1` padded, ids relative to the row
             start), a `PendingSelection` from `TorchMSAIndexer`, or None for a full-attention
             layer (which runs SDPA).
+        kwargs: HF's packed-row arguments (`PACKED_KWARGS`: `cu_seq_lens_q/k` over the `B * S`
+            flattened slots, `max_length_q/k`), if any, make each packed document a document of
+            its own in both kinds of layer; the rest goes to SDPA in full-attention layers.
 
     Returns:
         `(out [B, Sq, Hq, D], None)`: no attention weights are materialised.
     """
+    if kwargs.get("output_attentions"):
+        _warn_no_attention_weights()
+    packed = _packed_documents(kwargs, attention_mask, query.shape[2], key.shape[2], query.device)
     if block_indices is None:
-        return _full_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return _full_attention(module, query, key, value, attention_mask, dropout, scaling, packed, **kwargs)
     if dropout:
         raise ValueError(f"dropout: torch_msa's sparse attention has no attention dropout; expected 0.0, got {dropout}")
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
-    documents = _documents(attention_mask, batch, q_len, k_len, query.device)
+    documents = _documents(attention_mask, batch, q_len, k_len, query.device) if packed is None else packed
     if isinstance(block_indices, PendingSelection):
         block_size = block_indices.block_size
         blocks = block_indices.select(*documents)
+    elif packed is not None:
+        raise ValueError(
+            f"cu_seq_lens_q: packed rows under attn_implementation={ATTENTION_NAME!r} need torch_msa's indexer: HF's "
+            "indexer scores every slot of the row against every earlier slot, across documents. Switch the model "
+            "with torch_msa.integrations.transformers.use_torch_msa")
     else:
         if not isinstance(block_indices, torch.Tensor) or block_indices.dim() != 4 or block_indices.shape[:3] != (batch, kv_heads, q_len):
             got = tuple(block_indices.shape) if isinstance(block_indices, torch.Tensor) else type(block_indices).__name__
@@ -303,7 +414,19 @@ def register() -> str:
 
 
 def _check_indexer_config(indexer: MiniMaxM3VLIndexer) -> None:
+    """Refuse, naming the config field, what torch_msa's sparse layers cannot serve."""
     config = indexer.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim: torch_msa's sparse attention serves head dims {SUPPORTED_HEAD_DIMS}; got {head_dim}")
+    if config.index_block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(
+            f"index_block_size: torch_msa serves blocks of {SUPPORTED_BLOCK_SIZES} keys; got {config.index_block_size}")
+    if config.index_topk_blocks < 1:
+        raise ValueError(f"index_topk_blocks: expected >= 1 (the local block counts), got {config.index_topk_blocks}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(f"num_attention_heads: expected a multiple of num_key_value_heads = {config.num_key_value_heads}, "
+                         f"got {config.num_attention_heads}")
     if config.index_local_blocks != 1:
         raise ValueError(
             f"index_local_blocks: torch_msa keeps exactly the query's own block as the local block; expected 1, "
@@ -321,7 +444,15 @@ def use_torch_msa(model: torch.nn.Module) -> torch.nn.Module:
 
     The sparse layers' indexers become `TorchMSAIndexer` (selection by `torch_msa.select_blocks`)
     and the text model's attention implementation becomes `"torch_msa"`. Parameters and
-    state-dict keys are unchanged. Returns `model`.
+    state-dict keys are unchanged. Packed rows are read from HF's packed kwargs
+    (`PACKED_KWARGS`) or from `position_ids` that restart per document (one row, no mask: one
+    host sync per forward). `model.set_attn_implementation(...)` with another implementation
+    switches back to HF's indexer and attention. Returns `model`.
+
+    Raises:
+        ValueError: naming the config field torch_msa cannot serve (`head_dim`,
+            `index_block_size`, `index_topk_blocks`, `index_local_blocks`, `index_n_heads`,
+            `num_attention_heads`), before anything is changed.
     """
     register()
     indexers = [m for m in model.modules() if isinstance(m, MiniMaxM3VLIndexer)]
@@ -331,6 +462,10 @@ def use_torch_msa(model: torch.nn.Module) -> torch.nn.Module:
         _check_indexer_config(indexer)
     for indexer in indexers:
         indexer.__class__ = TorchMSAIndexer
+    for text_model in (m for m in model.modules() if isinstance(m, MiniMaxM3VLTextModel)):
+        if not hasattr(text_model, "_torch_msa_packing_hook"):
+            text_model._torch_msa_packing_hook = text_model.register_forward_pre_hook(
+                _read_packed_position_ids, with_kwargs=True)
     if hasattr(model.config, "text_config"):
         model.set_attn_implementation({"text_config": ATTENTION_NAME})
     else:
