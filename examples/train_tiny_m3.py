@@ -4,15 +4,19 @@
     python examples/train_tiny_m3.py            # CUDA when present, else CPU
     python examples/train_tiny_m3.py --device cpu --steps 5
 
+    python examples/train_tiny_m3.py --packed   # padding-free: HF's DataCollatorWithFlattening
+
 The model is HF's `MiniMaxM3VLForCausalLM` at a toy size: one sparse (MSA) layer and one
 full-attention layer, head dim 64, blocks of 64 keys, top-2 blocks. `use_torch_msa` switches it to
-torch_msa; the rest is an ordinary training loop over a right-padded batch.
+torch_msa; the rest is an ordinary training loop over a right-padded batch, or with `--packed`
+over one row of documents packed back to back by HF's `DataCollatorWithFlattening`, whose packed
+kwargs (`cu_seq_lens_q/k`, `max_length_q/k`) keep the documents apart.
 """
 
 import argparse
 
 import torch
-from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
+from transformers import DataCollatorWithFlattening, MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
 
 from torch_msa.integrations.transformers import use_torch_msa
 
@@ -33,6 +37,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--packed", action="store_true", help="pack the sequences into one padding-free row")
     args = parser.parse_args()
     vocab_size = 256
     torch.manual_seed(0)
@@ -41,17 +46,22 @@ def main() -> None:
     model = use_torch_msa(model)  # the drop-in: torch_msa's selection and sparse attention
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
-    # Synthetic data: each sequence repeats a random motif, so the loss can fall; rows are right-padded.
+    # Synthetic data: each sequence repeats a random motif, so the loss can fall; sequence `row` is
+    # 100 * row tokens shorter than the first.
     motif = torch.randint(1, vocab_size, (args.batch, 48))
-    ids = motif.repeat(1, args.seqlen // 48 + 1)[:, : args.seqlen].to(args.device)
-    mask = torch.ones_like(ids)
-    for row in range(1, args.batch):
-        mask[row, args.seqlen - 100 * row:] = 0
-    labels = ids.masked_fill(mask == 0, -100)
+    ids = motif.repeat(1, args.seqlen // 48 + 1)[:, : args.seqlen]
+    lengths = [args.seqlen - 100 * row for row in range(args.batch)]
+    if args.packed:
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+            [{"input_ids": ids[row, :length].tolist()} for row, length in enumerate(lengths)])
+    else:  # right-padded rows
+        mask = (torch.arange(args.seqlen) < torch.tensor(lengths)[:, None]).long()
+        batch = {"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    batch = {name: x.to(args.device) if isinstance(x, torch.Tensor) else x for name, x in batch.items()}
 
     model.train()
     for step in range(args.steps):
-        loss = model(ids * mask, attention_mask=mask, labels=labels).loss
+        loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

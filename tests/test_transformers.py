@@ -327,14 +327,15 @@ def test_sparse_attention_dropout_is_refused(hf_model):
         model(_batch([SEQLEN])[0])
 
 
-def test_training_example_runs_and_learns():
+@pytest.mark.parametrize("layout", [[], ["--packed"]], ids=["padded", "packed"])
+def test_training_example_runs_and_learns(layout):
     import pathlib
     import re
     import subprocess
     import sys
 
     script = pathlib.Path(__file__).parents[1] / "examples" / "train_tiny_m3.py"
-    result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--steps", "4", "--seqlen", "192"],
+    result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--steps", "4", "--seqlen", "192", *layout],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     losses = [float(x) for x in re.findall(r"loss (\S+)", result.stdout)]
