@@ -10,7 +10,7 @@ one-time warning. The block selection and the plan stay with the Triton backend.
 
 It serves both ops by default on such devices (priority above the Triton backend): on an H200 the
 forward is about 1.35x and the backward about 1.8x faster than Triton's at every length measured
-(8K to 128K tokens, `python -m torch_msa.sm90`). The backward kernel adds with atomics; under
+(8K to 128K tokens, `python -m benchmarks.sm90`). The backward kernel adds with atomics; under
 `torch.use_deterministic_algorithms(True)` its bitwise-reproducible variant serves (the kernel
 without dQ for dK/dV, the Triton deterministic backward's reduction and query-outer dQ).
 `TORCH_MSA_BACKEND=triton` forces the Triton kernels.
