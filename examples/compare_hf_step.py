@@ -16,10 +16,14 @@ every sparse layer, so its memory grows as S^2; torch_msa's stays O(S).
 import argparse
 import copy
 import json
+import pathlib
 import statistics
 import sys
 
 import torch
+
+# The repository root, for the benchmark's `git_commit` (the `benchmarks` package is not installed).
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def build_model(layers: int, hidden: int, vocab: int):
@@ -81,8 +85,10 @@ def main(argv=None) -> int:
         return 2
 
     import torch_msa
-    from torch_msa.bench.cli import git_commit
     from torch_msa.integrations.transformers import use_torch_msa
+
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.cli import git_commit
 
     hf = build_model(args.layers, args.hidden, args.vocab)
     paths = {"hf sdpa": hf, "torch_msa": use_torch_msa(copy.deepcopy(hf))}

@@ -1,4 +1,4 @@
-"""`python -m torch_msa.bench`: FLOP formulas, the FlexAttention mask, timing, failure handling,
+"""`python -m benchmarks`: FLOP formulas, the FlexAttention mask, timing, failure handling,
 the targets and the command line (CPU at tiny sizes; one CUDA test runs every peer)."""
 
 import json
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import torch_msa
-from torch_msa.bench import cli, devices, flops, msa, peers, runner, targets
-from torch_msa.bench.flex_mask import TILE_ROWS, fold_query_heads, kv_heads_first, msa_block_mask
-from torch_msa.bench.problems import ProblemSpec, make_inputs, parse_pack, parse_seqlens
-from torch_msa.bench.results import ERROR, OK, OOM, SKIPPED, BenchResult, ProblemResult, Row
+from benchmarks import cli, devices, flops, msa, peers, runner, targets
+from benchmarks.flex_mask import TILE_ROWS, fold_query_heads, kv_heads_first, msa_block_mask
+from benchmarks.problems import ProblemSpec, make_inputs, parse_pack, parse_seqlens
+from benchmarks.results import ERROR, OK, OOM, SKIPPED, BenchResult, ProblemResult, Row
 from torch_msa.testing import M3, Shape
-from torch_msa.bench.subject import Measurement, Subject
-from torch_msa.bench.timing import Progress, is_out_of_memory, measure
+from benchmarks.subject import Measurement, Subject
+from benchmarks.timing import Progress, is_out_of_memory, measure
 from torch_msa.testing import random_block_indices
 
 CPU = torch.device("cpu")
@@ -426,7 +426,7 @@ def test_cli_on_cpu_prints_the_table_and_targets_and_writes_json(tmp_path, capsy
 
 def test_plot_is_written_when_matplotlib_is_there(tmp_path):
     pytest.importorskip("matplotlib")
-    from torch_msa.bench import report
+    from benchmarks import report
 
     result = _result_with({"T=8192": [Row("cudnn dense", "fwd", OK, 2.0, 20, flops=1e12),
                                        Row("torch_msa", "fwd", OK, 1.0, 20, flops=1e12),

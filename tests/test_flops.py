@@ -43,7 +43,7 @@ def test_the_three_ops_count_their_nominal_work():
 
 def test_nominal_work_bounds_the_valid_work_of_the_benchmark():
     """The registered counts are an upper bound of the benchmark's valid-pair accounting."""
-    from torch_msa.bench import flops as bench_flops
+    from benchmarks import flops as bench_flops
     from torch_msa.documents import locate_queries
     from torch_msa.testing import Shape
 

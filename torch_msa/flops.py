@@ -3,7 +3,7 @@
 
 Per (query, key) pair: the attention forward costs `4 * Hq * D` (two GEMMs), the backward
 `2 * (3D + 2D) * Hq` (five GEMMs, 2.5 x the forward), index scoring `2 * Di * Hi`. The benchmark
-multiplies them by the pairs a problem really computes (`torch_msa.bench.flops`).
+multiplies them by the pairs a problem really computes (`benchmarks.flops`).
 
 A registered formula sees shapes, not values, so it counts the *nominal* work: every query reads
 `topk * block_size` keys per head in the forward and the backward, and scores `max_seqlen_k` keys

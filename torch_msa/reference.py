@@ -20,7 +20,7 @@ from .schedule import build_schedule
 
 # Working-set budget of one query chunk. On CPU a small set keeps temporaries below glibc's
 # mmap threshold (fresh page faults dominated larger chunks); elsewhere fewer, larger launches
-# win. Both stay well under the 1 GiB promised in the README.
+# win. docs/backends.md states both bounds.
 _CHUNK_BYTES_CPU = 32 << 20
 _CHUNK_BYTES_DEVICE = 512 << 20
 

@@ -8,10 +8,9 @@ query heads per KV head, D = 128, block_size = 128, bf16 or fp16 (MiniMax-M3). O
 `UnsupportedInputs` before any work, and the registry falls back to the Triton backend with a
 one-time warning. The block selection and the plan stay with the Triton backend.
 
-It serves both ops by default on such devices (priority above the Triton backend): on an H200 the
-forward is about 1.35x and the backward about 1.8x faster than Triton's at every length measured
-(8K to 128K tokens, `python -m torch_msa.sm90`). The backward kernel adds with atomics; under
-`torch.use_deterministic_algorithms(True)` its bitwise-reproducible variant serves (the kernel
+It serves both ops by default on such devices (priority above the Triton backend, which it
+outruns at every length measured: docs/performance.md). The backward kernel adds with atomics;
+under `torch.use_deterministic_algorithms(True)` its bitwise-reproducible variant serves (the kernel
 without dQ for dK/dV, the Triton deterministic backward's reduction and query-outer dQ).
 `TORCH_MSA_BACKEND=triton` forces the Triton kernels.
 

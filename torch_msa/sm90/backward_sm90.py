@@ -42,13 +42,8 @@ Design
 Traffic per token (M3, bf16, top-16, long documents): its 64 entries read Q and dO once each,
 2 x 256 KiB, and add 64 dQ tiles of 8 KiB (512 KiB, reduced in L2); K/V are read once per item.
 The five GEMMs of a tile do 10.5 MFLOP on 48 KiB of operands read (Q, dO) and 8 KiB reduced.
-
-Measured on an H200 the blocks kernel runs at 302-335 effective TF/s and the whole backward at
-286-311 (docs/performance.md). Both warpgroups work on the same tile, so they pass its phases in
-lockstep, two CTA barriers per tile, and the tensor cores idle while they exponentiate or move
-dS and dQ through shared memory. Not done yet (speed, not correctness): warp specialisation (a
-producer warp, `setmaxnreg`) with the warpgroups on alternating tiles, and a swizzled dQ tile
-(the row-major one the 1-D bulk reduce needs takes bank-conflicted stores).
+Both warpgroups work on the same tile, so they pass its phases in lockstep, with two CTA barriers
+per tile. Measured speed, what bounds it and what is left to gain: docs/performance.md.
 
 The CuTe DSL is imported only inside functions, so this module imports on hosts without it.
 """

@@ -38,18 +38,8 @@ Bytes per token (M3, bf16, top-16, long documents, nothing kept in L2): a token 
 (4 KV heads x 16 slots). Q is read once per entry, 64 x 16 heads x 128 x 2 B = 256 KiB; the
 partial outputs are written and read back, 2 x 256 KiB, and their lse 2 x 4 KiB; `out` is
 written, 16 KiB; K and V of a block (64 KiB) are read once per item of up to 128 entries, 32 KiB
-per token. Total about 824 KiB = 0.84 MB per token. The effective FLOPs per token
-(docs/performance.md: `4 Hq D S`, S = 2048 keys) are 67 MFLOP, so at 4.3 TB/s the blocks and
-combine kernels together are bounded at about 67e6 / 0.84e6 x 4.3e12 = 340 effective TF/s, half
-of the dense bf16 wgmma rate. The partials are 60 % of the bytes: a combine fused into the
-persistent kernel (partials kept in L2 or shared memory) is where the next factor lies.
-
-Measured on an H200 the blocks kernel runs at 277-291 effective TF/s and the whole forward at
-211-220 (docs/performance.md). Nsight Compute finds it latency-bound: the tensor pipe and issue
-slots about 30% busy, no eligible warp in 68% of the cycles, with two warpgroups per SM that
-each serialise wgmma, softmax and stores. Not done yet (speed, not correctness): warp
-specialisation (a producer warp, `setmaxnreg`, two consumer warpgroups alternating MMA and
-softmax on one K/V tile) and a combine fused into the persistent kernel.
+per token. Total about 824 KiB = 0.84 MB per token, 60 % of it the partials. What that bounds
+on a given GPU, what was measured and what is left to gain: docs/performance.md.
 
 The CuTe DSL is imported only inside functions, so this module imports on hosts without it.
 """

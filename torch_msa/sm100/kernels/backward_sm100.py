@@ -42,10 +42,8 @@ Design (after NeMo AutoModel's `msa_backward_sm100`; our own code):
 of dQ and dK is applied in fp32 before the atomics. P and dS are rounded to bf16 for the tensor
 cores (as in every bf16 flash backward); everything else stays fp32.
 
-Not done (performance, not correctness): the MMA warp does not software-pipeline across tasks
-(issuing S^T of task n + 1 before dQ/dK of task n, as CUTLASS's FMHA backward does, would overlap
-the exponentials with those GEMMs), and dQ is added in fp32 (NeMo's design halves that traffic
-with packed bf16x2 atomics into a head-pair-interleaved pool).
+The MMA warp does not software-pipeline across tasks, and dQ is added with fp32 atomics; what that
+leaves to gain is in docs/performance.md.
 
 The CuTe DSL is imported only inside functions, so this module imports on hosts without it.
 """

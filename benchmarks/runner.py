@@ -11,8 +11,9 @@ import traceback
 
 import torch
 
+from torch_msa.testing import Shape
+
 from . import msa, peers
-from ..testing import Shape
 from .problems import ProblemSpec, make_inputs
 from .report import format_rate
 from .results import ERROR, OK, OOM, SKIPPED, ProblemResult, Row

@@ -1,10 +1,10 @@
-"""`python -m torch_msa.sm90`: the SM90 forward and backward against Triton's, in one process.
+"""`python -m benchmarks.sm90`: the SM90 forward and backward against Triton's, in one process.
 
 On an H200 (or any compute capability 9.0 GPU), for M3 shapes (Hq = 64, Hkv = 4, D = 128,
 block 128, top-16, bf16) and random selections: the first-call compile times, then per problem
 two lines, each with the agreement with the Triton kernels and both sides' milliseconds and
-effective TF/s (docs/performance.md's count: `4 Hq D S` forward, 2.5 times that backward, S the
-attended (query, key) pairs per KV head):
+effective TF/s (the count of docs/performance.md and `torch_msa.flops`: `4 Hq D S` forward, 2.5 times
+that backward, S the attended (query, key) pairs per KV head):
 
 * forward: the SM90 time split into its plan build (the public API builds it once per step, not
   per call), blocks kernel and combine;
@@ -21,11 +21,13 @@ import time
 
 import torch
 
-from ..backends import UnsupportedInputs
-from ..bench.flops import selected_keys
-from ..documents import locate_queries
-from ..plan import entries_per_item, unpack
-from ..testing import cu_seqlens, random_block_indices
+from torch_msa.backends import UnsupportedInputs
+from torch_msa.documents import locate_queries
+from torch_msa.flops import attention_backward, attention_forward
+from torch_msa.plan import entries_per_item, unpack
+from torch_msa.testing import cu_seqlens, random_block_indices
+
+from .flops import selected_keys
 
 HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
 SCALE = D**-0.5
@@ -45,17 +47,17 @@ def _milliseconds(fn, iterations: int) -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m torch_msa.sm90", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sm90", description=__doc__.splitlines()[0])
     parser.add_argument("--docs", nargs="+", default=["8192", "32768", "8x16384"],
                         help="problems: a document length, or COUNTxLENGTH for a pack")
     parser.add_argument("--iterations", type=int, default=10)
     args = parser.parse_args(argv)
 
-    from ..triton import backward_deterministic_kernel as triton_deterministic
-    from ..triton import backward_kernel as triton_backward
-    from ..triton import forward_kernel as triton_forward
-    from ..triton.plan_kernel import build_plan
-    from . import backward_sm90, forward_sm90
+    from torch_msa.triton import backward_deterministic_kernel as triton_deterministic
+    from torch_msa.triton import backward_kernel as triton_backward
+    from torch_msa.triton import forward_kernel as triton_forward
+    from torch_msa.triton.plan_kernel import build_plan
+    from torch_msa.sm90 import backward_sm90, forward_sm90
 
     cu = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
     tiny = torch.zeros(256, HQ, D, dtype=torch.bfloat16, device="cuda")
@@ -81,7 +83,8 @@ def main(argv=None) -> None:
         k = torch.randn(num_tokens, HKV, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(num_tokens, HKV, D, device="cuda", dtype=torch.bfloat16)
         position = locate_queries(cu_q, cu_k, num_tokens, num_tokens).position
-        flops = 4.0 * HQ * D * selected_keys(blocks, position, BLOCK).sum().item() / HKV
+        pairs = selected_keys(blocks, position, BLOCK).sum().item() / HKV
+        flops = attention_forward(HQ, D, pairs)
         inputs = (q, k, v, blocks, cu_q, cu_k, max(lengths), max(lengths), BLOCK, SCALE)
 
         want_out, want_lse = triton_forward.forward(*inputs)
@@ -125,8 +128,8 @@ def main(argv=None) -> None:
             f" | vs triton: out rel. error {out_error:.1e}, lse max error {lse_error:.1e}",
             flush=True,
         )
-        _time_backward(problem, inputs, out, lse, schedule, key_count, plan(), flops * 2.5, args.iterations,
-                       triton_backward, triton_deterministic, backward_sm90)
+        _time_backward(problem, inputs, out, lse, schedule, key_count, plan(), attention_backward(HQ, D, pairs),
+                       args.iterations, triton_backward, triton_deterministic, backward_sm90)
 
 
 def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, iterations, triton_backward,

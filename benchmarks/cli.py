@@ -1,4 +1,4 @@
-"""`python -m torch_msa.bench`: the command line of the benchmark."""
+"""`python -m benchmarks`: the command line of the benchmark."""
 
 import argparse
 import dataclasses
@@ -12,9 +12,9 @@ import sys
 import torch
 
 import torch_msa
+from torch_msa.testing import M3, Shape, pick_device
 
 from . import msa, peers, report, targets
-from ..testing import M3, Shape, pick_device
 from .devices import device_peak
 from .problems import SELECTIONS, ProblemSpec, parse_pack, parse_seqlens
 from .results import BenchResult
@@ -34,7 +34,7 @@ MIN_RUNS = 10  # a measurement cut by --row-budget keeps at least this many time
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m torch_msa.bench",
+        prog="python -m benchmarks",
         description="Times torch_msa against dense SDPA (cuDNN, flash), fla parallel_nsa and FlexAttention "
                     "with the exact MSA mask, in one process, on the same inputs and block indices "
                     "(M3 shapes by default: Hq=64, Hkv=4, D=128, block 128, top-16, bf16, index heads 4 x 128). "
@@ -166,7 +166,7 @@ def _meta(args, argv) -> dict:
     peak = device_peak(device)
     shape = args.shape
     return {
-        "command": "python -m torch_msa.bench " + " ".join(argv),
+        "command": "python -m benchmarks " + " ".join(argv),
         "torch_msa": torch_msa.__version__,
         "git_commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -12,9 +12,8 @@ import torch
 
 import torch_msa
 from torch_msa.documents import locate_queries
-from torch_msa.testing import skewed_block_indices
+from torch_msa.testing import Shape, skewed_block_indices
 
-from ..testing import Shape
 from .flops import Work, work
 
 SELECTIONS = ("index", "skewed")

@@ -1,4 +1,9 @@
-"""The benchmark: `python -m torch_msa.bench`.
+"""The benchmark of torch_msa: `python -m benchmarks`, run from the repository root.
+
+It is tooling, not part of the installed package: `pip install .` ships `torch_msa` only, and
+`import torch_msa` never imports this package. It measures the installed or checked-out
+torch_msa through its public API, its ops and (for the kernel-level commands) its backend
+modules.
 
 In one process, on the same random inputs and block indices (M3 shapes by default: Hq=64, Hkv=4,
 D=128, block 128, top-16, bf16, index heads 4 x 128; `--heads` sets other head counts), it times
@@ -17,8 +22,9 @@ performance goals (`targets`).
 Modules: `flops` (formulas), `problems` (layouts, inputs, selections), `timing` (how one
 measurement is timed), `flex_mask` (the BlockMask), `peers` and `msa` (what is timed),
 `runner`, `results`, `targets`, `devices` (peak rates, L2), `report` (table, JSON, PNG), `cli`.
-Separate commands: `python -m torch_msa.bench.deterministic` (the backward with and without
-`torch.use_deterministic_algorithms(True)`), `python -m torch_msa.bench.kl` (the KL loss against
-the attention step) and `python -m torch_msa.bench.overhead` (eager host time of a forward call
-against its kernels).
+Separate commands: `python -m benchmarks.deterministic` (the backward with and without
+`torch.use_deterministic_algorithms(True)`), `python -m benchmarks.kl` (the KL loss against
+the attention step), `python -m benchmarks.overhead` (eager host time of a forward call
+against its kernels) and `python -m benchmarks.sm90` (the SM90 CuTe DSL forward and backward
+against the Triton kernels, split into their parts).
 """

@@ -17,11 +17,9 @@ import dataclasses
 
 import torch
 
-from .. import flops
-from ..schedule import valid_entries
-from ..testing import Shape
-
-BACKWARD_TO_FORWARD = 2.5
+from torch_msa import flops
+from torch_msa.schedule import valid_entries
+from torch_msa.testing import Shape
 
 
 def keys_per_token(position: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:

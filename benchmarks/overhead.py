@@ -1,4 +1,4 @@
-"""`python -m torch_msa.bench.overhead [T ...]`: eager host overhead of one forward call.
+"""`python -m benchmarks.overhead [T ...]`: eager host overhead of one forward call.
 
 For one document of `T` tokens at M3 shapes (bf16, random valid selections), times 50 eager
 `sparse_attention` calls (plan included) on the host, and the same calls' kernels with the torch
@@ -45,7 +45,7 @@ def measure(tokens: int) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torch_msa.bench.overhead", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.splitlines()[0])
     parser.add_argument("tokens", type=int, nargs="*", default=[8192], help="document lengths (default 8192)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

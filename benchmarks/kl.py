@@ -1,4 +1,4 @@
-"""`python -m torch_msa.bench.kl`: the index branch's KL loss against the attention it distils.
+"""`python -m benchmarks.kl`: the index branch's KL loss against the attention it distils.
 
 For each length (one document, M3 shapes, bf16) it times, with the benchmark's timer:
 
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_msa
+from torch_msa.testing import M3, Shape, pick_device
 
-from ..testing import M3, Shape, pick_device
 from .timing import free_memory, measure
 
 
@@ -116,7 +116,7 @@ def _print_peak_memory(device, tokens: int, step) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torch_msa.bench.kl", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlen", type=int, nargs="+", default=[32768, 65536], help="tokens (one document)")
     parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     parser.add_argument("--dense", action="store_true", help="also time the dense warm-up loss against SDPA")

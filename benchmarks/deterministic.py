@@ -1,4 +1,4 @@
-"""`python -m torch_msa.bench.deterministic`: the backward with and without deterministic algorithms.
+"""`python -m benchmarks.deterministic`: the backward with and without deterministic algorithms.
 
 Times `msa::backward` (whichever backend the registry resolves: on H100 / H200 with the `cute`
 extra the `sm90` kernel by default and its deterministic variant under
@@ -15,8 +15,9 @@ import contextlib
 
 import torch
 
-from ..backends import UnsupportedInputs
-from ..testing import M3, pick_device
+from torch_msa.backends import UnsupportedInputs
+from torch_msa.testing import M3, pick_device
+
 from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_seqlens
 from .timing import free_memory, measure
 
@@ -54,7 +55,7 @@ def _kernel_times(call, device: torch.device) -> list[tuple[str, float]]:
 @contextlib.contextmanager
 def query_config_first(config):
     """The deterministic backward's dQ kernel launched with `config` (memo cleared around it)."""
-    from ..triton import backward_deterministic_kernel, launch
+    from torch_msa.triton import backward_deterministic_kernel, launch
 
     tuned = backward_deterministic_kernel.QUERY_CONFIGS
 
@@ -74,8 +75,8 @@ def query_config_first(config):
 def _sweep(backward_arguments, device, warmup, iters):
     """The Triton deterministic backward called directly, so that a refused configuration is
     reported rather than served by another backend."""
-    from ..triton import backward_deterministic_kernel
-    from ..triton.launch import LaunchConfig
+    from torch_msa.triton import backward_deterministic_kernel
+    from torch_msa.triton.launch import LaunchConfig
 
     def backward():
         return backward_deterministic_kernel.backward(*backward_arguments)
@@ -91,7 +92,7 @@ def _sweep(backward_arguments, device, warmup, iters):
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m torch_msa.bench.deterministic", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.deterministic", description=__doc__.split("\n")[0])
     parser.add_argument("--seqlens", nargs="+", default=list(DEFAULT_SEQLENS), metavar="T",
                         help=f"single-document lengths (default: {' '.join(DEFAULT_SEQLENS)})")
     parser.add_argument("--selection", choices=SELECTIONS, default="index")

@@ -1,4 +1,4 @@
-"""`python -m torch_msa.bench`: see `torch_msa.bench` and `--help`."""
+"""`python -m benchmarks`: see `benchmarks` and `--help`."""
 
 import sys
 
