@@ -9,6 +9,16 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     collect_ignore = ["triton/kernels"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Skip the tests marked `cuda` (pyproject.toml declares the marker) on a host without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -469,7 +469,7 @@ def test_cli_defaults():
 # CUDA: every peer on a small problem
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_every_peer_runs_on_cuda(tmp_path, capsys):
     out = tmp_path / "out"
     assert cli.main(["--seqlens", "4096", "--pack", "2x1024,2048", "--warmup", "1", "--iters", "2",
@@ -492,7 +492,7 @@ def test_every_peer_runs_on_cuda(tmp_path, capsys):
         assert step["extra_peak_bytes"] > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_compiled_flex_and_fla_compute_msa_on_cuda():
     inputs = make_inputs(ProblemSpec((1000, 3000), pack=True), M3, torch.device("cuda"), "index", seed=5)
     reference, _ = torch.ops.msa.forward(inputs.q, inputs.k, inputs.v, inputs.block_indices, *inputs.document_args,

@@ -11,7 +11,7 @@ import torch_msa
 from tests.support.opcheck_samples import run, samples
 from torch_msa.testing import cu_seqlens
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.cuda
 
 
 def _m3_inputs(device, dtype=torch.bfloat16):

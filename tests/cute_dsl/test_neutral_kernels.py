@@ -40,8 +40,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ARCHES = ("sm_90a", "sm_100a")
 
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 # (q_lens, k_lens): a pack with empty and 1-token documents and partial blocks; queries that are
 # a strict suffix of their keys (Lq < Lk) next to a document with keys but no queries.
 LAYOUTS = {
@@ -435,7 +433,7 @@ M3_LAYOUT = ([1000, 3000, 77, 500], [1000, 3000, 77, 1300])  # the last document
 
 
 @requires_cute
-@requires_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("with_grad_lse", [False, True], ids=["delta", "delta_grad_lse"])
 def test_cute_delta_matches_torch(with_grad_lse):
     from torch_msa.cute_dsl.preprocess import compute_delta
@@ -449,7 +447,7 @@ def test_cute_delta_matches_torch(with_grad_lse):
 
 
 @requires_cute
-@requires_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("case", ["m3", "pack64", "suffix_bad_ids", "no_documents"])
 def test_cute_tables_align_and_finish_match_torch(case):
     from torch_msa.cute_dsl.postprocess import finish_gradients
@@ -486,7 +484,7 @@ def test_cute_tables_align_and_finish_match_torch(case):
 
 
 @requires_cute
-@requires_cuda
+@pytest.mark.cuda
 def test_consumer_of_cute_tables_matches_reference_at_m3_shapes():
     """Hq=64, Hkv=4, D=128, block 128, top-16, bf16; documents of 1000, 3000, 77 tokens and one
     with 500 queries over 1300 keys."""

@@ -209,7 +209,6 @@ def test_context_parallel_matches_one_process(world_size):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_context_parallel_on_one_gpu_through_gloo():
     # NCCL refuses two ranks on one device; gloo takes CUDA tensors. fp32: the fast kernels serve it.
     _spawn(2, device_type="cuda", dtype=torch.float32, tolerance=2e-5, cases=("mixed", "one-document"))

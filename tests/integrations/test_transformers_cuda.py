@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.cuda
 
 SEQLEN, VOCAB = 4096, 512
 

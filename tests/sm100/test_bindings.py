@@ -458,7 +458,7 @@ def test_capability_and_sm_count_are_memoized_per_device(monkeypatch, device_cac
         sm100_kernels.sm_capability(torch.device("cpu"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_the_gates_on_the_real_device(device_caches):
     device = torch.device("cuda", torch.cuda.current_device())
     capability = torch.cuda.get_device_capability(device)

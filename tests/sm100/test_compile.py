@@ -157,6 +157,7 @@ def test_run_backward_refuses_deterministic_mode(monkeypatch):
 
 
 @requires_cute
+@pytest.mark.cuda
 @requires_sm100
 @pytest.mark.parametrize("selection", ["random", "skewed"])
 def test_run_backward_matches_reference_on_sm100(selection):

@@ -14,7 +14,7 @@ requires_sm90 = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
     reason="needs a GPU of compute capability 9.0 (H100 / H200)",
 )
-SM90_MARKS = [requires_cute, requires_sm90]
+SM90_MARKS = [pytest.mark.cuda, requires_cute, requires_sm90]
 
 # The document layouts both directions are checked on against the reference.
 REFERENCE_LAYOUTS = pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from torch_msa import backends, reference
 from torch_msa.plan import entries_per_item
 from torch_msa.testing import cu_seqlens, fragments, random_block_indices, skewed_block_indices
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.cuda
 
 M3 = dict(num_heads=64, num_kv_heads=4, dim=128, block_size=128, topk=16)
 LAYOUTS = {

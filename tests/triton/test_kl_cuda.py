@@ -14,7 +14,7 @@ import torch_msa
 from torch_msa import reference, reference_kl
 from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.cuda
 
 HEADS, KV_HEADS, DIM, INDEX_DIM, BLOCK, TOPK = 64, 4, 128, 128, 128, 16
 LAYOUTS = {

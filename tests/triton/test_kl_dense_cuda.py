@@ -12,7 +12,7 @@ import torch
 from torch_msa import reference_kl
 from torch_msa.testing import cu_seqlens
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.cuda
 
 HEADS, KV_HEADS, DIM, INDEX_DIM = 64, 4, 128, 128
 SCALES = (DIM**-0.5, INDEX_DIM**-0.5)
