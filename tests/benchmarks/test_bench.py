@@ -14,10 +14,9 @@ from torch_msa.bench import cli, devices, flops, msa, peers, runner, targets
 from torch_msa.bench.flex_mask import TILE_ROWS, fold_query_heads, kv_heads_first, msa_block_mask
 from torch_msa.bench.problems import ProblemSpec, make_inputs, parse_pack, parse_seqlens
 from torch_msa.bench.results import ERROR, OK, OOM, SKIPPED, BenchResult, ProblemResult, Row
-from torch_msa.testing import M3, Shape
 from torch_msa.bench.subject import Measurement, Subject
 from torch_msa.bench.timing import Progress, is_out_of_memory, measure
-from torch_msa.testing import random_block_indices
+from torch_msa.testing import M3, Shape, random_block_indices
 
 CPU = torch.device("cpu")
 # A tiny topology: 2 KV heads of 4 query heads, so a 128-row query tile holds 32 tokens.

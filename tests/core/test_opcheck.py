@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from tests.support.opcheck_samples import run, samples
-from torch_msa import backends
 
 MATRIX = samples("cpu")
 

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 import torch_msa
-from torch_msa.testing import cu_seqlens, random_block_indices
-
 from tests.support import dense
+from torch_msa.testing import cu_seqlens, random_block_indices
 
 # (q_lens, k_lens): one document, a pack with empty and 1-token documents, shorter than a block,
 # partial last blocks, and queries that are a strict suffix of their keys (Lq < Lk).

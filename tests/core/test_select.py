@@ -4,9 +4,8 @@ import pytest
 import torch
 
 import torch_msa
-from torch_msa.testing import cu_seqlens
-
 from tests.support import dense
+from torch_msa.testing import cu_seqlens
 
 LAYOUTS = {
     "one_doc": ([700], None),

@@ -25,7 +25,6 @@ import torch
 
 from tests.support.cute_dsl import requires_cute
 from torch_msa import reference
-from torch_msa.schedule import build_schedule, build_schedule_python
 from torch_msa.cute_dsl.tasks import (
     TASK_ROWS,
     WORKSPACE_ALIGNMENT,
@@ -34,6 +33,7 @@ from torch_msa.cute_dsl.tasks import (
     document_key_bounds,
     workspace_rows,
 )
+from torch_msa.schedule import build_schedule, build_schedule_python
 from torch_msa.testing import cu_seqlens, random_block_indices
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,7 +21,6 @@ from tests.support.cute_dsl import assert_imports_without, assert_launch_types_m
 from torch_msa import reference
 from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
 
-
 requires_sm100 = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (10, 0)),
     reason="needs a GPU of compute capability 10.0 (B200 / GB200)",

@@ -13,7 +13,18 @@ import math
 import pytest
 import torch
 
-from tests.support.sm90 import BLOCK, D, HKV, HQ, REFERENCE_LAYOUTS, SCALE, SM90_MARKS, TOPK, random_problem, with_junk_ids
+from tests.support.sm90 import (
+    BLOCK,
+    HKV,
+    HQ,
+    REFERENCE_LAYOUTS,
+    SCALE,
+    SM90_MARKS,
+    TOPK,
+    D,
+    random_problem,
+    with_junk_ids,
+)
 from torch_msa import reference
 from torch_msa.testing import fragments, random_block_indices
 

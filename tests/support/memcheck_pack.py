@@ -9,6 +9,7 @@ then the same ops on query fragments of these documents with junk fragment field
 out of range, a start past its document, a negative start).
 """
 import torch
+
 import torch_msa
 from torch_msa.testing import cu_seqlens, random_block_indices
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torch_msa
-from torch_msa import reference, reference_kl
+from torch_msa import reference_kl
 from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
 
 pytestmark = pytest.mark.cuda

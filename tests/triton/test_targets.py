@@ -23,7 +23,13 @@ triton = pytest.importorskip("triton", reason="triton is not installed (it ships
 import torch_msa  # noqa: E402
 from torch_msa import backends  # noqa: E402
 from torch_msa.triton import (  # noqa: E402
-    backward_deterministic_kernel, backward_kernel, forward_kernel, kl_dense_kernel, kl_kernel, launch, select_kernel,
+    backward_deterministic_kernel,
+    backward_kernel,
+    forward_kernel,
+    kl_dense_kernel,
+    kl_kernel,
+    launch,
+    select_kernel,
 )
 
 # Shared memory per block (opt-in maximum) of each architecture, from the CUDA C++ Programming
