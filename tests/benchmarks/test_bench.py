@@ -71,7 +71,8 @@ def test_selected_keys_counts_the_actual_indices_as_sets():
     # Documents not aligned to blocks, and ids outside the contract: -1, repeats, past the horizon.
     cu_q, cu_k = torch_msa.testing.cu_seqlens([300, 70, 1, 200])
     block_size, topk, heads = 64, 4, 3
-    block_indices = random_block_indices(cu_q, cu_k, heads, topk, block_size, generator=torch.Generator().manual_seed(2))
+    block_indices = random_block_indices(cu_q, cu_k, heads, topk, block_size,
+                                         generator=torch.Generator().manual_seed(2))
     position = torch_msa.documents.locate_queries(cu_q, cu_k, 571, 571).position
     valid = flops.selected_keys(block_indices, position, block_size)
     assert torch.equal(valid, flops.keys_per_token(position, block_size, topk).expand(heads, -1))
@@ -136,7 +137,8 @@ def test_inputs_use_torch_msa_selection():
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("lengths, selection", [((300,), "index"), ((100, 230, 64, 1), "index"), ((64, 64, 129), "skewed")])
+@pytest.mark.parametrize("lengths, selection",
+                         [((300,), "index"), ((100, 230, 64, 1), "index"), ((64, 64, 129), "skewed")])
 def test_flex_block_mask_is_exactly_the_msa_mask(lengths, selection):
     from torch.nn.attention.flex_attention import create_mask, flex_attention
 
@@ -160,7 +162,8 @@ def test_flex_block_mask_is_exactly_the_msa_mask(lengths, selection):
     for head in range(shape.kv_heads):
         for tile in range(block_mask.kv_num_blocks.shape[-1]):
             partial = set(block_mask.kv_indices[0, head, tile, :block_mask.kv_num_blocks[0, head, tile]].tolist())
-            full = set(block_mask.full_kv_indices[0, head, tile, :block_mask.full_kv_num_blocks[0, head, tile]].tolist())
+            full_count = block_mask.full_kv_num_blocks[0, head, tile]
+            full = set(block_mask.full_kv_indices[0, head, tile, :full_count].tolist())
             assert not partial & full
             for kv_block in range(-(-tokens // block_size)):
                 region = expected[head, tile * TILE_ROWS:(tile + 1) * TILE_ROWS,
@@ -248,7 +251,8 @@ def test_runner_records_oom_and_errors_and_goes_on(capsys):
     def broken():
         yield Measurement("fwd", lambda: 1 / 0, 1.0)
 
-    for subject in (Subject("a", ("fwd", "bwd"), oom_in_a_phase), Subject("b", ("mask", "fwd", "bwd"), oom_while_preparing),
+    for subject in (Subject("a", ("fwd", "bwd"), oom_in_a_phase),
+                    Subject("b", ("mask", "fwd", "bwd"), oom_while_preparing),
                     Subject("c", ("fwd",), broken), Subject("d", ("fwd", "bwd"), skip_reason="not here")):
         runner.run_subject(subject, result, _config(), progress)
     status = {(r.impl, r.phase): r.status for r in result.rows}

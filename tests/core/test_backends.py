@@ -68,7 +68,8 @@ def test_forcing_an_unknown_or_unable_backend_errors_clearly(stand_in, monkeypat
     with pytest.raises(torch_msa.BackendError, match="'nonsense' names no backend; registered: .*reference"):
         torch_msa.sparse_attention(*_inputs(), block_size=64)
     monkeypatch.setenv(torch_msa.BACKEND_ENV, "gpu_only")
-    with pytest.raises(torch_msa.BackendError, match="cannot serve msa::forward on cpu: it serves cuda devices only, not cpu; backends that can: reference"):
+    with pytest.raises(torch_msa.BackendError, match="cannot serve msa::forward on cpu: it serves cuda devices only, "
+                                                     "not cpu; backends that can: reference"):
         torch_msa.sparse_attention(*_inputs(), block_size=64)
 
 
@@ -90,7 +91,8 @@ def test_fallback_warning_names_backend_and_reason(stand_in):
         raise torch_msa.UnsupportedInputs("needs topk == 16")
 
     stand_in(torch_msa.Backend("picky2", {"forward": picky_forward}, priority=5))
-    with pytest.warns(UserWarning, match="'picky2' does not serve these msa::forward inputs \\(needs topk == 16\\); falling back to 'reference'"):
+    with pytest.warns(UserWarning, match="'picky2' does not serve these msa::forward inputs \\(needs topk == 16\\); "
+                                         "falling back to 'reference'"):
         torch_msa.sparse_attention(*_inputs(), block_size=64)
 
 
@@ -164,8 +166,9 @@ def test_forcing_sm100_elsewhere_is_an_error_for_its_ops_only(fake_cuda, monkeyp
     monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm100")
     assert torch_msa.resolve("select_blocks", hopper).name == "triton"
     for op in ("forward", "backward"):
-        with pytest.raises(torch_msa.BackendError, match=f"'sm100' cannot serve msa::{op} on cuda:0: cuda:0 has compute "
-                                                        "capability 9.0; the SM100 kernels need 10.0"):
+        with pytest.raises(torch_msa.BackendError,
+                           match=f"'sm100' cannot serve msa::{op} on cuda:0: cuda:0 has compute "
+                                 "capability 9.0; the SM100 kernels need 10.0"):
             torch_msa.resolve(op, hopper)
 
 

@@ -53,7 +53,8 @@ def test_nominal_work_bounds_the_valid_work_of_the_benchmark():
     position = locate_queries(cu_q, cu_k, 300, 300).position
     work = bench_flops.work(shape, [300], block_indices, position)
     shapes = dict(q=(300, HQ, D), block_indices=tuple(block_indices.shape))
-    nominal_forward = flops.forward_flops(shapes["q"], None, None, shapes["block_indices"], None, None, 300, 300, BLOCK, 0.1)
+    nominal_forward = flops.forward_flops(shapes["q"], None, None, shapes["block_indices"], None, None, 300, 300,
+                                          BLOCK, 0.1)
     assert work.msa_forward < nominal_forward
     assert work.msa_backward == 2.5 * work.msa_forward
     assert work.index_scoring < flops.select_blocks_flops((300, HKV, DI), None, None, None, 300, 300, TOPK, BLOCK)
@@ -66,7 +67,8 @@ def test_registration_waits_for_the_flop_counter_import():
         "import sys, torch, torch_msa\n"
         "assert 'torch.utils.flop_counter' not in sys.modules and 'triton' not in sys.modules\n"
         "from torch.utils.flop_counter import FlopCounterMode, flop_registry\n"
-        "assert all(getattr(torch.ops.msa, name) in flop_registry for name in ('select_blocks', 'forward', 'backward'))\n"
+        "assert all(getattr(torch.ops.msa, name) in flop_registry\n"
+        "           for name in ('select_blocks', 'forward', 'backward'))\n"
         "import inspect, torch.utils.flop_counter as module\n"
         "assert 'FlopCounterMode' in inspect.getsource(module)\n"
     )

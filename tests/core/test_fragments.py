@@ -56,7 +56,8 @@ def test_fragment_positions():
 @pytest.mark.parametrize("device", DEVICES)
 def test_selection_of_fragments_equals_the_suffix_selection(device):
     _, _, _, index_q, index_k, cu, frag = _problem(device, _dtype(device))
-    expected = torch_msa.select_blocks(index_q, index_k, cu, cu, max(LENGTHS), max(LENGTHS), topk=TOPK, block_size=BLOCK)
+    expected = torch_msa.select_blocks(index_q, index_k, cu, cu, max(LENGTHS), max(LENGTHS), topk=TOPK,
+                                       block_size=BLOCK)
     actual = torch_msa.select_blocks(index_q[frag.rows], index_k, *frag.op_args, topk=TOPK, block_size=BLOCK,
                                      fragment_documents=frag.fragment_documents, fragment_starts=frag.fragment_starts)
     # Compared as sets per row, the contract's reading.
@@ -126,7 +127,8 @@ def test_one_fragment_at_the_suffix_is_the_suffix_rule():
     documents = torch.tensor([0, 1, 2], dtype=torch.int32)
     starts = torch.tensor([k - q for q, k in zip(q_lens, k_lens)], dtype=torch.int32)
     block_indices = testing.random_block_indices(cu_q, cu_k, KV_HEADS, TOPK, BLOCK)
-    q, k, v = torch.randn(100, HEADS, DIM, dtype=torch.float64), *torch.randn(2, 215, KV_HEADS, DIM, dtype=torch.float64)
+    q = torch.randn(100, HEADS, DIM, dtype=torch.float64)
+    k, v = torch.randn(2, 215, KV_HEADS, DIM, dtype=torch.float64)
     plain = torch_msa.sparse_attention(q, k, v, block_indices, cu_q, cu_k, block_size=BLOCK, return_lse=True)
     fragmented = torch_msa.sparse_attention(q, k, v, block_indices, cu_q, cu_k, block_size=BLOCK, return_lse=True,
                                             fragment_documents=documents, fragment_starts=starts)

@@ -48,7 +48,8 @@ def _problem(device, dtype=torch.float32, seed=0):
 def _attention(p, device):
     """out, lse and the gradients of `<out, grad_out> + <lse, grad_lse>` wrt q, k, v."""
     leaves = [p[name].detach().clone().requires_grad_() for name in ("q", "k", "v")]
-    out, lse = torch_msa.sparse_attention(*leaves, p["block_indices"], *_docs(device), block_size=BLOCK, return_lse=True)
+    out, lse = torch_msa.sparse_attention(*leaves, p["block_indices"], *_docs(device), block_size=BLOCK,
+                                          return_lse=True)
     grads = torch.autograd.grad((out, lse), leaves, (p["grad_out"], p["grad_lse"]))
     return dict(out=out.detach(), lse=lse.detach(), dq=grads[0], dk=grads[1], dv=grads[2])
 
@@ -128,7 +129,8 @@ def test_autocast_runs_the_forward_in_the_autocast_dtype(device):
     out_cast, lse_cast = torch_msa.sparse_attention(*cast, p["block_indices"], *_docs(device), block_size=BLOCK,
                                                     return_lse=True)
     grads_cast = torch.autograd.grad((out_cast, lse_cast), cast, (p["grad_out"].to(dtype), p["grad_lse"]))
-    for name, got, want in [("out", out, out_cast), ("lse", lse, lse_cast)] + list(zip(("dq", "dk", "dv"), grads, grads_cast)):
+    pairs = [("out", out, out_cast), ("lse", lse, lse_cast)] + list(zip(("dq", "dk", "dv"), grads, grads_cast))
+    for name, got, want in pairs:
         _assert_same(got, want.to(got.dtype), device, name)
 
 
@@ -228,7 +230,8 @@ def test_nested_torch_func_transforms_raise_or_match():
         torch.func.jvp(lambda q: torch.func.grad(loss)(q, p["k"], p["v"]), (p["q"],), (torch.ones_like(p["q"]),))
     q = p["q"].detach().clone().requires_grad_()
     (expected,) = torch.autograd.grad(loss(q, p["k"], p["v"]), q)
-    batched = torch.func.vmap(torch.func.grad(loss), in_dims=(0, None, None))(torch.stack([p["q"], p["q"]]), p["k"], p["v"])
+    batched_grad = torch.func.vmap(torch.func.grad(loss), in_dims=(0, None, None))
+    batched = batched_grad(torch.stack([p["q"], p["q"]]), p["k"], p["v"])
     assert torch.equal(batched[0], expected) and torch.equal(batched[1], expected)
 
 

@@ -42,14 +42,16 @@ def test_cuda_matches_cpu_at_m3_shapes():
     cpu_inputs = {n: (x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in gpu_inputs.items()}
     docs = [gpu_inputs[n] for n in _DOCS]
     selected_gpu = torch_msa.select_blocks(gpu_inputs["index_q"], gpu_inputs["index_k"], *docs).cpu()
-    selected_cpu = torch_msa.select_blocks(cpu_inputs["index_q"], cpu_inputs["index_k"], *(cpu_inputs[n] for n in _DOCS))
+    selected_cpu = torch_msa.select_blocks(cpu_inputs["index_q"], cpu_inputs["index_k"],
+                                           *(cpu_inputs[n] for n in _DOCS))
     agree = (selected_gpu.sort(-1).values == selected_cpu.sort(-1).values).all(-1).float().mean()
     assert agree > 0.999, f"selections agree on only {agree:.4%} of rows"
     # Attention on one selection, so that a near-tie cannot move a whole row.
     gpu = _attention(gpu_inputs, selected_cpu.cuda())
     cpu = _attention(cpu_inputs, selected_cpu)
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), gpu, cpu):
-        torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-2, rtol=2e-2,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_cuda_graph_capture_without_host_sync():
@@ -60,7 +62,8 @@ def test_cuda_graph_capture_without_host_sync():
     def step():
         block_indices = torch.ops.msa.select_blocks(inputs["index_q"], inputs["index_k"], *docs, 16, 128)
         out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, 128, 128**-0.5)
-        return (block_indices, out, lse, *torch.ops.msa.backward(out, q, k, v, out, lse, block_indices, *docs, 128, 128**-0.5))
+        grads = torch.ops.msa.backward(out, q, k, v, out, lse, block_indices, *docs, 128, 128**-0.5)
+        return (block_indices, out, lse, *grads)
 
     eager = step()
     stream = torch.cuda.Stream()

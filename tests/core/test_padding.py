@@ -89,11 +89,12 @@ def test_padded_documents_give_the_unpadded_attention(left):
     def attend(flat, cu_seqlens, max_seqlen):
         blocks = torch_msa.select_blocks(flat(index_q), flat(index_k), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                          topk=2, block_size=block)
-        return torch_msa.sparse_attention(flat(q), flat(k), flat(v), blocks, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                          block_size=block)
+        return torch_msa.sparse_attention(flat(q), flat(k), flat(v), blocks, cu_seqlens, cu_seqlens, max_seqlen,
+                                          max_seqlen, block_size=block)
 
     cu_seqlens, max_seqlen = padded_cu_seqlens(mask)
-    in_place = attend(lambda x: x.reshape(batch * seqlen, *x.shape[2:]), cu_seqlens, max_seqlen).view(batch, seqlen, hq, dim)
+    in_place = attend(lambda x: x.reshape(batch * seqlen, *x.shape[2:]), cu_seqlens, max_seqlen)
+    in_place = in_place.view(batch, seqlen, hq, dim)
     _, _, cu_unpadded, max_unpadded = unpad_input(q, mask)
     removed = attend(lambda x: unpad_input(x, mask)[0], cu_unpadded, max_unpadded)
     torch.testing.assert_close(in_place[mask.bool()], removed)

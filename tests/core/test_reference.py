@@ -51,7 +51,8 @@ def _compare(q, k, v, block_indices, cu_q, cu_k, block_size, atol, rtol, scale=N
     torch.testing.assert_close(out.double(), out_ref, atol=atol, rtol=rtol)
     torch.testing.assert_close(lse.double(), lse_ref, atol=atol, rtol=rtol)
     for name, got, want in zip("qkv", leaves, exact):
-        torch.testing.assert_close(got.grad.double(), want.grad, atol=atol, rtol=rtol, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=atol, rtol=rtol,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hq{}-hkv{}-d{}-bs{}-top{}".format(*c))

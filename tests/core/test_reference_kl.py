@@ -80,7 +80,7 @@ def _check_against_oracle(loss, index_q, index_k, expected, tolerance):
     for name, a, b in zip(("d index_q", "d index_k"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         torch.testing.assert_close(a.double(), b.double(), rtol=tolerance, atol=tolerance * b.abs().max().item(),
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_sparse_loss_and_gradients_match_the_oracle():
@@ -142,7 +142,7 @@ def test_the_forwards_backward_terms_match_the_oracle(support):
     for name, got in zip(expected, (index_lse, mass, index_key_sums, index_query_sums)):
         want = expected[name]
         assert got.dtype == torch.float32 and got.shape == want.shape, name
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_dense_loss_spans_keys_with_bounded_memory(monkeypatch):
@@ -273,7 +273,8 @@ def test_bad_backward_inputs_name_the_argument():
                                                  16**-0.5)
 
     assert [g.shape for g in backward(*kept)] == [index_q.shape, index_k.shape]
-    with pytest.raises(ValueError, match=r"teacher_index_keys: expected shape \[138, 2, 16\] \(\[Tq, Hi, Di\] of index_q"):
+    with pytest.raises(ValueError,
+                       match=r"teacher_index_keys: expected shape \[138, 2, 16\] \(\[Tq, Hi, Di\] of index_q"):
         backward(index_lse, mass, index_key_sums[:, :1], index_query_sums)
     with pytest.raises(ValueError, match=r"teacher_index_queries: expected shape \[403, 1, 16\]"):
         backward(index_lse, mass, index_key_sums, index_query_sums[:-1])
@@ -374,7 +375,8 @@ def test_training_the_index_branch_lowers_the_loss_and_finds_the_teacher_blocks(
 
     def overlap():
         with torch.no_grad():
-            return _overlap(torch_msa.select_blocks(*index_inputs(), topk=topk, block_size=BLOCK), teacher_top, first_query)
+            selected = torch_msa.select_blocks(*index_inputs(), topk=topk, block_size=BLOCK)
+            return _overlap(selected, teacher_top, first_query)
 
     def dense_loss():
         return torch_msa.indexer_kl_loss_dense(q, k, *index_inputs(), block_size=BLOCK)

@@ -27,8 +27,8 @@ def test_small_run_passes():
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[-1] == "self-check: PASS"
-    for start in ("  device     cpu", "  backends   select_blocks=", "  dtype      fp32", "  documents  Lk [151, 25, 15, 9]  Lq [129, 25, 15, 9]",
-                  "time (ms)    select_blocks", "keys read"):
+    for start in ("  device     cpu", "  backends   select_blocks=", "  dtype      fp32",
+                  "  documents  Lk [151, 25, 15, 9]  Lq [129, 25, 15, 9]", "time (ms)    select_blocks", "keys read"):
         assert any(line.startswith(start) for line in lines), f"no line starts with {start!r}:\n{result.stdout}"
     for name in ("selection", "out", "lse", "dq", "sum dv", "sum dk"):
         assert any(line.startswith(f"  {name} ") and " PASS" in line for line in lines), \

@@ -84,7 +84,8 @@ def stub_library(tmp_path_factory) -> Path:
 def test_stub_source_repeats_schemas_verbatim():
     text = STUB_SOURCE.read_text()
     for name, schema in SCHEMAS.items():
-        assert f'{{"{name}", "{schema}",' in text, f"{name}: schema string of _schemas.py not found verbatim in {STUB_SOURCE.name}"
+        assert f'{{"{name}", "{schema}",' in text, (
+            f"{name}: schema string of _schemas.py not found verbatim in {STUB_SOURCE.name}")
     assert "{at::Tag::pt2_compliant_tag}" in text
 
 
@@ -273,7 +274,8 @@ def test_aoti_package_with_stub(stub_library, tmp_path):
                 return torch_msa.msa_attention(q, k, v, index_q, index_k, topk=2, block_size=64)
 
         g = torch.Generator().manual_seed(0)
-        x = tuple(torch.randn(s, generator=g) for s in [(200, 4, 64), (200, 2, 64), (200, 2, 64), (200, 2, 32), (200, 1, 32)])
+        shapes = [(200, 4, 64), (200, 2, 64), (200, 2, 64), (200, 2, 32), (200, 1, 32)]
+        x = tuple(torch.randn(s, generator=g) for s in shapes)
         torch._inductor.aoti_compile_and_package(torch.export.export(Attention(), x), package_path=sys.argv[1])
         torch.save({"inputs": x, "expected": Attention()(*x)}, sys.argv[2])
         """,

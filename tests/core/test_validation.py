@@ -37,13 +37,17 @@ ATTENTION_CASES = [
     (dict(q=[1, 2]), TypeError, ["q:", "torch.Tensor", "list"]),
     (dict(q=torch.randint(0, 3, (T, 4, 64))), TypeError, ["q:", "bfloat16", "torch.int64"]),
     (dict(k=torch.randn(T, 2, 64, dtype=torch.float64)), TypeError, ["k:", "torch.float32", "torch.float64"]),
-    (dict(q=torch.randn(T, 4, 96), k=torch.randn(T, 2, 96), v=torch.randn(T, 2, 96)), ValueError, ["q:", "(64, 128)", "96"]),
+    (dict(q=torch.randn(T, 4, 96), k=torch.randn(T, 2, 96), v=torch.randn(T, 2, 96)), ValueError,
+     ["q:", "(64, 128)", "96"]),
     (dict(k=torch.randn(T, 3, 64), v=torch.randn(T, 3, 64)), ValueError, ["k:", "divides Hq = 4", "Hkv = 3"]),
     (dict(v=torch.randn(T, 2, 128)), ValueError, ["v:", "[150, 2, 64]", "[150, 2, 128]"]),
     (dict(k=torch.randn(T, 2, 64, device="meta")), ValueError, ["k:", "device cpu", "meta"]),
-    (dict(block_indices=torch.zeros(2, T, 2, dtype=torch.int64)), TypeError, ["block_indices:", "int32", "torch.int64"]),
-    (dict(block_indices=torch.zeros(4, T, 2, dtype=torch.int32)), ValueError, ["block_indices:", "[2, 150, topk >= 1]", "[4, 150, 2]"]),
-    (dict(block_indices=torch.zeros(2, T, 0, dtype=torch.int32)), ValueError, ["block_indices:", "topk >= 1", "[2, 150, 0]"]),
+    (dict(block_indices=torch.zeros(2, T, 2, dtype=torch.int64)), TypeError,
+     ["block_indices:", "int32", "torch.int64"]),
+    (dict(block_indices=torch.zeros(4, T, 2, dtype=torch.int32)), ValueError,
+     ["block_indices:", "[2, 150, topk >= 1]", "[4, 150, 2]"]),
+    (dict(block_indices=torch.zeros(2, T, 0, dtype=torch.int32)), ValueError,
+     ["block_indices:", "topk >= 1", "[2, 150, 0]"]),
     (dict(cu_seqlens_q=torch.tensor([0, 100, 150])), TypeError, ["cu_seqlens_q:", "int32", "torch.int64"]),
     (dict(cu_seqlens_k=torch.tensor([0, 150], dtype=torch.int32)), ValueError, ["cu_seqlens_k:", "3 boundaries", "2"]),
     (dict(cu_seqlens_q=torch.tensor([[0, 150]], dtype=torch.int32)), ValueError, ["cu_seqlens_q:", "1-D", "[1, 2]"]),
@@ -55,7 +59,8 @@ ATTENTION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("changes,error,fragments", ATTENTION_CASES, ids=[c[2][0] + str(i) for i, c in enumerate(ATTENTION_CASES)])
+@pytest.mark.parametrize("changes,error,fragments", ATTENTION_CASES,
+                         ids=[c[2][0] + str(i) for i, c in enumerate(ATTENTION_CASES)])
 def test_attention_bad_input(changes, error, fragments):
     with pytest.raises(error) as raised:
         _attention(**changes)
@@ -67,16 +72,19 @@ SELECT_CASES = [
     (dict(index_q=torch.randn(T, 2)), ValueError, ["index_q:", "3-D", "[150, 2]"]),
     (dict(index_k=torch.randn(T, 2, 32)), ValueError, ["index_k.shape[1]", "1", "2"]),
     (dict(index_k=torch.randn(T, 1, 16)), ValueError, ["index_k.shape[2]", "32", "16"]),
-    (dict(index_k=torch.randn(T, 1, 32, dtype=torch.float16)), TypeError, ["index_k:", "torch.float32", "torch.float16"]),
+    (dict(index_k=torch.randn(T, 1, 32, dtype=torch.float16)), TypeError,
+     ["index_k:", "torch.float32", "torch.float16"]),
     (dict(topk=0), ValueError, ["topk:", ">= 1", "0"]),
     (dict(topk=True), TypeError, ["topk:", "int", "bool"]),
     (dict(block_size=256), ValueError, ["block_size:", "(64, 128)", "256"]),
     (dict(cu_seqlens_q=torch.tensor([0, 150], dtype=torch.int32)), ValueError, ["cu_seqlens_k:", "2 boundaries", "3"]),
-    (dict(index_q=torch.randn(T, 2, 0), index_k=torch.randn(T, 1, 0)), ValueError, ["index_q:", "Di >= 1", "[150, 2, 0]"]),
+    (dict(index_q=torch.randn(T, 2, 0), index_k=torch.randn(T, 1, 0)), ValueError,
+     ["index_q:", "Di >= 1", "[150, 2, 0]"]),
 ]
 
 
-@pytest.mark.parametrize("changes,error,fragments", SELECT_CASES, ids=[c[2][0] + str(i) for i, c in enumerate(SELECT_CASES)])
+@pytest.mark.parametrize("changes,error,fragments", SELECT_CASES,
+                         ids=[c[2][0] + str(i) for i, c in enumerate(SELECT_CASES)])
 def test_select_bad_input(changes, error, fragments):
     with pytest.raises(error) as raised:
         _select(**changes)
@@ -89,15 +97,18 @@ INDEX_CASES = [
     (dict(index_q=torch.randn(T, 4, 32)), ValueError, ["index_q:", "Hi = 2 index heads", "got 4"]),
     (dict(index_q=torch.randn(T - 1, 2, 32)), ValueError, ["index_q:", "Tq = 150 rows (the rows of q)", "got 149"]),
     (dict(index_k=torch.randn(T - 1, 1, 32)), ValueError, ["index_k:", "Tk = 150 rows (the rows of k)", "got 149"]),
-    (dict(index_k=torch.randn(T, 1, 32, dtype=torch.float64)), TypeError, ["index_k:", "torch.float32", "torch.float64"]),
+    (dict(index_k=torch.randn(T, 1, 32, dtype=torch.float64)), TypeError,
+     ["index_k:", "torch.float32", "torch.float64"]),
     (dict(index_q=torch.randn(T, 2, 32, device="meta")), ValueError, ["index_q:", "device cpu", "meta"]),
     (dict(index_k=torch.randn(T, 1, 32, device="meta")), ValueError, ["index_k:", "device cpu", "meta"]),
     (dict(index_k=torch.randn(T, 32)), ValueError, ["index_k:", "3-D", "[150, 32]"]),
-    (dict(index_q=torch.randn(T, 2, 0), index_k=torch.randn(T, 1, 0)), ValueError, ["index_q:", "Di >= 1", "[150, 2, 0]"]),
+    (dict(index_q=torch.randn(T, 2, 0), index_k=torch.randn(T, 1, 0)), ValueError,
+     ["index_q:", "Di >= 1", "[150, 2, 0]"]),
 ]
 
 
-@pytest.mark.parametrize("changes,error,fragments", INDEX_CASES, ids=[c[2][0] + str(i) for i, c in enumerate(INDEX_CASES)])
+@pytest.mark.parametrize("changes,error,fragments", INDEX_CASES,
+                         ids=[c[2][0] + str(i) for i, c in enumerate(INDEX_CASES)])
 def test_msa_attention_checks_the_index_inputs(changes, error, fragments):
     good = _good()
     index = {"index_q": torch.randn(T, 2, 32), "index_k": torch.randn(T, 1, 32), **changes}
@@ -141,10 +152,14 @@ def test_bad_input_fails_at_trace_time_too():
 # Value problems: visible only by reading the tensors (a host sync), so checked in debug mode
 # and by validate_inputs; without them the op still never reads out of bounds.
 VALUE_CASES = [
-    (dict(cu_seqlens_q=torch.tensor([1, 100, 150], dtype=torch.int32)), "cu_seqlens_q: expected the first boundary to be 0, got 1"),
-    (dict(cu_seqlens_k=torch.tensor([0, 160, 150], dtype=torch.int32)), "cu_seqlens_k: expected non-decreasing boundaries"),
-    (dict(cu_seqlens_q=torch.tensor([0, 100, 140], dtype=torch.int32)), "expected the last boundary to equal the token count 150, got 140"),
-    (dict(cu_seqlens_q=torch.tensor([0, 120, 150], dtype=torch.int32), max_seqlen_q=200), "document 0 with Lq = 120, Lk = 100"),
+    (dict(cu_seqlens_q=torch.tensor([1, 100, 150], dtype=torch.int32)),
+     "cu_seqlens_q: expected the first boundary to be 0, got 1"),
+    (dict(cu_seqlens_k=torch.tensor([0, 160, 150], dtype=torch.int32)),
+     "cu_seqlens_k: expected non-decreasing boundaries"),
+    (dict(cu_seqlens_q=torch.tensor([0, 100, 140], dtype=torch.int32)),
+     "expected the last boundary to equal the token count 150, got 140"),
+    (dict(cu_seqlens_q=torch.tensor([0, 120, 150], dtype=torch.int32), max_seqlen_q=200),
+     "document 0 with Lq = 120, Lk = 100"),
     (dict(max_seqlen_k=60), "max_seqlen_k: expected >= the longest document (100 tokens), got 60"),
 ]
 
@@ -165,8 +180,10 @@ BLOCK_CASES = [
     (_block_ids(lambda ids: _set(ids, (1, 99, 0), -1)), "block_indices[1, 99, 1]: expected valid ids as a prefix"),
     (_block_ids(lambda ids: _set(ids, (0, 70, 0), 5)), "block_indices[0, 70, 0]: expected a block id < nvb = 2"),
     (_block_ids(lambda ids: _set(ids, (0, 99, 0), 1)), "block_indices[0, 99]: expected distinct block ids, got [1, 1]"),
-    (_block_ids(lambda ids: _set(ids, (0, 99), torch.tensor([1, 0]))), "expected the local block 1 as the last valid id, got [1, 0]"),
-    (_block_ids(lambda ids: _set(ids, (0, 10), -1)), "block_indices[0, 10]: expected the local block 0 as the last valid id"),
+    (_block_ids(lambda ids: _set(ids, (0, 99), torch.tensor([1, 0]))),
+     "expected the local block 1 as the last valid id, got [1, 0]"),
+    (_block_ids(lambda ids: _set(ids, (0, 10), -1)),
+     "block_indices[0, 10]: expected the local block 0 as the last valid id"),
 ]
 
 
@@ -187,7 +204,8 @@ def test_value_checks(changes, message, monkeypatch):
 
 def test_validate_inputs_accepts_good_input_and_index_inputs():
     good = _good()
-    torch_msa.validate_inputs(**good, index_q=torch.randn(T, 2, 32), index_k=torch.randn(T, 1, 32), topk=2, block_size=64)
+    torch_msa.validate_inputs(**good, index_q=torch.randn(T, 2, 32), index_k=torch.randn(T, 1, 32), topk=2,
+                              block_size=64)
     with pytest.raises(ValueError, match=r"index_q: expected Hi = 2 index heads \(one per KV head of k\), got 3"):
         torch_msa.validate_inputs(**good, index_q=torch.randn(T, 3, 32), index_k=torch.randn(T, 1, 32), block_size=64)
     with pytest.raises(ValueError, match="index_k: expected a tensor"):
@@ -211,5 +229,6 @@ def test_debug_checks_run_inside_compiled_code(monkeypatch):
     compiled(*args)
     broken = torch.tensor([0, 100, 149], dtype=torch.int32)
     monkeypatch.setenv(torch_msa.DEBUG_ENV, "1")
-    with pytest.raises(ValueError, match="cu_seqlens_k: expected the last boundary to equal the token count 150, got 149"):
+    with pytest.raises(ValueError,
+                       match="cu_seqlens_k: expected the last boundary to equal the token count 150, got 149"):
         compiled(*args[:5], broken)

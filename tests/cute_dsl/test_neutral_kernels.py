@@ -67,8 +67,10 @@ def tables_torch(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size
     real = count > 0
     key_row = schedule.bucket_key_row.long()[bucket]
     document = (torch.searchsorted(key_starts[:-1], key_row, right=True) - 1).clamp(0, max(0, num_docs - 1))
-    aligned_row = (aligned_starts.long()[document] + key_row - key_starts[document]).clamp(0, rows - WORKSPACE_ALIGNMENT)
-    meta = torch.stack([schedule.bucket_head.long()[bucket], aligned_row, schedule.bucket_block.long()[bucket], count], 1)
+    aligned_row = aligned_starts.long()[document] + key_row - key_starts[document]
+    aligned_row = aligned_row.clamp(0, rows - WORKSPACE_ALIGNMENT)
+    head, block = schedule.bucket_head.long()[bucket], schedule.bucket_block.long()[bucket]
+    meta = torch.stack([head, aligned_row, block, count], 1)
     slot = torch.arange(TASK_ROWS, device=task.device)
     slot_ok = slot < count[:, None]
     # One padding element each keeps the gathers of unused slots in range (also with Tq = 0).
@@ -399,7 +401,8 @@ def check_consumer_against_reference(pipeline, layout, heads, dim, block_size, t
     for name, got_grad, want_grad, rounded_grad in zip(("dq", "dk", "dv"), got, want, rounded):
         scale_of = want_grad.abs().max().item()
         # A key block missed or counted twice moves a gradient by percents of its scale.
-        torch.testing.assert_close(got_grad, want_grad, atol=5e-5 * scale_of, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got_grad, want_grad, atol=5e-5 * scale_of, rtol=1e-3,
+                                   msg=lambda m, name=name: f"{name}: {m}")
         assert torch.equal(rounded_grad, got_grad.to(dtype)), f"{name}: the {dtype} result is not the rounded fp32 one"
 
 
@@ -421,7 +424,8 @@ def test_task_consumer_under_the_triton_interpreter():
     pytest.importorskip("triton", reason="triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     script = "import tests.cute_dsl.test_neutral_kernels as t; t.run_consumer_under_interpreter(); print('consumer ok')"
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0 and "consumer ok" in result.stdout, (result.stdout + result.stderr)[-4000:]
 
 

@@ -66,7 +66,8 @@ def _single_process(x, lengths):
     out, lse, block_indices = torch_msa.msa_attention(t["q"], t["k"], t["v"], t["index_q"].detach(),
                                                       t["index_k"].detach(), *docs, topk=TOPK, block_size=BLOCK,
                                                       return_lse=True, return_block_indices=True)
-    dq, dk, dv = torch.autograd.grad((out * x["grad_out"]).sum() + (lse * x["grad_lse"]).sum(), (t["q"], t["k"], t["v"]))
+    dq, dk, dv = torch.autograd.grad((out * x["grad_out"]).sum() + (lse * x["grad_lse"]).sum(),
+                                     (t["q"], t["k"], t["v"]))
     kl = torch_msa.indexer_kl_loss(t["q"].detach(), t["k"].detach(), lse.detach(), t["index_q"], t["index_k"],
                                    block_indices, *docs, block_size=BLOCK)
     d_index_q, d_index_k = torch.autograd.grad(kl, (t["index_q"], t["index_k"]))
@@ -159,7 +160,8 @@ def _check_checkpointed_layer(lengths, device, dtype, tolerance):
     checkpointed = torch.autograd.grad(torch.utils.checkpoint.checkpoint(layer_loss, *inputs, use_reentrant=False),
                                        inputs[:3])
     for what, a, b in zip(("dq", "dk", "dv"), checkpointed, plain):
-        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance, msg=lambda m: f"checkpointed {what}: {m}")
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance,
+                                   msg=lambda m, what=what: f"checkpointed {what}: {m}")
 
 
 def _check_bad_inputs(device):
@@ -249,7 +251,8 @@ def test_fragments_name_the_positions_of_the_local_tokens(lengths, world_size):
     for rank, layout in enumerate(_layouts(lengths, world_size)):
         cu_q = layout.cu_seqlens_q.tolist()
         documents, starts = layout.fragment_documents.tolist(), layout.fragment_starts.tolist()
-        assert layout.cu_seqlens_q.dtype == layout.fragment_documents.dtype == layout.fragment_starts.dtype == torch.int32
+        assert (layout.cu_seqlens_q.dtype == layout.fragment_documents.dtype == layout.fragment_starts.dtype
+                == torch.int32)
         assert len(cu_q) == 2 * len(lengths) + 1 and cu_q[0] == 0 and cu_q[-1] == layout.num_local_tokens
         assert layout.max_seqlen_q == max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0)
         for f, (document, start) in enumerate(zip(documents, starts)):
@@ -279,7 +282,8 @@ def test_chunks_and_work_are_balanced(world_size):
         sizes = []
         for layout in layouts:
             cu_q = layout.cu_seqlens_q
-            sizes += [int(cu_q[2 * document + 1] - cu_q[2 * document]), int(cu_q[2 * document + 2] - cu_q[2 * document + 1])]
+            sizes += [int(cu_q[2 * document + 1] - cu_q[2 * document]),
+                      int(cu_q[2 * document + 2] - cu_q[2 * document + 1])]
         assert sum(sizes) == length and max(sizes) - min(sizes) <= 1, (document, sizes)
         assert sum(size == 0 for size in sizes) == max(0, chunks - length)
     # Causal work: a query at position p scores p + 1 keys. The remainder tokens (one more or

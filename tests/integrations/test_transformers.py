@@ -17,8 +17,9 @@ SEQLEN, BLOCK, TOPK, VOCAB = 256, 64, 2, 64  # 4 blocks per row, 2 kept: the sel
 
 def _config(**overrides):
     settings = dict(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        layer_types=["minimax_m3_sparse", "full_attention"], mlp_layer_types=["dense", "dense"], dense_intermediate_size=64,
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, layer_types=["minimax_m3_sparse", "full_attention"], mlp_layer_types=["dense", "dense"],
+        dense_intermediate_size=64,
         index_n_heads=2, index_head_dim=32, index_block_size=BLOCK, index_topk_blocks=TOPK,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         attn_implementation="eager", bos_token_id=None, eos_token_id=None, pad_token_id=0,
@@ -110,7 +111,8 @@ def test_left_padding_equals_hf_on_each_sequence_alone(hf_model):
         out = hf_model(alone).logits
         (out * _weights(ids.shape)[row:row + 1, SEQLEN - length:]).sum().backward()
         logits.append(out[0].detach())
-    theirs = (torch.cat(logits), {name: p.grad.clone() for name, p in hf_model.named_parameters() if p.grad is not None})
+    theirs = (torch.cat(logits),
+              {name: p.grad.clone() for name, p in hf_model.named_parameters() if p.grad is not None})
     _assert_same(ours, theirs)
 
 

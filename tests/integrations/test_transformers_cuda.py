@@ -38,7 +38,8 @@ def _run(model, ids, mask):
     logits = model(ids, attention_mask=mask).logits
     weights = torch.randn(logits.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     (logits.float() * weights * mask[..., None]).sum().backward()
-    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight", "model.embed_tokens.weight"]
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+             "model.embed_tokens.weight"]
     grads = {name: parameter.grad.float() for name, parameter in model.named_parameters() if name in names}
     return logits[mask.bool()].float().detach(), grads
 
@@ -83,7 +84,8 @@ def test_m3_selection_bf16_matches_hf_as_sets():
         hook.remove()
     theirs, ours_blocks = captured[0], captured[1].block_indices(None)
     theirs_sorted = theirs.masked_fill(theirs < 0, 1 << 40).sort(-1).values
-    ours_sorted = ours_blocks[..., : theirs.shape[-1]].masked_fill(ours_blocks[..., : theirs.shape[-1]] < 0, 1 << 40).sort(-1).values
+    ours_kept = ours_blocks[..., : theirs.shape[-1]]
+    ours_sorted = ours_kept.masked_fill(ours_kept < 0, 1 << 40).sort(-1).values
     same = (theirs_sorted == ours_sorted).all(-1).float().mean().item()
     # Both score in fp32 from the same bf16 index inputs; only near-ties may order differently.
     assert same >= 0.999, same

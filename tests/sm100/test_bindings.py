@@ -215,7 +215,8 @@ def test_binds_one_frozen_bundle_per_process(official):
     assert bindings.kernels() is bundle
 
 
-@pytest.mark.parametrize("missing", ["fmha_sm100", "fmha_sm100.sparse", "fmha_sm100.jit", "cutlass", "cuda.bindings.driver"])
+@pytest.mark.parametrize("missing",
+                         ["fmha_sm100", "fmha_sm100.sparse", "fmha_sm100.jit", "cutlass", "cuda.bindings.driver"])
 def test_missing_dependency_raises_unavailable_naming_the_install_command(official, missing):
     official.remove(missing)
     with pytest.raises(UnavailableError) as caught:
@@ -359,7 +360,8 @@ def test_fmax_replacement_keeps_fp32_the_third_operand_and_loc_ip(official):
     fmax, nvvm = official.utils.fmax, official.utils.nvvm
     assert fmax.decorated_by_dsl_user_op
     two = fmax(1.0, 2.0)
-    assert nvvm.calls[-1] == {"a": ("ir", 1.0, None, None), "b": ("ir", 2.0, None, None), "c": None, "loc": None, "ip": None}
+    assert nvvm.calls[-1] == {"a": ("ir", 1.0, None, None), "b": ("ir", 2.0, None, None), "c": None, "loc": None,
+                              "ip": None}
     assert isinstance(two, FakeFloat32) and two.value[0] == "max"
     fmax(1.0, 2.0, 3.0, loc="site", ip="point")
     assert nvvm.calls[-1] == {
@@ -517,7 +519,8 @@ def _m3_inputs(lengths, dtype=torch.bfloat16):
     q = torch.randn(tokens, sm100.NUM_Q_HEADS, sm100.HEAD_DIM, dtype=dtype)
     k = torch.randn(tokens, sm100.NUM_KV_HEADS, sm100.HEAD_DIM, dtype=dtype)
     v = torch.randn_like(k)
-    block_indices = testing.random_block_indices(cu_seqlens_q, cu_seqlens_k, sm100.NUM_KV_HEADS, sm100.TOPK, sm100.BLOCK_SIZE)
+    block_indices = testing.random_block_indices(cu_seqlens_q, cu_seqlens_k, sm100.NUM_KV_HEADS, sm100.TOPK,
+                                                 sm100.BLOCK_SIZE)
     return q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k
 
 
@@ -543,7 +546,8 @@ def no_launch(monkeypatch):
     ],
 )
 def test_inputs_outside_the_official_configuration_are_declined_before_any_work(no_launch, change, got):
-    shape = {"num_q_heads": 64, "num_kv_heads": 4, "head_dim": 128, "block_size": 128, "topk": 16, "dtype": torch.bfloat16}
+    shape = {"num_q_heads": 64, "num_kv_heads": 4, "head_dim": 128, "block_size": 128, "topk": 16,
+             "dtype": torch.bfloat16}
     shape.update(change)
     tokens = 3
     q = torch.zeros(tokens, shape["num_q_heads"], shape["head_dim"], dtype=shape["dtype"])
@@ -584,18 +588,21 @@ def test_forward_sends_only_self_attention_packs(official, monkeypatch):
     with pytest.raises(UnsupportedInputs, match="self-attention packs"):
         sm100.forward(q, k, v, block_indices, cu_q, cu_k, 100, 150, 128, 0.1)
     with pytest.raises(UnsupportedInputs, match="Tq=200, Tk=150"):
-        sm100.forward(q, k[:150], v[:150], block_indices, *testing.cu_seqlens([100, 100], [50, 100]), 100, 100, 128, 0.1)
+        sm100.forward(q, k[:150], v[:150], block_indices, *testing.cu_seqlens([100, 100], [50, 100]), 100, 100,
+                      128, 0.1)
     assert calls == []
 
 
 def test_unsupported_inputs_fall_back_to_the_reference_with_a_warning(monkeypatch):
     # Not opt-in, so that default resolution tries it.
-    cpu_twin = dataclasses.replace(sm100.BACKEND, device_types=("cpu",), available=lambda device: True, opt_in_note=None)
+    cpu_twin = dataclasses.replace(sm100.BACKEND, device_types=("cpu",), available=lambda device: True,
+                                   opt_in_note=None)
     monkeypatch.setitem(backends._BACKENDS, sm100.NAME, cpu_twin)
     monkeypatch.setattr(backends, "_warned", set())
     q, k, v = torch.randn(70, 4, 64), torch.randn(70, 2, 64), torch.randn(70, 2, 64)
     block_indices = torch.zeros(2, 70, 2, dtype=torch.int32)
-    with pytest.warns(UserWarning, match="backend 'sm100' does not serve these msa::forward inputs .*falling back to 'reference'"):
+    with pytest.warns(UserWarning,
+                      match="backend 'sm100' does not serve these msa::forward inputs .*falling back to 'reference'"):
         out = torch_msa.sparse_attention(q, k, v, block_indices, block_size=64)
     expected, _ = reference.forward(q, k, v, block_indices, *testing.cu_seqlens([70]), 70, 70, 64, 64**-0.5)
     torch.testing.assert_close(out, expected)
@@ -667,7 +674,8 @@ def test_forward_calls_the_official_pair_as_nemo_does_and_returns_its_lse(offici
     attention_args, attention_kwargs = calls["attention"]
     assert attention_args[3:] == ("row_ptr", "q_indices", 16)
     assert all(torch.equal(a, b) for a, b in zip(attention_args[:3], (q, k, v)))
-    assert {key: attention_kwargs[key] for key in ("blk_kv", "causal", "softmax_scale", "return_softmax_lse", "schedule")} == {
+    keys = ("blk_kv", "causal", "softmax_scale", "return_softmax_lse", "schedule")
+    assert {key: attention_kwargs[key] for key in keys} == {
         "blk_kv": 128, "causal": True, "softmax_scale": 0.088, "return_softmax_lse": True, "schedule": "schedule"}
     assert attention_kwargs["max_seqlen_q"] == attention_kwargs["max_seqlen_k"] == 256
 
@@ -684,7 +692,8 @@ def test_backward_calls_run_backward_with_the_documented_signature(official, mon
         return gradients
 
     monkeypatch.setattr(official.backward, "run_backward", run_backward)
-    assert sm100.backward(grad_out, q, k, v, q, lse, block_indices, cu_q, cu_k, 130, 130, 128, 0.088, grad_lse) is gradients
+    got = sm100.backward(grad_out, q, k, v, q, lse, block_indices, cu_q, cu_k, 130, 130, 128, 0.088, grad_lse)
+    assert got is gradients
     (args,) = received
     assert len(args) == 13
     for given, expected in zip(args[:6], (q, k, v, grad_out, q, lse)):
@@ -699,7 +708,8 @@ def test_backward_calls_run_backward_with_the_documented_signature(official, mon
 def test_empty_packs_return_without_launching(no_launch):
     q, k, v, block_indices, cu_q, cu_k = _m3_inputs([0])
     out, lse = sm100.forward(q, k, v, block_indices, cu_q, cu_k, 0, 0, 128, 0.1)
-    assert out.shape == (0, 64, 128) and out.dtype == torch.bfloat16 and lse.shape == (0, 64) and lse.dtype == torch.float32
+    assert out.shape == (0, 64, 128) and out.dtype == torch.bfloat16
+    assert lse.shape == (0, 64) and lse.dtype == torch.float32
     dq, dk, dv = sm100.backward(q, q, k, v, q, lse, block_indices, cu_q, cu_k, 0, 0, 128, 0.1)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
@@ -709,14 +719,16 @@ def test_empty_packs_return_without_launching(no_launch):
 
 def _cute_dsl_4_6_2_installed() -> bool:
     try:
-        return importlib.util.find_spec("cutlass") is not None and importlib.metadata.version("nvidia-cutlass-dsl") == "4.6.2"
+        return (importlib.util.find_spec("cutlass") is not None
+                and importlib.metadata.version("nvidia-cutlass-dsl") == "4.6.2")
     except (ImportError, ValueError):
         return False
 
 
 @pytest.mark.skipif(not _cute_dsl_4_6_2_installed(), reason="needs nvidia-cutlass-dsl==4.6.2 (the cute extra)")
 def test_fmax_patch_compiles_for_sm_100a_with_the_real_dsl(tmp_path):
-    """A stand-in MSA tree whose helper has the pinned explicit-result form: 4.6.2 rejects it, the patched one lowers."""
+    """A stand-in MSA tree whose helper has the pinned explicit-result form: 4.6.2 rejects it, the patched one
+    lowers."""
     package = tmp_path / "site" / "fmha_sm100"
     (package / "cute" / "src" / "common").mkdir(parents=True)
     for folder in (package, package / "cute" / "src", package / "cute" / "src" / "common"):
@@ -767,6 +779,8 @@ def test_fmax_patch_compiles_for_sm_100a_with_the_real_dsl(tmp_path):
                PYTHONPATH=os.pathsep.join([str(package.parent), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
     # A file, not `-c`: the DSL reads the kernels' source.
     (tmp_path / "compile_fmax.py").write_text(script)
-    result = subprocess.run([sys.executable, "compile_fmax.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    result = subprocess.run([sys.executable, "compile_fmax.py"], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.splitlines() == ["pinned helper rejected", "max.f32 with 2 operands: 1", "max.f32 with 3 operands: 1"]
+    assert result.stdout.splitlines() == ["pinned helper rejected", "max.f32 with 2 operands: 1",
+                                          "max.f32 with 3 operands: 1"]

@@ -104,4 +104,5 @@ def check_selection(block_indices, index_q, index_k, cu_seqlens_q, cu_seqlens_k,
                     worst_kept = candidate[kept].min()
                     best_rejected = candidate[rejected].max()
                     slack = tolerance * max(1.0, float(best_rejected.abs()))
-                    assert worst_kept >= best_rejected - slack, f"kept {float(worst_kept)} < rejected {float(best_rejected)}, {where}"
+                    assert worst_kept >= best_rejected - slack, (
+                        f"kept {float(worst_kept)} < rejected {float(best_rejected)}, {where}")

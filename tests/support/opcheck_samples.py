@@ -68,7 +68,8 @@ def _attention_inputs(layout: Layout, num_heads, num_kv_heads, dim, block_size, 
     def tensor(*shape):
         return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(requires_grad)
 
-    q, k, v = tensor(num_queries, num_heads, dim), tensor(num_keys, num_kv_heads, dim), tensor(num_keys, num_kv_heads, dim)
+    q = tensor(num_queries, num_heads, dim)
+    k, v = tensor(num_keys, num_kv_heads, dim), tensor(num_keys, num_kv_heads, dim)
     block_indices = random_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
     docs = (cu_q, cu_k, max(layout.q_lens), max(layout.k_lens))
     return q, k, v, block_indices, docs
@@ -88,8 +89,8 @@ def samples(device: str = "cpu") -> list[Sample]:
     for layout in LAYOUTS:
         for num_heads, num_kv_heads, dim, block_size, topk, dtype in configs:
             for requires_grad in (False, True):
-                tag = f"{layout.name}-hq{num_heads}-hkv{num_kv_heads}-d{dim}-bs{block_size}-top{topk}-{str(dtype)[6:]}" \
-                      f"-{'grad' if requires_grad else 'nograd'}"
+                tag = (f"{layout.name}-hq{num_heads}-hkv{num_kv_heads}-d{dim}-bs{block_size}-top{topk}"
+                       f"-{str(dtype)[6:]}-{'grad' if requires_grad else 'nograd'}")
                 q, k, v, block_indices, docs = _attention_inputs(
                     layout, num_heads, num_kv_heads, dim, block_size, topk, dtype, requires_grad, device)
                 scale = dim**-0.5
@@ -97,15 +98,18 @@ def samples(device: str = "cpu") -> list[Sample]:
                 if not requires_grad:
                     result.append(Sample(f"plan-{tag}", "plan", plan_args))
                 plan = (torch.ops.msa.plan(*plan_args),) if requires_grad else ()
-                result.append(Sample(f"forward-{tag}", "forward", (q, k, v, block_indices, *docs, block_size, scale, *plan)))
+                result.append(Sample(f"forward-{tag}", "forward",
+                                     (q, k, v, block_indices, *docs, block_size, scale, *plan)))
                 with torch.no_grad():
                     out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, scale)
                 grad_out = torch.randn_like(out).requires_grad_(requires_grad)
                 grad_lse = torch.randn_like(lse) if requires_grad else None
                 result.append(Sample(f"backward-{tag}", "backward",
-                                     (grad_out, q, k, v, out, lse, block_indices, *docs, block_size, scale, grad_lse, *plan),
+                                     (grad_out, q, k, v, out, lse, block_indices, *docs, block_size, scale, grad_lse,
+                                      *plan),
                                      NO_DOUBLE_BACKWARD_CHECKS if requires_grad else CHECKS))
-                index_q = torch.randn(q.shape[0], num_kv_heads, 32, dtype=dtype, device=device).requires_grad_(requires_grad)
+                index_q = torch.randn(q.shape[0], num_kv_heads, 32, dtype=dtype, device=device)
+                index_q.requires_grad_(requires_grad)
                 index_k = torch.randn(k.shape[0], 1, 32, dtype=dtype, device=device).requires_grad_(requires_grad)
                 result.append(Sample(f"select_blocks-{tag}", "select_blocks",
                                      (index_q, index_k, *docs, topk, block_size)))
@@ -137,13 +141,16 @@ def _fragment_samples(device) -> list[Sample]:
     for requires_grad in (False, True):
         tag = f"fragments-{'grad' if requires_grad else 'nograd'}"
 
-        def tensor(*shape):
+        def tensor(*shape, requires_grad=requires_grad):
             return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(requires_grad)
 
-        q, k, v = tensor(num_queries, num_heads, dim), tensor(num_keys, num_kv_heads, dim), tensor(num_keys, num_kv_heads, dim)
+        q = tensor(num_queries, num_heads, dim)
+        k, v = tensor(num_keys, num_kv_heads, dim), tensor(num_keys, num_kv_heads, dim)
         index_q, index_k = tensor(num_queries, num_kv_heads, 32), tensor(num_keys, 1, 32)
-        result.append(Sample(f"select_blocks-{tag}", "select_blocks", (index_q, index_k, *docs, topk, block_size, *extra)))
-        result.append(Sample(f"forward-{tag}", "forward", (q, k, v, block_indices, *docs, block_size, scale, plan, *extra)))
+        result.append(Sample(f"select_blocks-{tag}", "select_blocks",
+                             (index_q, index_k, *docs, topk, block_size, *extra)))
+        result.append(Sample(f"forward-{tag}", "forward",
+                             (q, k, v, block_indices, *docs, block_size, scale, plan, *extra)))
         with torch.no_grad():
             out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, scale, plan, *extra)
         grad_out = torch.randn_like(out).requires_grad_(requires_grad)
@@ -211,8 +218,8 @@ def main() -> int:
             failed += 1
             verdict = f"FAIL {type(error).__name__}: {str(error).splitlines()[0]}"
         checks = "all" if sample.checks == CHECKS else "+".join(c[5:] for c in sample.checks)
-        print(f"[{index:3d}/{len(matrix)}] {sample.name:<66} {checks:<30} {verdict} ({time.perf_counter() - start:.1f} s)",
-              flush=True)
+        seconds = time.perf_counter() - start
+        print(f"[{index:3d}/{len(matrix)}] {sample.name:<66} {checks:<30} {verdict} ({seconds:.1f} s)", flush=True)
     print(f"{len(matrix) - failed} passed, {failed} failed")
     return 1 if failed else 0
 

@@ -76,7 +76,8 @@ def _task_backward_kernel(
     d_queries = tl.zeros((TILE, HEAD_DIM), dtype=tl.float32)
     for first_key in tl.static_range(0, BLOCK_SIZE, KEYS):
         offsets = first_key + tl.arange(0, KEYS)
-        key_offsets = ((aligned_row + offsets).to(tl.int64) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+        key_rows = (aligned_row + offsets).to(tl.int64) * NUM_KV_HEADS + kv_head
+        key_offsets = key_rows[:, None] * HEAD_DIM + dims[None, :]
         keys = tl.load(k_workspace + key_offsets)
         values = tl.load(v_workspace + key_offsets)
         scores = _dot(queries, tl.trans(keys), IEEE) * softmax_scale

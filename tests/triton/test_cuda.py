@@ -155,7 +155,8 @@ def test_training_step_under_compile_matches_eager():
     leaves = [inputs[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
 
     def loss(q, k, v):
-        return torch_msa.msa_attention(q, k, v, inputs["index_q"], inputs["index_k"], *inputs["docs"]).float().square().mean()
+        out = torch_msa.msa_attention(q, k, v, inputs["index_q"], inputs["index_k"], *inputs["docs"])
+        return out.float().square().mean()
 
     eager = torch.autograd.grad(loss(*leaves), leaves)
     compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(*leaves), leaves)

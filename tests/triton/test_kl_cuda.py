@@ -67,7 +67,8 @@ def test_m3_sparse_loss_and_gradients_match_reference(layout, selection):
     want = reference_kl.indexer_kl(*args)
     torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=1e-5)
     assert torch.equal(got[1], want[1])
-    for name, a, b in zip(("index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries"), got[2:], want[2:]):
+    names = ("index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
+    for name, a, b in zip(names, got[2:], want[2:]):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(torch.isinf(a), torch.isinf(b)), name
         assert _relative_error(a.nan_to_num(neginf=0), b.nan_to_num(neginf=0)) < 1e-3, name

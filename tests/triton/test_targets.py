@@ -269,7 +269,8 @@ def test_launch_declines_when_nothing_fits(fresh_memo):
     def launch_with(config):
         raise _out_of_resources(263_680)
 
-    with pytest.raises(torch_msa.UnsupportedInputs, match="no launch configuration of the Triton kernel k fits .*263680"):
+    with pytest.raises(torch_msa.UnsupportedInputs,
+                       match="no launch configuration of the Triton kernel k fits .*263680"):
         launch.launch("k", "key", (launch.LaunchConfig(num_stages=1),), launch_with)
 
 
@@ -282,7 +283,8 @@ def test_a_kernel_that_fits_nothing_falls_back_to_the_reference_with_one_warning
     def forward(*args):
         launch.launch("forward._blocks_kernel", "stand-in", forward_kernel.BLOCKS_CONFIGS, refuse)
 
-    monkeypatch.setitem(backends._BACKENDS, "small_smem", torch_msa.Backend("small_smem", {"forward": forward}, priority=15))
+    monkeypatch.setitem(backends._BACKENDS, "small_smem",
+                        torch_msa.Backend("small_smem", {"forward": forward}, priority=15))
     q, k, v = torch.randn(70, 4, 64), torch.randn(70, 2, 64), torch.randn(70, 2, 64)
     block_indices = torch.zeros(2, 70, 2, dtype=torch.int32)
     with pytest.warns(UserWarning, match="'small_smem' does not serve .*shared memory.*falling back to 'reference'"):

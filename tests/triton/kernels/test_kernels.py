@@ -232,7 +232,8 @@ def test_a_non_finite_document_changes_no_other_document(poisoned):
     rows = (key_rows if poisoned in ("k", "v") else query_rows)[POISONED_DOC]
     dirty = dict(clean, **{poisoned: _poison(clean[poisoned], rows)})
     # Every query reads every block it may (topk >= its visible blocks), so each tail block is read.
-    block_indices = torch.arange(topk, dtype=torch.int32, device=DEVICE).expand(num_kv_heads, num_queries, topk).contiguous()
+    block_indices = torch.arange(topk, dtype=torch.int32, device=DEVICE)
+    block_indices = block_indices.expand(num_kv_heads, num_queries, topk).contiguous()
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
 
     def run(x):
@@ -290,8 +291,8 @@ def test_plan_build_equals_reference_tables(case, entries_per_item):
     # Strided selections and boundaries are read through their strides.
     strided = block_indices.transpose(0, 1).contiguous().transpose(0, 1)
     cu_q_strided, cu_k_strided = (torch.stack((cu, -cu), 1)[:, 0] for cu in (cu_q, cu_k))
-    assert torch.equal(plan_kernel.build_plan(strided, cu_q_strided, cu_k_strided, num_keys, block_size, entries_per_item),
-                       expected)
+    assert torch.equal(
+        plan_kernel.build_plan(strided, cu_q_strided, cu_k_strided, num_keys, block_size, entries_per_item), expected)
 
 
 def test_plan_build_equals_reference_on_malformed_documents():

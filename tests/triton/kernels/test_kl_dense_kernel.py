@@ -181,7 +181,8 @@ def test_a_non_finite_document_changes_no_other_documents_outputs_or_gradients(p
     for name, a, b in zip(names, run(dirty), run(clean)):
         for rows in (slice(0, 50), slice(90, 120)):
             assert a[rows].isfinite().all(), f"{name} rows {rows} are not finite"
-            torch.testing.assert_close(a[rows], b[rows], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name} {rows}: {m}")
+            torch.testing.assert_close(a[rows], b[rows], rtol=1e-6, atol=1e-7,
+                                       msg=lambda m, name=name, rows=rows: f"{name} {rows}: {m}")
 
 
 def test_fragments_forward_matches_reference_and_backward_declines():

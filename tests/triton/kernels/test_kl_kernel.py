@@ -58,7 +58,7 @@ def test_kl_forward_and_backward_match_reference(case):
         # The teacher's reductions take their fp32 weights in two halves of a 16-bit dtype, so
         # they keep fp32 accuracy where one rounding to fp16 would be off by ~1e-4.
         close = 2e-5 if name.startswith("teacher_index") else tolerance
-        torch.testing.assert_close(a, b, rtol=close, atol=close * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=close, atol=close * scale, msg=lambda m, name=name: f"{name}: {m}")
 
     grad_loss = torch.tensor(1.7, device=DEVICE)
     backward_args = (grad_loss, index_q, index_k, *expected[2:], block_indices, *docs, block_size, scales[1])
@@ -69,7 +69,8 @@ def test_kl_forward_and_backward_match_reference(case):
         # little more than their final rounding to the index dtype.
         scale = b.float().abs().max().item()
         close = 1e-4 if dtype == torch.float32 else 2e-3
-        torch.testing.assert_close(a.float(), b.float(), rtol=close, atol=close * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a.float(), b.float(), rtol=close, atol=close * scale,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_kl_kernels_decline_what_they_do_not_serve():
@@ -108,7 +109,8 @@ def test_a_non_finite_document_changes_no_other_documents_index_gradients(poison
     dirty[poisoned] = clean[poisoned].clone()
     dirty[poisoned][50:90:2] = float("nan")
     dirty[poisoned][51:90:2] = float("inf")
-    block_indices = torch.arange(topk, dtype=torch.int32, device=DEVICE).expand(num_kv_heads, num_tokens, topk).contiguous()
+    block_indices = torch.arange(topk, dtype=torch.int32, device=DEVICE)
+    block_indices = block_indices.expand(num_kv_heads, num_tokens, topk).contiguous()
     docs = (cu_q, cu_k, max(lengths), max(lengths))
     scales = (dim**-0.5, index_dim**-0.5)
 
@@ -126,7 +128,8 @@ def test_a_non_finite_document_changes_no_other_documents_index_gradients(poison
     for name, a, b in zip(names, got, want):
         for rows in (slice(0, 50), slice(90, 120)):
             assert a[rows].isfinite().all(), f"{name} rows {rows} are not finite"
-            torch.testing.assert_close(a[rows], b[rows], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {rows}: {m}")
+            torch.testing.assert_close(a[rows], b[rows], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name, rows=rows: f"{name} {rows}: {m}")
 
 
 def test_fragments_match_reference():
@@ -154,9 +157,10 @@ def test_fragments_match_reference():
     names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
     for name, a, b in zip(names, got, expected, strict=True):
         scale = max(1.0, b.nan_to_num(neginf=0).abs().max().item())
-        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * scale, msg=lambda m, name=name: f"{name}: {m}")
     backward_args = (torch.tensor(1.3, device=DEVICE), index_q, index_k, *expected[2:], block_indices, *frag.op_args,
                      block_size, scales[1], *fragments)
     for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backward_args),
                           reference_kl.indexer_kl_backward(*backward_args)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item(),
+                                   msg=lambda m, name=name: f"{name}: {m}")
