@@ -10,7 +10,7 @@
 // autograd on them, replacing the CompositeExplicitAutograd kernel below.
 //
 // Each schema string is kept on one line, byte-identical to `torch_msa/_schemas.py`, so that
-// tests/test_stub.py can find it verbatim in this file.
+// tests/core/test_stub.py can find it verbatim in this file.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>

@@ -4,9 +4,19 @@ import pytest
 import torch
 
 # The Triton kernel cases run natively on a CUDA host, or under the interpreter in the
-# subprocess of tests/test_triton_interpret.py; anywhere else that subprocess covers them.
+# subprocess of tests/triton/test_interpret.py; anywhere else that subprocess covers them.
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-    collect_ignore = ["kernels"]
+    collect_ignore = ["triton/kernels"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the tests marked `cuda` (pyproject.toml declares the marker) on a host without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

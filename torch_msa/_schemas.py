@@ -1,7 +1,7 @@
 """The `msa::` operator schemas: the single source of truth for the op contract.
 
 `csrc_stub/msa_stub.cpp` repeats these strings for processes that load an exported artifact
-without Python; `tests/test_schemas.py` pins both to the text below, so a change is deliberate.
+without Python; `tests/core/test_schemas.py` pins both to the text below, so a change is deliberate.
 """
 
 NAMESPACE = "msa"

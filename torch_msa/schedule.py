@@ -102,7 +102,7 @@ def build_schedule(
     (`torch_msa/triton/plan_kernel.py`), because in eager mode each ATen call here costs a
     host-side launch (about 20 us each on an H200 host). It is still written with few calls:
     scans and `searchsorted` instead of scatters, int32 tables computed directly.
-    `tests/test_schedule.py` bounds the count.
+    `tests/core/test_schedule.py` bounds the count.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.

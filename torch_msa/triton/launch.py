@@ -10,7 +10,7 @@ The first launch of a kernel for a device and a shape tries the list in order. T
 each configuration for the device and raises `OutOfResources` before launching one that does
 not fit, so a rejected configuration has run nothing; the first that launches is remembered for
 that (kernel, device, shape). When none fits, `UnsupportedInputs` lets the registry fall back
-to the reference with a one-time warning. `tests/test_triton_targets.py` compiles every kernel
+to the reference with a one-time warning. `tests/triton/test_targets.py` compiles every kernel
 for sm_80, sm_86, sm_89, sm_90, sm_100 and sm_120 on the CPU and checks that the M3
 configuration finds a fitting entry on each.
 """

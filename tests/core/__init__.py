@@ -1,0 +1,1 @@
+"""Tests of the backend-independent package: ops, API, validation, reference, plan, compile/export, stub."""

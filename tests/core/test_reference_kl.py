@@ -1,0 +1,411 @@
+"""The index branch's KL distillation loss (`torch_msa.indexer_kl_loss`, `indexer_kl_loss_dense`).
+
+The oracle below is written from the definition (spec, section 6) on full `[H, Tq, Tk]` float64
+tensors, with autograd for the gradients; it shares nothing with `torch_msa.reference_kl`.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import torch_msa
+from tests.support import dense
+from torch_msa import api, testing
+
+BLOCK = 64
+
+
+def _dense_support(cu_q, cu_k, num_kv_heads, num_keys):
+    """`[Hkv, Tq, Tk]` bool: every visible key of the query's document."""
+    num_queries = int(cu_q[-1])
+    every_block = torch.arange(math.ceil(max(1, num_keys) / BLOCK), dtype=torch.int32)
+    block_indices = every_block.expand(num_kv_heads, num_queries, -1)
+    return dense.allowed_keys(block_indices, cu_q, cu_k, num_keys, BLOCK)
+
+
+def _oracle_terms(q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, scale, index_scale):
+    """`(support, teacher, logits, student_lse)`: `[Hkv, Tq, Tk]` float64 (student_lse `[Hkv, Tq, 1]`)."""
+    num_queries, num_heads, _ = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    if block_indices is None:
+        support = _dense_support(cu_q, cu_k, num_kv_heads, num_keys)
+    else:
+        support = dense.allowed_keys(block_indices, cu_q, cu_k, num_keys, BLOCK)
+    heads_support = support.repeat_interleave(group, dim=0)  # [Hq, Tq, Tk]
+    scores = torch.einsum("thd,jhd->htj", q.double(), k.double().repeat_interleave(group, dim=1)) * scale
+    scores = scores.masked_fill(~heads_support, -math.inf)
+    if lse is None:
+        lse = torch.logsumexp(scores, -1).T  # [Tq, Hq]
+    shift = lse.double().T.masked_fill(torch.isinf(lse.double().T), 0)
+    teacher = torch.exp(scores - shift[..., None]).view(num_kv_heads, group, num_queries, num_keys).mean(1)
+    logits = torch.einsum("trd,jd->rtj", index_q.double(), index_k[:, 0].double()) * index_scale
+    any_key = support.any(-1, keepdim=True)
+    student_lse = torch.logsumexp(torch.where(support, logits, -math.inf).where(any_key, 0.0), -1, keepdim=True)
+    return support, teacher, logits, student_lse
+
+
+def oracle_kl(q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, scale, index_scale):
+    """Mean over (t, r) of KL(P_teacher || P_student) on J(t, r), float64, differentiable in index_q/k."""
+    _, teacher, logits, student_lse = _oracle_terms(q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, scale,
+                                                    index_scale)
+    positive = teacher > 0
+    terms = torch.where(positive, teacher * (teacher.where(positive, 1.0).log() - (logits - student_lse)), 0.0)
+    return terms.sum() / max(1, q.shape[0] * k.shape[1])
+
+
+CASE = dict(q_lens=(40, 0, 1, 90, 7), k_lens=(300, 5, 1, 90, 7), heads=4, kv_heads=2, dim=64, index_dim=16, topk=2)
+
+
+def _problem(q_lens, k_lens, heads, kv_heads, dim, index_dim, topk, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens)
+    num_queries, num_keys = sum(q_lens), sum(k_lens)
+    q = torch.randn(num_queries, heads, dim, generator=g, dtype=dtype)
+    k = torch.randn(num_keys, kv_heads, dim, generator=g, dtype=dtype)
+    v = torch.randn(num_keys, kv_heads, dim, generator=g, dtype=dtype)
+    index_q = torch.randn(num_queries, kv_heads, index_dim, generator=g, dtype=dtype).requires_grad_()
+    index_k = torch.randn(num_keys, 1, index_dim, generator=g, dtype=dtype).requires_grad_()
+    block_indices = testing.random_block_indices(cu_q, cu_k, kv_heads, topk, BLOCK, generator=g)
+    docs = (cu_q, cu_k, max(q_lens), max(k_lens))
+    return q, k, v, index_q, index_k, block_indices, docs
+
+
+def _check_against_oracle(loss, index_q, index_k, expected, tolerance):
+    torch.testing.assert_close(loss.double(), expected, rtol=tolerance, atol=tolerance)
+    got = torch.autograd.grad(loss, (index_q, index_k))
+    want = torch.autograd.grad(expected, (index_q, index_k))
+    for name, a, b in zip(("d index_q", "d index_k"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(a.double(), b.double(), rtol=tolerance, atol=tolerance * b.abs().max().item(),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_sparse_loss_and_gradients_match_the_oracle():
+    q, k, v, index_q, index_k, block_indices, docs = _problem(**CASE)
+    block_indices[:, ::5, 0] = -1  # a -1 in a row's first slot: the local block stays, nothing else
+    assert (block_indices == -1).any()
+    _, lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
+    loss = torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k, block_indices, *docs, block_size=BLOCK)
+    assert loss.dtype == torch.float32 and loss.dim() == 0 and loss.item() > 0
+    expected = oracle_kl(q, k, lse, index_q, index_k, block_indices, docs[0], docs[1], 64**-0.5, 16**-0.5)
+    _check_against_oracle(loss, index_q, index_k, expected, 1e-5)
+
+
+def test_sparse_loss_reads_block_ids_as_a_set():
+    q, k, v, index_q, index_k, block_indices, docs = _problem(**CASE)
+    junk = block_indices.clone()
+    junk[0, :, 1] = junk[0, :, 0]  # repeats
+    junk[1, ::3, 0] = 10_000  # beyond the causal horizon
+    _, lse = torch_msa.sparse_attention(q, k, v, junk, *docs, block_size=BLOCK, return_lse=True)
+    loss = torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k, junk, *docs, block_size=BLOCK)
+    expected = oracle_kl(q, k, lse, index_q, index_k, junk, docs[0], docs[1], 64**-0.5, 16**-0.5)
+    _check_against_oracle(loss, index_q, index_k, expected, 1e-5)
+
+
+@pytest.mark.parametrize("given_lse", [False, True])
+def test_dense_loss_and_gradients_match_the_oracle(given_lse):
+    q, k, _, index_q, index_k, _, docs = _problem(**CASE)
+    lse = None
+    if given_lse:  # an lse that is not normalised on J: the teacher's mass is not 1, the gradient stays exact
+        lse = torch.randn(q.shape[:2]) + 6
+    loss = torch_msa.indexer_kl_loss_dense(q, k, index_q, index_k, *docs, lse=lse, block_size=BLOCK)
+    expected = oracle_kl(q, k, lse, index_q, index_k, None, docs[0], docs[1], 64**-0.5, 16**-0.5)
+    _check_against_oracle(loss, index_q, index_k, expected, 1e-5)
+
+
+@pytest.mark.parametrize("support", ["sparse", "dense"])
+def test_the_forwards_backward_terms_match_the_oracle(support):
+    """`index_lse`, `teacher_mass` and the teacher's two index reductions, from the definition."""
+    q, k, v, index_q, index_k, block_indices, docs = _problem(**CASE)
+    lse = None
+    if support == "sparse":
+        _, lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
+    else:
+        block_indices = None
+    scales = (64**-0.5, 16**-0.5)
+    with torch.no_grad():
+        _, _, index_lse, mass, index_key_sums, index_query_sums = torch.ops.msa.indexer_kl(
+            q, k, lse, index_q, index_k, block_indices, *docs, BLOCK, *scales)
+        support_mask, teacher, _, student_lse = _oracle_terms(q, k, lse, index_q, index_k, block_indices, docs[0],
+                                                              docs[1], *scales)
+    empty = ~support_mask.any(-1)
+    expected = {
+        "index_lse": student_lse[..., 0].masked_fill(empty, -math.inf).T,
+        "teacher_mass": teacher.sum(-1).T,
+        "teacher_index_keys": torch.einsum("rtj,jd->trd", teacher, index_k[:, 0].double()),
+        "teacher_index_queries": torch.einsum("rtj,trd->jd", teacher, index_q.double())[:, None],
+    }
+    assert (teacher.sum(-1) > 0).any()
+    for name, got in zip(expected, (index_lse, mass, index_key_sums, index_query_sums)):
+        want = expected[name]
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_dense_loss_spans_keys_with_bounded_memory(monkeypatch):
+    """A small budget and short key spans force many chunks of a few queries and several spans per
+    chunk; each holds at most the budget, and the loss and gradients are unchanged."""
+    q, k, _, index_q, index_k, _, docs = _problem(**CASE)
+    whole = torch_msa.indexer_kl_loss_dense(q, k, index_q, index_k, *docs, block_size=BLOCK)
+    whole_grads = torch.autograd.grad(whole, (index_q, index_k))
+    from torch_msa import reference, reference_kl
+    budget, span_keys = 64 << 10, 100
+    monkeypatch.setattr(reference, "_CHUNK_BYTES_CPU", budget)
+    monkeypatch.setattr(reference_kl, "_DENSE_SPAN_KEYS", span_keys)
+    shapes = []
+    original = reference_kl._dense_spans
+
+    def recording(*args):
+        for span in original(*args):
+            shapes.append(tuple(span.valid.shape))
+            yield span
+
+    monkeypatch.setattr(reference_kl, "_dense_spans", recording)
+    split = torch_msa.indexer_kl_loss_dense(q, k, index_q, index_k, *docs, block_size=BLOCK)
+    forward_shapes = list(shapes)
+    shapes.clear()
+    split_grads = torch.autograd.grad(split, (index_q, index_k))
+    spans_per_chunk = math.ceil(k.shape[0] / span_keys)
+    # The forward holds the teacher's scores too; the backward recomputes only the student.
+    for pass_shapes, pair_bytes in ((forward_shapes, 16 * q.shape[1] + 32 * k.shape[1]), (shapes, 32 * k.shape[1])):
+        assert len(pass_shapes) > 2 * spans_per_chunk
+        assert all(queries * keys * pair_bytes <= budget for _, queries, keys in pass_shapes)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
+    for a, b in zip(split_grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_gradcheck_fp64():
+    q, k, v, index_q, index_k, block_indices, docs = _problem(
+        q_lens=(2, 0, 1, 20), k_lens=(70, 3, 1, 20), heads=4, kv_heads=2, dim=64, index_dim=4, topk=2,
+        dtype=torch.float64)
+    _, lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
+    assert lse.dtype == torch.float64
+
+    def sparse(iq, ik):
+        return torch_msa.indexer_kl_loss(q, k, lse, iq, ik, block_indices, *docs, block_size=BLOCK)
+
+    def dense_with_perturbed_lse(iq, ik):
+        return torch_msa.indexer_kl_loss_dense(q, k, iq, ik, *docs, lse=lse + 0.3, block_size=BLOCK)
+
+    assert sparse(index_q, index_k).dtype == torch.float64
+    assert torch.autograd.gradcheck(sparse, (index_q, index_k))
+    assert torch.autograd.gradcheck(dense_with_perturbed_lse, (index_q, index_k))
+
+
+def test_only_the_index_inputs_get_gradients():
+    q, k, v, index_q, index_k, block_indices, docs = _problem(**CASE)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    _, lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
+    torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k, block_indices, *docs, block_size=BLOCK).backward()
+    assert q.grad is None and k.grad is None and v.grad is None
+    assert index_q.grad is not None and index_k.grad is not None
+
+
+def test_nan_in_one_document_stays_there():
+    q, k, v, index_q, index_k, block_indices, docs = _problem(**CASE)
+    cu_q, cu_k = docs[0], docs[1]
+    with torch.no_grad():
+        index_q[: int(cu_q[1])] = math.nan  # document 0's index queries
+    _, lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
+    args = (block_indices, *docs, BLOCK, 64**-0.5, 16**-0.5)
+    loss, _, index_lse, *teacher_terms = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, *args)
+    first_doc_queries, first_doc_keys = int(cu_q[1]), int(cu_k[1])
+    assert loss.isnan() and index_lse[:first_doc_queries].isnan().all()
+    assert not index_lse[first_doc_queries:].isnan().any()
+    assert not teacher_terms[1][first_doc_queries:].isnan().any()
+    assert not teacher_terms[2][first_doc_keys:].isnan().any()
+    d_index_q, d_index_k = torch.ops.msa.indexer_kl_backward(torch.tensor(1.0), index_q, index_k, index_lse,
+                                                             *teacher_terms, *args[:-2], args[-1])
+    assert d_index_q[:first_doc_queries].isnan().any()
+    assert not d_index_q[first_doc_queries:].isnan().any() and not d_index_k[first_doc_keys:].isnan().any()
+
+    # The dense support multiplies whole spans of packed keys: NaN keys and index keys of document
+    # 0 must not reach the others either.
+    with torch.no_grad():
+        k[:first_doc_keys] = math.nan
+        index_k[:first_doc_keys] = math.nan
+    dense_args = (None, *docs, BLOCK, 64**-0.5, 16**-0.5)
+    loss, teacher_lse, index_lse, *teacher_terms = torch.ops.msa.indexer_kl(q, k, None, index_q, index_k, *dense_args)
+    assert not index_lse[first_doc_queries:].isnan().any() and not teacher_lse[first_doc_queries:].isnan().any()
+    assert not teacher_terms[1][first_doc_queries:].isnan().any()
+    assert not teacher_terms[2][first_doc_keys:].isnan().any()
+    d_index_q, d_index_k = torch.ops.msa.indexer_kl_backward(torch.tensor(1.0), index_q, index_k, index_lse,
+                                                             *teacher_terms, *dense_args[:-2], dense_args[-1])
+    assert not d_index_q[first_doc_queries:].isnan().any() and not d_index_k[first_doc_keys:].isnan().any()
+
+
+def test_no_queries_gives_zero():
+    q, k, v, index_q, index_k, block_indices, docs = _problem((0,), (9,), 4, 2, 64, 16, 2)
+    loss = torch_msa.indexer_kl_loss(q, k, torch.zeros(0, 4), index_q, index_k, block_indices, *docs, block_size=BLOCK)
+    assert loss.item() == 0.0
+
+
+def test_bad_inputs_name_the_argument():
+    q, k, v, index_q, index_k, block_indices, docs = _problem(**CASE)
+    _, lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
+    with pytest.raises(ValueError, match="lse: expected shape"):
+        torch_msa.indexer_kl_loss(q, k, lse[:, :2], index_q, index_k, block_indices, *docs, block_size=BLOCK)
+    with pytest.raises(ValueError, match=r"index_q: expected \[Tq, Hi\]"):
+        torch_msa.indexer_kl_loss(q, k, lse, index_q[:, :1], index_k, block_indices, *docs, block_size=BLOCK)
+    with pytest.raises(ValueError, match="index_k: expected Tk"):
+        torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k[:-1], block_indices, *docs, block_size=BLOCK)
+    with pytest.raises(TypeError, match="lse: expected dtype torch.float32"):
+        torch_msa.indexer_kl_loss(q, k, lse.double(), index_q, index_k, block_indices, *docs, block_size=BLOCK)
+    with pytest.raises(ValueError, match="index_softmax_scale: expected a finite float"):
+        torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k, block_indices, *docs, block_size=BLOCK,
+                                  index_softmax_scale=math.inf)
+
+
+def test_bad_backward_inputs_name_the_argument():
+    q, k, v, index_q, index_k, block_indices, docs = _problem(**CASE)
+    _, lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
+    with torch.no_grad():
+        _, _, *kept = torch.ops.msa.indexer_kl(q, k, lse, index_q, index_k, block_indices, *docs, BLOCK, 64**-0.5,
+                                               16**-0.5)
+    index_lse, mass, index_key_sums, index_query_sums = kept
+
+    def backward(*kept, ids=block_indices):
+        return torch.ops.msa.indexer_kl_backward(torch.tensor(1.0), index_q, index_k, *kept, ids, *docs, BLOCK,
+                                                 16**-0.5)
+
+    assert [g.shape for g in backward(*kept)] == [index_q.shape, index_k.shape]
+    with pytest.raises(ValueError,
+                       match=r"teacher_index_keys: expected shape \[138, 2, 16\] \(\[Tq, Hi, Di\] of index_q"):
+        backward(index_lse, mass, index_key_sums[:, :1], index_query_sums)
+    with pytest.raises(ValueError, match=r"teacher_index_queries: expected shape \[403, 1, 16\]"):
+        backward(index_lse, mass, index_key_sums, index_query_sums[:-1])
+    with pytest.raises(TypeError, match="teacher_index_queries: expected dtype torch.float32"):
+        backward(index_lse, mass, index_key_sums, index_query_sums.double())
+    with pytest.raises(ValueError, match="teacher_mass: expected a 2-D tensor"):
+        backward(index_lse, mass[..., None], index_key_sums, index_query_sums)
+    with pytest.raises(ValueError, match="block_indices: expected shape"):
+        backward(*kept, ids=block_indices[:1])
+
+
+def test_msa_attention_returns_what_the_loss_needs_and_warns_once(monkeypatch):
+    q, k, v, index_q, index_k, _, docs = _problem(**CASE)
+    monkeypatch.setattr(api, "_warned_untrained_index", False)
+    with pytest.warns(UserWarning, match="indexer_kl_loss"):
+        out, lse, block_indices = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK,
+                                                          return_lse=True, return_block_indices=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out_only = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK)
+    assert torch.equal(out, out_only)
+    assert torch.equal(block_indices, torch_msa.select_blocks(index_q, index_k, *docs, topk=2, block_size=BLOCK))
+    _, expected_lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
+    assert torch.equal(lse, expected_lse)
+    out2, ids2 = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, topk=2, block_size=BLOCK,
+                                         return_block_indices=True)
+    assert torch.equal(ids2, block_indices) and torch.equal(out2, out)
+
+
+def test_compiled_select_attention_loss_and_backward_match_eager():
+    q, k, v, index_q, index_k, _, docs = _problem(**CASE)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def step(q, k, v, index_q, index_k):
+        out, lse, block_indices = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK,
+                                                          return_lse=True, return_block_indices=True)
+        kl = torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k, block_indices, *docs, block_size=BLOCK)
+        return out.square().mean() + kl
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    leaves = (q, k, v, index_q, index_k)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = torch.autograd.grad(step(*leaves), leaves)
+        got = torch.autograd.grad(compiled(*leaves), leaves)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+
+
+def _teacher_top_blocks(q, k, topk):
+    """Per (KV head, query): the `topk - 1` non-local blocks with the largest summed teacher
+    probability under full causal attention (one document), as a bool `[Hkv, T, nb]` mask."""
+    num_queries, num_heads, dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    scores = torch.einsum("thd,jhd->htj", q.double(), k.double().repeat_interleave(group, 1)) * dim**-0.5
+    causal = torch.ones(num_queries, num_queries, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, -math.inf).softmax(-1).view(num_kv_heads, group, num_queries, -1).mean(1)
+    block_mass = probs.view(num_kv_heads, num_queries, -1, BLOCK).sum(-1)
+    local = torch.arange(num_queries) // BLOCK
+    block_mass = block_mass.masked_fill(torch.arange(block_mass.shape[-1]) >= local[:, None], -1)
+    top = block_mass.topk(topk - 1, -1).indices
+    return torch.zeros_like(block_mass, dtype=torch.bool).scatter_(-1, top, True)
+
+
+def _overlap(block_indices, teacher_top, first_query):
+    """Fraction of the teacher's top non-local blocks that the selection holds (queries that must choose)."""
+    chosen = torch.zeros_like(teacher_top)
+    ids = block_indices.long()
+    chosen.scatter_(-1, ids.clamp(min=0), ids >= 0)
+    hits = (chosen & teacher_top)[:, first_query:].sum()
+    return (hits / teacher_top[:, first_query:].sum()).item()
+
+
+def test_training_the_index_branch_lowers_the_loss_and_finds_the_teacher_blocks():
+    """A tiny index branch (linear maps of fixed features) trained with the dense warm-up then the
+    sparse loss learns to select the blocks the main attention puts its mass on."""
+    tokens, topk, features, index_dim = 384, 3, 16, 16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, features, generator=g)
+    # The teacher: one head's attention between fixed projections of the same features.
+    q = (x @ torch.randn(features, 64, generator=g)).view(tokens, 1, 64) * 0.6
+    k = (x @ torch.randn(features, 64, generator=g)).view(tokens, 1, 64) * 0.6
+    v = torch.randn(tokens, 1, 64, generator=g)
+    project_q = torch.nn.Linear(features, index_dim, bias=False)
+    project_k = torch.nn.Linear(features, index_dim, bias=False)
+    with torch.no_grad():
+        for weight in (project_q.weight, project_k.weight):
+            weight.copy_(torch.randn(weight.shape, generator=g) * 0.1)
+    optimizer = torch.optim.Adam([*project_q.parameters(), *project_k.parameters()], lr=0.1)
+
+    def index_inputs():
+        return project_q(x).view(tokens, 1, index_dim), project_k(x).view(tokens, 1, index_dim)
+
+    teacher_top = _teacher_top_blocks(q, k, topk)
+    first_query = topk * BLOCK  # queries with more candidate blocks than slots
+
+    def overlap():
+        with torch.no_grad():
+            selected = torch_msa.select_blocks(*index_inputs(), topk=topk, block_size=BLOCK)
+            return _overlap(selected, teacher_top, first_query)
+
+    def dense_loss():
+        return torch_msa.indexer_kl_loss_dense(q, k, *index_inputs(), block_size=BLOCK)
+
+    def sparse_loss():
+        index_q, index_k = index_inputs()
+        _, lse, block_indices = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), topk=topk,
+                                                        block_size=BLOCK, return_lse=True, return_block_indices=True)
+        return torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k, block_indices, block_size=BLOCK)
+
+    overlap_before = overlap()
+    dense_before, sparse_before = dense_loss().item(), sparse_loss().item()
+    for stage_loss in (dense_loss,) * 16 + (sparse_loss,) * 8:
+        optimizer.zero_grad()
+        stage_loss().backward()
+        optimizer.step()
+    overlap_after = overlap()
+    dense_after, sparse_after = dense_loss().item(), sparse_loss().item()
+    assert dense_after < 0.3 * dense_before, (dense_before, dense_after)
+    assert sparse_after < 0.3 * sparse_before, (sparse_before, sparse_after)
+    assert overlap_after > max(0.75, overlap_before + 0.15), (overlap_before, overlap_after)
+
+
+def test_kl_timing_rows_run_on_cpu():
+    from benchmarks.kl import measure_kl
+    from torch_msa.testing import Shape
+
+    shape = Shape(query_heads=4, kv_heads=2, head_dim=64, index_dim=16, block_size=BLOCK, topk=2)
+    results = measure_kl(256, shape, "cpu", torch.float32, dense=True, warmup=0, iters=1)
+    assert set(results) == {"attention step", "sparse KL fwd+bwd", "sparse KL fwd", "dense SDPA fwd+bwd",
+                            "dense KL fwd+bwd", "dense KL fwd+bwd, lse given"}
+    assert all(ms > 0 for ms in results.values())

@@ -1,0 +1,1 @@
+"""Tests of context parallelism (`torch_msa/distributed.py`)."""

@@ -1,0 +1,395 @@
+"""torch_msa in HF transformers' MiniMax-M3: the same logits and gradients as HF's eager path.
+
+HF's model (written independently of torch_msa) is the oracle: a tiny random
+`MiniMaxM3VLForCausalLM` with one sparse and one full-attention layer, in fp32.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
+
+from torch_msa.integrations.transformers import ATTENTION_NAME, PendingSelection, TorchMSAIndexer, use_torch_msa
+
+SEQLEN, BLOCK, TOPK, VOCAB = 256, 64, 2, 64  # 4 blocks per row, 2 kept: the selection matters.
+
+
+def _config(**overrides):
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, layer_types=["minimax_m3_sparse", "full_attention"], mlp_layer_types=["dense", "dense"],
+        dense_intermediate_size=64,
+        index_n_heads=2, index_head_dim=32, index_block_size=BLOCK, index_topk_blocks=TOPK,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        attn_implementation="eager", bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    settings.update(overrides)
+    return MiniMaxM3VLTextConfig(**settings)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch.manual_seed(0)
+    model = MiniMaxM3VLForCausalLM(_config())
+    with torch.no_grad():  # HF initialises the norms at zero (weight + 1): make them matter
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0.0, 0.3)
+    return model
+
+
+def _torch_msa_model(hf_model, indexer):
+    model = copy.deepcopy(hf_model)
+    if indexer == "torch_msa":
+        use_torch_msa(model)
+    else:  # HF's indexer, torch_msa's attention function
+        model.set_attn_implementation(ATTENTION_NAME)
+    return model
+
+
+def _batch(lengths, left=False):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (len(lengths), SEQLEN), generator=generator)
+    mask = torch.zeros(len(lengths), SEQLEN, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        if left:
+            mask[row, SEQLEN - length:] = 1
+        else:
+            mask[row, :length] = 1
+    return ids * mask, mask
+
+
+def _weights(shape):
+    return torch.randn(*shape, VOCAB, generator=torch.Generator().manual_seed(2))
+
+
+def _run(model, ids, real, **kwargs):
+    """Logits at the real tokens and the gradients of a weighted sum of them."""
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, **kwargs).logits
+    (logits * _weights(ids.shape) * real[..., None]).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logits[real.bool()].detach(), grads
+
+
+def _assert_close(name, ours, theirs):
+    # fp32 with a different summation order: errors relative to the tensor's own scale.
+    scale = theirs.abs().max().item()
+    error = (ours - theirs).abs().max().item()
+    assert error <= 1e-5 * scale, f"{name}: max error {error:.3g} against a max of {scale:.3g}"
+
+
+def _assert_same(ours, theirs):
+    _assert_close("logits", ours[0], theirs[0])
+    assert ours[1].keys() == theirs[1].keys()
+    for name in theirs[1]:
+        _assert_close(name, ours[1][name], theirs[1][name])
+
+
+@pytest.mark.parametrize("indexer", ["hf", "torch_msa"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "right-padded"])
+def test_same_logits_and_gradients_as_hf_eager(hf_model, indexer, padded):
+    ids, mask = _batch([SEQLEN, 150] if padded else [SEQLEN, SEQLEN])
+    kwargs = {"attention_mask": mask} if padded else {}
+    theirs = _run(hf_model, ids, mask, **kwargs)
+    ours = _run(_torch_msa_model(hf_model, indexer), ids, mask, **kwargs)
+    assert any("indexer" not in name and "layers.0.self_attn" in name for name in theirs[1])
+    _assert_same(ours, theirs)
+
+
+def test_left_padding_equals_hf_on_each_sequence_alone(hf_model):
+    lengths = [200, 131]
+    ids, mask = _batch(lengths, left=True)
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    ours = _run(_torch_msa_model(hf_model, "torch_msa"), ids, mask, attention_mask=mask, position_ids=position_ids)
+
+    hf_model.zero_grad(set_to_none=True)
+    logits = []
+    for row, length in enumerate(lengths):
+        alone = ids[row:row + 1, SEQLEN - length:]
+        out = hf_model(alone).logits
+        (out * _weights(ids.shape)[row:row + 1, SEQLEN - length:]).sum().backward()
+        logits.append(out[0].detach())
+    theirs = (torch.cat(logits),
+              {name: p.grad.clone() for name, p in hf_model.named_parameters() if p.grad is not None})
+    _assert_same(ours, theirs)
+
+
+def test_4d_padding_mask(hf_model):
+    ids, mask = _batch([SEQLEN, 170])
+    causal = torch.ones(SEQLEN, SEQLEN, dtype=torch.bool).tril()
+    mask_4d = (causal[None] & mask.bool()[:, None, :])[:, None]
+    theirs = _run(hf_model, ids, mask, attention_mask=mask)
+    _assert_same(_run(_torch_msa_model(hf_model, "torch_msa"), ids, mask, attention_mask=mask_4d), theirs)
+
+
+LEFT_PADDED_BY_HF = "attention_mask: row 1 is left-padded, which HF's indexer .*use_torch_msa"
+
+
+def test_hf_indexer_refuses_a_left_padded_batch_eagerly_and_compiled(hf_model):
+    """HF's block ids count from the row's first slot, padding included: no torch_msa document
+    reproduces them, so attn_implementation="torch_msa" with HF's indexer refuses left padding."""
+    model = _torch_msa_model(hf_model, "hf")
+    ids, mask = _batch([SEQLEN, 131], left=True)
+    causal = torch.ones(SEQLEN, SEQLEN, dtype=torch.bool).tril()
+    mask_4d = (causal[None] & mask.bool()[:, None, :])[:, None]
+    for attention_mask in (mask, mask_4d):
+        with pytest.raises(ValueError, match=LEFT_PADDED_BY_HF):
+            model(ids, attention_mask=attention_mask)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=LEFT_PADDED_BY_HF):
+        torch.compile(model, backend="aot_eager", fullgraph=True)(ids, attention_mask=mask)
+
+
+def test_hf_indexer_compiles_right_padded_without_graph_break(hf_model):
+    model = _torch_msa_model(hf_model, "hf")
+    ids, mask = _batch([SEQLEN, 150])
+    expected = _run(model, ids, mask, attention_mask=mask)
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    logits = torch.compile(model, backend="aot_eager", fullgraph=True)(ids, attention_mask=mask).logits
+    (logits * _weights(ids.shape) * mask[..., None]).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    _assert_same((logits[mask.bool()].detach(), _without_zero_indexer_grads(grads, expected[1])), expected)
+
+
+def _hf_selection(model, ids, **kwargs):
+    captured = []
+    hook = model.model.layers[0].self_attn.indexer.register_forward_hook(lambda module, args, out: captured.append(out))
+    with torch.no_grad():
+        model(ids, **kwargs)
+    hook.remove()
+    return captured[0]
+
+
+def _ours_selection(model, ids, mask, **kwargs):
+    captured = []
+    indexer = model.model.layers[0].self_attn.indexer
+    hook = indexer.register_forward_hook(lambda module, args, out: captured.append(out))
+    with torch.no_grad():
+        model(ids, attention_mask=mask, **kwargs)
+    hook.remove()
+    assert isinstance(captured[0], PendingSelection)
+    return captured[0].block_indices(mask)
+
+
+def _as_sets(block_indices):
+    return [[set(row.tolist()) - {-1} for row in head] for head in block_indices]
+
+
+def test_selections_equal_hf_as_sets(hf_model):
+    ids, mask = _batch([SEQLEN, 150])
+    theirs = _hf_selection(hf_model, ids, attention_mask=mask)
+    ours = _ours_selection(_torch_msa_model(hf_model, "torch_msa"), ids, mask)
+    assert ours.shape == (2, 2, SEQLEN, TOPK) and ours.dtype == torch.int64
+    assert _as_sets(ours[0]) == _as_sets(theirs[0])
+    assert _as_sets(ours[1, :, :150]) == _as_sets(theirs[1, :, :150])
+    assert any(len(s) == TOPK for head in _as_sets(theirs[0]) for s in head[-64:])
+
+
+def test_left_padded_selections_equal_hf_on_each_sequence_alone(hf_model):
+    lengths = [256, 131]
+    ids, mask = _batch(lengths, left=True)
+    ours = _ours_selection(_torch_msa_model(hf_model, "torch_msa"), ids, mask)
+    for row, length in enumerate(lengths):
+        theirs = _hf_selection(hf_model, ids[row:row + 1, SEQLEN - length:])
+        assert _as_sets(ours[row, :, SEQLEN - length:]) == _as_sets(theirs[0])
+
+
+def _without_zero_indexer_grads(grads, expected):
+    """AOTAutograd may hand the selection's non-differentiable inputs a zero gradient instead of None."""
+    for name in grads.keys() - expected.keys():
+        assert "indexer" in name and not grads.pop(name).any(), name
+    return grads
+
+
+def test_compiled_forward_and_backward_have_no_graph_break(hf_model):
+    model = _torch_msa_model(hf_model, "torch_msa")
+    ids, mask = _batch([SEQLEN, 150])
+    expected = _run(model, ids, mask, attention_mask=mask)
+
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    logits = torch.compile(model, backend="aot_eager", fullgraph=True)(ids, attention_mask=mask).logits
+    (logits * _weights(ids.shape) * mask[..., None]).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    _assert_same((logits[mask.bool()].detach(), _without_zero_indexer_grads(grads, expected[1])), expected)
+
+
+def test_use_torch_msa_keeps_the_parameters(hf_model):
+    model = _torch_msa_model(hf_model, "torch_msa")
+    assert model.config._attn_implementation == ATTENTION_NAME
+    assert isinstance(model.model.layers[0].self_attn.indexer, TorchMSAIndexer)
+    assert model.state_dict().keys() == hf_model.state_dict().keys()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(index_local_blocks=2), "index_local_blocks: .*expected 1, got 2"),
+    (dict(head_dim=32), r"head_dim: torch_msa's sparse attention serves head dims \(64, 128\); got 32"),
+    (dict(index_block_size=8), r"index_block_size: torch_msa serves blocks of \(64, 128\) keys; got 8"),
+    (dict(layer_types=["full_attention"] * 2), "model: expected a MiniMax-M3 model with sparse layers"),
+])
+def test_use_torch_msa_rejects_configs_it_cannot_serve_up_front(overrides, message):
+    model = MiniMaxM3VLForCausalLM(_config(**overrides))
+    with pytest.raises(ValueError, match=message):
+        use_torch_msa(model)
+    assert model.config._attn_implementation == "eager"  # nothing was changed
+    assert not any(isinstance(m, TorchMSAIndexer) for m in model.modules())
+
+
+def test_switching_back_restores_hf_and_switching_again_torch_msa(hf_model):
+    """set_attn_implementation undoes use_torch_msa: the patched indexer is HF's again."""
+    model = _torch_msa_model(hf_model, "torch_msa")
+    ids, mask = _batch([SEQLEN, 150])
+    model.set_attn_implementation("eager")
+    _assert_same(_run(model, ids, mask, attention_mask=mask), _run(hf_model, ids, mask, attention_mask=mask))
+    model.set_attn_implementation(ATTENTION_NAME)
+    _assert_same(_run(model, ids, mask, attention_mask=mask),
+                 _run(_torch_msa_model(hf_model, "torch_msa"), ids, mask, attention_mask=mask))
+
+
+def test_output_attentions_warns_once_that_there_are_no_weights(hf_model, monkeypatch):
+    from torch_msa.integrations import transformers as integration
+
+    monkeypatch.setattr(integration, "_warned_output_attentions", False)
+    model = _torch_msa_model(hf_model, "torch_msa")
+    ids = _batch([SEQLEN])[0]
+    with pytest.warns(UserWarning, match="'torch_msa' attention does not return attention weights"):
+        with torch.no_grad():
+            model(ids, output_attentions=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(ids, output_attentions=True)  # once only
+
+
+DOCS = [200, 131]  # two packed documents: the second starts inside the first's last block
+
+
+def _packed_batch(flash_kwargs):
+    from transformers import DataCollatorWithFlattening
+
+    generator = torch.Generator().manual_seed(5)
+    documents = [torch.randint(1, VOCAB, (n,), generator=generator) for n in DOCS]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)([{"input_ids": d.tolist()} for d in documents])
+    batch.pop("labels")
+    return batch, documents
+
+
+@pytest.mark.parametrize("flash_kwargs", [True, False], ids=["cu_seq_lens", "position_ids"])
+def test_packed_rows_equal_each_document_alone(hf_model, flash_kwargs):
+    """HF's padding-free recipe (DataCollatorWithFlattening): every packed document, through the
+    sparse and the full-attention layer, gives the logits and gradients of that document alone."""
+    batch, documents = _packed_batch(flash_kwargs)
+    model = _torch_msa_model(hf_model, "torch_msa")
+    weights = _weights((1, sum(DOCS)))
+    logits = model(**batch).logits
+    (logits * weights).sum().backward()
+    ours = (logits[0].detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+
+    hf_model.zero_grad(set_to_none=True)
+    alone, start = [], 0
+    for document in documents:
+        out = hf_model(document[None]).logits
+        (out * weights[:, start:start + len(document)]).sum().backward()
+        alone.append(out[0].detach())
+        start += len(document)
+    theirs = (torch.cat(alone), {name: p.grad.clone() for name, p in hf_model.named_parameters() if p.grad is not None})
+    _assert_same(ours, theirs)
+
+
+def test_packed_rows_through_hf_indexer_are_refused(hf_model):
+    batch, _ = _packed_batch(True)
+    with pytest.raises(ValueError, match="cu_seq_lens_q: packed rows .* need torch_msa's indexer.*use_torch_msa"):
+        _torch_msa_model(hf_model, "hf")(**batch)
+
+
+def test_packed_kwargs_are_checked():
+    from torch_msa.integrations.transformers import packed_kwargs_from_position_ids
+
+    assert packed_kwargs_from_position_ids(torch.arange(7)[None]) is None  # one document: nothing to pack
+    packed = packed_kwargs_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 5, 6]]))
+    assert packed["cu_seq_lens_q"].tolist() == [0, 3, 5, 7] and packed["max_length_k"] == 3
+
+
+def test_packed_rows_take_no_padding_mask(hf_model):
+    batch, _ = _packed_batch(True)
+    mask = torch.ones_like(batch["input_ids"])
+    with pytest.raises(ValueError, match="attention_mask: expected None with packed rows"):
+        _torch_msa_model(hf_model, "torch_msa")(**batch, attention_mask=mask)
+
+
+def test_sparse_attention_dropout_is_refused(hf_model):
+    model = _torch_msa_model(hf_model, "torch_msa")
+    model.model.layers[0].self_attn.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(ValueError, match="dropout: .*expected 0.0, got 0.1"):
+        model(_batch([SEQLEN])[0])
+
+
+@pytest.mark.parametrize("layout", [[], ["--packed"]], ids=["padded", "packed"])
+def test_training_example_runs_and_learns(layout):
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "examples" / "train_tiny_m3.py"
+    result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--steps", "4", "--seqlen", "192", *layout],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    losses = [float(x) for x in re.findall(r"loss (\S+)", result.stdout)]
+    assert len(losses) == 4 and losses[-1] < losses[0], result.stdout
+
+
+def test_vision_language_model_switches_only_its_text_model():
+    from transformers import MiniMaxM3SparseForConditionalGeneration, MiniMaxM3VLConfig
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = MiniMaxM3VLConfig(text_config=_config().to_dict(), vision_config=vision, projector_hidden_size=64)
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    reference = MiniMaxM3SparseForConditionalGeneration(config)
+    model = use_torch_msa(copy.deepcopy(reference))
+    assert model.config.text_config._attn_implementation == ATTENTION_NAME
+    assert model.config.vision_config._attn_implementation != ATTENTION_NAME
+    ids, mask = _batch([SEQLEN, 150])
+    with torch.no_grad():
+        theirs = reference(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        ours = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    _assert_close("logits", ours, theirs)
+
+
+def _decode(model, ids, mask, prefill):
+    """Logits of the last token of a prefill of `prefill` tokens, then of each token decoded from the cache."""
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=position_ids[:, :prefill],
+                    use_cache=True)
+        logits, cache = [out.logits[:, -1]], out.past_key_values
+        for t in range(prefill, ids.shape[1]):
+            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=position_ids[:, t:t + 1],
+                        past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, dim=1)
+
+
+def test_decoding_a_left_padded_batch_equals_hf_on_each_sequence_alone(hf_model):
+    lengths, prefill = [SEQLEN, 150], SEQLEN - 6  # 6 tokens decoded from the cache
+    ids, mask = _batch(lengths, left=True)
+    ours = _decode(_torch_msa_model(hf_model, "torch_msa"), ids, mask, prefill)
+    for row, length in enumerate(lengths):
+        alone = ids[row:row + 1, SEQLEN - length:]
+        theirs = _decode(hf_model, alone, torch.ones_like(alone), prefill - (SEQLEN - length))
+        _assert_close(f"row {row}", ours[row], theirs[0])
+
+
+def test_a_static_cache_is_refused(hf_model):
+    from transformers import StaticCache
+
+    model = _torch_msa_model(hf_model, "torch_msa")
+    cache = StaticCache(config=model.config, max_cache_len=SEQLEN)
+    with pytest.raises(ValueError, match="past_key_values: torch_msa decodes from a DynamicCache; got a static cache"):
+        model(_batch([128])[0][:, :128], past_key_values=cache, use_cache=True)

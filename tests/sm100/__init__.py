@@ -1,0 +1,1 @@
+"""Tests of the SM100 backend (`torch_msa/sm100`)."""

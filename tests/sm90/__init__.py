@@ -1,0 +1,1 @@
+"""Tests of the SM90 CuTe DSL backend (`torch_msa/sm90`)."""

@@ -1,0 +1,227 @@
+"""The SM90 CuTe DSL backward against the reference, on a compute capability 9.0 GPU.
+
+M3 shapes (Hq = 64, Hkv = 4, D = 128, block 128, top-16): a 1K document, a pack with empty and
+one-token documents, an Lq < Lk pack, a skewed selection (hot blocks split over items), junk ids,
+NaN in one document, grad_lse, bf16 and fp16, query fragments, given plans of any item size, a
+16K document against the Triton backward, CUDA-graph replay, a whole training step under
+`torch.compile(fullgraph=True)`, `torch.library.opcheck`, dispatch through `torch.ops.msa.backward`
+and bitwise-reproducible deterministic mode. Skipped without such a GPU or the CuTe DSL.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests.support.sm90 import (
+    BLOCK,
+    HKV,
+    HQ,
+    REFERENCE_LAYOUTS,
+    SCALE,
+    SM90_MARKS,
+    TOPK,
+    D,
+    random_problem,
+    with_junk_ids,
+)
+from torch_msa import reference
+from torch_msa.testing import fragments, random_block_indices
+
+pytestmark = SM90_MARKS
+
+
+def _problem(q_lens, k_lens, dtype=torch.bfloat16, selection="random", seed=0, with_grad_lse=False):
+    """Inputs of `msa::backward`: `(grad_out, q, k, v, out, lse, blocks, cu_q, cu_k, max_q, max_k)`
+    and `grad_lse` (or None); `out` and `lse` from the reference forward."""
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = random_problem(q_lens, k_lens, dtype, selection, generator=generator)
+    out, lse = reference.forward(q.float(), k.float(), v.float(), blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE)
+    grad_out = torch.randn(q.shape, generator=generator).to("cuda", dtype)
+    grad_lse = torch.randn(q.shape[:2], generator=generator).cuda() if with_grad_lse else None
+    return (grad_out, q, k, v, out.to(dtype), lse, blocks, cu_q, cu_k, max_q, max_k), grad_lse
+
+
+def _sm90(args, grad_lse=None, plan=None, *fragment_tensors):
+    from torch_msa.sm90.backward_sm90 import backward
+
+    return backward(*args, BLOCK, SCALE, grad_lse, plan, *fragment_tensors)
+
+
+def _reference(args, grad_lse=None, *fragment_tensors):
+    grad_out, q, k, v, out, lse, *rest = args
+    grads = reference.backward(grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse, *rest, BLOCK,
+                               SCALE, grad_lse, None, *fragment_tensors)
+    return tuple(g.to(q.dtype) for g in grads)
+
+
+def _check(got, want, rows=None):
+    """Relative errors of dq (restricted to `rows` when given), dk and dv."""
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        if rows is not None:
+            g, w = g[rows[name]], w[rows[name]]
+        assert torch.isfinite(g).all(), f"{name} holds non-finite values"
+        error = (g.float() - w.float()).norm() / w.float().norm().clamp(min=1e-6)
+        # P and dS enter the tensor cores rounded to 16 bits: errors of about 2^-8 relative; a
+        # key block missed or counted twice moves a gradient by percents.
+        assert error < 2e-2, f"{name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@REFERENCE_LAYOUTS
+def test_matches_reference(q_lens, k_lens, dtype):
+    args, _ = _problem(q_lens, k_lens, dtype)
+    _check(_sm90(args), _reference(args))
+
+
+def test_grad_lse_enters_delta():
+    args, grad_lse = _problem([900, 600], [900, 600], seed=1, with_grad_lse=True)
+    _check(_sm90(args, grad_lse), _reference(args, grad_lse))
+
+
+def test_skewed_selection_splits_hot_blocks():
+    """Every query reads block 0: its bucket is split over many items, whose dK/dV add up."""
+    args, _ = _problem([3000, 2100], [3000, 2100], selection="skewed", seed=2)
+    _check(_sm90(args), _reference(args))
+
+
+def test_junk_ids_are_ignored():
+    """Negative, beyond-horizon, huge and repeated ids add nothing and touch nothing out of bounds."""
+    args, _ = _problem([700, 513], [700, 513], seed=5)
+    blocks = args[6]
+    blocks = with_junk_ids(blocks)
+    args = (*args[:6], blocks, *args[7:])
+    _check(_sm90(args), _reference(args))
+
+
+def test_nan_in_one_document_stays_there():
+    """A NaN document's neighbours, whose last key blocks run into its keys, stay finite and exact."""
+    lens = [200, 300, 333]
+    args, _ = _problem(lens, lens, seed=3)
+    want = _reference(args)
+    for x in args[:4]:
+        x[200:500] = math.nan
+    got = _sm90(args)
+    clean = torch.cat([torch.arange(0, 200), torch.arange(500, 833)]).cuda()
+    _check(got, want, rows={"dq": clean, "dk": clean, "dv": clean})
+    assert torch.isnan(got[0][200:500]).all()
+
+
+@pytest.mark.parametrize("entries", [7, 128])
+def test_given_plans_of_any_item_size(entries):
+    from torch_msa.triton.plan_kernel import build_plan
+
+    args, _ = _problem([1000, 1500], [1000, 1500], seed=7)
+    plan = build_plan(args[6], args[7], args[8], args[2].shape[0], BLOCK, entries)
+    _check(_sm90(args, None, plan), _reference(args))
+
+
+def test_fragments_match_reference():
+    """A context-parallel rank's share: chunks of documents as query fragments over their keys."""
+    frag = fragments((4096, 2048, 1), ((0, 0, 1024), (0, 3072, 1024), (1, 500, 700), (2, 0, 1)), "cuda")
+    generator = torch.Generator().manual_seed(8)
+    tq, tk = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16)
+
+    q, k, v, grad_out = tensor(tq, HQ, D), tensor(tk, HKV, D), tensor(tk, HKV, D), tensor(tq, HQ, D)
+    blocks = random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, HKV, TOPK, BLOCK, generator,
+                                  *frag.tensors).cuda()
+    out, lse = reference.forward(q.float(), k.float(), v.float(), blocks, *frag.op_args, BLOCK, SCALE, None,
+                                 *frag.tensors)
+    args = (grad_out, q, k, v, out.to(q.dtype), lse, blocks, *frag.op_args)
+    _check(_sm90(args, None, None, *frag.tensors), _reference(args, None, *frag.tensors))
+
+
+def test_long_document_matches_triton():
+    """16K queries: the reference would gather too much, so the Triton backward is the oracle."""
+    from torch_msa.triton.backward_kernel import backward as triton_backward
+
+    generator = torch.Generator().manual_seed(6)
+    n = 16384
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    q, grad_out = (torch.randn(n, HQ, D, generator=generator).to("cuda", torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(n, HKV, D, generator=generator).to("cuda", torch.bfloat16) for _ in range(2))
+    blocks = random_block_indices(cu, cu, HKV, TOPK, BLOCK, generator=generator).cuda()
+    from torch_msa.triton.forward_kernel import forward as triton_forward
+
+    out, lse = triton_forward(q, k, v, blocks, cu, cu, n, n, BLOCK, SCALE)
+    args = (grad_out, q, k, v, out, lse, blocks, cu, cu, n, n)
+    _check(_sm90(args), triton_backward(*args, BLOCK, SCALE))
+
+
+def test_cuda_graph_replay_matches_eager():
+    """No host sync: delta, the schedule, the blocks kernel and the casts replay from a CUDA graph.
+    Atomics make the last bits order-dependent, so replay is compared with a tolerance."""
+    args, _ = _problem([900, 400], [900, 400], seed=4)
+    eager = _sm90(args)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _sm90(args)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, eager):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+def test_sm90_serves_backward_by_default(monkeypatch):
+    import torch_msa
+
+    cuda = torch.device("cuda")
+    monkeypatch.delenv(torch_msa.BACKEND_ENV, raising=False)
+    assert torch_msa.resolve("backward", cuda).name == "sm90"
+    args, _ = _problem([1500], [1500], seed=11)
+    got = torch.ops.msa.backward(*args, BLOCK, SCALE, None)
+    _check(got, _reference(args))
+
+
+def test_deterministic_mode_is_bitwise_reproducible(monkeypatch):
+    """Under `torch.use_deterministic_algorithms(True)` the backend serves its deterministic variant
+    (the kernel without dQ storing dK/dV per item, the Triton reduction and query-outer dQ): two
+    runs agree bit for bit, and with the reference; the skewed selection splits hot blocks."""
+    import torch_msa
+
+    monkeypatch.delenv(torch_msa.BACKEND_ENV, raising=False)
+    args, _ = _problem([2000, 1100], [2000, 1100], selection="skewed", seed=12)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = torch.ops.msa.backward(*args, BLOCK, SCALE, None)
+        second = torch.ops.msa.backward(*args, BLOCK, SCALE, None)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    _check(first, _reference(args))
+
+
+def test_training_step_compiles_into_one_graph(monkeypatch):
+    """Selection-free training step (forward + backward through autograd) under
+    `torch.compile(fullgraph=True)`, with the SM90 kernels serving both directions."""
+    import torch_msa
+
+    monkeypatch.delenv(torch_msa.BACKEND_ENV, raising=False)
+    args, _ = _problem([1200, 800], [1200, 800], seed=9)
+    grad_out, q, k, v, _, _, blocks, cu_q, cu_k, max_q, max_k = args
+
+    def step(q, k, v):
+        out, _ = torch.ops.msa.forward(q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE)
+        return (out.float() * grad_out.float()).sum()
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True)(*leaves).backward()
+    _check(tuple(x.grad for x in leaves), _reference(args))
+
+
+def test_opcheck_through_the_sm90_kernel(monkeypatch):
+    """Schema, fake kernel (shapes and strides) and AOT dispatch agree with the kernel's outputs."""
+    import torch_msa
+
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
+    args, _ = _problem([300, 1, 200], [300, 1, 200], seed=10)
+    # Atomics reorder the last bits between the runs opcheck compares; its default tolerances
+    # for bf16 cover that.
+    torch.library.opcheck(torch.ops.msa.backward.default, (*args, BLOCK, SCALE, None))

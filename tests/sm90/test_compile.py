@@ -1,0 +1,251 @@
+"""The SM90 kernels (`torch_msa/sm90/forward_sm90.py`, `backward_sm90.py`) on a host without a GPU.
+
+CI proves that the kernels *lower* for `sm_90a`: the CuTe DSL traces them, NVVM emits PTX and
+ptxas assembles a cubin, and the machine code holds what the design says (the forward: wgmma from
+shared memory for `Q K^T` and from registers for `P V`, TMA loads and stores; the backward: five
+wgmma GEMMs, dQ by bulk reduce-add, dK/dV by vector atomics; neither spills to local memory).
+Also on any host: the modules import without the CuTe DSL, the launch arguments have the
+compiled types, the backend declines configurations it does not serve, and the per-bucket key
+counts. Whether the kernels compute the right result is checked on a compute capability 9.0 GPU
+(`tests/sm90/test_forward.py`, `tests/sm90/test_backward.py`).
+"""
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.cute_dsl import assert_imports_without, assert_launch_types_match, requires_cute
+from torch_msa.backends import UnsupportedInputs
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+K_STEPS = 128 // 16  # K = 128 (dims for Q K^T, keys for P V) in steps of the 16-bit wgmma's K = 16
+# TMA loads in the compiled loop: K and V tiles (two 64-column boxes each) once per item, and a
+# Q tile of 4 tokens (two boxes each) at the item's start and for the next tile.
+TMA_LOADS = 2 * 2 + 2 * 4 * 2
+# TMA stores: the output tile's 4 tokens, two boxes each.
+TMA_STORES = 4 * 2
+
+
+# The backward per tile: S^T = K Q^T and dP^T = V dO^T (64 x 64 per warpgroup, K = 128 dims),
+# dV and dK (64 x 128, K = 64 rows, A from registers), dQ = dS K (64 x 64, K = 128 keys).
+BACKWARD_SS_STEPS = 3 * K_STEPS
+BACKWARD_RS_STEPS = 2 * (64 // 16)
+# TMA loads: K and V once per item (two boxes each); Q and dO of 4 tokens (two boxes each) at the
+# item's start and for the next tile.
+BACKWARD_TMA_LOADS = 2 * 2 + 2 * 2 * 4 * 2
+# dQ: one bulk reduce-add per token of the tile; dK and dV: a thread's 2 key rows x 32 dims of
+# each, two dims per atomic.
+BACKWARD_BULK_REDUCES = 4
+BACKWARD_VECTOR_ATOMICS = 2 * 2 * 32 // 2
+
+
+def _build(tmp_path_factory, module: str, options: str = ""):
+    """Compile `module`'s blocks kernel once for sm_90a (bf16, Hkv = 4, keyword `options`) with the
+    cubin, PTX and SASS kept; returns the dump folder. The CuTe DSL writes SASS only for the
+    architecture named by `CUTE_DSL_ARCH` when it is imported, so the compile runs in a fresh
+    interpreter with it set."""
+    dump_dir = tmp_path_factory.mktemp(module)
+    code = (
+        "import sys, torch\n"
+        f"from torch_msa.sm90.{module} import compile_blocks_kernel\n"
+        f"compile_blocks_kernel(torch.bfloat16, 4, 'sm_90a', sys.argv[1], listings=True, {options})\n"
+    )
+    environment = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(dump_dir)], capture_output=True, text=True, timeout=300, env=environment
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return dump_dir
+
+
+@pytest.fixture(scope="module")
+def sm90_build(tmp_path_factory):
+    return _build(tmp_path_factory, "forward_sm90")
+
+
+@pytest.fixture(scope="module")
+def sm90_backward_build(tmp_path_factory):
+    return _build(tmp_path_factory, "backward_sm90")
+
+
+@pytest.fixture(scope="module")
+def sm90_deterministic_build(tmp_path_factory):
+    return _build(tmp_path_factory, "backward_sm90", "deterministic=True")
+
+
+def _listing(dump_dir: Path, suffix: str) -> str:
+    (path,) = dump_dir.glob(f"*{suffix}")
+    return path.read_text()
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@requires_cute
+def test_blocks_kernel_lowers_to_an_sm90a_cubin(sm90_build):
+    dump_dir = sm90_build
+    (cubin,) = dump_dir.glob("*.sm_90a.cubin")
+    assert cubin.read_bytes()[:4] == b"\x7fELF"
+    assert ".target sm_90a" in _listing(dump_dir, ".ptx")
+
+
+@requires_cute
+def test_ptx_has_both_wgmmas_and_the_tma_copies(sm90_build):
+    dump_dir = sm90_build
+    ptx = _listing(dump_dir, ".ptx")
+    qk = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+,", ptx)
+    pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{[^}]*\}, %rd\d+,", ptx)
+    assert len(qk) == K_STEPS, "Q K^T: both operands from shared memory"
+    assert len(pv) == K_STEPS, "P V: P from registers"
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx)) == TMA_LOADS
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)) == TMA_STORES
+    # V rows past a document's end are zeroed by ordinary stores that the tensor cores read next.
+    assert "fence.proxy.async.shared::cta" in ptx
+
+
+@requires_cute
+def test_sass_has_hgmma_and_no_spills(sm90_build):
+    dump_dir = sm90_build
+    if not list(dump_dir.glob("*.sass")) and not _installed("nvidia-cuda-nvdisasm"):
+        pytest.skip("nvdisasm is not installed (pip package nvidia-cuda-nvdisasm, a dependency of the CuTe DSL)")
+    sass = _listing(dump_dir, ".sass")
+    assert len(re.findall(r"\bHGMMA\.64x128x16\.F32\.BF16\b", sass)) == 2 * K_STEPS
+    assert len(re.findall(r"\bUTMALDG\.[23]D\b", sass)) == TMA_LOADS
+    assert len(re.findall(r"\bUTMASTG\.[23]D\b", sass)) == TMA_STORES
+    assert not re.findall(r"\b(STL|LDL)\b", sass)
+
+
+@requires_cute
+def test_backward_ptx_has_its_gemms_bulk_reduces_and_atomics(sm90_backward_build):
+    ptx = _listing(sm90_backward_build, ".ptx")
+    assert ".target sm_90a" in ptx
+    ss = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+,", ptx)
+    rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{[^}]*\}, %rd\d+,", ptx)
+    assert len(ss) == BACKWARD_SS_STEPS, "S^T, dP^T and dQ: both operands from shared memory"
+    assert len(rs) == BACKWARD_RS_STEPS, "dV and dK: P^T and dS^T from registers"
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx)) == BACKWARD_TMA_LOADS
+    bulk = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
+    assert ptx.count(bulk) == BACKWARD_BULK_REDUCES
+    assert ptx.count("red.global.add.v2.f32") == BACKWARD_VECTOR_ATOMICS
+    # No scalar atomics: dQ leaves by the bulk reduce only.
+    assert not re.findall(r"\b(atom|red)\.global(\.\w+)*\.add\.f32\b", ptx)
+
+
+@requires_cute
+def test_backward_sass_has_hgmma_and_no_spills(sm90_backward_build):
+    if not list(sm90_backward_build.glob("*.sass")) and not _installed("nvidia-cuda-nvdisasm"):
+        pytest.skip("nvdisasm is not installed (pip package nvidia-cuda-nvdisasm, a dependency of the CuTe DSL)")
+    sass = _listing(sm90_backward_build, ".sass")
+    assert len(re.findall(r"\bHGMMA\.64x64x16\.F32\.BF16\b", sass)) == BACKWARD_SS_STEPS
+    assert len(re.findall(r"\bHGMMA\.64x128x16\.F32\.BF16\b", sass)) == BACKWARD_RS_STEPS
+    assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\b", sass)) == BACKWARD_BULK_REDUCES
+    assert not re.findall(r"\b(STL|LDL)\b", sass)
+
+
+@requires_cute
+def test_deterministic_backward_has_no_dq_and_no_atomics(sm90_deterministic_build):
+    """The variant that serves deterministic mode: S^T, dP^T, dV and dK only; dK/dV stored, never
+    added."""
+    ptx = _listing(sm90_deterministic_build, ".ptx")
+    ss = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+,", ptx)
+    rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{[^}]*\}, %rd\d+,", ptx)
+    assert (len(ss), len(rs)) == (2 * K_STEPS, BACKWARD_RS_STEPS)
+    assert not re.findall(r"\b(atom|red)\.", ptx) and "cp.reduce.async.bulk" not in ptx
+    if list(sm90_deterministic_build.glob("*.sass")):
+        assert not re.findall(r"\b(STL|LDL)\b", _listing(sm90_deterministic_build, ".sass"))
+
+
+@requires_cute
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_launch_arguments_have_the_compiled_types(deterministic):
+    from torch_msa.sm90.backward_sm90 import operands
+
+    assert_launch_types_match(
+        (name, torch.float16 if dtype is None else dtype, inner) for name, inner, dtype in operands(4, deterministic)
+    )
+
+
+def test_query_rows_beyond_32_bit_indices_are_declined():
+    from torch_msa.sm90.backward_sm90 import check_query_rows
+
+    check_query_rows(2**25 - 1, 64)
+    with pytest.raises(UnsupportedInputs, match="32-bit integers: 33554432 queries x 64 heads"):
+        check_query_rows(2**25, 64)
+
+
+@requires_cute
+def test_launch_arguments_have_the_compiled_types():
+    """`launch_blocks` converts each operand as the kernel was compiled for it."""
+    from torch_msa.sm90.forward_sm90 import operands
+
+    assert_launch_types_match(
+        (name, torch.float16 if dtype is None else dtype, inner) for name, inner, dtype in operands(4)
+    )
+
+
+def test_module_imports_without_the_cute_dsl():
+    assert_imports_without("import torch_msa.sm90, torch_msa.sm90.forward_sm90, torch_msa.sm90.backward_sm90",
+                           ("cutlass", "triton"))
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, dtype, block_size, message",
+    [
+        ((8, 32, 128), (8, 4, 128), torch.bfloat16, 128, "16 query heads per KV head"),
+        ((8, 64, 64), (8, 4, 64), torch.bfloat16, 128, "D=128"),
+        ((8, 64, 128), (8, 4, 128), torch.bfloat16, 64, "block_size=128"),
+        ((8, 64, 128), (8, 4, 128), torch.float32, 128, "bf16 or all fp16"),
+    ],
+)
+def test_unserved_inputs_are_declined(q_shape, kv_shape, dtype, block_size, message):
+    from torch_msa.sm90.forward_sm90 import check_served
+
+    q, k = torch.zeros(q_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype)
+    with pytest.raises(UnsupportedInputs, match=message):
+        check_served(q, k, k, block_size)
+
+
+def test_mixed_dtypes_are_declined():
+    from torch_msa.sm90.forward_sm90 import check_served
+
+    q, k = torch.zeros(8, 64, 128, dtype=torch.bfloat16), torch.zeros(8, 4, 128, dtype=torch.float16)
+    with pytest.raises(UnsupportedInputs, match="bf16 or all fp16"):
+        check_served(q, k, k, 128)
+
+
+def test_partial_rows_beyond_32_bit_indices_are_declined():
+    """The partial outputs move by TMA (64-bit addresses), so 16K queries and more are served; only
+    their rows are indexed with 32-bit integers: 2**31 of them at 2M queries for M3."""
+    from torch_msa.sm90.forward_sm90 import check_rows
+
+    check_rows(2**21 - 1, 4, 16)
+    with pytest.raises(UnsupportedInputs, match="32-bit integers: 2097152 queries"):
+        check_rows(2**21, 4, 16)
+
+
+def test_bucket_key_count_stops_at_the_document_end():
+    from torch_msa.sm90.forward_sm90 import bucket_key_count
+
+    cu_seqlens_k = torch.tensor([0, 200, 200, 201, 500], dtype=torch.int32)
+    # Blocks start at a document's start plus a multiple of 128.
+    key_rows = torch.tensor([0, 128, 200, 201, 329, 457], dtype=torch.int32)
+    assert bucket_key_count(key_rows, cu_seqlens_k).tolist() == [128, 72, 1, 128, 128, 43]
+
+
+def test_backend_is_unavailable_off_sm90():
+    from torch_msa import sm90
+
+    assert not sm90.available(torch.device("cpu"))
+    assert set(sm90.BACKEND.ops) == {"forward", "backward"}

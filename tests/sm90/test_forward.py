@@ -1,0 +1,193 @@
+"""The SM90 CuTe DSL forward against the reference, on a compute capability 9.0 GPU.
+
+M3 shapes (Hq = 64, Hkv = 4, D = 128, block 128, top-16): a 1K document, a pack with empty and
+one-token documents, an Lq < Lk pack, junk ids, a skewed selection, NaN in one document, bf16 and
+fp16, query fragments, given plans of any item size, a 32K document (partials past 2**31
+elements, against the Triton forward), CUDA-graph replay, `torch.compile(fullgraph=True)`,
+`torch.library.opcheck` and dispatch through `torch.ops.msa.forward`. Skipped without such a GPU
+or the CuTe DSL.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests.support.sm90 import (
+    BLOCK,
+    HKV,
+    HQ,
+    REFERENCE_LAYOUTS,
+    SCALE,
+    SM90_MARKS,
+    TOPK,
+    D,
+    random_problem,
+    with_junk_ids,
+)
+from torch_msa import reference
+from torch_msa.testing import fragments, random_block_indices
+
+pytestmark = SM90_MARKS
+_inputs = random_problem
+
+
+def _sm90(q, k, v, blocks, cu_q, cu_k, max_q, max_k):
+    from torch_msa.sm90.forward_sm90 import forward
+
+    return forward(q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE)
+
+
+def _check(got, want, rows=None):
+    out, lse = got
+    want_out, want_lse = want
+    if rows is not None:
+        out, lse, want_out, want_lse = out[rows], lse[rows], want_out[rows], want_lse[rows]
+    assert out.dtype == want_out.dtype and lse.dtype == torch.float32
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    error = (out.float() - want_out.float()).norm() / want_out.float().norm().clamp(min=1e-6)
+    # P enters the tensor cores rounded to 16 bits: errors of about 2^-8 relative; a key block
+    # missed or counted twice moves the output by percents.
+    assert error < 1e-2, f"relative error {error:.2e}"
+    torch.testing.assert_close(lse, want_lse.float(), atol=2e-3, rtol=1e-4)
+
+
+def _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k):
+    out, lse = reference.forward(q.float(), k.float(), v.float(), blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE)
+    return out.to(q.dtype), lse
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@REFERENCE_LAYOUTS
+def test_matches_reference(q_lens, k_lens, dtype):
+    inputs = _inputs(q_lens, k_lens, dtype)
+    _check(_sm90(*inputs), _reference(*inputs))
+
+
+def test_skewed_selection_splits_hot_blocks():
+    """Every query reads block 0: its bucket is split over many items (and CTAs)."""
+    inputs = _inputs([3000, 2100], [3000, 2100], torch.bfloat16, selection="skewed")
+    _check(_sm90(*inputs), _reference(*inputs))
+
+
+def test_junk_ids_are_ignored():
+    """Negative, beyond-horizon, huge and repeated ids add nothing and read nothing out of bounds."""
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([700, 513], [700, 513], torch.bfloat16)
+    blocks = with_junk_ids(blocks)
+    inputs = (q, k, v, blocks, cu_q, cu_k, max_q, max_k)
+    _check(_sm90(*inputs), _reference(*inputs))
+
+
+def test_nan_in_one_document_stays_there():
+    """Documents whose last key block runs into a NaN document's keys stay finite and exact."""
+    lens = [200, 300, 333]
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs(lens, lens, torch.bfloat16)
+    want = _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k)
+    for x in (q, k, v):
+        x[200:500] = math.nan
+    out, lse = _sm90(q, k, v, blocks, cu_q, cu_k, max_q, max_k)
+    clean = torch.cat([torch.arange(0, 200), torch.arange(500, 833)]).cuda()
+    _check((out, lse), want, rows=clean)
+    assert torch.isnan(out[200:500]).all()
+
+
+def test_sm90_serves_forward_by_default(monkeypatch):
+    import torch_msa
+
+    cuda = torch.device("cuda")
+    monkeypatch.delenv(torch_msa.BACKEND_ENV, raising=False)
+    assert torch_msa.resolve("forward", cuda).name == "sm90"
+    inputs = _inputs([1500], [1500], torch.bfloat16, seed=3)
+    got = torch.ops.msa.forward(*inputs, BLOCK, SCALE)
+    _check(got, _reference(*inputs))
+
+
+def test_unsupported_configuration_falls_back():
+    from torch_msa.backends import UnsupportedInputs
+    from torch_msa.sm90.forward_sm90 import check_served
+
+    q = torch.zeros(4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.zeros(4, 4, 128, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(UnsupportedInputs, match="16 query heads per KV head"):
+        check_served(q, k, k, 128)
+    with pytest.raises(UnsupportedInputs, match="bf16 or all fp16"):
+        check_served(q.float(), k.float(), k.float(), 128)
+
+
+def test_cuda_graph_replay_matches_eager():
+    """No host sync: the schedule, the blocks kernel and the combine replay from a CUDA graph."""
+    inputs = _inputs([900, 400], [900, 400], torch.bfloat16, seed=4)
+    eager = _sm90(*inputs)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _sm90(*inputs)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured[0], eager[0], atol=0, rtol=0)
+    torch.testing.assert_close(captured[1], eager[1], atol=0, rtol=0)
+
+
+def test_long_document_past_32_bit_element_offsets():
+    """32K queries: the partials hold 2**32 elements, written by TMA. The reference would gather
+    too much at this size, so the Triton forward (checked against it elsewhere) is the oracle."""
+    from torch_msa.triton.forward_kernel import forward as triton_forward
+
+    inputs = _inputs([32768], [32768], torch.bfloat16, seed=6)
+    _check(_sm90(*inputs), triton_forward(*inputs, BLOCK, SCALE))
+
+
+@pytest.mark.parametrize("entries", [None, 7, 128])
+def test_given_plans_of_any_item_size(entries):
+    """The kernel walks the items of the plan it is given, whatever their size."""
+    from torch_msa.sm90.forward_sm90 import forward
+    from torch_msa.triton.plan_kernel import build_plan
+
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([1000, 1500], [1000, 1500], torch.bfloat16, seed=7)
+    plan = None if entries is None else build_plan(blocks, cu_q, cu_k, k.shape[0], BLOCK, entries)
+    got = forward(q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE, plan)
+    _check(got, _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k))
+
+
+def test_fragments_match_reference():
+    """A context-parallel rank's share: two chunks of a 4K document, the middle of a 2K one and a
+    1-token document, as query fragments over the whole documents' keys."""
+    from torch_msa.sm90.forward_sm90 import forward
+
+    frag = fragments((4096, 2048, 1), ((0, 0, 1024), (0, 3072, 1024), (1, 500, 700), (2, 0, 1)), "cuda")
+    generator = torch.Generator().manual_seed(8)
+    tq, tk = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16)
+
+    q, k, v = tensor(tq, HQ, D), tensor(tk, HKV, D), tensor(tk, HKV, D)
+    blocks = random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, HKV, TOPK, BLOCK, generator,
+                                  *frag.tensors).cuda()
+    args = (blocks, *frag.op_args, BLOCK, SCALE)
+    got = forward(q, k, v, *args, None, *frag.tensors)
+    want_out, want_lse = reference.forward(q.float(), k.float(), v.float(), *args, None, *frag.tensors)
+    _check(got, (want_out.to(q.dtype), want_lse))
+
+
+def test_compiles_into_one_graph(monkeypatch):
+    import torch_msa
+
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
+    inputs = _inputs([1200, 800], [1200, 800], torch.bfloat16, seed=9)
+
+    def attend(q, k, v, blocks, cu_q, cu_k):
+        return torch.ops.msa.forward(q, k, v, blocks, cu_q, cu_k, 1200, 1200, BLOCK, SCALE)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True)
+    got = compiled(*inputs[:6])
+    _check(got, _reference(*inputs))
+
+
+def test_opcheck_through_the_sm90_kernel(monkeypatch):
+    """Schema, fake kernel (shapes and strides) and AOT dispatch agree with the kernel's outputs."""
+    import torch_msa
+
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([300, 1, 200], [300, 1, 200], torch.bfloat16, seed=10)
+    torch.library.opcheck(torch.ops.msa.forward.default, (q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE))

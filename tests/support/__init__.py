@@ -1,0 +1,1 @@
+"""Test support shared by the test packages: oracles, skip marks, sample matrices and scripts."""

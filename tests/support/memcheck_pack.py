@@ -1,0 +1,62 @@
+"""Every GPU kernel on a pack with junk ids, for compute-sanitizer (not collected by pytest).
+
+    compute-sanitizer --tool memcheck --error-exitcode 9 python tests/support/memcheck_pack.py
+
+M3 heads, bf16; documents of 300, 0, 1, 1500, 129 tokens and one with Lq < Lk; 30% of the block
+ids replaced by random values in [-2^30, 2^30), repeats and ids far past every document. Runs the
+selection, the plan, the forward and both backwards (default and deterministic) and the KL loss;
+then the same ops on query fragments of these documents with junk fragment fields (a document id
+out of range, a start past its document, a negative start).
+"""
+import torch
+
+import torch_msa
+from torch_msa.testing import cu_seqlens, random_block_indices
+
+torch.manual_seed(0)
+q_lens = [300, 0, 1, 1500, 129, 700]
+k_lens = [300, 0, 1, 1500, 129, 2000]  # the last document has Lq < Lk
+cu_q, cu_k = cu_seqlens(q_lens, k_lens, "cuda")
+tq, tk = int(cu_q[-1]), int(cu_k[-1])
+bf = dict(device="cuda", dtype=torch.bfloat16)
+q = torch.randn(tq, 64, 128, **bf, requires_grad=True)
+k = torch.randn(tk, 4, 128, **bf, requires_grad=True)
+v = torch.randn(tk, 4, 128, **bf, requires_grad=True)
+iq = torch.randn(tq, 4, 128, **bf, requires_grad=True)
+ik = torch.randn(tk, 1, 128, **bf, requires_grad=True)
+docs = (cu_q, cu_k, max(q_lens), max(k_lens))
+sel = torch_msa.select_blocks(iq.detach(), ik.detach(), *docs)
+bi = random_block_indices(cu_q, cu_k, 4, 16, 128).cuda()
+junk = torch.randint(-(1 << 30), 1 << 30, bi.shape, device="cuda", dtype=torch.int32)
+bi = torch.where(torch.rand(bi.shape, device="cuda") < 0.3, junk, bi)
+bi[1, :, 3] = bi[1, :, 0]  # repeats
+bi[2, :, 5] = 1 << 20       # far past every document
+for deterministic in (False, True):
+    torch.use_deterministic_algorithms(deterministic)
+    out, lse = torch_msa.sparse_attention(q, k, v, bi, *docs, return_lse=True)
+    (out.float().square().sum() + lse.sum()).backward()
+torch.use_deterministic_algorithms(False)
+out, lse, used = torch_msa.msa_attention(q, k, v, iq, ik, *docs, return_lse=True, return_block_indices=True)
+loss = torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse.detach(), iq, ik, bi, *docs)
+loss.backward()
+
+# Fragments: the first three of the pack's queries in three fragments whose fields are junk, then
+# the rest as well-formed fragments of the documents 3 and 5.
+frag_docs = torch.tensor([7, 3, 3, 5, -1], dtype=torch.int32, device="cuda")
+frag_starts = torch.tensor([0, 1 << 30, 0, 100, -5], dtype=torch.int32, device="cuda")
+frag_lens = [1, 1, 1400, 600, tq - 2003]
+cu_frag = torch.tensor([0, *torch.tensor(frag_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+frag_args = (cu_frag, cu_k, max(frag_lens), max(k_lens))
+fragments = dict(fragment_documents=frag_docs, fragment_starts=frag_starts)
+sel = torch_msa.select_blocks(iq.detach(), ik.detach(), *frag_args, **fragments)
+for deterministic in (False, True):
+    torch.use_deterministic_algorithms(deterministic)
+    out, lse = torch_msa.sparse_attention(q, k, v, bi, *frag_args, return_lse=True, **fragments)
+    (out.float().square().sum() + lse.sum()).backward()
+torch.use_deterministic_algorithms(False)
+out, lse = torch_msa.sparse_attention(q, k, v, sel, *frag_args, return_lse=True, **fragments)
+loss = torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse.detach(), iq, ik, sel, *frag_args, **fragments)
+loss.backward()
+torch.cuda.synchronize()
+print("sanitize run done:", {op: torch_msa.resolve(op, q.device).name for op in torch_msa.backends.OPS},
+      "loss", float(loss), "selected", tuple(sel.shape))

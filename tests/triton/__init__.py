@@ -1,0 +1,1 @@
+"""Tests of the Triton backend (`torch_msa/triton`)."""

@@ -1,0 +1,295 @@
+"""Every Triton kernel fits the shared memory of every architecture the backend serves.
+
+Without a GPU: each kernel is compiled for sm_80, sm_86, sm_89, sm_90, sm_100 and sm_120 with
+Triton's own compiler (and the ptxas it ships) at the M3 configuration (bf16, Hq=64, Hkv=4,
+D=128, block 128, topk 16, Hi=4, Di=128), walking its launch configurations in the order the
+backend tries them at run time (`torch_msa/triton/launch.py`). One of them must fit the
+architecture's limit of shared memory per block, and on sm_90 the tuned first one must. The
+one exception is pinned too: the KL forward (the block's keys and index keys, the latter in two
+operand layouts, plus the per-item key sums) fits none of the 99 KB architectures, where the
+loss runs on the reference.
+
+The launch-time fallback itself (a configuration refused with `OutOfResources`, then the next,
+then the reference) is tested without compiling anything.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed (it ships with Linux x86_64 torch)")
+
+import torch_msa  # noqa: E402
+from torch_msa import backends  # noqa: E402
+from torch_msa.triton import (  # noqa: E402
+    backward_deterministic_kernel,
+    backward_kernel,
+    forward_kernel,
+    kl_dense_kernel,
+    kl_kernel,
+    launch,
+    select_kernel,
+)
+
+# Shared memory per block (opt-in maximum) of each architecture, from the CUDA C++ Programming
+# Guide's table of compute capabilities.
+TARGETS = {
+    "sm_80": (80, 166_912),
+    "sm_86": (86, 101_376),
+    "sm_89": (89, 101_376),
+    "sm_90": (90, 232_448),
+    "sm_100": (100, 232_448),
+    "sm_120": (120, 101_376),
+}
+TUNED_TARGET = "sm_90"
+
+M3 = dict(num_heads=64, num_kv_heads=4, dim=128, block_size=128, topk=16, index_heads=4, index_dim=128)
+GROUP = M3["num_heads"] // M3["num_kv_heads"]
+SCHEDULE_TABLES = ("entry_query", "item_bucket", "item_start", "item_end", "bucket_head", "bucket_key_row",
+                   "bucket_block", "position")
+
+
+def _forward_blocks(config):
+    tokens, group_p2 = forward_kernel.tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
+    types = dict.fromkeys(("q", "k", "v", "partial_out"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
+    types |= {"partial_lse": "*fp32", "qk_scale": "fp32"}
+    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=group_p2, TOKENS=tokens, TOPK=M3["topk"],
+                     BLOCK=M3["block_size"], DIM=M3["dim"], PRECISION="tf32")
+    return forward_kernel._blocks_kernel, types, constants
+
+
+def _forward_combine(config):
+    types = {"partial_out": "*bf16", "partial_lse": "*fp32", "out": "*bf16", "lse": "*fp32"}
+    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=GROUP, TOPK=M3["topk"], DIM=M3["dim"])
+    return forward_kernel._combine_kernel, types, constants
+
+
+def _backward_delta(config):
+    types = {"grad_out": "*bf16", "out": "*bf16", "grad_lse": "*fp32", "delta": "*fp32"}
+    constants = dict(NUM_HEADS=M3["num_heads"], DIM=M3["dim"], ROWS=config.rows, HAS_GRAD_LSE=True)
+    return backward_kernel._delta_kernel, types, constants
+
+
+def _backward_blocks(config):
+    tokens, group_p2 = forward_kernel.tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
+    types = dict.fromkeys(("q", "k", "v", "grad_out"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
+    types |= dict.fromkeys(("lse", "delta", "dq_acc", "dk_acc", "dv_acc"), "*fp32")
+    types |= {"softmax_scale": "fp32", "qk_scale": "fp32"}
+    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=group_p2, TOKENS=tokens, TOPK=M3["topk"],
+                     BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"], PRECISION="tf32",
+                     DETERMINISTIC=False)
+    return backward_kernel._blocks_kernel, types, constants
+
+
+def _deterministic_key_blocks(config):
+    fn, types, constants = _backward_blocks(config)
+    return fn, types, constants | {"DETERMINISTIC": True}
+
+
+def _deterministic_key_reduce(config):
+    types = dict.fromkeys(("dk_part", "dv_part"), "*fp32") | dict.fromkeys(("dk", "dv"), "*bf16")
+    types |= dict.fromkeys(("entry_query", "item_end", "bucket_ptr", "bucket_first_item", "bucket_head",
+                            "bucket_key_row", "bucket_block", "position"), "*i32")
+    constants = dict(TOPK=M3["topk"], BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"])
+    return backward_deterministic_kernel._key_reduce_kernel, types, constants
+
+
+def _deterministic_query(config):
+    types = dict.fromkeys(("q", "k", "v", "grad_out", "dq"), "*bf16") | dict.fromkeys(("lse", "delta"), "*fp32")
+    types |= {"block_indices": "*i32", "key_start": "*i64", "position": "*i64", "softmax_scale": "fp32",
+              "qk_scale": "fp32"}
+    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=GROUP, TOPK=M3["topk"],
+                     TOPK_P2=M3["topk"], BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"],
+                     PRECISION="tf32")
+    return backward_deterministic_kernel._query_kernel, types, constants
+
+
+def _select(config):
+    heads_p2 = triton.next_power_of_2(M3["index_heads"])
+    types = {"index_q": "*bf16", "index_k": "*bf16", "cu_seqlens_q": "*i32", "key_start": "*i64",
+             "position": "*i64", "block_indices": "*i32", "scale": "fp32"}
+    constants = dict(NUM_HEADS=M3["index_heads"], HEADS_P2=heads_p2, TOKENS=config.rows // heads_p2,
+                     DIM=M3["index_dim"], DIM_P2=M3["index_dim"], BLOCK=M3["block_size"], TOPK=M3["topk"],
+                     KEEP_P2=M3["topk"], PRECISION="tf32")
+    return select_kernel._select_kernel, types, constants
+
+
+def _kl_forward(config):
+    tokens, heads_per_pass = kl_kernel.kl_tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
+    types = dict.fromkeys(("q", "k", "index_q", "index_k"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
+    types |= dict.fromkeys(("lse", "part_max", "part_sum", "part_weighted", "part_mass", "teacher_index_keys",
+                            "teacher_index_queries"), "*fp32")
+    types |= {"qk_scale": "fp32", "index_scale": "fp32"}
+    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, HEADS_PER_PASS=heads_per_pass, TOKENS=tokens,
+                     TOPK=M3["topk"], BLOCK=M3["block_size"], DIM=M3["dim"], INDEX_DIM=M3["index_dim"],
+                     PRECISION="tf32", INDEX_PRECISION="tf32", SPLIT=True)
+    return kl_kernel._forward_kernel, types, constants
+
+
+def _kl_backward(config):
+    types = dict.fromkeys(("index_q", "index_k"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
+    types |= dict.fromkeys(("index_lse", "teacher_mass", "coefficient", "d_index_q", "d_index_k"), "*fp32")
+    types |= {"index_scale": "fp32"}
+    constants = dict(NUM_KV_HEADS=M3["index_heads"], TOKENS=config.rows, TOPK=M3["topk"], BLOCK=M3["block_size"],
+                     INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32", SPLIT=True)
+    return kl_kernel._backward_kernel, types, constants
+
+
+DOCUMENT_TABLES = {"key_start": "*i64", "position": "*i64", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
+
+
+def _kl_dense_teacher_lse(config):
+    types = {"q": "*bf16", "k": "*bf16", "teacher_lse": "*fp32", "qk_scale": "fp32"} | DOCUMENT_TABLES
+    constants = dict(NUM_HEADS=M3["num_heads"], GROUP=GROUP, TOKENS=config.rows, BLOCK_N=config.block_n,
+                     DIM=M3["dim"], PRECISION="tf32")
+    return kl_dense_kernel._teacher_lse_kernel, types, constants
+
+
+def _kl_dense_loss(config):
+    types = dict.fromkeys(("q", "k", "index_q", "index_k"), "*bf16") | DOCUMENT_TABLES
+    types |= dict.fromkeys(("teacher_lse", "weighted", "mass", "index_lse", "teacher_index_keys",
+                            "teacher_index_queries"), "*fp32")
+    types |= {"qk_scale": "fp32", "index_scale": "fp32"}
+    constants = dict(NUM_HEADS=M3["num_heads"], NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, TOKENS=config.rows,
+                     BLOCK_N=config.block_n, DIM=M3["dim"], INDEX_DIM=M3["index_dim"], PRECISION="tf32",
+                     INDEX_PRECISION="tf32")
+    return kl_dense_kernel._loss_kernel, types, constants
+
+
+def _kl_dense_grad(kernel):
+    def kernel_spec(config):
+        types = dict.fromkeys(("index_q", "index_k", "d_index_q", "d_index_k"), "*bf16") | DOCUMENT_TABLES
+        types |= dict.fromkeys(("index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries",
+                                "coefficient"), "*fp32")
+        types |= {"index_scale": "fp32"}
+        constants = dict(NUM_KV_HEADS=M3["index_heads"], TOKENS=config.rows, BLOCK_N=config.block_n,
+                         INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32")
+        return kernel, types, constants
+
+    return kernel_spec
+
+
+KERNELS = {
+    "forward._blocks_kernel": (_forward_blocks, forward_kernel.BLOCKS_CONFIGS),
+    "forward._combine_kernel": (_forward_combine, forward_kernel.COMBINE_CONFIGS),
+    "backward._delta_kernel": (_backward_delta, backward_kernel.DELTA_CONFIGS),
+    "backward._blocks_kernel": (_backward_blocks, backward_kernel.BLOCKS_CONFIGS),
+    "backward_deterministic._blocks_kernel": (_deterministic_key_blocks,
+                                                  backward_deterministic_kernel.KEY_BLOCKS_CONFIGS),
+    "backward_deterministic._key_reduce_kernel": (_deterministic_key_reduce,
+                                                  backward_deterministic_kernel.KEY_REDUCE_CONFIGS),
+    "backward_deterministic._query_kernel": (_deterministic_query, backward_deterministic_kernel.QUERY_CONFIGS),
+    "select._select_kernel": (_select, select_kernel.CONFIGS),
+    "kl_dense._teacher_lse_kernel": (_kl_dense_teacher_lse, kl_dense_kernel.TEACHER_LSE_CONFIGS),
+    "kl_dense._loss_kernel": (_kl_dense_loss, kl_dense_kernel.LOSS_CONFIGS),
+    "kl_dense._query_grad_kernel": (_kl_dense_grad(kl_dense_kernel._query_grad_kernel),
+                                    kl_dense_kernel.QUERY_GRAD_CONFIGS),
+    "kl_dense._key_grad_kernel": (_kl_dense_grad(kl_dense_kernel._key_grad_kernel), kl_dense_kernel.KEY_GRAD_CONFIGS),
+    "kl._forward_kernel": (_kl_forward, kl_kernel.FORWARD_CONFIGS),
+    "kl._backward_kernel": (_kl_backward, kl_kernel.BACKWARD_CONFIGS),
+}
+
+
+def _shared_memory(kernel, config, capability):
+    """Bytes of shared memory the kernel needs with `config`, compiled for `capability`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, types, constants = KERNELS[kernel][0](config)
+    # Integer arguments not named in `types` are sizes and strides (i32); constexprs are given.
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
+    # A real launch specialises pointers and strides divisible by 16 (all of them, at M3 shapes),
+    # which lets Triton pipeline the loads: without these hints the count of shared memory is low.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+               if signature[name].startswith("*") or name.startswith("stride")}
+    source = ASTSource(fn, signature, constexprs=constants, attrs=aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=config.options)
+    return compiled.metadata.shared
+
+
+# (kernel, target) pairs no configuration fits: launch() declines there and the registry runs the reference.
+UNSERVED = {("kl._forward_kernel", target) for target in ("sm_86", "sm_89", "sm_120")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_launch_configuration_fits_every_target(kernel, target):
+    capability, limit = TARGETS[target]
+    tried = []
+    for config in KERNELS[kernel][1]:
+        shared = _shared_memory(kernel, config, capability)
+        tried.append(f"{config}: {shared} B")
+        if shared <= limit:
+            break
+    else:
+        if (kernel, target) in UNSERVED:
+            return
+        pytest.fail(f"{kernel} fits no configuration on {target} (limit {limit} B): {tried}")
+    assert (kernel, target) not in UNSERVED, f"{kernel} now fits {target}: serve it there ({tried[-1]})"
+    if target == TUNED_TARGET:
+        assert len(tried) == 1, f"the tuned configuration of {kernel} no longer fits {target}: {tried}"
+
+
+# --- the launch-time fallback ------------------------------------------------------------------
+
+
+def _out_of_resources(required):
+    from triton.runtime.errors import OutOfResources
+
+    return OutOfResources(required, 101_376, "shared memory")
+
+
+@pytest.fixture
+def fresh_memo(monkeypatch):
+    monkeypatch.setattr(launch, "_chosen", {})
+    monkeypatch.setattr(backends, "_warned", set())
+
+
+def test_launch_takes_the_first_configuration_that_fits_and_remembers_it(fresh_memo):
+    configs = (launch.LaunchConfig(num_stages=3, rows=128), launch.LaunchConfig(num_stages=1, rows=64),
+               launch.LaunchConfig(num_stages=1, rows=32))
+    tried = []
+
+    def launch_with(config):
+        tried.append(config.rows)
+        if config.rows > 64:
+            raise _out_of_resources(133_120)
+
+    launch.launch("kernel", ("cuda:0", torch.bfloat16), configs, launch_with)
+    assert tried == [128, 64]
+    launch.launch("kernel", ("cuda:0", torch.bfloat16), configs, launch_with)
+    assert tried == [128, 64, 64]  # remembered: the refused configuration is not tried again
+    launch.launch("kernel", ("cuda:1", torch.bfloat16), configs, launch_with)
+    assert tried == [128, 64, 64, 128, 64]  # another device decides for itself
+
+
+def test_launch_declines_when_nothing_fits(fresh_memo):
+    def launch_with(config):
+        raise _out_of_resources(263_680)
+
+    with pytest.raises(torch_msa.UnsupportedInputs,
+                       match="no launch configuration of the Triton kernel k fits .*263680"):
+        launch.launch("k", "key", (launch.LaunchConfig(num_stages=1),), launch_with)
+
+
+def test_a_kernel_that_fits_nothing_falls_back_to_the_reference_with_one_warning(fresh_memo, monkeypatch):
+    """The Triton forward on a CPU stand-in device whose shared memory fits no configuration."""
+
+    def refuse(config):
+        raise _out_of_resources(263_680)
+
+    def forward(*args):
+        launch.launch("forward._blocks_kernel", "stand-in", forward_kernel.BLOCKS_CONFIGS, refuse)
+
+    monkeypatch.setitem(backends._BACKENDS, "small_smem",
+                        torch_msa.Backend("small_smem", {"forward": forward}, priority=15))
+    q, k, v = torch.randn(70, 4, 64), torch.randn(70, 2, 64), torch.randn(70, 2, 64)
+    block_indices = torch.zeros(2, 70, 2, dtype=torch.int32)
+    with pytest.warns(UserWarning, match="'small_smem' does not serve .*shared memory.*falling back to 'reference'"):
+        out = torch_msa.sparse_attention(q, k, v, block_indices, block_size=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = torch_msa.sparse_attention(q, k, v, block_indices, block_size=64)
+    assert torch.equal(out, again)
