@@ -12,7 +12,8 @@ import sys
 import torch
 
 import torch_msa
-from torch_msa.testing import M3, Shape, pick_device
+from torch_msa.contract import M3, Shape
+from torch_msa.testing import pick_device
 
 from . import msa, peers, report, targets
 from .devices import device_peak

@@ -16,7 +16,8 @@ import contextlib
 import torch
 
 from torch_msa.backends import UnsupportedInputs
-from torch_msa.testing import M3, pick_device
+from torch_msa.contract import M3
+from torch_msa.testing import pick_device
 
 from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_seqlens
 from .timing import free_memory, measure

@@ -18,8 +18,8 @@ import dataclasses
 import torch
 
 from torch_msa import flops
+from torch_msa.contract import Shape
 from torch_msa.schedule import valid_entries
-from torch_msa.testing import Shape
 
 
 def keys_per_token(position: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:

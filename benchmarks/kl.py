@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_msa
-from torch_msa.testing import M3, Shape, pick_device
+from torch_msa.contract import M3, Shape
+from torch_msa.testing import pick_device
 
 from .timing import free_memory, measure
 

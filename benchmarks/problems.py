@@ -11,8 +11,9 @@ import re
 import torch
 
 import torch_msa
+from torch_msa.contract import Shape
 from torch_msa.documents import locate_queries
-from torch_msa.testing import Shape, skewed_block_indices
+from torch_msa.testing import skewed_block_indices
 
 from .flops import Work, work
 

@@ -11,14 +11,14 @@ import traceback
 
 import torch
 
-from torch_msa.testing import Shape
+from torch_msa.contract import Shape
 
 from . import msa, peers
+from .devices import l2_bytes
 from .problems import ProblemSpec, make_inputs
 from .report import format_rate
 from .results import ERROR, OK, OOM, SKIPPED, ProblemResult, Row
 from .subject import Measurement, Subject
-from .devices import l2_bytes
 from .timing import Progress, free_memory, is_out_of_memory, measure
 
 

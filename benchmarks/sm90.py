@@ -53,11 +53,11 @@ def main(argv=None) -> None:
     parser.add_argument("--iterations", type=int, default=10)
     args = parser.parse_args(argv)
 
+    from torch_msa.sm90 import backward_sm90, forward_sm90
     from torch_msa.triton import backward_deterministic_kernel as triton_deterministic
     from torch_msa.triton import backward_kernel as triton_backward
     from torch_msa.triton import forward_kernel as triton_forward
     from torch_msa.triton.plan_kernel import build_plan
-    from torch_msa.sm90 import backward_sm90, forward_sm90
 
     cu = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
     tiny = torch.zeros(256, HQ, D, dtype=torch.bfloat16, device="cuda")

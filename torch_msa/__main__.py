@@ -26,7 +26,8 @@ import torch
 
 import torch_msa
 from torch_msa import backends
-from torch_msa.testing import M3, Shape, pick_device
+from torch_msa.contract import M3, Shape
+from torch_msa.testing import pick_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 SAMPLED_TOKENS = 32

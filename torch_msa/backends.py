@@ -25,9 +25,10 @@ from collections.abc import Callable
 import torch
 
 from . import reference, reference_kl
+from ._schemas import SCHEMAS
 
 BACKEND_ENV = "TORCH_MSA_BACKEND"
-OPS = ("select_blocks", "plan", "forward", "backward", "indexer_kl", "indexer_kl_backward")
+OPS = tuple(SCHEMAS)  # the op list: one per schema
 REFERENCE = "reference"
 
 

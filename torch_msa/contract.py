@@ -1,4 +1,7 @@
-"""Facts of the MSA op contract shared by validation, fake kernels and every backend."""
+"""Facts of the MSA op contract shared by validation, fake kernels and every backend, and the
+MiniMax-M3 configuration (`M3`) that the public API's defaults and the M3-only kernels derive from."""
+
+import dataclasses
 
 import torch
 
@@ -7,9 +10,32 @@ SUPPORTED_BLOCK_SIZES = (64, 128)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPE = torch.int32  # block_indices and cu_seqlens
 
-# MiniMax-M3 defaults of the public API.
-DEFAULT_TOPK = 16
-DEFAULT_BLOCK_SIZE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Head counts and block parameters of an MSA layer; the defaults are MiniMax-M3's (index heads
+    == KV heads)."""
+
+    query_heads: int = 64
+    kv_heads: int = 4
+    head_dim: int = 128
+    index_dim: int = 128
+    block_size: int = 128
+    topk: int = 16
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.query_heads // self.kv_heads
+
+
+M3 = Shape()
+"""MiniMax-M3's sparse layers: 64 query heads over 4 KV heads of dim 128, 16 blocks of 128 keys."""
+
+# The public API's defaults.
+DEFAULT_TOPK = M3.topk
+DEFAULT_BLOCK_SIZE = M3.block_size
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

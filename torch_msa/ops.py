@@ -337,8 +337,6 @@ def _autograd_kernel(function, op):
 # dtype (q, k, v cast like any lower-precision op: floating, not fp64); the selection and the
 # backward run with autocast off, so selection scores, lse and grad_lse stay fp32.
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
-_AUTOCAST_CAST_ARGS = {"select_blocks": (), "plan": (), "forward": (0, 1, 2), "backward": (),
-                       "indexer_kl": (), "indexer_kl_backward": ()}
 
 
 def _autocast_kernel(op, device_type: str, cast_args: tuple[int, ...]):
@@ -358,17 +356,25 @@ def _autocast_eligible(x: torch.Tensor, device_type: str) -> bool:
     return x.device.type == device_type and x.is_floating_point() and x.dtype != torch.float64
 
 
+# One row per op of `_schemas.SCHEMAS`: its kernel (every device), its fake kernel, and the
+# positions of the arguments autocast casts.
+_IMPLEMENTATIONS = {
+    "select_blocks": (_select_blocks_kernel, _select_blocks_fake, ()),
+    "plan": (_plan_kernel, _plan_fake, ()),
+    "forward": (_forward_kernel, _forward_fake, (0, 1, 2)),
+    "backward": (_backward_kernel, _backward_fake, ()),
+    "indexer_kl": (_indexer_kl_kernel, _indexer_kl_fake, ()),
+    "indexer_kl_backward": (_indexer_kl_backward_kernel, _indexer_kl_backward_fake, ()),
+}
+if _IMPLEMENTATIONS.keys() != SCHEMAS.keys():
+    raise RuntimeError(f"torch_msa.ops: implementations {sorted(_IMPLEMENTATIONS)} do not match the schemas {sorted(SCHEMAS)}")
+
+
 def _register() -> None:
-    kernels = {"select_blocks": _select_blocks_kernel, "plan": _plan_kernel, "forward": _forward_kernel,
-               "backward": _backward_kernel, "indexer_kl": _indexer_kl_kernel,
-               "indexer_kl_backward": _indexer_kl_backward_kernel}
-    fakes = {"select_blocks": _select_blocks_fake, "plan": _plan_fake, "forward": _forward_fake, "backward": _backward_fake,
-             "indexer_kl": _indexer_kl_fake, "indexer_kl_backward": _indexer_kl_backward_fake}
-    for name in SCHEMAS:
+    for name, (kernel, fake, _) in _IMPLEMENTATIONS.items():
         # With the C++ stub loaded, this replaces its "import torch_msa" kernel on the same key.
-        _library.impl(name, kernels[name], _DISPATCH_KEY)
-    for name in SCHEMAS:
-        torch.library.register_fake(f"{NAMESPACE}::{name}", fakes[name], lib=_library)
+        _library.impl(name, kernel, _DISPATCH_KEY)
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_library)
     for name, function in (("forward", _ForwardAutograd), ("backward", _BackwardAutograd)):
         op = getattr(torch.ops.msa, name).default
         _library.impl(name, _autograd_kernel(function, op), "Autograd", with_keyset=True)
@@ -379,11 +385,11 @@ def _register() -> None:
     torch.library.register_autograd(
         f"{NAMESPACE}::indexer_kl_backward", _no_double_backward, setup_context=_backward_setup_context, lib=_library
     )
-    for name in SCHEMAS:
+    for name, (_, _, cast_args) in _IMPLEMENTATIONS.items():
         op = getattr(torch.ops.msa, name).default
         for device_type in _AUTOCAST_DEVICE_TYPES:
             key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-            _library.impl(name, _autocast_kernel(op, device_type, _AUTOCAST_CAST_ARGS[name]), key)
+            _library.impl(name, _autocast_kernel(op, device_type, cast_args), key)
     flops.register()
 
 

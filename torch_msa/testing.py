@@ -8,25 +8,6 @@ import torch
 from .documents import locate_queries
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """Head counts and block parameters; the defaults are MiniMax-M3's (index heads == KV heads)."""
-
-    query_heads: int = 64
-    kv_heads: int = 4
-    head_dim: int = 128
-    index_dim: int = 128
-    block_size: int = 128
-    topk: int = 16
-
-    @property
-    def group(self) -> int:
-        return self.query_heads // self.kv_heads
-
-
-M3 = Shape()
-
-
 def pick_device(name: str | None) -> torch.device:
     """The device a command-line run asked for (`None`: CUDA when present, else CPU).
 

@@ -16,7 +16,8 @@ from benchmarks.problems import ProblemSpec, make_inputs, parse_pack, parse_seql
 from benchmarks.results import ERROR, OK, OOM, SKIPPED, BenchResult, ProblemResult, Row
 from benchmarks.subject import Measurement, Subject
 from benchmarks.timing import Progress, is_out_of_memory, measure
-from torch_msa.testing import M3, Shape, random_block_indices
+from torch_msa.contract import M3, Shape
+from torch_msa.testing import random_block_indices
 
 CPU = torch.device("cpu")
 # A tiny topology: 2 KV heads of 4 query heads, so a 128-row query tile holds 32 tokens.

@@ -402,7 +402,7 @@ def test_training_the_index_branch_lowers_the_loss_and_finds_the_teacher_blocks(
 
 def test_kl_timing_rows_run_on_cpu():
     from benchmarks.kl import measure_kl
-    from torch_msa.testing import Shape
+    from torch_msa.contract import Shape
 
     shape = Shape(query_heads=4, kv_heads=2, head_dim=64, index_dim=16, block_size=BLOCK, topk=2)
     results = measure_kl(256, shape, "cpu", torch.float32, dense=True, warmup=0, iters=1)
