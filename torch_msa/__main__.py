@@ -25,7 +25,7 @@ import traceback
 import torch
 
 import torch_msa
-from torch_msa import backends
+from torch_msa import backends, flops
 from torch_msa.contract import M3, Shape
 from torch_msa.testing import pick_device
 
@@ -177,8 +177,10 @@ def run_ops(problem: Problem, step: str = "", timed: bool = True) -> OpResults:
     q, k, v = (x.detach().clone().requires_grad_() for x in (problem.q, problem.k, problem.v))
     stage_ms: dict[str, float] = {}
 
-    def stage(name):
-        return timed_stage(f"{step}{name}", device, stage_ms if timed else None, name)
+    def stage(name, estimate_ms=None):
+        # Long stages (the backward on CPU takes minutes) say how long to expect.
+        hint = f" (expect about {estimate_ms / 1e3:.0f} s)" if estimate_ms is not None and estimate_ms >= 2e3 else ""
+        return timed_stage(f"{step}{name}{hint}", device, stage_ms, name)
 
     with stage("select_blocks"):
         block_indices = torch_msa.select_blocks(problem.index_q, problem.index_k, *problem.document_args,
@@ -189,9 +191,11 @@ def run_ops(problem: Problem, step: str = "", timed: bool = True) -> OpResults:
     # The loss reads only `out`, so the gradient reaching the op is exactly `grad_out` (in any
     # dtype: d(sum)/d(out * w) is 1) and lse gets none.
     loss = (out * problem.grad_out).sum()
-    with stage("backward"):
+    # The backward does 2.5 times the forward's work (torch_msa.flops).
+    backward_per_forward = flops.attention_backward(1, 1, 1) / flops.attention_forward(1, 1, 1)
+    with stage("backward", estimate_ms=backward_per_forward * stage_ms["forward"]):
         loss.backward()
-    return OpResults(block_indices, out.detach(), lse.detach(), q.grad, k.grad, v.grad, stage_ms)
+    return OpResults(block_indices, out.detach(), lse.detach(), q.grad, k.grad, v.grad, stage_ms if timed else {})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,13 @@ from .plan import plan_numel
 from .reference_kl import loss_dtype
 
 _DISPATCH_KEY = "CompositeExplicitAutograd"
+# The schemas are defined on a library of their own that outlives a reload of this module
+# (importlib.reload): destroying the library that defined them would deregister them. The
+# kernels' library is replaced on a reload, the earlier one destroyed first so that its
+# registrations make way.
+_schema_library = globals().get("_schema_library") or torch.library.Library(NAMESPACE, "FRAGMENT")
+if "_library" in globals():
+    globals()["_library"]._destroy()
 _library = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
@@ -37,7 +44,7 @@ def _existing_schema(name: str) -> str | None:
 def _define(name: str) -> None:
     existing = _existing_schema(name)
     if existing is None:
-        _library.define(SCHEMAS[name], tags=(torch.Tag.pt2_compliant_tag,))
+        _schema_library.define(SCHEMAS[name], tags=(torch.Tag.pt2_compliant_tag,))
         return
     expected = str(torch._C.parse_schema(f"{NAMESPACE}::{SCHEMAS[name]}")).split("::", 1)[1]
     if existing != expected:
