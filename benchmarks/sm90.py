@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     parser.add_argument("--iterations", type=int, default=10)
     args = parser.parse_args(argv)
 
-    from torch_msa.sm90 import backward_sm90, forward_sm90
+    from torch_msa.sm90 import backward_host, common, forward_host
     from torch_msa.triton import backward_deterministic_kernel as triton_deterministic
     from torch_msa.triton import backward_kernel as triton_backward
     from torch_msa.triton import forward_kernel as triton_forward
@@ -64,11 +64,11 @@ def main(argv=None) -> None:
     tiny_kv = torch.zeros(256, HKV, D, dtype=torch.bfloat16, device="cuda")
     blocks = random_block_indices(cu, cu, HKV, TOPK, BLOCK).cuda()
     began = time.perf_counter()
-    tiny_out, tiny_lse = forward_sm90.forward(tiny, tiny_kv, tiny_kv, blocks, cu, cu, 256, 256, BLOCK, SCALE)
+    tiny_out, tiny_lse = forward_host.forward(tiny, tiny_kv, tiny_kv, blocks, cu, cu, 256, 256, BLOCK, SCALE)
     torch.cuda.synchronize()
     print(f"forward first call (compile + launch): {time.perf_counter() - began:.1f} s", flush=True)
     began = time.perf_counter()
-    backward_sm90.backward(tiny, tiny, tiny_kv, tiny_kv, tiny_out, tiny_lse, blocks, cu, cu, 256, 256, BLOCK, SCALE)
+    backward_host.backward(tiny, tiny, tiny_kv, tiny_kv, tiny_out, tiny_lse, blocks, cu, cu, 256, 256, BLOCK, SCALE)
     torch.cuda.synchronize()
     print(f"backward first call (compile + launch): {time.perf_counter() - began:.1f} s", flush=True)
 
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
 
         want_out, want_lse = triton_forward.forward(*inputs)
         try:
-            out, lse = forward_sm90.forward(*inputs)
+            out, lse = forward_host.forward(*inputs)
         except UnsupportedInputs as declined:
             print(f"{problem}: declined ({declined})", flush=True)
             continue
@@ -100,16 +100,16 @@ def main(argv=None) -> None:
             return build_plan(blocks, cu_q, cu_k, num_tokens, BLOCK, entries_per_item(HQ, HKV))
 
         schedule = unpack(plan(), blocks, num_tokens, len(lengths), BLOCK)
-        key_count = forward_sm90.bucket_key_count(schedule.bucket_key_row, cu_k)
-        rows = num_tokens * HKV * TOPK * forward_sm90.HEADS_PER_KV
+        key_count = common.bucket_key_count(schedule.bucket_key_row, cu_k)
+        rows = num_tokens * HKV * TOPK * common.HEADS_PER_KV
         partial_out = torch.empty(rows, D, dtype=q.dtype, device="cuda")
         partial_lse = torch.full((rows,), -math.inf, device="cuda")
         times = {
             "triton": _milliseconds(lambda: triton_forward.forward(*inputs), args.iterations),
-            "sm90": _milliseconds(lambda: forward_sm90.forward(*inputs), args.iterations),
+            "sm90": _milliseconds(lambda: forward_host.forward(*inputs), args.iterations),
             "plan": _milliseconds(plan, args.iterations),
             "blocks": _milliseconds(
-                lambda: forward_sm90.launch_blocks(
+                lambda: forward_host.launch_blocks(
                     q, k, v, partial_out, partial_lse, schedule, key_count, TOPK, SCALE
                 ),
                 args.iterations,
@@ -129,17 +129,17 @@ def main(argv=None) -> None:
             flush=True,
         )
         _time_backward(problem, inputs, out, lse, schedule, key_count, plan(), attention_backward(HQ, D, pairs),
-                       args.iterations, triton_backward, triton_deterministic, backward_sm90)
+                       args.iterations, triton_backward, triton_deterministic, backward_host)
 
 
 def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, iterations, triton_backward,
-                   triton_deterministic, backward_sm90) -> None:
+                   triton_deterministic, backward_host) -> None:
     q, k, v, blocks, cu_q, cu_k, max_q, max_k, _, _ = inputs
     grad_out = torch.randn_like(q)
     args = (grad_out, q, k, v, out, lse, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE, None, plan)
     want = triton_backward.backward(*args)
     try:
-        got = backward_sm90.backward(*args)
+        got = backward_host.backward(*args)
     except UnsupportedInputs as declined:
         print(f"{problem} backward: declined ({declined})", flush=True)
         return
@@ -151,14 +151,14 @@ def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, 
     dk_acc, dv_acc = (torch.zeros(num_tokens, HKV, D, device="cuda") for _ in range(2))
     times = {
         "triton": _milliseconds(lambda: triton_backward.backward(*args), iterations),
-        "sm90": _milliseconds(lambda: backward_sm90.backward(*args), iterations),
+        "sm90": _milliseconds(lambda: backward_host.backward(*args), iterations),
         "blocks": _milliseconds(
-            lambda: backward_sm90.launch_blocks(
+            lambda: backward_host.launch_blocks(
                 q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, TOPK, SCALE
             ),
             iterations,
         ),
-        "sm90 deterministic": _milliseconds(lambda: backward_sm90.backward_deterministic(*args), iterations),
+        "sm90 deterministic": _milliseconds(lambda: backward_host.backward_deterministic(*args), iterations),
         "triton deterministic": _milliseconds(lambda: triton_deterministic.backward(*args), iterations),
     }
 

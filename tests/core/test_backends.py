@@ -301,11 +301,11 @@ def test_sm90_serves_forward_and_backward_by_default_and_says_why_it_cannot_serv
 def test_sm90_serves_deterministic_mode_with_its_deterministic_variant(monkeypatch):
     """The SM90 backward kernel adds with atomics, so under deterministic algorithms the backend
     calls its bitwise-reproducible variant instead; otherwise the kernel."""
-    from torch_msa.sm90 import backward_sm90
+    from torch_msa.sm90 import backward_host
 
     calls = []
-    monkeypatch.setattr(backward_sm90, "backward_deterministic", lambda *args: calls.append("deterministic"))
-    monkeypatch.setattr(backward_sm90, "backward", lambda *args: calls.append("atomic"))
+    monkeypatch.setattr(backward_host, "backward_deterministic", lambda *args: calls.append("deterministic"))
+    monkeypatch.setattr(backward_host, "backward", lambda *args: calls.append("atomic"))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # a CPU host
     q, k = torch.zeros(1, 16, 128), torch.zeros(1, 1, 128)
     for enabled in (True, False):

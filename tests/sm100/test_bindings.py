@@ -27,7 +27,7 @@ import torch_msa
 from torch_msa import backends, cute_dsl, reference, sm100, testing
 from torch_msa.backends import UnavailableError, UnsupportedInputs
 from torch_msa.sm100 import bindings
-from torch_msa.sm100 import kernels as sm100_kernels
+from torch_msa.sm100 import common as sm100_common
 
 INSTALL_COMMAND = 'pip install "torch_msa[msa,cute]"'
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -160,7 +160,7 @@ def official(tmp_path, monkeypatch):
     cute_src = package_dir / "cute" / "src"
     utils = _module("src.common.utils", cute_src / "common" / "utils.py", fmax=pinned_fmax,
                     dsl_user_op=fake_dsl_user_op, Float32=FakeFloat32, nvvm=FakeNVVM())
-    backward = _module(bindings.BACKWARD_MODULE, REPO_ROOT / "torch_msa/sm100/kernels/backward_sm100.py",
+    backward = _module(bindings.BACKWARD_MODULE, REPO_ROOT / "torch_msa/sm100/backward_host.py",
                        run_backward=lambda *a: "backward")
     installation = Installation(monkeypatch, cuda_home, package, sparse, jit, utils, backward,
                                 {bindings.CUTE_DSL_DISTRIBUTION: bindings.CUTE_DSL_VERSION})
@@ -280,7 +280,7 @@ def test_import_binds_nothing_heavy():
     code = (
         "import sys, torch\n"
         "before = set(sys.modules)\n"
-        "import torch_msa.sm100, torch_msa.sm100.bindings, torch_msa.sm100.kernels\n"
+        "import torch_msa.sm100, torch_msa.sm100.bindings, torch_msa.sm100.common, torch_msa.sm100.backward_host\n"
         "heavy = ('triton', 'cutlass', 'cuda', 'fmha_sm100', 'src', 'quack', 'tvm_ffi')\n"
         "added = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in heavy)\n"
         "assert not added, added\n"
@@ -411,15 +411,15 @@ def test_nvcc_is_asked_only_when_msa_builds_and_once(official):
     assert nvcc_calls(official.cuda_home) == 1
 
 
-# --- the kernels package ---------------------------------------------------------------------
+# --- the device gates ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("missing", ["cutlass", "cuda.bindings.driver"])
 def test_require_cute_dsl_raises_unavailable_before_any_dsl_import(official, missing):
-    sm100_kernels.require_cute_dsl()
+    cute_dsl.require_cute_dsl()
     official.remove(missing)
     with pytest.raises(UnavailableError, match=missing.replace(".", r"\.")) as caught:
-        sm100_kernels.require_cute_dsl()
+        cute_dsl.require_cute_dsl()
     assert INSTALL_COMMAND in str(caught.value)
 
 
@@ -427,13 +427,13 @@ def test_require_sm100_accepts_only_capability_10_0(monkeypatch, device_caches):
     capabilities = {0: (10, 0), 1: (9, 0), 2: (10, 3), 3: (12, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capabilities[index])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    sm100_kernels.require_sm100(torch.device("cuda", 0))
-    sm100_kernels.require_sm100("cuda")
+    sm100_common.require_sm100(torch.device("cuda", 0))
+    sm100_common.require_sm100("cuda")
     for index, (major, minor) in list(capabilities.items())[1:]:
         with pytest.raises(NotImplementedError, match=f"cuda:{index} has compute capability {major}.{minor}"):
-            sm100_kernels.require_sm100(torch.device("cuda", index))
+            sm100_common.require_sm100(torch.device("cuda", index))
     with pytest.raises(NotImplementedError, match="got a cpu device"):
-        sm100_kernels.require_sm100(torch.device("cpu"))
+        sm100_common.require_sm100(torch.device("cpu"))
 
 
 def test_capability_and_sm_count_are_memoized_per_device(monkeypatch, device_caches):
@@ -451,25 +451,25 @@ def test_capability_and_sm_count_are_memoized_per_device(monkeypatch, device_cac
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     for _ in range(3):
-        assert sm100_kernels.sm_capability(torch.device("cuda", 0)) == (10, 0)
-        assert sm100_kernels.sm_capability("cuda") == (9, 0)  # the current device, index 1
-        assert sm100_kernels.sm_count(torch.device("cuda", 0)) == 148
-        assert sm100_kernels.sm_count(1) == 132
+        assert cute_dsl.sm_capability(torch.device("cuda", 0)) == (10, 0)
+        assert cute_dsl.sm_capability("cuda") == (9, 0)  # the current device, index 1
+        assert cute_dsl.sm_count(torch.device("cuda", 0)) == 148
+        assert cute_dsl.sm_count(1) == 132
     assert sorted(asked) == [("capability", 0), ("capability", 1), ("properties", 0), ("properties", 1)]
     with pytest.raises(ValueError, match="expected a CUDA device, got cpu"):
-        sm100_kernels.sm_capability(torch.device("cpu"))
+        cute_dsl.sm_capability(torch.device("cpu"))
 
 
 @pytest.mark.cuda
 def test_the_gates_on_the_real_device(device_caches):
     device = torch.device("cuda", torch.cuda.current_device())
     capability = torch.cuda.get_device_capability(device)
-    assert sm100_kernels.sm_capability(device) == capability
-    assert sm100_kernels.sm_count(device) == torch.cuda.get_device_properties(device).multi_processor_count
-    if capability != sm100_kernels.SM100_CAPABILITY:
+    assert cute_dsl.sm_capability(device) == capability
+    assert cute_dsl.sm_count(device) == torch.cuda.get_device_properties(device).multi_processor_count
+    if capability != sm100_common.SM100_CAPABILITY:
         assert not sm100.available(device)
         with pytest.raises(NotImplementedError, match=f"has compute capability {capability[0]}.{capability[1]}"):
-            sm100_kernels.require_sm100(device)
+            sm100_common.require_sm100(device)
 
 
 # --- the backend -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The SM100 main backward kernel (`torch_msa/sm100/kernels/backward_sm100.py`).
+"""The SM100 main backward kernel (`torch_msa/sm100/backward_kernel.py`, launched by `backward_host.py`).
 
 No SM100 GPU is reachable from CI, so what CI proves is that the kernel *lowers* for `sm_100a`
 on a CPU host: the CuTe DSL traces it, NVVM emits PTX and ptxas assembles a cubin, and the
@@ -36,7 +36,7 @@ ATOMIC_VECTORS = 3 * 128 // 4  # one row of dQ, dV and dK per thread, 4 fp32 per
 @pytest.fixture(scope="module")
 def sm100_build(tmp_path_factory):
     """Compile once for sm_100a with the PTX and SASS listings kept; returns the dump folder."""
-    from torch_msa.sm100.kernels.backward_sm100 import compile_main_kernel
+    from torch_msa.sm100.backward_host import compile_main_kernel
 
     dump_dir = tmp_path_factory.mktemp("sm100")
     return compile_main_kernel("sm_100a", str(dump_dir), listings=True), dump_dir
@@ -92,13 +92,13 @@ def test_sass_issues_tensor_core_mmas_from_tmem(sm100_build):
 @requires_cute
 def test_launch_arguments_have_the_compiled_types():
     """`launch_main` converts each operand as the kernel was compiled for it."""
-    from torch_msa.sm100.kernels.backward_sm100 import OPERANDS
+    from torch_msa.sm100.backward_host import OPERANDS
 
     assert_launch_types_match((name, dtype, inner) for name, dtype, _, inner in OPERANDS)
 
 
 def test_module_imports_without_the_cute_dsl():
-    assert_imports_without("import torch_msa.sm100.kernels.backward_sm100 as module\n"
+    assert_imports_without("import torch_msa.sm100.backward_host as module\n"
                            "assert callable(module.run_backward) and callable(module.launch_main)", ("cutlass",))
 
 
@@ -134,7 +134,7 @@ def _launch_inputs(num_queries=8, max_tasks=3, rows=128):
     ],
 )
 def test_launch_main_names_the_bad_argument(name, bad, message):
-    from torch_msa.sm100.kernels.backward_sm100 import launch_main
+    from torch_msa.sm100.backward_host import launch_main
 
     inputs = _launch_inputs()
     inputs[name] = bad
@@ -143,7 +143,7 @@ def test_launch_main_names_the_bad_argument(name, bad, message):
 
 
 def test_run_backward_refuses_deterministic_mode(monkeypatch):
-    from torch_msa.sm100.kernels.backward_sm100 import run_backward
+    from torch_msa.sm100.backward_host import run_backward
 
     # What torch.use_deterministic_algorithms(True) sets, without its 3 s first call.
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
@@ -163,7 +163,7 @@ def test_run_backward_matches_reference_on_sm100(selection):
     """M3 shapes (Hq=64, Hkv=4, D=128, block 128, top-16, bf16) against the fp32 reference, with
     grad_lse, partial blocks, a document with Lq < Lk and, for `skewed`, block 0 read by every
     query (its bucket is split over several CTAs, so segments of one bucket meet in the atomics)."""
-    from torch_msa.sm100.kernels.backward_sm100 import run_backward
+    from torch_msa.sm100.backward_host import run_backward
 
     q_lens, k_lens = [1000, 3000, 77, 500], [1000, 3000, 77, 1300]
     cu_q, cu_k = cu_seqlens(q_lens, k_lens, device="cuda")

@@ -43,7 +43,7 @@ def _problem(q_lens, k_lens, dtype=torch.bfloat16, selection="random", seed=0, w
 
 
 def _sm90(args, grad_lse=None, plan=None, *fragment_tensors):
-    from torch_msa.sm90.backward_sm90 import backward
+    from torch_msa.sm90.backward_host import backward
 
     return backward(*args, BLOCK, SCALE, grad_lse, plan, *fragment_tensors)
 

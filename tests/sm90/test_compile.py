@@ -1,4 +1,4 @@
-"""The SM90 kernels (`torch_msa/sm90/forward_sm90.py`, `backward_sm90.py`) on a host without a GPU.
+"""The SM90 kernels (`torch_msa/sm90/forward_kernel.py`, `backward_kernel.py`) on a host without a GPU.
 
 CI proves that the kernels *lower* for `sm_90a`: the CuTe DSL traces them, NVVM emits PTX and
 ptxas assembles a cubin, and the machine code holds what the design says (the forward: wgmma from
@@ -67,17 +67,17 @@ def _build(tmp_path_factory, module: str, options: str = ""):
 
 @pytest.fixture(scope="module")
 def sm90_build(tmp_path_factory):
-    return _build(tmp_path_factory, "forward_sm90")
+    return _build(tmp_path_factory, "forward_host")
 
 
 @pytest.fixture(scope="module")
 def sm90_backward_build(tmp_path_factory):
-    return _build(tmp_path_factory, "backward_sm90")
+    return _build(tmp_path_factory, "backward_host")
 
 
 @pytest.fixture(scope="module")
 def sm90_deterministic_build(tmp_path_factory):
-    return _build(tmp_path_factory, "backward_sm90", "deterministic=True")
+    return _build(tmp_path_factory, "backward_host", "deterministic=True")
 
 
 def _listing(dump_dir: Path, suffix: str) -> str:
@@ -170,7 +170,7 @@ def test_deterministic_backward_has_no_dq_and_no_atomics(sm90_deterministic_buil
 @requires_cute
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_backward_launch_arguments_have_the_compiled_types(deterministic):
-    from torch_msa.sm90.backward_sm90 import operands
+    from torch_msa.sm90.backward_host import operands
 
     assert_launch_types_match(
         (name, torch.float16 if dtype is None else dtype, inner) for name, inner, dtype in operands(4, deterministic)
@@ -178,7 +178,7 @@ def test_backward_launch_arguments_have_the_compiled_types(deterministic):
 
 
 def test_query_rows_beyond_32_bit_indices_are_declined():
-    from torch_msa.sm90.backward_sm90 import check_query_rows
+    from torch_msa.sm90.backward_host import check_query_rows
 
     check_query_rows(2**25 - 1, 64)
     with pytest.raises(UnsupportedInputs, match="32-bit integers: 33554432 queries x 64 heads"):
@@ -188,7 +188,7 @@ def test_query_rows_beyond_32_bit_indices_are_declined():
 @requires_cute
 def test_launch_arguments_have_the_compiled_types():
     """`launch_blocks` converts each operand as the kernel was compiled for it."""
-    from torch_msa.sm90.forward_sm90 import operands
+    from torch_msa.sm90.forward_host import operands
 
     assert_launch_types_match(
         (name, torch.float16 if dtype is None else dtype, inner) for name, inner, dtype in operands(4)
@@ -196,7 +196,8 @@ def test_launch_arguments_have_the_compiled_types():
 
 
 def test_module_imports_without_the_cute_dsl():
-    assert_imports_without("import torch_msa.sm90, torch_msa.sm90.forward_sm90, torch_msa.sm90.backward_sm90",
+    assert_imports_without("import torch_msa.sm90, torch_msa.sm90.common, torch_msa.sm90.forward_host, "
+                           "torch_msa.sm90.backward_host",
                            ("cutlass", "triton"))
 
 
@@ -210,7 +211,7 @@ def test_module_imports_without_the_cute_dsl():
     ],
 )
 def test_unserved_inputs_are_declined(q_shape, kv_shape, dtype, block_size, message):
-    from torch_msa.sm90.forward_sm90 import check_served
+    from torch_msa.sm90.common import check_served
 
     q, k = torch.zeros(q_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype)
     with pytest.raises(UnsupportedInputs, match=message):
@@ -218,7 +219,7 @@ def test_unserved_inputs_are_declined(q_shape, kv_shape, dtype, block_size, mess
 
 
 def test_mixed_dtypes_are_declined():
-    from torch_msa.sm90.forward_sm90 import check_served
+    from torch_msa.sm90.common import check_served
 
     q, k = torch.zeros(8, 64, 128, dtype=torch.bfloat16), torch.zeros(8, 4, 128, dtype=torch.float16)
     with pytest.raises(UnsupportedInputs, match="bf16 or all fp16"):
@@ -228,7 +229,7 @@ def test_mixed_dtypes_are_declined():
 def test_partial_rows_beyond_32_bit_indices_are_declined():
     """The partial outputs move by TMA (64-bit addresses), so 16K queries and more are served; only
     their rows are indexed with 32-bit integers: 2**31 of them at 2M queries for M3."""
-    from torch_msa.sm90.forward_sm90 import check_rows
+    from torch_msa.sm90.forward_host import check_rows
 
     check_rows(2**21 - 1, 4, 16)
     with pytest.raises(UnsupportedInputs, match="32-bit integers: 2097152 queries"):
@@ -236,7 +237,7 @@ def test_partial_rows_beyond_32_bit_indices_are_declined():
 
 
 def test_bucket_key_count_stops_at_the_document_end():
-    from torch_msa.sm90.forward_sm90 import bucket_key_count
+    from torch_msa.sm90.common import bucket_key_count
 
     cu_seqlens_k = torch.tensor([0, 200, 200, 201, 500], dtype=torch.int32)
     # Blocks start at a document's start plus a multiple of 128.

@@ -33,7 +33,7 @@ _inputs = random_problem
 
 
 def _sm90(q, k, v, blocks, cu_q, cu_k, max_q, max_k):
-    from torch_msa.sm90.forward_sm90 import forward
+    from torch_msa.sm90.forward_host import forward
 
     return forward(q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE)
 
@@ -104,7 +104,7 @@ def test_sm90_serves_forward_by_default(monkeypatch):
 
 def test_unsupported_configuration_falls_back():
     from torch_msa.backends import UnsupportedInputs
-    from torch_msa.sm90.forward_sm90 import check_served
+    from torch_msa.sm90.common import check_served
 
     q = torch.zeros(4, 32, 128, dtype=torch.bfloat16, device="cuda")
     k = torch.zeros(4, 4, 128, dtype=torch.bfloat16, device="cuda")
@@ -139,7 +139,7 @@ def test_long_document_past_32_bit_element_offsets():
 @pytest.mark.parametrize("entries", [None, 7, 128])
 def test_given_plans_of_any_item_size(entries):
     """The kernel walks the items of the plan it is given, whatever their size."""
-    from torch_msa.sm90.forward_sm90 import forward
+    from torch_msa.sm90.forward_host import forward
     from torch_msa.triton.plan_kernel import build_plan
 
     q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([1000, 1500], [1000, 1500], torch.bfloat16, seed=7)
@@ -151,7 +151,7 @@ def test_given_plans_of_any_item_size(entries):
 def test_fragments_match_reference():
     """A context-parallel rank's share: two chunks of a 4K document, the middle of a 2K one and a
     1-token document, as query fragments over the whole documents' keys."""
-    from torch_msa.sm90.forward_sm90 import forward
+    from torch_msa.sm90.forward_host import forward
 
     frag = fragments((4096, 2048, 1), ((0, 0, 1024), (0, 3072, 1024), (1, 500, 700), (2, 0, 1)), "cuda")
     generator = torch.Generator().manual_seed(8)

@@ -1,14 +1,17 @@
 """What the CuTe DSL kernels of torch_msa (`torch_msa.sm90`, `torch_msa.sm100`) share.
 
-* `require_cute_dsl()`: every CuTe DSL kernel module calls it before its first DSL import, so a
-  host without the extras gets torch_msa's `UnavailableError` (naming the install command)
-  instead of a bare `ModuleNotFoundError`.
+* `require_cute_dsl()`: every host module calls it before it imports a kernel module (a
+  `*_kernel.py`, which imports cutlass at the top), so a host without the extras gets
+  torch_msa's `UnavailableError` (naming the install command) instead of a bare
+  `ModuleNotFoundError`.
 * `sm_capability(device)`, `sm_count(device)`: memoized device facts the backends ask per call.
 * `cute_io`: how torch tensors reach the kernels (fake compile-time tensors, launch conversion,
   streams, compile options).
 * The architecture-neutral kernels of the backward pipeline: `preprocess` (delta), `tasks` (task
-  tables and the aligned K/V workspace), `postprocess` (gradient cast and un-align). They compile
-  for sm_90a and sm_100a alike.
+  tables and the aligned K/V workspace), `postprocess` (gradient cast and un-align), each a host
+  module (checks, launch, compile cache) whose kernel classes are in `preprocess_kernel`,
+  `tasks_kernel`, `postprocess_kernel`. They compile for sm_90a and sm_100a alike.
+* `ptx`: inline-PTX reductions the kernel modules share.
 
 The package is named `cute_dsl`, not `cute`, so that it is never confused with `cutlass.cute`,
 which the kernel modules import as `cute`. Importing it imports neither cutlass nor triton; only

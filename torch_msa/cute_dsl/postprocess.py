@@ -4,7 +4,8 @@ The main kernel accumulates with fp32 atomics into `dq_accum [Tq, Hq, D]` and, i
 workspace, `dk_accum` / `dv_accum [W, Hkv, D]`. This casts dq row for row and gathers dk / dv
 back to the packed key rows (the inverse of `tasks.align_kv`): packed key `j` of document `d`
 comes from workspace row `doc_aligned_start[d] + j`, and a key no document covers gets zero.
-Architecture-neutral; the CuTe DSL is imported only inside functions.
+Architecture-neutral. This is the host side (checks, launch, compile cache); the kernel is
+`postprocess_kernel.py`, imported with the CuTe DSL only when it is first compiled.
 """
 
 import functools
@@ -13,7 +14,6 @@ import torch
 
 from . import require_cute_dsl
 from .cute_io import (
-    ACCESS_BYTES,
     aligned_operand,
     check_index_tensor,
     compile_options,
@@ -22,10 +22,9 @@ from .cute_io import (
     cutlass_dtype,
     fake_rows,
 )
-from .tasks import THREADS_PER_CTA, TaskTables, check_tables_match, document_lookup
+from .tasks import TaskTables, check_tables_match
 
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-VECTORS_PER_THREAD = 4  # rows of a CTA are sized so each thread moves about this many vectors
 
 
 def finish_gradients(
@@ -111,94 +110,14 @@ def compile_finish_kernel(
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
+    from .postprocess_kernel import FinishKernel
+
     def pair():
         return fake_rows(torch.float32, (row_elements,)), fake_rows(dtype, (row_elements,))
 
     second = pair() if unalign else (None, None)
     documents = (fake_rows(torch.int32), fake_rows(torch.int32)) if unalign else (None, None)
     return cute.compile(
-        _finish_kernel_type()(cutlass_dtype(dtype).width, row_elements, unalign), *pair(), *second, *documents,
+        FinishKernel(cutlass_dtype(dtype).width, row_elements, unalign), *pair(), *second, *documents,
         cutlass.Int32(0), make_fake_stream(), options=compile_options(arch, dump_dir),
     )
-
-
-@functools.cache
-def _finish_kernel_type():
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
-
-    clamped, last_document_at_or_before = document_lookup()
-
-    class FinishKernel:
-        """Each thread converts 16-byte output vectors: it reads the matching fp32 values of its
-        source row (the same row, or for the un-align the row's workspace row) and stores them
-        in the output dtype; a source row that does not exist gives zeros."""
-
-        def __init__(self, output_bits: int, row_elements: int, unalign: bool):
-            self.vector = ACCESS_BYTES * 8 // output_bits
-            if row_elements % self.vector:
-                raise ValueError(f"row of {row_elements} values is not a multiple of {self.vector}")
-            self.row_elements = row_elements
-            self.unalign = unalign
-            self.vectors_per_row = row_elements // self.vector
-            self.rows_per_cta = max(1, THREADS_PER_CTA * VECTORS_PER_THREAD // self.vectors_per_row)
-            self.tile_vectors = self.rows_per_cta * self.vectors_per_row
-
-        @cute.jit
-        def __call__(
-            self, source: cute.Tensor, target: cute.Tensor, second_source: cute.Tensor | None,
-            second_target: cute.Tensor | None, cu_seqlens_k: cute.Tensor | None,
-            doc_aligned_start: cute.Tensor | None, num_keys: Int32, stream: cuda.CUstream,
-        ):
-            self.kernel(source, target, second_source, second_target, cu_seqlens_k, doc_aligned_start, num_keys).launch(
-                grid=[cute.ceil_div(target.shape[0], self.rows_per_cta), 1, 1], block=[THREADS_PER_CTA, 1, 1],
-                stream=stream,
-            )
-
-        @cute.kernel
-        def kernel(
-            self, source: cute.Tensor, target: cute.Tensor, second_source: cute.Tensor | None,
-            second_target: cute.Tensor | None, cu_seqlens_k: cute.Tensor | None,
-            doc_aligned_start: cute.Tensor | None, num_keys: Int32,
-        ):
-            thread, _, _ = cute.arch.thread_idx()
-            cta, _, _ = cute.arch.block_idx()
-            for step in cutlass.range(cute.ceil_div(self.tile_vectors, THREADS_PER_CTA)):
-                flat = step * THREADS_PER_CTA + thread
-                row = cta * self.rows_per_cta + flat // self.vectors_per_row
-                column = (flat % self.vectors_per_row) * self.vector
-                if flat < self.tile_vectors and row < target.shape[0]:
-                    source_row = row
-                    present = True
-                    if cutlass.const_expr(self.unalign):
-                        present = cutlass.Boolean(False)
-                        if cu_seqlens_k.shape[0] > 1:
-                            document = last_document_at_or_before(cu_seqlens_k, row, num_keys)
-                            key_start = clamped(cu_seqlens_k[document], num_keys)
-                            local = row - key_start
-                            present = local >= 0 and local < clamped(cu_seqlens_k[document + 1], num_keys) - key_start
-                            source_row = doc_aligned_start[document] + local
-                    self._convert(source, target, source_row, row, column, present)
-                    if cutlass.const_expr(second_source is not None):
-                        self._convert(second_source, second_target, source_row, row, column, present)
-
-        @cute.jit
-        def _convert(
-            self, source: cute.Tensor, target: cute.Tensor, source_row: Int32, target_row: Int32,
-            column: Int32, present: cutlass.Boolean,
-        ):
-            layout = cute.make_layout(self.vector)
-            values = cute.make_rmem_tensor(layout, Float32)
-            values.fill(0.0)
-            if present:
-                # 64-bit element offsets: the pools pass 2^31 values at about 260K tokens of M3.
-                offset = cute.assume(Int64(source_row) * self.row_elements + column, divby=self.vector)
-                cute.autovec_copy(cute.make_tensor(source.iterator + offset, layout), values)
-            converted = cute.make_rmem_tensor(layout, target.element_type)
-            converted.store(values.load().to(target.element_type))
-            offset = cute.assume(Int64(target_row) * self.row_elements + column, divby=self.vector)
-            cute.autovec_copy(converted, cute.make_tensor(target.iterator + offset, layout))
-
-    return FinishKernel

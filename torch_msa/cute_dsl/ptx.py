@@ -1,8 +1,8 @@
 """Inline-PTX reductions the CuTe DSL kernels of torch_msa share (the SM90 backward, the SM100
 backward): fp32 vector atomics and the bulk (TMA-engine) reduce-add of a shared-memory range.
 
-This module imports cutlass at the top: kernel modules import it only inside their lazily built
-kernel classes, after `require_cute_dsl()`.
+This module imports cutlass at the top; only kernel modules import it, and their host modules
+import those only after `require_cute_dsl()`.
 """
 
 import cutlass

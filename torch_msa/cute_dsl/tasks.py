@@ -12,9 +12,10 @@ Nothing here synchronises with the host: the workspace height `W` is the bound
 `128 * (ceil(Tk / 128) + B)`, which holds every document padded to a multiple of 128 rows, so it
 is known from shapes alone (the price is at most `128 * B` rows of zero padding).
 
-The CuTe DSL is imported only inside functions (after `require_cute_dsl`), so this module imports
-on hosts without it. The kernels compile for any architecture (`compile_for_target`); this
-module uses `cute_io` for how torch tensors are handed to the CuTe kernels.
+This is the host side; the kernels are `tasks_kernel.py`, imported with the CuTe DSL (after
+`require_cute_dsl`) only when they are first compiled, so this module imports on hosts without
+it. The kernels compile for any architecture (`compile_for_target`); this module uses `cute_io`
+for how torch tensors are handed to the CuTe kernels.
 """
 
 import functools
@@ -26,7 +27,6 @@ import torch
 from ..schedule import build_schedule
 from . import require_cute_dsl
 from .cute_io import (
-    ACCESS_BYTES,
     aligned_operand,
     check_index_tensor,
     compile_options,
@@ -205,8 +205,8 @@ def check_tables_match(tables: TaskTables, cu_seqlens_k: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# CuTe DSL kernels. Their classes need cutlass at definition time, so they are defined on first
-# use (`_kernel_types`), never while this module loads.
+# CuTe DSL kernels. Their classes (`tasks_kernel.py`) need cutlass at definition time, so their
+# module is imported when a kernel is first compiled, never while this module loads.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -236,12 +236,13 @@ def compile_task_kernel(arch: str | None = None, dump_dir: str | None = None):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
+    from .tasks_kernel import TaskKernel
+
     index = torch.int32
     inputs = [fake_rows(index) for _ in range(12)]
     outputs = [fake_rows(index, (4,)), fake_rows(index, (TASK_ROWS,)), fake_rows(index, (TASK_ROWS,)), fake_rows(index)]
-    task_kernel, _ = _kernel_types()
     return cute.compile(
-        task_kernel(), *inputs, *outputs, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
+        TaskKernel(), *inputs, *outputs, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
         options=compile_options(arch, dump_dir),
     )
 
@@ -253,190 +254,10 @@ def compile_align_kernel(dtype: torch.dtype, row_elements: int, arch: str | None
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
+    from .tasks_kernel import AlignKernel
+
     rows = [fake_rows(dtype, (row_elements,)) for _ in range(4)]
-    _, align_kernel = _kernel_types()
     return cute.compile(
-        align_kernel(cutlass_dtype(dtype).width, row_elements), *rows, fake_rows(torch.int32), fake_rows(torch.int32),
+        AlignKernel(cutlass_dtype(dtype).width, row_elements), *rows, fake_rows(torch.int32), fake_rows(torch.int32),
         cutlass.Int32(1), make_fake_stream(), options=compile_options(arch, dump_dir),
     )
-
-
-@functools.cache
-def document_lookup():
-    """`@cute.jit` device helpers that find a row's document (shared with the postprocess)."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Int32
-
-    @cute.jit
-    def clamped(value: Int32, limit: Int32) -> Int32:
-        """`value` clamped into `[0, limit]`."""
-        return cutlass.min(cutlass.max(value, Int32(0)), limit)
-
-    @cute.jit
-    def last_document_at_or_before(boundaries: cute.Tensor, row: Int32, limit: Int32) -> Int32:
-        """The largest `d < B` with `clamped(boundaries[d], limit) <= row`, 0 when there is none.
-
-        `boundaries` is `cu_seqlens_k` or `doc_aligned_start` (`[B + 1]`). Among documents that
-        start on the same row (empty ones) the search lands on the last, the one whose rows
-        actually follow. Callers check `B > 0` and that the row lies inside the document found.
-        """
-        low = Int32(0)
-        high = boundaries.shape[0] - 2
-        while low < high:
-            middle = (low + high + 1) >> 1
-            if clamped(boundaries[middle], limit) <= row:
-                low = middle
-            else:
-                high = middle - 1
-        return low
-
-    return clamped, last_document_at_or_before
-
-
-@functools.cache
-def _kernel_types():
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Int32, Int64
-
-    clamped, last_document_at_or_before = document_lookup()
-
-    class TaskKernel:
-        """One thread per schedule item writes that task's meta, query rows and positions.
-
-        Thread `i` also writes `bucket_task_ptr[b] = i` when it is the first task of bucket `b`,
-        and, for `i` in `[num_buckets, max_buckets]`, the end marker `num_tasks`. Buckets are
-        dense (`0..num_buckets-1` all hold entries) and items are sorted by bucket, so every
-        pointer is written exactly once.
-        """
-
-        @cute.jit
-        def __call__(
-            self, entry_query: cute.Tensor, item_bucket: cute.Tensor, item_start: cute.Tensor,
-            item_end: cute.Tensor, bucket_head: cute.Tensor, bucket_key_row: cute.Tensor,
-            bucket_block: cute.Tensor, position: cute.Tensor, num_items: cute.Tensor,
-            num_buckets: cute.Tensor, cu_seqlens_k: cute.Tensor, doc_aligned_start: cute.Tensor,
-            task_meta: cute.Tensor, task_qrows: cute.Tensor, task_qpos: cute.Tensor,
-            bucket_task_ptr: cute.Tensor, topk: Int32, num_keys: Int32, stream: cuda.CUstream,
-        ):
-            threads = cutlass.max(task_meta.shape[0], bucket_task_ptr.shape[0])
-            self.kernel(
-                entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row,
-                bucket_block, position, num_items, num_buckets, cu_seqlens_k, doc_aligned_start,
-                task_meta, task_qrows, task_qpos, bucket_task_ptr, topk, num_keys,
-            ).launch(
-                grid=[cute.ceil_div(threads, THREADS_PER_CTA), 1, 1], block=[THREADS_PER_CTA, 1, 1], stream=stream
-            )
-
-        @cute.kernel
-        def kernel(
-            self, entry_query: cute.Tensor, item_bucket: cute.Tensor, item_start: cute.Tensor,
-            item_end: cute.Tensor, bucket_head: cute.Tensor, bucket_key_row: cute.Tensor,
-            bucket_block: cute.Tensor, position: cute.Tensor, num_items: cute.Tensor,
-            num_buckets: cute.Tensor, cu_seqlens_k: cute.Tensor, doc_aligned_start: cute.Tensor,
-            task_meta: cute.Tensor, task_qrows: cute.Tensor, task_qpos: cute.Tensor,
-            bucket_task_ptr: cute.Tensor, topk: Int32, num_keys: Int32,
-        ):
-            thread, _, _ = cute.arch.thread_idx()
-            cta, _, _ = cute.arch.block_idx()
-            task = cta * THREADS_PER_CTA + thread
-            if task < task_meta.shape[0]:
-                bucket = item_bucket[task]
-                first_entry = item_start[task]
-                num_rows = item_end[task] - first_entry
-                meta = cute.make_rmem_tensor(cute.make_layout(4), Int32)
-                query_rows = cute.make_rmem_tensor(cute.make_layout(TASK_ROWS), Int32)
-                positions = cute.make_rmem_tensor(cute.make_layout(TASK_ROWS), Int32)
-                meta.fill(0)
-                query_rows.fill(-1)
-                positions.fill(-1)
-                if num_rows > 0:
-                    key_row = bucket_key_row[bucket]
-                    document = last_document_at_or_before(cu_seqlens_k, key_row, num_keys)
-                    workspace = doc_aligned_start[doc_aligned_start.shape[0] - 1]
-                    aligned_row = doc_aligned_start[document] + key_row - clamped(cu_seqlens_k[document], num_keys)
-                    meta[0] = bucket_head[bucket]
-                    # Only malformed cu_seqlens_k can move a block off its document; even then
-                    # the tile it names stays inside the workspace.
-                    meta[1] = clamped(aligned_row, workspace - WORKSPACE_ALIGNMENT)
-                    meta[2] = bucket_block[bucket]
-                    meta[3] = num_rows
-                    for row in cutlass.range_constexpr(TASK_ROWS):
-                        if row < num_rows:
-                            token = entry_query[first_entry + row] // topk
-                            query_rows[row] = token
-                            positions[row] = position[token]
-                    previous_bucket = item_bucket[cutlass.max(task - 1, Int32(0))]
-                    if task == 0 or previous_bucket != bucket:
-                        bucket_task_ptr[bucket] = task
-                cute.autovec_copy(meta, task_meta[task, None])
-                cute.autovec_copy(query_rows, task_qrows[task, None])
-                cute.autovec_copy(positions, task_qpos[task, None])
-            if task < bucket_task_ptr.shape[0]:
-                if task >= num_buckets[0]:
-                    bucket_task_ptr[task] = num_items[0]
-
-    class AlignKernel:
-        """One CTA per 128-row block of the workspace: the block lies in one document's padded
-        span (or past the last), so the CTA finds that document once and gathers its rows."""
-
-        def __init__(self, element_bits: int, row_elements: int):
-            self.vector = ACCESS_BYTES * 8 // element_bits  # elements per 16-byte access
-            if row_elements % self.vector:
-                raise ValueError(f"Hkv * D = {row_elements} is not a multiple of {self.vector} elements")
-            self.row_elements = row_elements
-            self.vectors_per_row = row_elements // self.vector
-            self.tile_vectors = WORKSPACE_ALIGNMENT * self.vectors_per_row
-
-        @cute.jit
-        def __call__(
-            self, k: cute.Tensor, v: cute.Tensor, k_workspace: cute.Tensor, v_workspace: cute.Tensor,
-            cu_seqlens_k: cute.Tensor, doc_aligned_start: cute.Tensor, num_keys: Int32, stream: cuda.CUstream,
-        ):
-            self.kernel(k, v, k_workspace, v_workspace, cu_seqlens_k, doc_aligned_start, num_keys).launch(
-                grid=[k_workspace.shape[0] // WORKSPACE_ALIGNMENT, 1, 1], block=[THREADS_PER_CTA, 1, 1], stream=stream
-            )
-
-        @cute.kernel
-        def kernel(
-            self, k: cute.Tensor, v: cute.Tensor, k_workspace: cute.Tensor, v_workspace: cute.Tensor,
-            cu_seqlens_k: cute.Tensor, doc_aligned_start: cute.Tensor, num_keys: Int32,
-        ):
-            thread, _, _ = cute.arch.thread_idx()
-            cta, _, _ = cute.arch.block_idx()
-            first_row = cta * WORKSPACE_ALIGNMENT
-            key_start = Int32(0)
-            key_count = Int32(0)
-            first_local = Int32(0)
-            if cu_seqlens_k.shape[0] > 1:
-                document = last_document_at_or_before(doc_aligned_start, first_row, k_workspace.shape[0])
-                key_start = clamped(cu_seqlens_k[document], num_keys)
-                key_count = clamped(cu_seqlens_k[document + 1], num_keys) - key_start
-                first_local = first_row - doc_aligned_start[document]
-            for step in cutlass.range(cute.ceil_div(self.tile_vectors, THREADS_PER_CTA)):
-                flat = step * THREADS_PER_CTA + thread
-                if flat < self.tile_vectors:
-                    row = flat // self.vectors_per_row
-                    column = (flat % self.vectors_per_row) * self.vector
-                    local = first_local + row
-                    key_fragment = cute.make_rmem_tensor(cute.make_layout(self.vector), k.element_type)
-                    value_fragment = cute.make_rmem_tensor(cute.make_layout(self.vector), v.element_type)
-                    if local >= 0 and local < key_count:
-                        source = cute.assume(Int64(key_start + local) * self.row_elements + column, divby=self.vector)
-                        cute.autovec_copy(self._vector_at(k, source), key_fragment)
-                        cute.autovec_copy(self._vector_at(v, source), value_fragment)
-                    else:
-                        key_fragment.fill(0)
-                        value_fragment.fill(0)
-                    target = cute.assume(Int64(first_row + row) * self.row_elements + column, divby=self.vector)
-                    cute.autovec_copy(key_fragment, self._vector_at(k_workspace, target))
-                    cute.autovec_copy(value_fragment, self._vector_at(v_workspace, target))
-
-        @cute.jit
-        def _vector_at(self, rows: cute.Tensor, offset: Int64) -> cute.Tensor:
-            # 64-bit element offsets: K/V of long sequences exceed 2^31 elements.
-            return cute.make_tensor(rows.iterator + offset, cute.make_layout(self.vector))
-
-    return TaskKernel, AlignKernel

@@ -2,9 +2,10 @@
 
 `msa::forward` runs the official key-to-query CSR build and flat sparse forward
 (`fmha_sm100.sparse.build_k2q_csr` + `sparse_atten_func`); `msa::backward` runs our
-`run_backward` (`torch_msa.sm100.kernels.backward_sm100`). Both are bound on first use by
-`bindings.kernels()`; importing this package imports neither cutlass, triton nor the official
-package.
+`run_backward` (`torch_msa.sm100.backward_host`, the host side of the CuTe DSL kernel class in
+`backward_kernel.py`; what they share, with this package too, is in `common.py`). Both are bound
+on first use by `bindings.kernels()`; importing this package imports neither cutlass, triton nor
+the official package.
 
 The backend serves a CUDA device of compute capability 10.0 with the `msa` and `cute` extras
 installed (`available`), and within that only the configuration the kernels are built for:
@@ -28,20 +29,17 @@ import functools
 import torch
 
 from ..backends import BACKEND_ENV, Backend, UnsupportedInputs, register_backend
+from ..cute_dsl import INSTALL_COMMAND, device_unavailable_reason, importable, sm_capability
 from ..documents import locate_queries
 from ..schedule import valid_entries
 from . import bindings
-from ..cute_dsl import device_unavailable_reason, importable
-from .kernels import INSTALL_COMMAND, SM100_CAPABILITY, sm_capability
+from .common import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, SM100_CAPABILITY
 
 NAME = "sm100"
 PRIORITY = 20
 
-# The one configuration the official kernels and our backward are built for (MiniMax-M3).
-NUM_Q_HEADS = 64
-NUM_KV_HEADS = 4
-HEAD_DIM = 128
-BLOCK_SIZE = 128
+# The one configuration the official kernels and our backward are built for (MiniMax-M3): the
+# shapes of `common.py`, and the official forward's top-k and dtype.
 TOPK = 16
 DTYPE = torch.bfloat16
 

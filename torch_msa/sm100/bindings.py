@@ -40,12 +40,12 @@ from types import ModuleType
 from typing import Any
 
 from ..backends import UnavailableError
-from .kernels import INSTALL_COMMAND, require_cute_dsl
+from ..cute_dsl import INSTALL_COMMAND, require_cute_dsl
 
 CUTE_DSL_DISTRIBUTION = "nvidia-cutlass-dsl"
 CUTE_DSL_VERSION = "4.6.2"
 OFFICIAL_PACKAGE = "fmha_sm100"
-BACKWARD_MODULE = "torch_msa.sm100.kernels.backward_sm100"
+BACKWARD_MODULE = "torch_msa.sm100.backward_host"
 
 # Where the pinned revision keeps what the patches touch.
 _SPARSE_MODULE = "fmha_sm100.sparse"
@@ -66,7 +66,7 @@ class MSAKernels:
     `build_k2q_csr`, `sparse_atten_func`: official key-to-query CSR builder and flat sparse forward
     (`fmha_sm100.sparse`). `fmha_sm100`, `fmha_sm100_plan`: official dense scorer and its planner
     (`fmha_sm100`), used as the block scorer. `run_backward`: our CuTe DSL backward
-    (`torch_msa.sm100.kernels.backward_sm100`).
+    (`torch_msa.sm100.backward_host`).
     """
 
     build_k2q_csr: Callable[..., Any]

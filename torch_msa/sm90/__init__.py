@@ -1,5 +1,10 @@
-"""The SM90 (Hopper) backend: `msa::forward` and `msa::backward` by CuTe DSL wgmma/TMA kernels
-(`forward_sm90.py`, `backward_sm90.py`; `tiles.py` holds what the two share).
+"""The SM90 (Hopper) backend: `msa::forward` and `msa::backward` by CuTe DSL wgmma/TMA kernels.
+
+Each kernel is a class in its own module, which imports cutlass at the top: `forward_kernel.py`,
+`backward_kernel.py` (their shared device helpers: `tiles.py`). Its host side, torch only, holds
+the input checks, buffers, launch, compile cache and the functions this package calls:
+`forward_host.py`, `backward_host.py`. `common.py` holds what all of them share: the served
+configuration, the tile shape, the schedule operands.
 
 It serves a CUDA device of compute capability 9.0 with the `cute` extra (nvidia-cutlass-dsl,
 cuda-bindings) and triton (the forward's partials are merged, and the backward's delta computed,
@@ -58,8 +63,8 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
             plan=None, fragment_documents=None, fragment_starts=None):
-    """`msa::forward` through the SM90 kernel; see `torch_msa.sm90.forward_sm90.forward`."""
-    module = importlib.import_module(f"{__name__}.forward_sm90")
+    """`msa::forward` through the SM90 kernel; see `torch_msa.sm90.forward_host.forward`."""
+    module = importlib.import_module(f"{__name__}.forward_host")
     with torch.cuda.device(q.device):
         return module.forward(
             q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
@@ -69,10 +74,10 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              block_size, softmax_scale, grad_lse=None, plan=None, fragment_documents=None, fragment_starts=None):
-    """`msa::backward` through the SM90 kernel (`torch_msa.sm90.backward_sm90.backward`), or, under
+    """`msa::backward` through the SM90 kernel (`torch_msa.sm90.backward_host.backward`), or, under
     `torch.use_deterministic_algorithms(True)`, through its bitwise-reproducible variant
     (`backward_deterministic`): the kernel adds dQ, dK and dV with atomics, whose order varies."""
-    module = importlib.import_module(f"{__name__}.backward_sm90")
+    module = importlib.import_module(f"{__name__}.backward_host")
     serve = module.backward_deterministic if torch.are_deterministic_algorithms_enabled() else module.backward
     with torch.cuda.device(q.device):
         return serve(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

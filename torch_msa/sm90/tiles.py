@@ -2,8 +2,9 @@
 (rows, cols) or reused as a register A operand, the per-token TMA boxes of a 64-row operand
 tile, the TMA load of a key block and the zeroing of its keys past a document's end.
 
-This module imports cutlass at the top: the kernel modules import it only inside their lazily
-built kernel classes, after `require_cute_dsl()`.
+These are device code, so this module imports cutlass at the top; only the kernel modules
+(`forward_kernel.py`, `backward_kernel.py`) import it. The constants are `common.py`'s, the
+module the host side reads them from too.
 """
 
 import cutlass
@@ -11,7 +12,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
-from .forward_sm90 import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS
+from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS
 
 SWIZZLE_COLS = 64  # elements of one 128-byte swizzle row (16-bit types)
 

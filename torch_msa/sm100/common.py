@@ -1,0 +1,43 @@
+"""What the SM100 (Blackwell) backend, the backward's host side and its kernel share.
+
+The one configuration the kernels are built for (MiniMax-M3: Hq = 64, Hkv = 4, D = 128, key
+blocks of 128), the backward's task tile (8 tokens x 16 heads = 128 rows, one MMA tile), and the
+device gate `require_sm100`, which runs before anything is compiled or launched. This module
+imports only torch; the kernel module (`backward_kernel.py`) reads its constants from here, so it
+imports nothing from the host side.
+"""
+
+import torch
+
+from ..cute_dsl import sm_capability
+
+SM100_CAPABILITY = (10, 0)
+
+NUM_Q_HEADS = 64
+NUM_KV_HEADS = 4
+HEAD_DIM = 128
+HEADS_PER_KV = NUM_Q_HEADS // NUM_KV_HEADS  # 16 query heads share a kv head (GQA group)
+TOKENS_PER_TASK = 8
+TILE = 128  # keys per bucket tile = query rows per task tile (TOKENS_PER_TASK * HEADS_PER_KV)
+BLOCK_SIZE = 128
+
+
+def require_sm100(device: torch.device | str | int) -> None:
+    """Refuse, before compiling or launching anything, a device the SM100 kernels are not built for.
+
+    Raises:
+        NotImplementedError: unless `device` is a CUDA device of compute capability 10.0
+            (B200 / GB200); the message names the device and what it is.
+    """
+    resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if resolved.type != "cuda":
+        raise NotImplementedError(
+            "the SM100 MSA kernels need a CUDA device of compute capability 10.0; "
+            f"got a {resolved.type} device ({resolved})"
+        )
+    capability = sm_capability(resolved)
+    if capability != SM100_CAPABILITY:
+        raise NotImplementedError(
+            "the SM100 MSA kernels need compute capability 10.0 (they are built for sm_100a); "
+            f"{resolved} has compute capability {capability[0]}.{capability[1]}"
+        )

@@ -1,0 +1,214 @@
+"""`msa::backward` on Hopper (sm_90a): the host side of the CuTe DSL backward kernel.
+
+Scope: the SM90 forward's: G = 16 query heads per KV head, D = 128, key blocks of 128, bf16 or
+fp16 (MiniMax-M3); any top-k. `check_inputs` raises `UnsupportedInputs` for anything else before
+any work.
+
+* **`backward`**: `delta = rowsum(dO * O) - grad_lse` (Triton,
+  `torch_msa.triton.backward_kernel.compute_delta`), the step's plan (or a new one), zeroed fp32
+  accumulators for dQ, dK and dV, one launch of the kernel on a persistent grid of one CTA per SM
+  (capped by the item count), which adds into them with atomics, then the casts to the inputs'
+  dtype.
+* **`backward_deterministic`** (bitwise reproducible, for
+  `torch.use_deterministic_algorithms(True)`): the Triton deterministic backward
+  (`backward_deterministic_kernel.py`) with its dK/dV pass run by the kernel's deterministic
+  variant, which stores each item's dK/dV in the item's own workspace rows; the Triton side
+  reduces the workspace in a fixed order per key block and computes dQ query-outer, each element
+  with one owner.
+
+The kernel itself and its design: `backward_kernel.py`; the constants and checks it shares with
+the forward: `common.py`. Importing this module imports neither cutlass nor triton:
+`compile_blocks_kernel` imports the kernel module (and so cutlass) on the first compile, after
+`require_cute_dsl()`; one executable serves a process, dtype, KV head count and variant.
+"""
+
+import functools
+
+import torch
+
+from ..backends import UnsupportedInputs
+from ..cute_dsl import require_cute_dsl, sm_count
+from .common import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    HEADS_PER_KV,
+    LOG2_E,
+    SCHEDULE_OPERANDS,
+    bucket_key_count,
+    check_served,
+    schedule_tensors,
+)
+
+# Q, dO and the lse/delta rows are addressed with 32-bit row indices (query x head).
+MAX_QUERY_ROWS = 2**31 - 1
+
+
+def check_query_rows(num_queries: int, num_heads: int) -> None:
+    """Raise `UnsupportedInputs` when the `Tq * Hq` query rows would not fit 32-bit indices."""
+    if num_queries * num_heads > MAX_QUERY_ROWS:
+        raise UnsupportedInputs(
+            f"the SM90 backward indexes query rows with 32-bit integers: {num_queries} queries x {num_heads} heads "
+            f"are more than {MAX_QUERY_ROWS} rows"
+        )
+
+
+def check_inputs(grad_out, q, k, v, block_size) -> None:
+    """Raise `UnsupportedInputs` for inputs the kernel does not serve; nothing launched."""
+    check_served(q, k, v, block_size)
+    if grad_out.dtype != q.dtype:
+        raise UnsupportedInputs(f"the SM90 backward takes grad_out of q's dtype {q.dtype}, got {grad_out.dtype}")
+    check_query_rows(q.shape[0], q.shape[1])
+
+
+def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
+             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
+             fragment_documents=None, fragment_starts=None):
+    """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype.
+
+    Shapes: `grad_out`, `q`, `out` `[Tq, Hq, D]`; `k`, `v` `[Tk, Hkv, D]`; `lse`, `grad_lse`
+    `[Tq, Hq]` fp32; `block_indices` int32 `[Hkv, Tq, topk]`. Walks `plan`'s items (any item
+    size) or those of a new plan with the public API's item size; query fragments are read from
+    the plan, as in the forward.
+
+    Raises:
+        UnsupportedInputs: outside the served configuration (`check_inputs`).
+    """
+    del max_seqlen_q, max_seqlen_k
+    check_inputs(grad_out, q, k, v, block_size)
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    require_cute_dsl()
+    from ..cute_dsl.cute_io import aligned_operand
+    from ..triton.backward_kernel import compute_delta
+    from ..triton.forward_kernel import schedule_for
+
+    topk = block_indices.shape[-1]
+    device = q.device
+    dq_acc = torch.zeros((num_queries, num_heads, dim), dtype=torch.float32, device=device)
+    dk_acc = torch.zeros((num_keys, num_kv_heads, dim), dtype=torch.float32, device=device)
+    dv_acc = torch.zeros((num_keys, num_kv_heads, dim), dtype=torch.float32, device=device)
+    if num_queries > 0 and num_keys > 0 and topk > 0:
+        # TMA reads whole 16-byte aligned rows.
+        q, k, v, grad_out = (aligned_operand(x) for x in (q, k, v, grad_out))
+        out = out if out.stride(-1) == 1 else out.contiguous()
+        lse = lse.contiguous()
+        delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
+        compute_delta(grad_out, out, grad_lse, delta, (device, q.dtype, dim, block_size, HEADS_PER_KV, topk))
+        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, BLOCK_SIZE, num_heads, plan,
+                                fragment_documents, fragment_starts)
+        key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
+        launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk, softmax_scale)
+    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+def backward_deterministic(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
+                           fragment_documents=None, fragment_starts=None):
+    """`backward`, bitwise reproducible: the Triton deterministic backward with its dK/dV pass run
+    by this kernel's deterministic variant. Same contract and `UnsupportedInputs` as `backward`;
+    a given `plan` is not read (the workspace is laid out by the deterministic plan's items)."""
+    check_inputs(grad_out, q, k, v, block_size)
+    require_cute_dsl()
+    from ..cute_dsl.cute_io import aligned_operand
+    from ..triton import backward_deterministic_kernel
+
+    def key_blocks(q, k, v, grad_out, lse, delta, dk_part, dv_part, schedule, topk, softmax_scale):
+        q, k, v, grad_out = (aligned_operand(x) for x in (q, k, v, grad_out))
+        key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
+        unused_dq = torch.empty((1, *q.shape[1:]), dtype=torch.float32, device=q.device)
+        launch_blocks(q, k, v, grad_out, lse, delta, unused_dq, dk_part, dv_part, schedule, key_count, topk,
+                      softmax_scale, deterministic=True)
+
+    return backward_deterministic_kernel.backward(
+        grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        block_size, softmax_scale, grad_lse, plan, fragment_documents, fragment_starts, key_blocks=key_blocks,
+    )
+
+
+# The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).
+# Dim 0 is dynamic; `compile_blocks_kernel` describes each with `fake_rows`, `launch_blocks`
+# converts each with `cute_rows`, so the two cannot disagree. The deterministic variant stores
+# dK/dV into per-item workspace rows `[items * 128, D]` instead of adding to `[Tk, Hkv, D]`, and
+# its dq_acc is not read.
+def operands(num_kv_heads: int, deterministic: bool = False):
+    num_heads = HEADS_PER_KV * num_kv_heads
+    key_rows = (HEAD_DIM,) if deterministic else (num_kv_heads, HEAD_DIM)
+    return (
+        ("q", (num_heads, HEAD_DIM), None),
+        ("k", (num_kv_heads, HEAD_DIM), None),
+        ("v", (num_kv_heads, HEAD_DIM), None),
+        ("grad_out", (num_heads, HEAD_DIM), None),
+        ("lse", (num_heads,), torch.float32),
+        ("delta", (num_heads,), torch.float32),
+        ("dq_acc", (num_heads, HEAD_DIM), torch.float32),
+        ("dk_acc", key_rows, torch.float32),
+        ("dv_acc", key_rows, torch.float32),
+        *SCHEDULE_OPERANDS,
+    )
+
+
+def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk,
+                  softmax_scale, deterministic: bool = False) -> None:
+    """Launch the blocks kernel: adds every scheduled entry's dQ, dK and dV to the fp32 accumulators,
+    or, `deterministic`, stores each item's dK/dV into its workspace rows (see `operands`)."""
+    import cutlass
+
+    from ..cute_dsl.cute_io import cute_rows, cute_stream
+
+    tensors = {
+        "q": q, "k": k, "v": v, "grad_out": grad_out, "lse": lse, "delta": delta,
+        "dq_acc": dq_acc, "dk_acc": dk_acc, "dv_acc": dv_acc,
+        **schedule_tensors(schedule, key_count),
+    }
+    num_kv_heads = k.shape[1]
+    grid = max(1, min(schedule.item_start.numel(), sm_count(q.device)))
+    kernel = _compiled(q.dtype, num_kv_heads, deterministic)
+    kernel(
+        *(cute_rows(tensors[name]) for name, _, _ in operands(num_kv_heads, deterministic)),
+        cutlass.Int32(topk),
+        cutlass.Float32(softmax_scale * LOG2_E),
+        cutlass.Float32(softmax_scale),
+        cutlass.Int32(grid),
+        cute_stream(q.device),
+    )
+
+
+@functools.cache
+def _compiled(dtype: torch.dtype, num_kv_heads: int, deterministic: bool):
+    """One executable per process and (dtype, Hkv, variant); token, key and item counts are dynamic."""
+    return compile_blocks_kernel(dtype, num_kv_heads, deterministic=deterministic)
+
+
+def compile_blocks_kernel(
+    dtype: torch.dtype = torch.bfloat16,
+    num_kv_heads: int = 4,
+    arch: str | None = None,
+    dump_dir: str | None = None,
+    listings: bool = False,
+    deterministic: bool = False,
+):
+    """`cute.compile` the blocks kernel (`arch=None`: this host's GPU; `deterministic`: the variant
+    without dQ that stores dK/dV per item) on fake tensors with dynamic leading extents.
+    `dump_dir` keeps the cubin there, and with `listings` the PTX and SASS too."""
+    require_cute_dsl()
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from ..cute_dsl.cute_io import compile_options, fake_rows
+    from .backward_kernel import Sm90BackwardKernel
+
+    fakes = [
+        fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads, deterministic)
+    ]
+    options = compile_options(arch, dump_dir, listings)
+    return cute.compile(
+        Sm90BackwardKernel(num_kv_heads, deterministic),
+        *fakes,
+        cutlass.Int32(1),
+        cutlass.Float32(1.0),
+        cutlass.Float32(1.0),
+        cutlass.Int32(1),
+        make_fake_stream(),
+        options=options,
+    )

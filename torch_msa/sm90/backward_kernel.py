@@ -1,0 +1,527 @@
+"""The SM90 (Hopper, sm_90a) backward kernel in CuTe DSL: KV-outer, dK/dV on chip, dQ by bulk reduce-add.
+
+Scope: the SM90 forward kernel's (`forward_kernel.py`): G = 16 query heads per KV head, D = 128,
+key blocks of 128, bf16 or fp16 (MiniMax-M3); any top-k. The host side (input checks, delta, the
+accumulators and their casts, launch, compile cache, the deterministic composition) is
+`backward_host.py`; what this kernel shares with the forward kernel is in `common.py`
+(constants) and `tiles.py` (device helpers).
+
+Design
+------
+* **Work.** The step's plan, walked as in the forward: a persistent grid, CTA `c` takes items
+  `c, c + grid, ...`, an item being one KV head's key block and a run of the (query, slot) entries
+  that chose it, taken four tokens (a 64-row tile of 4 tokens x 16 heads) at a time.
+* **CTA.** Two warpgroups (256 threads), one CTA per SM (177 KiB of shared memory). Warp 0 loads
+  the block's K and V once per item (two TMA boxes) and, per tile, Q and dO (one 16 x 128 TMA
+  box per token each, double-buffered: the next tile loads while this one is computed).
+* **Math, keys as the wgmma M side** (warpgroup w owns keys 64 w .. 64 w + 63):
+  `S^T = K Q^T` and `dP^T = V dO^T` (both operands from shared memory);
+  `P^T = exp2(S^T scale - lse)` and `dS^T = P^T (dP^T - delta)` in registers, with the
+  per-column lse, delta and last visible key of the tile's 64 rows read from shared memory, where
+  warps 6-7 staged them during the tile before (their loads depend on the plan's entries, so on
+  the critical path they would stall every tile);
+  `dV += P^T dO` and `dK += dS^T Q` with P^T and dS^T as register A operands and dO, Q read
+  through transposed views of their tiles, the fp32 dK/dV accumulators living for the whole
+  item; dS^T goes to shared memory and `dQ = dS K` (warpgroup w computes dims 64 w .. 64 w + 63,
+  K read through a transposed view).
+* **dQ leaves as whole tiles.** The scaled fp32 tile goes to shared memory and then, per token,
+  one `cp.reduce.async.bulk .add.f32` of 8 KiB (a token's 16 heads x 128 dims are contiguous in
+  the fp32 accumulator `[Tq, Hq, D]`) while the next tile is computed: no per-element atomics.
+* **dK/dV** are added once per item (several items may share a block) with 8-byte vector atomics
+  into fp32 accumulators `[Tk, Hkv, D]`, for the keys inside the block's document only.
+* **Document isolation under NaN.** Masks are selects, never products (a hidden key's NaN dP
+  cannot reach dS); K rows past the document end are zeroed in shared memory before `dQ = dS K`
+  (`0 * NaN = NaN`), and dK/dV rows past it are not written. Every query of an item lies in the
+  block's document; a tile's padding rows reload its first token and are masked out.
+* **Deterministic variant** (`deterministic=True`, a compile-time switch): no dQ; each item's
+  dK/dV are stored in the item's own workspace rows `[items * 128, D]` instead of being added, so
+  that the Triton deterministic backward can reduce them in a fixed order (`backward_host.py`).
+
+Traffic per token (M3, bf16, top-16, long documents): its 64 entries read Q and dO once each,
+2 x 256 KiB, and add 64 dQ tiles of 8 KiB (512 KiB, reduced in L2); K/V are read once per item.
+The five GEMMs of a tile do 10.5 MFLOP on 48 KiB of operands read (Q, dO) and 8 KiB reduced.
+Both warpgroups work on the same tile, so they pass its phases in lockstep, with two CTA barriers
+per tile. Measured speed, what bounds it and what is left to gain: docs/performance.md.
+
+This module imports cutlass at the top; the host module imports it only when it first compiles
+the kernel, after `require_cute_dsl()`.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..cute_dsl.ptx import bulk_reduce_add_f32, red_add_f32x2
+from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, LOG2_E, TILE_ROWS, TOKENS_PER_TILE
+from .tiles import (
+    accumulator_as_operand_a,
+    accumulator_rows_cols,
+    load_key_block,
+    token_box_layout,
+    token_slots,
+    zero_keys_past,
+)
+
+THREADS = 256  # two MMA warpgroups
+KEYS_PER_WARPGROUP = BLOCK_SIZE // 2
+# Q and dO tiles are fetched two at a time: the next tile loads while this one is computed.
+TILE_STAGES = 2
+
+
+class Sm90BackwardKernel:
+    """The SM90 backward blocks kernel; `__call__` is the `cute.jit` host function."""
+
+    acc_dtype = Float32
+
+    def __init__(self, num_kv_heads: int, deterministic: bool):
+        self.num_kv_heads = num_kv_heads
+        self.num_heads = HEADS_PER_KV * num_kv_heads
+        self.deterministic = deterministic
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [Tq, Hq, 128]
+        mK: cute.Tensor,  # [Tk, Hkv, 128]
+        mV: cute.Tensor,  # [Tk, Hkv, 128]
+        mdO: cute.Tensor,  # [Tq, Hq, 128]
+        mLse: cute.Tensor,  # fp32 [Tq, Hq], natural log
+        mDelta: cute.Tensor,  # fp32 [Tq, Hq]
+        mdQ: cute.Tensor,  # fp32 [Tq, Hq, 128], added to
+        mdK: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
+        mdV: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
+        mEntryQuery: cute.Tensor,
+        mItemBucket: cute.Tensor,
+        mItemStart: cute.Tensor,
+        mItemEnd: cute.Tensor,
+        mBucketHead: cute.Tensor,
+        mBucketKeyRow: cute.Tensor,
+        mBucketBlock: cute.Tensor,
+        mBucketKeyCount: cute.Tensor,
+        mPosition: cute.Tensor,
+        mNumItems: cute.Tensor,
+        topk: Int32,
+        scale_log2: Float32,
+        softmax_scale: Float32,
+        grid_size: Int32,
+        stream,
+    ):
+        dtype = mQ.element_type
+        self.dtype = dtype
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        # S^T = K Q^T, dP^T = V dO^T: M = 128 keys (64 per warpgroup), N = 64 rows, K = 128 dims.
+        mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (2, 1, 1), (KEYS_PER_WARPGROUP, TILE_ROWS)
+        )
+        # dV += P^T dO, dK += dS^T Q: M = 128 keys, N = 128 dims, K = 64 rows; A from registers.
+        mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (2, 1, 1), (KEYS_PER_WARPGROUP, HEAD_DIM),
+            warpgroup.OperandSource.RMEM,
+        )
+        # dQ = dS K: M = 64 rows, N = 128 dims (64 per warpgroup), K = 128 keys.
+        mma_dq = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 2, 1), (TILE_ROWS, HEAD_DIM // 2)
+        )
+        row_major = utils.LayoutEnum.ROW_MAJOR
+        sdp_tiler = (BLOCK_SIZE, TILE_ROWS, HEAD_DIM)
+        # K and V: (key, dim) tiles; Q and dO: (row, dim) tiles; dS: (row, key). All K-major
+        # with the 128-byte swizzle; the GEMMs that need them transposed read them through
+        # views with the modes swapped (MN-major).
+        sK_layout = sm90_utils.make_smem_layout_a(row_major, sdp_tiler, dtype, 1)
+        sQ_layout = sm90_utils.make_smem_layout_b(row_major, sdp_tiler, dtype, TILE_STAGES)
+        sdS_layout = sm90_utils.make_smem_layout_a(row_major, (TILE_ROWS, HEAD_DIM, BLOCK_SIZE), dtype, 1)
+
+        query_rows_layout = cute.make_layout((mQ.shape[0] * self.num_heads, HEAD_DIM), stride=(HEAD_DIM, 1))
+        kv_layout = cute.make_layout(
+            (mK.shape[0], HEAD_DIM, self.num_kv_heads), stride=(self.num_kv_heads * HEAD_DIM, 1, HEAD_DIM)
+        )
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        sK_one = cute.select(sK_layout, mode=[0, 1])
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            tma_load, cute.make_tensor(mK.iterator, kv_layout), sK_one, (BLOCK_SIZE, HEAD_DIM)
+        )
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            tma_load, cute.make_tensor(mV.iterator, kv_layout), sK_one, (BLOCK_SIZE, HEAD_DIM)
+        )
+        token_rows = token_box_layout(sQ_layout)
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            tma_load, cute.make_tensor(mQ.iterator, query_rows_layout), token_rows, (HEADS_PER_KV, HEAD_DIM)
+        )
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+            tma_load, cute.make_tensor(mdO.iterator, query_rows_layout), token_rows, (HEADS_PER_KV, HEAD_DIM)
+        )
+        self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
+        self.tile_bytes = 2 * cute.size_in_bytes(dtype, cute.select(sQ_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            # 1024-byte alignment keeps the 128-byte swizzle pattern of every tile intact.
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, TILE_ROWS * HEAD_DIM], 1024]
+            # Per row of a tile: lse (log2 domain), delta, and the last key it sees (-1: none);
+            # two buffers, the next tile's rows are staged while this one is computed.
+            sLse: cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES]
+            sDelta: cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES]
+            sLast: cute.struct.MemRange[Int32, TILE_ROWS * TILE_STAGES]
+            # [0]: K/V loaded; [1 + s]: Q and dO of stage s loaded.
+            barriers: cute.struct.MemRange[Int64, 1 + TILE_STAGES]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            mma_sdp, mma_dkv, mma_dq, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            mLse, mDelta, mdQ, mdK, mdV, mEntryQuery, mItemBucket, mItemStart, mItemEnd,
+            mBucketHead, mBucketKeyRow, mBucketBlock, mBucketKeyCount, mPosition, mNumItems,
+            topk, scale_log2, softmax_scale, sQ_layout, sK_layout, sdS_layout,
+        ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        tma_atom_Q: cute.CopyAtom,
+        tma_Q: cute.Tensor,
+        tma_atom_dO: cute.CopyAtom,
+        tma_dO: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        tma_K: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        tma_V: cute.Tensor,
+        mLse: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQ: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mEntryQuery: cute.Tensor,
+        mItemBucket: cute.Tensor,
+        mItemStart: cute.Tensor,
+        mItemEnd: cute.Tensor,
+        mBucketHead: cute.Tensor,
+        mBucketKeyRow: cute.Tensor,
+        mBucketBlock: cute.Tensor,
+        mBucketKeyCount: cute.Tensor,
+        mPosition: cute.Tensor,
+        mNumItems: cute.Tensor,
+        topk: Int32,
+        scale_log2: Float32,
+        softmax_scale: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        cta = cute.arch.block_idx()[0]
+        grid = cute.arch.grid_dim()[0]
+
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        barriers = storage.barriers.data_ptr()
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(cute.make_layout((TILE_ROWS, HEAD_DIM), stride=(HEAD_DIM, 1)))
+        rows_layout = cute.make_layout((TILE_ROWS, TILE_STAGES))
+        sLse = storage.sLse.get_tensor(rows_layout)
+        sDelta = storage.sDelta.get_tensor(rows_layout)
+        sLast = storage.sLast.get_tensor(rows_layout)
+        # Transposed views (the same bytes, modes swapped): Q and dO as (dim, row), K as
+        # (dim, key), dS as (key, row).
+        sQt = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[1, 0, 2]))
+        sdOt = cute.make_tensor(sdO.iterator, cute.select(sdO.layout, mode=[1, 0, 2]))
+        sKt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0, 2]))
+        sdSt = cute.make_tensor(sdS.iterator, cute.select(sdS.layout, mode=[1, 0, 2]))
+
+        if tidx == 0:
+            for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V):
+                cpasync.prefetch_descriptor(atom)
+            for index in cutlass.range_constexpr(1 + TILE_STAGES):
+                cute.arch.mbarrier_init(barriers + index, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        # Q and dO: 16-row token blocks of the [Tq * Hq, 128] views into a tile's 4 token slots.
+        q_blocks = cute.flat_divide(tma_Q, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, Tq * Hq / 16, 1)
+        do_blocks = cute.flat_divide(tma_dO, (HEADS_PER_KV, HEAD_DIM))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(token_slots(sQ, TILE_STAGES), 0, 2),
+            cute.group_modes(q_blocks, 0, 2),
+        )
+        tdOsdO, tdOgdO = cpasync.tma_partition(
+            tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(token_slots(sdO, TILE_STAGES), 0, 2),
+            cute.group_modes(do_blocks, 0, 2),
+        )
+
+        thr_sdp = mma_sdp.get_slice(tidx)
+        thr_dkv = mma_dkv.get_slice(tidx)
+        thr_dq = mma_dq.get_slice(tidx)
+        tSrK = mma_sdp.make_fragment_A(thr_sdp.partition_A(sK))
+        tSrV = mma_sdp.make_fragment_A(thr_sdp.partition_A(sV))
+        tSrQ = mma_sdp.make_fragment_B(thr_sdp.partition_B(sQ))
+        tSrdO = mma_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
+        tVrdO = mma_dkv.make_fragment_B(thr_dkv.partition_B(sdOt))
+        tKrQ = mma_dkv.make_fragment_B(thr_dkv.partition_B(sQt))
+        tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
+        tQrK = mma_dq.make_fragment_B(thr_dq.partition_B(sKt))
+        tdSsdS = thr_sdp.partition_C(sdSt[None, None, 0])
+        tdQsdQ = thr_dq.partition_C(sdQ)
+
+        cS = thr_sdp.partition_C(cute.make_identity_tensor((BLOCK_SIZE, TILE_ROWS)))
+        cKV = thr_dkv.partition_C(cute.make_identity_tensor((BLOCK_SIZE, HEAD_DIM)))
+        cQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_ROWS, HEAD_DIM)))
+        acc_S = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
+        acc_dP = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
+        acc_dK = cute.make_rmem_tensor(cKV.shape, self.acc_dtype)
+        acc_dV = cute.make_rmem_tensor(cKV.shape, self.acc_dtype)
+        acc_dQ = cute.make_rmem_tensor(cQ.shape, self.acc_dtype)
+        s_rc = cute.make_tensor(acc_S.iterator, accumulator_rows_cols(acc_S.layout))
+        dp_rc = cute.make_tensor(acc_dP.iterator, accumulator_rows_cols(acc_dP.layout))
+        cS_rc = cute.make_tensor(cS.iterator, accumulator_rows_cols(cS.layout))
+        dk_rc = cute.make_tensor(acc_dK.iterator, accumulator_rows_cols(acc_dK.layout))
+        dv_rc = cute.make_tensor(acc_dV.iterator, accumulator_rows_cols(acc_dV.layout))
+        cKV_rc = cute.make_tensor(cKV.iterator, accumulator_rows_cols(cKV.layout))
+        rP = cute.make_rmem_tensor(cS.shape, self.dtype)
+        rdS = cute.make_rmem_tensor(cS.shape, self.dtype)
+        tVrP = cute.make_tensor(rP.iterator, accumulator_as_operand_a(rP.layout))
+        tKrdS = cute.make_tensor(rdS.iterator, accumulator_as_operand_a(rdS.layout))
+        # dK/dV accumulate over an item's tiles from zeros set at its start.
+        mma_dkv.set(warpgroup.Field.ACCUMULATE, True)
+
+        num_items = mNumItems[0]
+        tile_loads = Int32(0)  # Q/dO tiles this CTA has consumed: stage and phase of the next one
+        kv_loads = Int32(0)
+        for item in cutlass.range(cta, num_items, grid, unroll=1):
+            start = mItemStart[item]
+            end = mItemEnd[item]
+            bucket = mItemBucket[item]
+            kv_head = mBucketHead[bucket]
+            key_row = mBucketKeyRow[bucket]
+            first_key = mBucketBlock[bucket] * BLOCK_SIZE  # document position of key 0
+            key_count = mBucketKeyCount[bucket]
+            num_tiles = (end - start + TOKENS_PER_TILE - 1) // TOKENS_PER_TILE
+
+            # Shared memory is free to refill: the previous item's last tile ended with a
+            # barrier that every thread passed after all its GEMMs had completed.
+            if warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(barriers, self.kv_bytes)
+                load_key_block(tma_atom_K, tma_K, sK, kv_head, key_row, barriers)
+                load_key_block(tma_atom_V, tma_V, sV, kv_head, key_row, barriers)
+                self.load_tile(
+                    tma_atom_Q, tQgQ, tQsQ, tma_atom_dO, tdOgdO, tdOsdO, barriers, mEntryQuery, start, end, topk,
+                    kv_head, tile_loads,
+                )
+            if tidx >= THREADS - TILE_ROWS:
+                self.stage_row(
+                    sLse, sDelta, sLast, mLse, mDelta, mEntryQuery, mPosition, start, end, topk, kv_head,
+                    first_key, tidx - (THREADS - TILE_ROWS), tile_loads % TILE_STAGES,
+                )
+            # The first tile's rows are visible to every thread.
+            cute.arch.barrier()
+            acc_dK.fill(0.0)
+            acc_dV.fill(0.0)
+
+            # A tile's stage, row buffer and dS tile are reused two (stage, rows) or one (dS)
+            # tiles later; the two barriers of every tile order each reuse after the last read.
+            for tile in cutlass.range(num_tiles, unroll=1):
+                first = start + tile * TOKENS_PER_TILE
+                if warp == 0:
+                    if tile + 1 < num_tiles:
+                        self.load_tile(
+                            tma_atom_Q, tQgQ, tQsQ, tma_atom_dO, tdOgdO, tdOsdO, barriers, mEntryQuery,
+                            first + TOKENS_PER_TILE, end, topk, kv_head, tile_loads + 1,
+                        )
+                stage = tile_loads % TILE_STAGES
+                cute.arch.mbarrier_wait(barriers + 1 + stage, (tile_loads // TILE_STAGES) % 2)
+                if tile == 0:
+                    cute.arch.mbarrier_wait(barriers, kv_loads % 2)
+                    if key_count < BLOCK_SIZE:
+                        zero_keys_past(sK, key_count, tidx)
+
+                # S^T = K Q^T, dP^T = V dO^T
+                warpgroup.fence()
+                mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
+                for k in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
+                    cute.gemm(mma_sdp, acc_S, tSrK[None, None, k, 0], tSrQ[None, None, k, stage], acc_S)
+                    mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
+                mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
+                for k in cutlass.range_constexpr(cute.size(tSrV, mode=[2])):
+                    cute.gemm(mma_sdp, acc_dP, tSrV[None, None, k, 0], tSrdO[None, None, k, stage], acc_dP)
+                    mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                # The next tile's rows, in the shadow of the GEMMs; the barriers below make
+                # them visible.
+                if tidx >= THREADS - TILE_ROWS:
+                    if tile + 1 < num_tiles:
+                        self.stage_row(
+                            sLse, sDelta, sLast, mLse, mDelta, mEntryQuery, mPosition, first + TOKENS_PER_TILE,
+                            end, topk, kv_head, first_key, tidx - (THREADS - TILE_ROWS),
+                            (tile_loads + 1) % TILE_STAGES,
+                        )
+                warpgroup.wait_group(0)
+
+                # P^T and dS^T, column by column (a column is one query row of the tile).
+                for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                    col = cS_rc[0, c][1]
+                    row_lse = sLse[col, stage]
+                    row_delta = sDelta[col, stage]
+                    last = sLast[col, stage]
+                    for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+                        prob = cute.math.exp2(s_rc[r, c] * scale_log2 - row_lse, fastmath=True)
+                        d_score = prob * (dp_rc[r, c] - row_delta)
+                        if cS_rc[r, c][0] > last:
+                            prob = Float32(0.0)
+                            d_score = Float32(0.0)
+                        s_rc[r, c] = prob
+                        dp_rc[r, c] = d_score
+                rP.store(acc_S.load().to(self.dtype))
+                rdS.store(acc_dP.load().to(self.dtype))
+
+                # dV += P^T dO, dK += dS^T Q
+                warpgroup.fence()
+                for k in cutlass.range_constexpr(cute.size(tVrP, mode=[2])):
+                    cute.gemm(mma_dkv, acc_dV, tVrP[None, None, k], tVrdO[None, None, k, stage], acc_dV)
+                for k in cutlass.range_constexpr(cute.size(tKrdS, mode=[2])):
+                    cute.gemm(mma_dkv, acc_dK, tKrdS[None, None, k], tKrQ[None, None, k, stage], acc_dK)
+                warpgroup.commit_group()
+
+                if cutlass.const_expr(self.deterministic):
+                    # No dQ: one barrier, after every thread's GEMMs of the tile have completed.
+                    warpgroup.wait_group(0)
+                    cute.arch.barrier()
+                else:
+                    # dS to shared memory, for dQ = dS K.
+                    tdSsdS.store(rdS.load())
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    if warp == 0:
+                        # The previous tile's dQ has left the dQ tile.
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.barrier()
+                    warpgroup.fence()
+                    mma_dq.set(warpgroup.Field.ACCUMULATE, False)
+                    for k in cutlass.range_constexpr(cute.size(tQrdS, mode=[2])):
+                        cute.gemm(mma_dq, acc_dQ, tQrdS[None, None, k, 0], tQrK[None, None, k, 0], acc_dQ)
+                        mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+
+                    tdQsdQ.store(acc_dQ.load() * softmax_scale)
+                    # The generic-proxy stores of every thread before the TMA engine reads the tile.
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier()
+                    if warp == 0:
+                        self.reduce_dq(sdQ, mdQ, mEntryQuery, first, end, topk, kv_head)
+                tile_loads += 1
+
+            if cutlass.const_expr(self.deterministic):
+                self.store_keys(mdK, dk_rc, cKV_rc, item, key_count, softmax_scale)
+                self.store_keys(mdV, dv_rc, cKV_rc, item, key_count, Float32(1.0))
+            else:
+                self.add_keys(mdK, acc_dK, dk_rc, cKV_rc, key_row, key_count, kv_head, softmax_scale)
+                self.add_keys(mdV, acc_dV, dv_rc, cKV_rc, key_row, key_count, kv_head, Float32(1.0))
+            kv_loads += 1
+        # Shared memory must outlive the TMA engine's reads of the last dQ tile.
+        if warp == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def load_tile(
+        self, tma_atom_Q: cute.CopyAtom, tQgQ: cute.Tensor, tQsQ: cute.Tensor, tma_atom_dO: cute.CopyAtom,
+        tdOgdO: cute.Tensor, tdOsdO: cute.Tensor, barriers, mEntryQuery: cute.Tensor, first: Int32, end: Int32,
+        topk: Int32, kv_head: Int32, load_index: Int32,
+    ):
+        """Q and dO of entries `first .. first + 3` into stage `load_index % 2`: one TMA box per
+        token and tensor (its 16 heads of `kv_head`); entries at or past `end` reload the first."""
+        stage = load_index % TILE_STAGES
+        barrier = barriers + 1 + stage
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.tile_bytes)
+        for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
+            entry = first + slot
+            if entry >= end:
+                entry = first
+            block = (mEntryQuery[entry] // topk) * self.num_kv_heads + kv_head
+            cute.copy(tma_atom_Q, tQgQ[None, block, 0], tQsQ[None, slot, 0, stage], tma_bar_ptr=barrier)
+            cute.copy(tma_atom_dO, tdOgdO[None, block, 0], tdOsdO[None, slot, 0, stage], tma_bar_ptr=barrier)
+
+    @cute.jit
+    def stage_row(
+        self, sLse: cute.Tensor, sDelta: cute.Tensor, sLast: cute.Tensor, mLse: cute.Tensor, mDelta: cute.Tensor,
+        mEntryQuery: cute.Tensor, mPosition: cute.Tensor, first: Int32, end: Int32, topk: Int32, kv_head: Int32,
+        first_key: Int32, row: Int32, buffer: Int32,
+    ):
+        """Row `row` of the tile of entries `first ..` (token `row // 16`, head `row % 16`) into
+        row buffer `buffer`: its lse in the log2 domain, delta, and the last key of the block
+        it sees (-1 for a padding row)."""
+        entry = first + row // HEADS_PER_KV
+        last = Int32(-1)
+        if entry < end:
+            token = mEntryQuery[entry] // topk
+            head = kv_head * HEADS_PER_KV + row % HEADS_PER_KV
+            last = mPosition[token] - first_key
+            row_lse = mLse[token, head] * Float32(LOG2_E)
+            # Like the reference, a query with an empty key set (lse = -inf) shifts by 0, not inf.
+            if row_lse == Float32.inf or row_lse == -Float32.inf:
+                row_lse = Float32(0.0)
+            sLse[row, buffer] = row_lse
+            sDelta[row, buffer] = mDelta[token, head]
+        sLast[row, buffer] = last
+
+    @cute.jit
+    def reduce_dq(
+        self, sdQ: cute.Tensor, mdQ: cute.Tensor, mEntryQuery: cute.Tensor, first: Int32, end: Int32, topk: Int32,
+        kv_head: Int32,
+    ):
+        """Add the dQ tile's token blocks (those before `end`) into the fp32 accumulator, one bulk
+        reduce-add of 16 heads x 128 dims each, then close the bulk group."""
+        token_bytes = HEADS_PER_KV * HEAD_DIM * 4
+        with cute.arch.elect_one():
+            for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
+                entry = first + slot
+                if entry < end:
+                    token = Int64(mEntryQuery[entry] // topk)
+                    row = token * self.num_heads + kv_head * HEADS_PER_KV
+                    source = (sdQ.iterator + slot * HEADS_PER_KV * HEAD_DIM).toint()
+                    bulk_reduce_add_f32((mdQ.iterator + row * HEAD_DIM).toint(), source, Int32(token_bytes))
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def add_keys(
+        self, accumulator: cute.Tensor, acc: cute.Tensor, acc_rc: cute.Tensor, coords_rc: cute.Tensor,
+        key_row: Int32, key_count: Int32, kv_head: Int32, scale: Float32,
+    ):
+        """accumulator[key_row + key, kv_head, :] += scale * acc for the block's keys inside its
+        document (`key < key_count`), two adjacent dims per 8-byte atomic."""
+        for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
+            key = coords_rc[r, 0][0]
+            if key < key_count:
+                row = (Int64(key_row) + key) * self.num_kv_heads + kv_head
+                base = (accumulator.iterator + row * HEAD_DIM).toint()
+                for c in cutlass.range_constexpr(0, cute.size(acc_rc, mode=[1]), 2):
+                    dim = coords_rc[r, c][1]
+                    red_add_f32x2(base + dim * 4, acc_rc[r, c] * scale, acc_rc[r, c + 1] * scale)
+
+    @cute.jit
+    def store_keys(
+        self, workspace: cute.Tensor, acc_rc: cute.Tensor, coords_rc: cute.Tensor, item: Int32, key_count: Int32,
+        scale: Float32,
+    ):
+        """workspace[item * 128 + key, :] = scale * acc for the block's keys inside its document
+        (`key < key_count`; the reduction reads no key past the item's horizon, which is inside)."""
+        for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
+            key = coords_rc[r, 0][0]
+            if key < key_count:
+                row = Int64(item) * BLOCK_SIZE + key
+                # A pointer of its own: the workspace may pass 2**31 elements.
+                target = cute.make_tensor(workspace.iterator + row * HEAD_DIM, cute.make_layout(HEAD_DIM))
+                for c in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
+                    target[coords_rc[r, c][1]] = acc_rc[r, c] * scale

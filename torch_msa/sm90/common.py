@@ -1,0 +1,70 @@
+"""What the SM90 forward and backward share on the host side and as compile-time constants.
+
+The one configuration both kernels are built for (16 query heads per KV head, D = 128, key
+blocks of 128, bf16 or fp16), their 64-row tile of 4 tokens x 16 heads, the check that refuses
+other inputs, and the schedule operands both kernels take after their own: the plan's tables and
+the per-bucket key counts (`bucket_key_count`).
+
+Both host modules (`forward_host.py`, `backward_host.py`) and both kernel modules
+(`forward_kernel.py`, `backward_kernel.py`, and their device helpers in `tiles.py`) read their
+constants from here, so no module imports another kernel module for them. This module imports
+only torch.
+"""
+
+import math
+
+import torch
+
+from ..backends import UnsupportedInputs
+
+HEADS_PER_KV = 16
+HEAD_DIM = 128
+BLOCK_SIZE = 128
+TOKENS_PER_TILE = 4  # one warp per token: 4 x 16 heads = the 64 rows of one wgmma
+TILE_ROWS = TOKENS_PER_TILE * HEADS_PER_KV
+SERVED_DTYPES = (torch.bfloat16, torch.float16)
+LOG2_E = math.log2(math.e)
+
+
+def check_served(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int) -> None:
+    """Raise `UnsupportedInputs` for inputs outside the kernel's configuration; nothing launched."""
+    dtypes = {q.dtype, k.dtype, v.dtype}
+    if len(dtypes) != 1 or q.dtype not in SERVED_DTYPES:
+        raise UnsupportedInputs(
+            f"the SM90 kernels take q, k, v all bf16 or all fp16; got {', '.join(sorted(map(str, dtypes)))}"
+        )
+    num_heads, num_kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    if num_kv_heads == 0 or num_heads != HEADS_PER_KV * num_kv_heads or dim != HEAD_DIM or block_size != BLOCK_SIZE:
+        raise UnsupportedInputs(
+            f"the SM90 kernels serve {HEADS_PER_KV} query heads per KV head, D={HEAD_DIM}, block_size={BLOCK_SIZE}; "
+            f"got Hq={num_heads}, Hkv={num_kv_heads}, D={dim}, block_size={block_size}"
+        )
+
+
+def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """int32 `[max_buckets]`: keys of each bucket's block inside its document (1..128).
+
+    A block starts inside its document (`bucket_key_row` is a document's start plus a multiple of
+    128), so the document is the last one starting at or before that row. Unused buckets get a
+    harmless count.
+    """
+    cu = cu_seqlens_k.to(torch.int64)
+    document_after = torch.searchsorted(cu, bucket_key_row.to(torch.int64), right=True).clamp_(max=cu.numel() - 1)
+    doc_end = cu.index_select(0, document_after)
+    return (doc_end - bucket_key_row).clamp_(0, BLOCK_SIZE).to(torch.int32)
+
+
+# The schedule's tensors both SM90 kernels read, in launch order after their own operands.
+SCHEDULE_OPERANDS = tuple(
+    (name, (), torch.int32)
+    for name in ("entry_query", "item_bucket", "item_start", "item_end", "bucket_head", "bucket_key_row",
+                 "bucket_block", "bucket_key_count", "position", "num_items")
+)
+
+
+def schedule_tensors(schedule, key_count: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of `SCHEDULE_OPERANDS` by name: `schedule`'s (`torch_msa.schedule.Schedule`) and
+    the per-bucket key counts (`bucket_key_count`)."""
+    return {
+        name: key_count if name == "bucket_key_count" else getattr(schedule, name) for name, _, _ in SCHEDULE_OPERANDS
+    }

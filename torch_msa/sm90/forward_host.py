@@ -1,0 +1,166 @@
+"""`msa::forward` on Hopper (sm_90a): the host side of the CuTe DSL forward kernel.
+
+Scope: G = 16 query heads per KV head, D = 128, key blocks of 128, bf16 or fp16 (MiniMax-M3:
+Hq = 64, Hkv = 4); any top-k. Everything else is the Triton backend's: `check_served` and
+`check_rows` raise `UnsupportedInputs` before any work.
+
+`forward` takes the step's plan (or builds one), sizes the partial outputs `[Tq * Hkv * topk *
+16, 128]` and their log2-sum-exp, launches the kernel on a persistent grid of `CTAS_PER_SM` CTAs
+per SM (capped by the item count), and merges the partials of every query into `out` and `lse`
+with the Triton combine. The kernel itself, its design and its bytes per token:
+`forward_kernel.py`; the constants and checks it shares with the backward: `common.py`.
+
+Importing this module imports neither cutlass nor triton: `compile_blocks_kernel` imports the
+kernel module (and so cutlass) on the first compile, after `require_cute_dsl()`; one executable
+serves a process, dtype and KV head count (sequence lengths are runtime arguments).
+"""
+
+import functools
+import math
+
+import torch
+
+from ..backends import UnsupportedInputs
+from ..contract import compute_dtype
+from ..cute_dsl import require_cute_dsl, sm_count
+from .common import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    HEADS_PER_KV,
+    LOG2_E,
+    SCHEDULE_OPERANDS,
+    bucket_key_count,
+    check_served,
+    schedule_tensors,
+)
+
+CTAS_PER_SM = 2  # shared memory: K, V, two Q tiles and the output tile are 113 KiB
+
+
+# The kernel's tensor arguments carry 32-bit dynamic extents (`cute_rows`). Q and the partial
+# outputs are read and written only by TMA, whose coordinates are 32-bit per dimension and whose
+# addresses are 64-bit, so the bound is on rows, not elements: the partials' `Tq * Hkv * topk * G`
+# rows (2**31 at two million queries for M3), whose lse the threads index directly.
+MAX_PARTIAL_ROWS = 2**31 - 1
+
+
+def check_rows(num_queries: int, num_kv_heads: int, topk: int) -> None:
+    """Raise `UnsupportedInputs` when the partial rows would not fit 32-bit indices."""
+    rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
+    if rows > MAX_PARTIAL_ROWS:
+        raise UnsupportedInputs(
+            f"the SM90 forward indexes its partial rows with 32-bit integers: {num_queries} queries x "
+            f"{num_kv_heads} KV heads x topk {topk} x {HEADS_PER_KV} heads need {rows} rows, more than "
+            f"{MAX_PARTIAL_ROWS}"
+        )
+
+
+def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+            plan=None, fragment_documents=None, fragment_starts=None):
+    """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
+
+    Walks `plan`'s items (any item size), or, without one, those of a new plan with the public
+    API's item size. Query fragments (`torch_msa/documents.py`) are read from the plan: a token's
+    position and a key block's document are all the kernel needs.
+
+    Raises:
+        UnsupportedInputs: outside the served configuration (see `check_served`) or beyond
+            32-bit row indices (`check_rows`).
+    """
+    del max_seqlen_q, max_seqlen_k
+    check_served(q, k, v, block_size)
+    check_rows(q.shape[0], k.shape[1], block_indices.shape[-1])
+    require_cute_dsl()
+    from ..cute_dsl.cute_io import aligned_operand
+    from ..triton.forward_kernel import combine, schedule_for
+
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    topk = block_indices.shape[-1]
+    out = torch.empty((num_queries, num_heads, dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
+    if num_queries == 0 or topk == 0 or num_keys == 0:
+        return out.zero_(), lse.fill_(-math.inf)
+    # TMA reads whole 16-byte aligned rows.
+    q, k, v = (aligned_operand(x) for x in (q, k, v))
+    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, BLOCK_SIZE, num_heads, plan,
+                            fragment_documents, fragment_starts)
+    key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
+    rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
+    partial_out = torch.empty((rows, dim), dtype=q.dtype, device=q.device)
+    partial_lse = torch.full((rows,), -math.inf, dtype=torch.float32, device=q.device)
+    launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale)
+    combine(partial_out, partial_lse, out, lse, num_kv_heads, topk)
+    return out, lse
+
+
+# The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).
+# Dim 0 is dynamic; `compile_blocks_kernel` describes each with `fake_rows`, `launch_blocks`
+# converts each with `cute_rows`, so the two cannot disagree.
+def operands(num_kv_heads: int):
+    return (
+        ("q", (HEADS_PER_KV * num_kv_heads, HEAD_DIM), None),
+        ("k", (num_kv_heads, HEAD_DIM), None),
+        ("v", (num_kv_heads, HEAD_DIM), None),
+        ("partial_out", (HEAD_DIM,), None),
+        ("partial_lse", (), torch.float32),
+        *SCHEDULE_OPERANDS,
+    )
+
+
+def launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale) -> None:
+    """Launch the blocks kernel: fills the partials of every scheduled (query, slot)."""
+    import cutlass
+
+    from ..cute_dsl.cute_io import cute_rows, cute_stream
+
+    tensors = {
+        "q": q, "k": k, "v": v, "partial_out": partial_out, "partial_lse": partial_lse,
+        **schedule_tensors(schedule, key_count),
+    }
+    num_kv_heads = k.shape[1]
+    grid = max(1, min(schedule.item_start.numel(), CTAS_PER_SM * sm_count(q.device)))
+    kernel = _compiled(q.dtype, num_kv_heads)
+    kernel(
+        *(cute_rows(tensors[name]) for name, _, _ in operands(num_kv_heads)),
+        cutlass.Int32(topk),
+        cutlass.Float32(softmax_scale * LOG2_E),
+        cutlass.Int32(grid),
+        cute_stream(q.device),
+    )
+
+
+@functools.cache
+def _compiled(dtype: torch.dtype, num_kv_heads: int):
+    """One executable per process and (dtype, Hkv); token, key and item counts are dynamic."""
+    return compile_blocks_kernel(dtype, num_kv_heads)
+
+
+def compile_blocks_kernel(
+    dtype: torch.dtype = torch.bfloat16,
+    num_kv_heads: int = 4,
+    arch: str | None = None,
+    dump_dir: str | None = None,
+    listings: bool = False,
+):
+    """`cute.compile` the blocks kernel (`arch=None`: this host's GPU) on fake tensors with dynamic
+    leading extents. `dump_dir` keeps the cubin there, and with `listings` the PTX and SASS too."""
+    require_cute_dsl()
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from ..cute_dsl.cute_io import compile_options, fake_rows
+    from .forward_kernel import Sm90ForwardKernel
+
+    fakes = [fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads)]
+    options = compile_options(arch, dump_dir, listings)
+    return cute.compile(
+        Sm90ForwardKernel(num_kv_heads),
+        *fakes,
+        cutlass.Int32(1),
+        cutlass.Float32(1.0),
+        cutlass.Int32(1),
+        make_fake_stream(),
+        options=options,
+    )

@@ -1,0 +1,407 @@
+"""The SM90 (Hopper, sm_90a) forward kernel in CuTe DSL: KV-outer sparse attention with wgmma and TMA.
+
+Scope: G = 16 query heads per KV head, D = 128, key blocks of 128, bf16 or fp16 (MiniMax-M3:
+Hq = 64, Hkv = 4); any top-k. Everything else is the Triton backend's. The host side (input
+checks, buffers, the plan, launch, compile cache, the combine) is `forward_host.py`; what this
+kernel shares with the backward kernel is in `common.py` (constants) and `tiles.py` (device
+helpers).
+
+Design
+------
+* **Work.** The step's plan (`torch_msa/plan.py`, the one every op of the step reads) lists
+  *items*: one KV head's key block (a *bucket*) and a run of the (query, slot) entries that chose
+  it (128 in the plans the public API builds; the kernel walks items of any size). The grid is
+  persistent: CTA `c` walks items `c, c + grid, ...` up to the real item count, which it reads on
+  the device (no host sync, CUDA-graph safe).
+* **CTA.** One warpgroup (128 threads), two CTAs per SM (113 KiB of shared memory each). Per item
+  warp 0 loads the block's K and V (128 keys x 128 dims each) once with two TMA boxes; then the
+  item's entries are taken four at a time: a *tile* of 4 tokens x 16 heads = 64 rows, one wgmma
+  M. A token's 16 heads of one KV head are 16 consecutive rows of the `[Tq * Hq, 128]` view of q,
+  so each token is one 16 x 128 TMA box written straight into its 16 rows of the 128-byte
+  swizzled operand tile; the tile of the next four tokens is loaded (double buffer) while this
+  one is computed. Padding rows (an item's last tile) reload the tile's first token.
+* **Math.** `S = Q K^T` (wgmma, A and B from shared memory, fp32 accumulators in registers);
+  keys past the query's position are masked with `where` to `-inf` (a key of another document,
+  or past the packed keys, is always past the position, since positions are document-local and
+  the block starts inside the query's document); softmax over the one block in registers (no
+  online rescale: one block per slot); `O = P V` (wgmma with P from registers, V read through a
+  transposed view of its shared-memory tile). Warp `w` owns token `w` of the tile, so a row's
+  position, token and slot are per-warp scalars.
+* **Document isolation under NaN.** `P = 0` does not stop a NaN of V (`0 * NaN = NaN`), so when
+  the block runs past its document's end (`bucket_key_count < 128`) the rows of V beyond it are
+  zeroed in shared memory before `P V`. Masked scores never reach a max or a sum.
+* **Output.** Per (query, slot): the block-normalised partial output (input dtype) and its
+  log2-sum-exp (fp32). The output tile goes through shared memory and leaves as one 16 x 128 TMA
+  store per token (full 32-byte sectors; the TMA's 64-bit addressing, so no 2**31-element
+  bound), the next tile's math overlapping the store. Laid out `[Tq, Hkv, topk, G]`, they are
+  merged by the Triton combine kernel (`torch_msa.triton.forward_kernel.combine`) into `out` and
+  the natural-log `lse`.
+
+Bytes per token (M3, bf16, top-16, long documents, nothing kept in L2): a token has 64 entries
+(4 KV heads x 16 slots). Q is read once per entry, 64 x 16 heads x 128 x 2 B = 256 KiB; the
+partial outputs are written and read back, 2 x 256 KiB, and their lse 2 x 4 KiB; `out` is
+written, 16 KiB; K and V of a block (64 KiB) are read once per item of up to 128 entries, 32 KiB
+per token. Total about 824 KiB = 0.84 MB per token, 60 % of it the partials. What that bounds
+on a given GPU, what was measured and what is left to gain: docs/performance.md.
+
+This module imports cutlass at the top; the host module imports it only when it first compiles
+the kernel, after `require_cute_dsl()`.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS, TOKENS_PER_TILE
+from .tiles import (
+    accumulator_as_operand_a,
+    accumulator_rows_cols,
+    load_key_block,
+    token_box_layout,
+    token_slots,
+    zero_keys_past,
+)
+
+THREADS = 128  # one warpgroup
+
+
+class Sm90ForwardKernel:
+    """The SM90 forward blocks kernel; `__call__` is the `cute.jit` host function."""
+
+    acc_dtype = Float32
+    q_stages = 2
+
+    def __init__(self, num_kv_heads: int):
+        self.num_kv_heads = num_kv_heads
+        self.num_heads = HEADS_PER_KV * num_kv_heads
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [Tq, Hq, 128]
+        mK: cute.Tensor,  # [Tk, Hkv, 128]
+        mV: cute.Tensor,  # [Tk, Hkv, 128]
+        mPartialOut: cute.Tensor,  # [Tq * Hkv * topk * 16, 128]
+        mPartialLse: cute.Tensor,  # fp32 [Tq * Hkv * topk * 16]
+        mEntryQuery: cute.Tensor,
+        mItemBucket: cute.Tensor,
+        mItemStart: cute.Tensor,
+        mItemEnd: cute.Tensor,
+        mBucketHead: cute.Tensor,
+        mBucketKeyRow: cute.Tensor,
+        mBucketBlock: cute.Tensor,
+        mBucketKeyCount: cute.Tensor,
+        mPosition: cute.Tensor,
+        mNumItems: cute.Tensor,
+        topk: Int32,
+        scale_log2: Float32,
+        grid_size: Int32,
+        stream,
+    ):
+        dtype = mQ.element_type
+        self.dtype = dtype
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        # S = Q K^T: M = 64 rows, N = 128 keys, K = 128 dims. O = P V: N = 128 dims, K = 128 keys.
+        mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1), (TILE_ROWS, BLOCK_SIZE)
+        )
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 1, 1), (TILE_ROWS, HEAD_DIM),
+            warpgroup.OperandSource.RMEM,
+        )
+        row_major = utils.LayoutEnum.ROW_MAJOR
+        qk_tiler = (TILE_ROWS, BLOCK_SIZE, HEAD_DIM)
+        sQ_layout = sm90_utils.make_smem_layout_a(row_major, qk_tiler, dtype, self.q_stages)
+        # K and V are both (key, dim) tiles with dims contiguous; P V reads V transposed.
+        sK_layout = sm90_utils.make_smem_layout_b(row_major, qk_tiler, dtype, 1)
+
+        # TMA views: q as [Tq * Hq, 128] rows (a token's 16 heads of one KV head are 16
+        # consecutive rows); K/V as (key, dim, kv head).
+        q_rows = cute.make_tensor(
+            mQ.iterator, cute.make_layout((mQ.shape[0] * self.num_heads, HEAD_DIM), stride=(HEAD_DIM, 1))
+        )
+        kv_layout = cute.make_layout(
+            (mK.shape[0], HEAD_DIM, self.num_kv_heads), stride=(self.num_kv_heads * HEAD_DIM, 1, HEAD_DIM)
+        )
+        k_view = cute.make_tensor(mK.iterator, kv_layout)
+        v_view = cute.make_tensor(mV.iterator, kv_layout)
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        sK_one = cute.select(sK_layout, mode=[0, 1])
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, k_view, sK_one, (BLOCK_SIZE, HEAD_DIM))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, v_view, sK_one, (BLOCK_SIZE, HEAD_DIM))
+        token_rows = token_box_layout(sQ_layout)
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, q_rows, token_rows, (HEADS_PER_KV, HEAD_DIM))
+        # The partial outputs leave through a one-stage tile laid out like a Q stage, one
+        # token's 16 rows per TMA store into its (query, KV head, slot) rows.
+        sO_layout = sm90_utils.make_smem_layout_a(row_major, qk_tiler, dtype, 1)
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mPartialOut, token_rows, (HEADS_PER_KV, HEAD_DIM)
+        )
+
+        self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
+        self.q_bytes = cute.size_in_bytes(dtype, cute.select(sQ_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            # 1024-byte alignment keeps the 128-byte swizzle pattern of every tile intact.
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sO_layout)], 1024]
+            # [0]: K/V loaded; [1 + s]: Q tile of stage s loaded. Last, so that no alignment
+            # padding precedes the tiles: two CTAs' 113 KiB must fit an SM's 228 KiB.
+            barriers: cute.struct.MemRange[Int64, 1 + self.q_stages]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            mma_qk, mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
+            mPartialOut, mPartialLse, mEntryQuery, mItemBucket, mItemStart, mItemEnd,
+            mBucketHead, mBucketKeyRow, mBucketBlock, mBucketKeyCount, mPosition, mNumItems,
+            topk, scale_log2, sQ_layout, sK_layout, sO_layout,
+        ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        tma_atom_Q: cute.CopyAtom,
+        tma_Q: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        tma_K: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        tma_V: cute.Tensor,
+        tma_atom_O: cute.CopyAtom,
+        tma_O: cute.Tensor,
+        mPartialOut: cute.Tensor,
+        mPartialLse: cute.Tensor,
+        mEntryQuery: cute.Tensor,
+        mItemBucket: cute.Tensor,
+        mItemStart: cute.Tensor,
+        mItemEnd: cute.Tensor,
+        mBucketHead: cute.Tensor,
+        mBucketKeyRow: cute.Tensor,
+        mBucketBlock: cute.Tensor,
+        mBucketKeyCount: cute.Tensor,
+        mPosition: cute.Tensor,
+        mNumItems: cute.Tensor,
+        topk: Int32,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        cta = cute.arch.block_idx()[0]
+        grid = cute.arch.grid_dim()[0]
+
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        barriers = storage.barriers.data_ptr()
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        # V as the (dim, key) B operand of P V: the same bytes, modes swapped (MN-major).
+        sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        if tidx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+            for index in cutlass.range_constexpr(1 + self.q_stages):
+                cute.arch.mbarrier_init(barriers + index, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        # Q: 16-row token blocks of the [Tq * Hq, 128] view into the 4 token slots of a tile.
+        q_slots = token_slots(sQ, self.q_stages)  # (16, 128, 4, 1, stage)
+        q_blocks = cute.flat_divide(tma_Q, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, Tq * Hq / 16, 1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(q_slots, 0, 2), cute.group_modes(q_blocks, 0, 2)
+        )
+        # The partial outputs: the 4 token slots of the output tile into 16-row blocks of
+        # the partial rows (block (token * Hkv + kv head) * topk + slot).
+        o_slots = token_slots(sO, 1)  # (16, 128, 4, 1, 1)
+        o_blocks = cute.flat_divide(tma_O, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, partial rows / 16, 1)
+        tOsO_tma, tOgO_tma = cpasync.tma_partition(
+            tma_atom_O, 0, cute.make_layout(1), cute.group_modes(o_slots, 0, 2), cute.group_modes(o_blocks, 0, 2)
+        )
+
+        thr_qk = mma_qk.get_slice(tidx)
+        thr_pv = mma_pv.get_slice(tidx)
+        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        tOsO = thr_pv.partition_C(sO[None, None, 0])
+        cS = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, BLOCK_SIZE)))
+        cO = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HEAD_DIM)))
+        acc_S = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
+        acc_O = cute.make_rmem_tensor(cO.shape, self.acc_dtype)
+        s_rc = cute.make_tensor(acc_S.iterator, accumulator_rows_cols(acc_S.layout))
+        o_rc = cute.make_tensor(acc_O.iterator, accumulator_rows_cols(acc_O.layout))
+        cS_rc = cute.make_tensor(cS.iterator, accumulator_rows_cols(cS.layout))
+        cO_rc = cute.make_tensor(cO.iterator, accumulator_rows_cols(cO.layout))
+        rP = cute.make_rmem_tensor(cS.shape, self.dtype)
+        tOrP = cute.make_tensor(rP.iterator, accumulator_as_operand_a(rP.layout))
+        rows_per_thread = cute.size(s_rc, mode=[0])
+
+        num_items = mNumItems[0]
+        q_loads = Int32(0)  # Q tiles this CTA has consumed: stage and phase of the next one
+        kv_loads = Int32(0)
+        for item in cutlass.range(cta, num_items, grid, unroll=1):
+            start = mItemStart[item]
+            end = mItemEnd[item]
+            bucket = mItemBucket[item]
+            kv_head = mBucketHead[bucket]
+            key_row = mBucketKeyRow[bucket]
+            first_key = mBucketBlock[bucket] * BLOCK_SIZE  # document position of key 0
+            key_count = mBucketKeyCount[bucket]
+            num_tiles = (end - start + TOKENS_PER_TILE - 1) // TOKENS_PER_TILE
+
+            # Every thread is done with the previous item's K, V and Q tiles, and the TMA with
+            # the previous output tile.
+            if warp == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier()
+            # Warp 0 issues the loads: a TMA copy elects one lane of a converged warp
+            # (elect.sync), so it must not run under a one-thread branch.
+            if warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(barriers, self.kv_bytes)
+                load_key_block(tma_atom_K, tma_K, sK, kv_head, key_row, barriers)
+                load_key_block(tma_atom_V, tma_V, sV, kv_head, key_row, barriers)
+                self.load_q(tma_atom_Q, tQgQ, tQsQ, barriers, mEntryQuery, start, end, topk, kv_head, q_loads)
+
+            for tile in cutlass.range(num_tiles, unroll=1):
+                first = start + tile * TOKENS_PER_TILE
+                if tile > 0:
+                    # Every thread's wgmma of the previous tile has completed (wait_group 0),
+                    # so its Q stage may be overwritten, and the TMA has read the output tile.
+                    if warp == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.barrier()
+                if warp == 0:
+                    if tile + 1 < num_tiles:
+                        self.load_q(
+                            tma_atom_Q, tQgQ, tQsQ, barriers, mEntryQuery, first + TOKENS_PER_TILE, end, topk,
+                            kv_head, q_loads + 1,
+                        )
+                stage = q_loads % self.q_stages
+                cute.arch.mbarrier_wait(barriers + 1 + stage, (q_loads // self.q_stages) % 2)
+                if tile == 0:
+                    cute.arch.mbarrier_wait(barriers, kv_loads % 2)
+                    if key_count < BLOCK_SIZE:
+                        zero_keys_past(sV, key_count, tidx)
+
+                # This warp's token (warp w owns rows 16 w .. 16 w + 15 of the tile).
+                entry = first + warp
+                row_valid = entry < end
+                if not row_valid:
+                    entry = first
+                query = mEntryQuery[entry]
+                token = query // topk
+                slot = query - token * topk
+                last_key = mPosition[token] - first_key  # keys c <= last_key are visible
+
+                # S = Q K^T
+                warpgroup.fence()
+                mma_qk.set(warpgroup.Field.ACCUMULATE, False)
+                for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    cute.gemm(mma_qk, acc_S, tSrQ[None, None, k, stage], tSrK[None, None, k, 0], acc_S)
+                    mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # Softmax over the block, per row, in the log2 domain.
+                row_max = cute.make_rmem_tensor(rows_per_thread, Float32)
+                row_sum = cute.make_rmem_tensor(rows_per_thread, Float32)
+                for r in cutlass.range_constexpr(rows_per_thread):
+                    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                        if cS_rc[r, c][1] > last_key:
+                            s_rc[r, c] = -Float32.inf
+                    best = s_rc[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+                    best = cute.arch.fmax(best, cute.arch.shuffle_sync_bfly(best, offset=1))
+                    best = cute.arch.fmax(best, cute.arch.shuffle_sync_bfly(best, offset=2))
+                    if best == -Float32.inf:
+                        best = Float32(0.0)
+                    shift = best * scale_log2
+                    probs = cute.math.exp2(s_rc[r, None].load() * scale_log2 - shift, fastmath=True)
+                    total = probs.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+                    s_rc[r, None].store(probs)
+                    row_max[r] = shift
+                    row_sum[r] = total
+                rP.store(acc_S.load().to(self.dtype))
+
+                # O = P V
+                warpgroup.fence()
+                mma_pv.set(warpgroup.Field.ACCUMULATE, False)
+                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    cute.gemm(mma_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, 0], acc_O)
+                    mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # Normalise each row by its block sum: a row always sees its own key (sum >= 1),
+                # unless its document holds NaN: then NaN flows on into out, as in the reference.
+                for r in cutlass.range_constexpr(rows_per_thread):
+                    inverse = Float32(1.0) / row_sum[r]
+                    for c in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
+                        o_rc[r, c] = o_rc[r, c] * inverse
+                tOsO.store(acc_O.load().to(self.dtype))
+                # The generic-proxy stores of every thread before the TMA reads the tile.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier()
+                if warp == 0:
+                    self.store_partials(tma_atom_O, tOsO_tma, tOgO_tma, mEntryQuery, first, end, topk, kv_head)
+                if row_valid and lane % 4 == 0:
+                    # Partials are [Tq, Hkv, topk, 16] rows: one (query, KV head) is contiguous.
+                    base = ((token * self.num_kv_heads + kv_head) * topk + slot) * HEADS_PER_KV
+                    for r in cutlass.range_constexpr(rows_per_thread):
+                        head = cO_rc[r, 0][0] % HEADS_PER_KV
+                        mPartialLse[base + head] = row_max[r] + cute.math.log2(row_sum[r], fastmath=True)
+                q_loads += 1
+            kv_loads += 1
+        # Shared memory must outlive the TMA's reads of the last output tile.
+        if warp == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def load_q(
+        self, tma_atom: cute.CopyAtom, tQgQ: cute.Tensor, tQsQ: cute.Tensor, barriers, mEntryQuery: cute.Tensor,
+        first: Int32, end: Int32, topk: Int32, kv_head: Int32, load_index: Int32,
+    ):
+        """The Q tile of entries `first .. first + 3` into stage `load_index % 2`: one TMA per token
+        (its 16 heads of `kv_head`); entries at or past `end` reload the first token."""
+        stage = load_index % self.q_stages
+        barrier = barriers + 1 + stage
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.q_bytes)
+        for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
+            entry = first + slot
+            if entry >= end:
+                entry = first
+            token = mEntryQuery[entry] // topk
+            block = token * self.num_kv_heads + kv_head
+            cute.copy(tma_atom, tQgQ[None, block, 0], tQsQ[None, slot, 0, stage], tma_bar_ptr=barrier)
+
+    @cute.jit
+    def store_partials(
+        self, tma_atom: cute.CopyAtom, tOsO: cute.Tensor, tOgO: cute.Tensor, mEntryQuery: cute.Tensor,
+        first: Int32, end: Int32, topk: Int32, kv_head: Int32,
+    ):
+        """The output tile of entries `first .. first + 3` (those before `end`) to their partial
+        rows: one TMA store per token, then one bulk group for the next tile to wait on."""
+        for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
+            entry = first + slot
+            if entry < end:
+                query = mEntryQuery[entry]
+                token = query // topk
+                block = (token * self.num_kv_heads + kv_head) * topk + query - token * topk
+                cute.copy(tma_atom, tOsO[None, slot, 0, 0], tOgO[None, block, 0])
+        cute.arch.cp_async_bulk_commit_group()
