@@ -22,6 +22,7 @@ import time
 import torch
 
 from torch_msa.backends import UnsupportedInputs
+from torch_msa.contract import M3
 from torch_msa.documents import locate_queries
 from torch_msa.flops import attention_backward, attention_forward
 from torch_msa.plan import entries_per_item, unpack
@@ -29,7 +30,7 @@ from torch_msa.testing import cu_seqlens, random_block_indices
 
 from .flops import selected_keys
 
-HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
+HQ, HKV, D, BLOCK, TOPK = M3.query_heads, M3.kv_heads, M3.head_dim, M3.block_size, M3.topk
 SCALE = D**-0.5
 
 

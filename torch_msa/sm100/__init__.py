@@ -29,6 +29,7 @@ import functools
 import torch
 
 from ..backends import BACKEND_ENV, Backend, UnsupportedInputs, register_backend
+from ..contract import M3
 from ..cute_dsl import INSTALL_COMMAND, device_unavailable_reason, importable, sm_capability
 from ..documents import locate_queries
 from ..schedule import valid_entries
@@ -40,7 +41,7 @@ PRIORITY = 20
 
 # The one configuration the official kernels and our backward are built for (MiniMax-M3): the
 # shapes of `common.py`, and the official forward's top-k and dtype.
-TOPK = 16
+TOPK = M3.topk
 DTYPE = torch.bfloat16
 
 _REQUIRED_MODULES = (bindings.OFFICIAL_PACKAGE, "cutlass", "cuda.bindings.driver", bindings.BACKWARD_MODULE)

@@ -9,17 +9,18 @@ imports nothing from the host side.
 
 import torch
 
+from ..contract import M3
 from ..cute_dsl import sm_capability
 
 SM100_CAPABILITY = (10, 0)
 
-NUM_Q_HEADS = 64
-NUM_KV_HEADS = 4
-HEAD_DIM = 128
-HEADS_PER_KV = NUM_Q_HEADS // NUM_KV_HEADS  # 16 query heads share a kv head (GQA group)
+NUM_Q_HEADS = M3.query_heads
+NUM_KV_HEADS = M3.kv_heads
+HEAD_DIM = M3.head_dim
+HEADS_PER_KV = M3.group  # 16 query heads share a kv head (GQA group)
 TOKENS_PER_TASK = 8
 TILE = 128  # keys per bucket tile = query rows per task tile (TOKENS_PER_TASK * HEADS_PER_KV)
-BLOCK_SIZE = 128
+BLOCK_SIZE = M3.block_size
 
 
 def require_sm100(device: torch.device | str | int) -> None:

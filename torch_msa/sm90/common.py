@@ -16,10 +16,11 @@ import math
 import torch
 
 from ..backends import UnsupportedInputs
+from ..contract import M3
 
-HEADS_PER_KV = 16
-HEAD_DIM = 128
-BLOCK_SIZE = 128
+HEADS_PER_KV = M3.group
+HEAD_DIM = M3.head_dim
+BLOCK_SIZE = M3.block_size
 TOKENS_PER_TILE = 4  # one warp per token: 4 x 16 heads = the 64 rows of one wgmma
 TILE_ROWS = TOKENS_PER_TILE * HEADS_PER_KV
 SERVED_DTYPES = (torch.bfloat16, torch.float16)
