@@ -122,8 +122,8 @@ def main(argv=None) -> list[dict]:
         out, lse = torch.ops.msa.forward(*arguments)
         backward_arguments = (inputs.grad_out, inputs.q, inputs.k, inputs.v, out, lse, *arguments[3:])
 
-        def backward():
-            return torch.ops.msa.backward(*backward_arguments)
+        def backward(arguments=backward_arguments):
+            return torch.ops.msa.backward(*arguments)
 
         times, kernels = {}, {}
         for deterministic in (False, True):

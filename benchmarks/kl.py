@@ -46,6 +46,12 @@ def measure_kl(tokens: int, shape: Shape = M3, device=None, dtype=torch.bfloat16
                warmup: int = 2, iters: int = 5) -> dict[str, float]:
     """Median milliseconds of each row (see the module docstring) at `tokens` tokens."""
     device = torch.device(device) if device is not None else pick_device(None)
+    results = _time_rows(tokens, shape, device, dtype, dense, warmup, iters)
+    free_memory(device)  # the rows' inputs died with _time_rows
+    return results
+
+
+def _time_rows(tokens: int, shape: Shape, device, dtype, dense: bool, warmup: int, iters: int) -> dict[str, float]:
     q, k, v, index_q, index_k = _inputs(tokens, shape, device, dtype)
     blocks = dict(topk=shape.topk, block_size=shape.block_size)
     grad_out = torch.randn_like(q)
@@ -94,8 +100,6 @@ def measure_kl(tokens: int, shape: Shape = M3, device=None, dtype=torch.bfloat16
                 q, k, None, index_q, index_k, None, *_one_document(tokens, device), shape.block_size,
                 shape.head_dim**-0.5, shape.index_dim**-0.5)
         results["dense KL fwd+bwd, lse given"] = measure(lambda: dense_kl(dense_lse), device, warmup, iters).median_ms
-    del q, k, v, index_q, index_k, lse, block_indices
-    free_memory(device)
     return results
 
 

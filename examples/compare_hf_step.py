@@ -103,7 +103,8 @@ def main(argv=None) -> int:
             else:
                 print(f"{seqlen:>8} {name:>10} {'OOM':>10} {'':>9}", flush=True)
     if args.json:
-        meta = {"torch_msa": torch_msa.__version__, "git_commit": git_commit(), "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+        meta = {"torch_msa": torch_msa.__version__, "git_commit": git_commit(), "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(),
                 "layers": args.layers, "hidden": args.hidden}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)

@@ -4,8 +4,12 @@
 it imports neither triton nor cutlass (optional backends bind on first use).
 """
 
-from . import ops  # noqa: F401  (registers torch.ops.msa.*)
-from . import sm90, sm100, triton
+from . import (
+    ops,  # noqa: F401  (registers torch.ops.msa.*)
+    sm90,
+    sm100,
+    triton,
+)
 from .api import (
     build_plan,
     indexer_kl_loss,
@@ -15,8 +19,8 @@ from .api import (
     sparse_attention,
     validate_inputs,
 )
-from .padding import check_padding_mask, pad_input, padded_cu_seqlens, unpad_input
 from .backends import BACKEND_ENV, Backend, BackendError, UnavailableError, UnsupportedInputs, register_backend, resolve
+from .padding import check_padding_mask, pad_input, padded_cu_seqlens, unpad_input
 from .validation import DEBUG_ENV
 
 # Optional backends: registering imports neither triton nor cutlass; they bind on first use.

@@ -392,7 +392,8 @@ def validate_inputs(
     if block_indices is not None:
         validation.check_block_indices(block_indices, q, k)
     if (index_q is None) != (index_k is None):
-        raise ValueError(f"{'index_k' if index_k is None else 'index_q'}: expected a tensor when the other index input is given, got None")
+        missing = "index_k" if index_k is None else "index_q"
+        raise ValueError(f"{missing}: expected a tensor when the other index input is given, got None")
     if index_q is not None:
         validation.check_index_inputs(index_q, index_k, q, k)
         validation.check_select_blocks(index_q, index_k, *docs, topk, block_size, *fragments)

@@ -7,7 +7,8 @@ multiplies them by the pairs a problem really computes (`benchmarks.flops`).
 
 A registered formula sees shapes, not values, so it counts the *nominal* work: every query reads
 `topk * block_size` keys per head in the forward and the backward, and scores `max_seqlen_k` keys
-per index head in the selection (no more than the `Tk` keys present). That is an upper bound of the valid work the benchmark counts
+per index head in the selection (no more than the `Tk` keys present). That is an upper bound of the
+valid work the benchmark counts
 (early queries see fewer blocks, the local block is causal, `-1` slots read nothing).
 
 `torch.utils.flop_counter` imports triton, which `import torch_msa` must not: the formulas are

@@ -128,8 +128,8 @@ def _indexer_kl_kernel(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q,
             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts)
     validation.check_indexer_kl(*args)
     if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices, block_size,
-                                fragment_documents, fragment_starts)
+        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices,
+                                block_size, fragment_documents, fragment_starts)
     return backends.call("indexer_kl", q.device, *args)
 
 
@@ -165,7 +165,8 @@ def _plan_fake(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def _forward_fake(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
                   plan=None, fragment_documents=None, fragment_starts=None):
-    validation.check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+    validation.check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,
+                             softmax_scale,
                              fragment_documents, fragment_starts)
     _check_plan(plan, block_indices, k, cu_seqlens_k, block_size)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype))

@@ -238,7 +238,8 @@ def check_index_inputs(index_q, index_k, q, k) -> None:
             )
     if index_q.shape[1] != k.shape[1]:
         raise ValueError(
-            f"index_q: expected Hi = {_concrete(k.shape[1])} index heads (one per KV head of k), got {_concrete(index_q.shape[1])}"
+            f"index_q: expected Hi = {_concrete(k.shape[1])} index heads (one per KV head of k), "
+            f"got {_concrete(index_q.shape[1])}"
         )
     if index_k.dtype != index_q.dtype:
         raise TypeError(f"index_k: expected dtype {index_q.dtype} (the dtype of index_q), got {index_k.dtype}")
@@ -391,7 +392,8 @@ def _check_block_ids(block_indices, cu_seqlens_q, cu_seqlens_k, num_queries, num
     late = valid[..., 1:] & ~valid[..., :-1]
     if late.any():
         r, t, s = _first(late)
-        raise ValueError(f"{where.format(r, t, s + 1)}: expected valid ids as a prefix and -1 after them, got {ids[r, t].tolist()}")
+        raise ValueError(
+            f"{where.format(r, t, s + 1)}: expected valid ids as a prefix and -1 after them, got {ids[r, t].tolist()}")
     beyond = valid & (ids >= visible_blocks)
     if beyond.any():
         r, t, s = _first(beyond)

@@ -178,7 +178,8 @@ def test_forcing_sm100_elsewhere_is_an_error_for_its_ops_only(fake_cuda, monkeyp
         ("sm100", dict(cuda=False), "no CUDA device is available"),
         ("sm100", dict(capability=(12, 0)), "cuda:0 has compute capability 12.0; the SM100 kernels need 10.0"),
         ("sm100", dict(capability=(10, 0), extras=False),
-         'cannot find fmha_sm100, cutlass, .*install the extras with: pip install "torch_msa\\[msa,cute\\]"'),
+         'cannot find fmha_sm100, cutlass, .*install: pip install ".\\[cute\\]" in the torch_msa checkout .*'
+         'then the official MSA kernels .*pip install "fmha-sm100 @ git\\+https://github.com/MiniMax-AI/MSA.git@'),
         ("triton", dict(cuda=False), "no CUDA device is available"),
         ("triton", dict(capability=(7, 5)), "cuda:0 has compute capability 7.5 < 8.0"),
         ("triton", dict(triton=False), "triton is not installed \\(pip install triton"),
@@ -214,7 +215,7 @@ def test_sm100_is_opt_in_with_a_one_time_note(fake_cuda, monkeypatch):
 
 
 def test_the_sm100_note_says_what_to_install_and_appears_only_on_sm100(fake_cuda):
-    with pytest.warns(UserWarning, match='after installing its extras \\(pip install "torch_msa\\[msa,cute\\]"\\)'):
+    with pytest.warns(UserWarning, match='after installing what it needs \\(pip install ".\\[cute\\]" in the torch_msa checkout'):
         torch_msa.resolve("forward", fake_cuda(capability=(10, 0), extras=False))
     backends._warned.clear()
     with warnings.catch_warnings():
@@ -294,7 +295,8 @@ def test_sm90_serves_forward_and_backward_by_default_and_says_why_it_cannot_serv
     with pytest.raises(torch_msa.BackendError, match="cuda:0 has compute capability 10.0; the SM90 kernel needs 9.0"):
         torch_msa.resolve("forward", blackwell)
     without_extra = fake_cuda(capability=(9, 0), extras=False)
-    with pytest.raises(torch_msa.BackendError, match='install the extra with: pip install "torch_msa\\[cute\\]"'):
+    with pytest.raises(torch_msa.BackendError, match='install the CuTe DSL: pip install ".\\[cute\\]" in the torch_msa checkout '
+                       r'\(or: pip install nvidia-cutlass-dsl==4.6.2 cuda-bindings\)'):
         torch_msa.resolve("forward", without_extra)
 
 

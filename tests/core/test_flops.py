@@ -44,8 +44,8 @@ def test_the_three_ops_count_their_nominal_work():
 def test_nominal_work_bounds_the_valid_work_of_the_benchmark():
     """The registered counts are an upper bound of the benchmark's valid-pair accounting."""
     from benchmarks import flops as bench_flops
-    from torch_msa.documents import locate_queries
     from torch_msa.contract import Shape
+    from torch_msa.documents import locate_queries
 
     shape = Shape(query_heads=HQ, kv_heads=HKV, head_dim=D, index_dim=DI, block_size=BLOCK, topk=TOPK)
     cu_q, cu_k = cu_seqlens([300])

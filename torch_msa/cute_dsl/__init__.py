@@ -26,7 +26,8 @@ import torch
 
 from ..backends import UnavailableError
 
-INSTALL_COMMAND = 'pip install "torch_msa[msa,cute]"'
+INSTALL_COMMAND = 'pip install ".[cute]" in the torch_msa checkout (or: pip install nvidia-cutlass-dsl==4.6.2 cuda-bindings)'
+"""How to install the CuTe DSL: the `cute` extra of a checkout, or its two packages by name."""
 CUTE_DSL_MODULES = ("cutlass", "cuda.bindings.driver")
 
 
@@ -63,7 +64,7 @@ def device_unavailable_reason(device: torch.device, capability: tuple[int, int],
                               modules: tuple[str, ...], install_hint: str) -> str | None:
     """Why a CuTe backend cannot serve `device`, or None: not CUDA, no CUDA device, another compute
     capability than `capability` (`who_needs` it, e.g. 'the SM100 kernels need'; `gpus` have it),
-    or `modules` missing (then `install_hint`, e.g. 'install the extras with: pip install ...')."""
+    or `modules` missing (then `install_hint`, e.g. 'install the CuTe DSL: pip install ...')."""
     if device.type != "cuda":
         return f"it serves CUDA devices only, not {device.type}"
     if not torch.cuda.is_available():

@@ -280,13 +280,16 @@ def _documents(attention_mask, batch: int, q_len: int, k_len: int, device):
         steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
         return steps * q_len, steps * k_len, q_len, k_len
     if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask: expected None or a torch.Tensor [B, S] or [B, 1, Sq, Sk], got {type(attention_mask).__name__}")
+        raise TypeError("attention_mask: expected None or a torch.Tensor [B, S] or [B, 1, Sq, Sk], "
+                        f"got {type(attention_mask).__name__}")
     if attention_mask.dim() == 4:
         if attention_mask.shape[0] != batch or tuple(attention_mask.shape[-2:]) != (q_len, k_len):
-            raise ValueError(f"attention_mask: expected a 4-D mask [{batch}, 1, {q_len}, {k_len}], got {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask: expected a 4-D mask [{batch}, 1, {q_len}, {k_len}], got {tuple(attention_mask.shape)}")
         attention_mask = _real_keys_of_4d(attention_mask, q_len, k_len)
     elif attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, k_len):
-        raise ValueError(f"attention_mask: expected [{batch}, {k_len}] or [{batch}, 1, {q_len}, {k_len}], got {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask: expected [{batch}, {k_len}] or [{batch}, 1, {q_len}, {k_len}], got {tuple(attention_mask.shape)}")
     cu_seqlens_k, max_seqlen_k = padded_cu_seqlens(attention_mask)
     if q_len == k_len:
         return cu_seqlens_k, cu_seqlens_k, max_seqlen_k, max_seqlen_k
@@ -376,7 +379,8 @@ def attention_forward(
             "indexer scores every slot of the row against every earlier slot, across documents. Switch the model "
             "with torch_msa.integrations.transformers.use_torch_msa")
     else:
-        if not isinstance(block_indices, torch.Tensor) or block_indices.dim() != 4 or block_indices.shape[:3] != (batch, kv_heads, q_len):
+        if (not isinstance(block_indices, torch.Tensor) or block_indices.dim() != 4
+                or block_indices.shape[:3] != (batch, kv_heads, q_len)):
             got = tuple(block_indices.shape) if isinstance(block_indices, torch.Tensor) else type(block_indices).__name__
             raise ValueError(f"block_indices: expected [{batch}, {kv_heads}, {q_len}, topk] (HF's layout), got {got}")
         block_size = module.indexer.block_size
@@ -457,7 +461,8 @@ def use_torch_msa(model: torch.nn.Module) -> torch.nn.Module:
     register()
     indexers = [m for m in model.modules() if isinstance(m, MiniMaxM3VLIndexer)]
     if not indexers:
-        raise ValueError(f"model: expected a MiniMax-M3 model with sparse layers (MiniMaxM3VLIndexer modules), got {type(model).__name__} with none")
+        raise ValueError("model: expected a MiniMax-M3 model with sparse layers (MiniMaxM3VLIndexer modules), "
+                         f"got {type(model).__name__} with none")
     for indexer in indexers:
         _check_indexer_config(indexer)
     for indexer in indexers:

@@ -30,11 +30,11 @@ import torch
 
 from ..backends import BACKEND_ENV, Backend, UnsupportedInputs, register_backend
 from ..contract import M3
-from ..cute_dsl import INSTALL_COMMAND, device_unavailable_reason, importable, sm_capability
+from ..cute_dsl import device_unavailable_reason, importable, sm_capability
 from ..documents import locate_queries
 from ..schedule import valid_entries
 from . import bindings
-from .common import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, SM100_CAPABILITY
+from .common import BLOCK_SIZE, HEAD_DIM, INSTALL_COMMAND, NUM_KV_HEADS, NUM_Q_HEADS, SM100_CAPABILITY
 
 NAME = "sm100"
 PRIORITY = 20
@@ -48,7 +48,7 @@ _REQUIRED_MODULES = (bindings.OFFICIAL_PACKAGE, "cutlass", "cuda.bindings.driver
 
 
 def available(device: torch.device) -> bool:
-    """True on a CUDA device of compute capability 10.0 with the msa and cute extras installed.
+    """True on a CUDA device of compute capability 10.0 with the CuTe DSL and the official MSA package installed.
 
     Only looks the extras up (`importlib.util.find_spec`); nothing heavy is imported.
     """
@@ -60,7 +60,7 @@ def available(device: torch.device) -> bool:
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the backend cannot serve `device` (no CUDA device, its capability, missing extras), or None."""
     return device_unavailable_reason(device, SM100_CAPABILITY, "the SM100 kernels need", "B200/GB200", _REQUIRED_MODULES,
-                                     f"install the extras with: {INSTALL_COMMAND}")
+                                     f"install: {INSTALL_COMMAND}")
 
 
 def opt_in_note(device: torch.device) -> str | None:
@@ -70,7 +70,7 @@ def opt_in_note(device: torch.device) -> str | None:
     return (
         f"the sm100 backend (official MSA forward + CuTe DSL backward) has not yet run on SM100 hardware, so "
         f"it is opt-in (the Triton backend serves {device} meanwhile); enable it with {BACKEND_ENV}={NAME}"
-        + ("" if _extras_installed() else f" after installing its extras ({INSTALL_COMMAND})")
+        + ("" if _extras_installed() else f" after installing what it needs ({INSTALL_COMMAND})")
     )
 
 

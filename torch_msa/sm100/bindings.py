@@ -40,7 +40,8 @@ from types import ModuleType
 from typing import Any
 
 from ..backends import UnavailableError
-from ..cute_dsl import INSTALL_COMMAND, require_cute_dsl
+from ..cute_dsl import require_cute_dsl
+from .common import INSTALL_COMMAND
 
 CUTE_DSL_DISTRIBUTION = "nvidia-cutlass-dsl"
 CUTE_DSL_VERSION = "4.6.2"
@@ -86,7 +87,7 @@ def kernels() -> MSAKernels:
     Raises:
         UnavailableError: the official package, nvidia-cutlass-dsl==4.6.2 or cuda-bindings is
             missing (or another version of the DSL is installed); the message names
-            `pip install "torch_msa[msa,cute]"`.
+            the install steps (`common.INSTALL_COMMAND`).
         ImportError: a module a patch must own (`fmha_sm100.jit`, MSA's `src.common.utils`) is
             shadowed by a foreign one, or our backward module is missing from this install.
     """
@@ -135,8 +136,8 @@ def _import_official() -> tuple[ModuleType, ModuleType, ModuleType]:
         return tuple(importlib.import_module(name) for name in (OFFICIAL_PACKAGE, _SPARSE_MODULE, _JIT_MODULE))
     except ImportError as error:
         raise UnavailableError(
-            f"the SM100 MSA backend needs the official MiniMax MSA package ({OFFICIAL_PACKAGE}, the revision the "
-            f"msa extra pins) with its dependencies; importing it failed: {error}. Install it with: {INSTALL_COMMAND}"
+            f"the SM100 MSA backend needs the official MiniMax MSA package ({OFFICIAL_PACKAGE}, at the revision below) "
+            f"with its dependencies; importing it failed: {error}. Install it with: {INSTALL_COMMAND}"
         ) from error
 
 
@@ -144,7 +145,7 @@ def _entry_point(module: ModuleType, name: str) -> Callable[..., Any]:
     function = getattr(module, name, None)
     if not callable(function):
         raise UnavailableError(
-            f"the installed {module.__name__} has no {name}(): it is not the MSA revision the msa extra pins. "
+            f"the installed {module.__name__} has no {name}(): it is not the MSA revision torch_msa is written for. "
             f"Install the pinned one with: {INSTALL_COMMAND}"
         )
     return function

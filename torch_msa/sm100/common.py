@@ -10,9 +10,18 @@ imports nothing from the host side.
 import torch
 
 from ..contract import M3
+from ..cute_dsl import INSTALL_COMMAND as CUTE_INSTALL_COMMAND
 from ..cute_dsl import sm_capability
 
 SM100_CAPABILITY = (10, 0)
+
+OFFICIAL_MSA_REVISION = "80434d7f67877c6570ca19cac444b84bc9855dac"
+INSTALL_COMMAND = (
+    f'{CUTE_INSTALL_COMMAND}; then the official MSA kernels (not on the package index; Linux, a CUDA toolkit): '
+    f'pip install "fmha-sm100 @ git+https://github.com/MiniMax-AI/MSA.git@{OFFICIAL_MSA_REVISION}"'
+)
+"""How to install what the SM100 backend needs: the CuTe DSL and the official MSA package at the
+revision its bindings are written for."""
 
 NUM_Q_HEADS = M3.query_heads
 NUM_KV_HEADS = M3.kv_heads

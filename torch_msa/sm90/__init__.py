@@ -29,13 +29,12 @@ import importlib
 import torch
 
 from ..backends import Backend, register_backend
-from ..cute_dsl import device_unavailable_reason, importable, sm_capability
+from ..cute_dsl import INSTALL_COMMAND, device_unavailable_reason, importable, sm_capability
 
 NAME = "sm90"
 PRIORITY = 15  # above the portable Triton backend (10), below SM100 (20), which other devices get
 SM90_CAPABILITY = (9, 0)
 _REQUIRED_MODULES = ("cutlass", "cuda.bindings.driver", "triton")
-INSTALL_COMMAND = 'pip install "torch_msa[cute]"'
 
 
 def available(device: torch.device) -> bool:
@@ -58,7 +57,7 @@ def _extras_installed() -> bool:
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the backend cannot serve `device` (no CUDA device, its capability, missing extras), or None."""
     return device_unavailable_reason(device, SM90_CAPABILITY, "the SM90 kernel needs", "H100/H200/H800", _REQUIRED_MODULES,
-                                     f"install the extra with: {INSTALL_COMMAND}")
+                                     f"install the CuTe DSL: {INSTALL_COMMAND}")
 
 
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
