@@ -6,9 +6,9 @@
 * `sm_capability(device)`, `sm_count(device)`: memoized device facts the backends ask per call.
 * `cute_io`: how torch tensors reach the kernels (fake compile-time tensors, launch conversion,
   streams, compile options).
-* The architecture-neutral kernels of the backward pipeline: `preprocess` (delta), `tasks` (task
-  tables and the aligned K/V workspace), `postprocess` (gradient cast and un-align). They compile
-  for sm_90a and sm_100a alike.
+* The architecture-neutral kernels of the backward pipeline: `preprocess` (delta),
+  `task_tables` (the SM100 backward's task tables and the aligned K/V workspace), `postprocess`
+  (gradient cast and un-align). They compile for sm_90a and sm_100a alike.
 
 The package is named `cute_dsl`, not `cute`, so that it is never confused with `cutlass.cute`,
 which the kernel modules import as `cute`. Importing it imports neither cutlass nor triton; only

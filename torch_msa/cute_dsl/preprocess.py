@@ -12,13 +12,17 @@ import torch
 
 from . import require_cute_dsl
 from .cute_io import ACCESS_BYTES, aligned_operand, compile_options, cute_rows, cute_stream, cutlass_dtype, fake_rows
-from .tasks import THREADS_PER_CTA
+from .task_tables import THREADS_PER_CTA
 
 SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def compute_delta(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None = None) -> torch.Tensor:
-    """`delta[t, h] = sum_d grad_out[t, h, d] * out[t, h, d] - grad_lse[t, h]`, in fp32.
+def prepare_delta(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The SM100 backward's preprocess, by a CuTe DSL kernel:
+    `delta[t, h] = sum_d grad_out[t, h, d] * out[t, h, d] - grad_lse[t, h]`, in fp32.
+
+    The same quantity as `torch_msa.triton.stages.compute_delta` (the delta of the other
+    backwards), summed in another order; this one needs no triton.
 
     Args:
         out, grad_out: `[Tq, Hq, D]` on a CUDA device, one dtype of bf16, fp16, fp32.

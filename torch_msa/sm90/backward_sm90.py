@@ -32,10 +32,10 @@ Design
   (`0 * NaN = NaN`), and dK/dV rows past it are not written. Every query of an item lies in the
   block's document; a tile's padding rows reload its first token and are masked out.
 * **Around the kernel**: `delta = rowsum(dO * O) - grad_lse` and the final casts of the fp32
-  accumulators, both Triton/torch (`torch_msa.triton.backward_kernel.compute_delta`).
-* **Deterministic variant** (`backward_deterministic`, bitwise reproducible): the same kernel
+  accumulators, both Triton/torch (`torch_msa.triton.stages.compute_delta`).
+* **Deterministic variant** (`backward_deterministic.py`, bitwise reproducible): the same kernel
   compiled without dQ stores each item's dK/dV in the item's own workspace rows instead of adding
-  them; the rest is the Triton deterministic backward's (`backward_deterministic_kernel.py`): a
+  them; the other stages are the Triton deterministic backward's (`torch_msa.triton.stages`): a
   fixed-order reduction of the workspace per key block and a query-outer dQ, each element with
   one owner.
 
@@ -54,6 +54,7 @@ import torch
 
 from ..backends import UnsupportedInputs
 from ..cute_dsl import require_cute_dsl, sm_count
+from ..schedule import bucket_key_count, schedule_for
 from .forward_sm90 import (
     BLOCK_SIZE,
     HEAD_DIM,
@@ -62,7 +63,6 @@ from .forward_sm90 import (
     SCHEDULE_OPERANDS,
     TILE_ROWS,
     TOKENS_PER_TILE,
-    bucket_key_count,
     check_served,
     schedule_tensors,
 )
@@ -111,8 +111,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     num_keys, num_kv_heads, _ = k.shape
     require_cute_dsl()
     from ..cute_dsl.cute_io import aligned_operand
-    from ..triton.backward_kernel import compute_delta
-    from ..triton.forward_kernel import schedule_for
+    from ..triton.stages import compute_delta
 
     topk = block_indices.shape[-1]
     device = q.device
@@ -128,33 +127,9 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
         compute_delta(grad_out, out, grad_lse, delta, (device, q.dtype, dim, block_size, HEADS_PER_KV, topk))
         schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, BLOCK_SIZE, num_heads, plan,
                                 fragment_documents, fragment_starts)
-        key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
+        key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k, BLOCK_SIZE)
         launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk, softmax_scale)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-
-
-def backward_deterministic(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-                           max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
-                           fragment_documents=None, fragment_starts=None):
-    """`backward`, bitwise reproducible: the Triton deterministic backward with its dK/dV pass run
-    by this kernel's deterministic variant. Same contract and `UnsupportedInputs` as `backward`;
-    a given `plan` is not read (the workspace is laid out by the deterministic plan's items)."""
-    check_inputs(grad_out, q, k, v, block_size)
-    require_cute_dsl()
-    from ..cute_dsl.cute_io import aligned_operand
-    from ..triton import backward_deterministic_kernel
-
-    def key_blocks(q, k, v, grad_out, lse, delta, dk_part, dv_part, schedule, topk, softmax_scale):
-        q, k, v, grad_out = (aligned_operand(x) for x in (q, k, v, grad_out))
-        key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
-        unused_dq = torch.empty((1, *q.shape[1:]), dtype=torch.float32, device=q.device)
-        launch_blocks(q, k, v, grad_out, lse, delta, unused_dq, dk_part, dv_part, schedule, key_count, topk,
-                      softmax_scale, deterministic=True)
-
-    return backward_deterministic_kernel.backward(
-        grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        block_size, softmax_scale, grad_lse, plan, fragment_documents, fragment_starts, key_blocks=key_blocks,
-    )
 
 
 # The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).

@@ -5,7 +5,7 @@ Hq = 64, Hkv = 4); any top-k. Everything else is the Triton backend's.
 
 Design
 ------
-* **Work.** The step's plan (`torch_msa/plan.py`, the one every op of the step reads) lists
+* **Work.** The step's plan (`torch_msa/schedule.py`, the one every op of the step reads) lists
   *items*: one KV head's key block (a *bucket*) and a run of the (query, slot) entries that chose
   it (128 in the plans the public API builds; the kernel walks items of any size). The grid is
   persistent: CTA `c` walks items `c, c + grid, ...` up to the real item count, which it reads on
@@ -31,7 +31,7 @@ Design
   log2-sum-exp (fp32). The output tile goes through shared memory and leaves as one 16 x 128 TMA
   store per token (full 32-byte sectors; the TMA's 64-bit addressing, so no 2**31-element
   bound), the next tile's math overlapping the store. Laid out `[Tq, Hkv, topk, G]`, they are
-  merged by the Triton combine kernel (`torch_msa.triton.forward_kernel.combine`) into `out` and
+  merged by the Triton combine kernel (`torch_msa.triton.stages.combine`) into `out` and
   the natural-log `lse`.
 
 Bytes per token (M3, bf16, top-16, long documents, nothing kept in L2): a token has 64 entries
@@ -52,6 +52,7 @@ import torch
 from ..backends import UnsupportedInputs
 from ..contract import compute_dtype
 from ..cute_dsl import require_cute_dsl, sm_count
+from ..schedule import bucket_key_count, schedule_for
 
 HEADS_PER_KV = 16
 HEAD_DIM = 128
@@ -114,7 +115,7 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     check_rows(q.shape[0], k.shape[1], block_indices.shape[-1])
     require_cute_dsl()
     from ..cute_dsl.cute_io import aligned_operand
-    from ..triton.forward_kernel import combine, schedule_for
+    from ..triton.stages import combine
 
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
@@ -127,26 +128,13 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q, k, v = (aligned_operand(x) for x in (q, k, v))
     schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, BLOCK_SIZE, num_heads, plan,
                             fragment_documents, fragment_starts)
-    key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
+    key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k, BLOCK_SIZE)
     rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
     partial_out = torch.empty((rows, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((rows,), -math.inf, dtype=torch.float32, device=q.device)
     launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale)
     combine(partial_out, partial_lse, out, lse, num_kv_heads, topk)
     return out, lse
-
-
-def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
-    """int32 `[max_buckets]`: keys of each bucket's block inside its document (1..128).
-
-    A block starts inside its document (`bucket_key_row` is a document's start plus a multiple of
-    128), so the document is the last one starting at or before that row. Unused buckets get a
-    harmless count.
-    """
-    cu = cu_seqlens_k.to(torch.int64)
-    document_after = torch.searchsorted(cu, bucket_key_row.to(torch.int64), right=True).clamp_(max=cu.numel() - 1)
-    doc_end = cu.index_select(0, document_after)
-    return (doc_end - bucket_key_row).clamp_(0, BLOCK_SIZE).to(torch.int32)
 
 
 # The schedule's tensors both SM90 kernels read, in launch order after their own operands.
