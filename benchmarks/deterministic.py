@@ -61,7 +61,7 @@ def query_config_first(config):
     tuned = backward_deterministic_kernel.QUERY_CONFIGS
 
     def forget():
-        for memo in [memo for memo in launch._chosen if memo[0] == "backward_deterministic._query_kernel"]:
+        for memo in [memo for memo in launch._chosen if memo[0] == "msa_bwd_dq_kernel"]:
             del launch._chosen[memo]
 
     forget()
@@ -76,11 +76,11 @@ def query_config_first(config):
 def _sweep(backward_arguments, device, warmup, iters):
     """The Triton deterministic backward called directly, so that a refused configuration is
     reported rather than served by another backend."""
-    from torch_msa.triton import backward_deterministic_kernel
+    from torch_msa.triton import backward_deterministic
     from torch_msa.triton.launch import LaunchConfig
 
     def backward():
-        return backward_deterministic_kernel.backward(*backward_arguments)
+        return backward_deterministic.backward(*backward_arguments)
 
     for stages, warps, block_n in SWEEP_QUERY_CONFIGS:
         config = LaunchConfig(num_stages=stages, num_warps=warps, block_n=block_n)

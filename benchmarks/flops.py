@@ -36,7 +36,7 @@ def keys_per_token(position: torch.Tensor, block_size: int, topk: int) -> torch.
     return torch.where(position >= 0, keys, 0)
 
 
-def selected_keys(block_indices: torch.Tensor, position: torch.Tensor, block_size: int) -> torch.Tensor:
+def selected_key_counts(block_indices: torch.Tensor, position: torch.Tensor, block_size: int) -> torch.Tensor:
     """int64 `[Hkv, Tq]`: keys each (KV head, query) reads through `block_indices [Hkv, Tq, topk]`."""
     ids = block_indices.to(torch.int64)
     last_visible = position.view(1, -1, 1) - ids * block_size  # offset of p(t) inside the block
@@ -69,7 +69,7 @@ class Work:
 
 def work(shape: Shape, lengths, block_indices: torch.Tensor, position: torch.Tensor) -> Work:
     """FLOPs of a problem of documents `lengths` (self-attention, `Lq == Lk`) with this selection."""
-    pairs_per_head = selected_keys(block_indices, position, shape.block_size).sum().item()
+    pairs_per_head = selected_key_counts(block_indices, position, shape.block_size).sum().item()
     attended = pairs_per_head / block_indices.shape[0]
     dense_pairs = causal_pairs(lengths)
     dense_forward = float(flops.attention_forward(shape.query_heads, shape.head_dim, dense_pairs))

@@ -25,10 +25,10 @@ from torch_msa.backends import UnsupportedInputs
 from torch_msa.contract import M3
 from torch_msa.documents import locate_queries
 from torch_msa.flops import attention_backward, attention_forward
-from torch_msa.plan import entries_per_item, unpack
+from torch_msa.schedule import bucket_key_count, entries_per_item, unpack
 from torch_msa.testing import cu_seqlens, random_block_indices
 
-from .flops import selected_keys
+from .flops import selected_key_counts
 
 HQ, HKV, D, BLOCK, TOPK = M3.query_heads, M3.kv_heads, M3.head_dim, M3.block_size, M3.topk
 SCALE = D**-0.5
@@ -54,11 +54,12 @@ def main(argv=None) -> None:
     parser.add_argument("--iterations", type=int, default=10)
     args = parser.parse_args(argv)
 
+    from torch_msa.sm90 import backward_deterministic as sm90_deterministic
     from torch_msa.sm90 import backward_host, common, forward_host
-    from torch_msa.triton import backward_deterministic_kernel as triton_deterministic
+    from torch_msa.triton import backward_deterministic as triton_deterministic
     from torch_msa.triton import backward_kernel as triton_backward
     from torch_msa.triton import forward_kernel as triton_forward
-    from torch_msa.triton.plan_kernel import build_plan
+    from torch_msa.triton import plan_kernel, stages
 
     cu = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
     tiny = torch.zeros(256, HQ, D, dtype=torch.bfloat16, device="cuda")
@@ -84,7 +85,7 @@ def main(argv=None) -> None:
         k = torch.randn(num_tokens, HKV, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(num_tokens, HKV, D, device="cuda", dtype=torch.bfloat16)
         position = locate_queries(cu_q, cu_k, num_tokens, num_tokens).position
-        pairs = selected_keys(blocks, position, BLOCK).sum().item() / HKV
+        pairs = selected_key_counts(blocks, position, BLOCK).sum().item() / HKV
         flops = attention_forward(HQ, D, pairs)
         inputs = (q, k, v, blocks, cu_q, cu_k, max(lengths), max(lengths), BLOCK, SCALE)
 
@@ -98,10 +99,10 @@ def main(argv=None) -> None:
         lse_error = (lse - want_lse).abs().max().item()
 
         def plan():
-            return build_plan(blocks, cu_q, cu_k, num_tokens, BLOCK, entries_per_item(HQ, HKV))
+            return plan_kernel.plan(blocks, cu_q, cu_k, num_tokens, BLOCK, entries_per_item(HQ, HKV))
 
         schedule = unpack(plan(), blocks, num_tokens, len(lengths), BLOCK)
-        key_count = common.bucket_key_count(schedule.bucket_key_row, cu_k)
+        key_count = bucket_key_count(schedule.bucket_key_row, cu_k, BLOCK)
         rows = num_tokens * HKV * TOPK * common.HEADS_PER_KV
         partial_out = torch.empty(rows, D, dtype=q.dtype, device="cuda")
         partial_lse = torch.full((rows,), -math.inf, device="cuda")
@@ -116,7 +117,7 @@ def main(argv=None) -> None:
                 args.iterations,
             ),
             "combine": _milliseconds(
-                lambda: triton_forward.combine(partial_out, partial_lse, out, lse, HKV, TOPK), args.iterations
+                lambda: stages.combine(partial_out, partial_lse, out, lse, HKV, TOPK), args.iterations
             ),
         }
 
@@ -130,11 +131,12 @@ def main(argv=None) -> None:
             flush=True,
         )
         _time_backward(problem, inputs, out, lse, schedule, key_count, plan(), attention_backward(HQ, D, pairs),
-                       args.iterations, triton_backward, triton_deterministic, backward_host)
+                       args.iterations, triton_backward, triton_deterministic, backward_host, sm90_deterministic,
+                       stages)
 
 
 def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, iterations, triton_backward,
-                   triton_deterministic, backward_host) -> None:
+                   triton_deterministic, backward_host, sm90_deterministic, stages) -> None:
     q, k, v, blocks, cu_q, cu_k, max_q, max_k, _, _ = inputs
     grad_out = torch.randn_like(q)
     args = (grad_out, q, k, v, out, lse, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE, None, plan)
@@ -147,7 +149,7 @@ def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, 
     errors = "/".join(f"{((g.float() - w.float()).norm() / w.float().norm()).item():.1e}" for g, w in zip(got, want))
     num_tokens = q.shape[0]
     delta = torch.empty(num_tokens, HQ, device="cuda")
-    triton_backward.compute_delta(grad_out, out, None, delta, (q.device, q.dtype, D, BLOCK, HQ // HKV, TOPK))
+    stages.compute_delta(grad_out, out, None, delta, (q.device, q.dtype, D, BLOCK, HQ // HKV, TOPK))
     dq_acc = torch.zeros(num_tokens, HQ, D, device="cuda")
     dk_acc, dv_acc = (torch.zeros(num_tokens, HKV, D, device="cuda") for _ in range(2))
     times = {
@@ -159,7 +161,7 @@ def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, 
             ),
             iterations,
         ),
-        "sm90 deterministic": _milliseconds(lambda: backward_host.backward_deterministic(*args), iterations),
+        "sm90 deterministic": _milliseconds(lambda: sm90_deterministic.backward(*args), iterations),
         "triton deterministic": _milliseconds(lambda: triton_deterministic.backward(*args), iterations),
     }
 

@@ -245,7 +245,7 @@ def sample_tokens(documents: list[Document], count: int = SAMPLED_TOKENS) -> lis
     return tokens
 
 
-def selected_keys(block_ids: list[int], position: int, block_size: int) -> torch.Tensor:
+def selected_key_positions(block_ids: list[int], position: int, block_size: int) -> torch.Tensor:
     """Document-local key positions a query at `position` reads: the keys of its distinct valid
     blocks up to the causal horizon (ids are a set; -1 and blocks past the horizon add nothing)."""
     blocks = sorted({b for b in block_ids if b >= 0 and b * block_size <= position})
@@ -274,7 +274,8 @@ def check_attention(problem: Problem, results: OpResults, tokens: list[int], tol
     dq = torch.zeros_like(q)
     for i, token in enumerate(tokens):
         for r in range(shape.kv_heads):
-            keys = key_start[token] + selected_keys(block_indices[r, i].tolist(), position[token].item(), shape.block_size)
+            ids = block_indices[r, i].tolist()
+            keys = key_start[token] + selected_key_positions(ids, position[token].item(), shape.block_size)
             heads = slice(r * shape.group, (r + 1) * shape.group)
             key, value = k[keys, r], v[keys, r]
             scores = scale * q[i, heads] @ key.T

@@ -17,7 +17,7 @@ SCHEMAS: dict[str, str] = {
         "Tensor? fragment_documents=None, Tensor? fragment_starts=None) -> Tensor"
     ),
     # The key-to-query schedule of one layer's selection, built once per step and passed to
-    # forward and backward as their trailing optional `plan` (layout: torch_msa/plan.py).
+    # forward and backward as their trailing optional `plan` (layout: torch_msa/schedule.py).
     "plan": (
         "plan(Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
         "SymInt max_seqlen_k, SymInt num_keys, int block_size, int entries_per_item, "

@@ -28,7 +28,7 @@ import torch
 from . import ops as _ops  # noqa: F401  (registers torch.ops.msa.*)
 from . import validation
 from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK
-from .plan import entries_per_item
+from .schedule import entries_per_item
 
 
 def _document_args(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -138,7 +138,7 @@ def build_plan(
             plan's work items).
 
     Returns:
-        A 1-D int32 tensor (`msa::plan`; layout in `torch_msa/plan.py`), valid for calls with
+        A 1-D int32 tensor (`msa::plan`; layout in `torch_msa/schedule.py`), valid for calls with
         these `block_indices`, documents, `Tk` and `block_size`. Every call checks its length
         against the shapes; a plan of the same shapes built for another selection or other
         documents (a stale plan) is caught only by `TORCH_MSA_DEBUG=1` and

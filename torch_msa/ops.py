@@ -19,8 +19,8 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from . import backends, flops, validation
 from ._schemas import NAMESPACE, SCHEMAS
 from .contract import INDEX_DTYPE, compute_dtype
-from .plan import plan_numel
 from .reference_kl import loss_dtype
+from .schedule import plan_numel
 
 _DISPATCH_KEY = "CompositeExplicitAutograd"
 # The schemas are defined on a library of their own that outlives a reload of this module

@@ -15,8 +15,7 @@ import torch
 
 from .contract import compute_dtype
 from .documents import QueryDocuments, locate_queries
-from .plan import pack
-from .schedule import build_schedule
+from .schedule import build_schedule, pack
 
 # Working-set budget of one query chunk. On CPU a small set keeps temporaries below glibc's
 # mmap threshold (fresh page faults dominated larger chunks); elsewhere fewer, larger launches
@@ -157,7 +156,7 @@ def plan(
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The plan (`torch_msa/plan.py`) of `block_indices`: `build_schedule`'s tables, packed."""
+    """The plan (`torch_msa/schedule.py`) of `block_indices`: `build_schedule`'s tables, packed."""
     return pack(build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
                                fragment_documents, fragment_starts))
 

@@ -1,4 +1,4 @@
-"""The key-to-query schedule shared by the KV-outer kernels (Triton, SM100 CuTe).
+"""The KV-outer schedule: which key blocks are read by which queries, and the plan that carries it.
 
 MSA kernels run KV-outer: a program owns one KV head's key block and walks the queries that
 chose it, so K/V of the block are loaded once and dK/dV stay on chip. This module turns the
@@ -13,12 +13,44 @@ query-major `block_indices [Hkv, Tq, topk]` into that key-major view:
 
 Everything is built on the device with sorting and scans, with no host synchronisation: the
 tables are sized by host-known upper bounds (`max_buckets`, `max_items`) and unused rows are
-empty (`item_start == item_end`), so the builder is CUDA-graph safe and its sizes depend only on
-shapes. An entry is valid when its id is `>= 0`, its block starts at or before the query's
+empty (`item_start == item_end`), so the builders are CUDA-graph safe and their sizes depend only
+on shapes. An entry is valid when its id is `>= 0`, its block starts at or before the query's
 position (`id < nvb`), and it is the first occurrence of that id in the row; invalid entries are
 dropped, which is how out-of-contract ids can never reach a kernel.
+
+Two builders write the same tables: `build_schedule` here (torch ops; the reference backend's
+`msa::plan`) and the Triton plan kernels (`torch_msa/triton/plan_kernel.py`; the Triton
+backend's). The Triton and SM90 kernels get their schedule from `schedule_for` (a given plan's,
+or a new one's) or `plan_schedule` (a new one of their own item size); the SM90 kernels also read
+`bucket_key_count`. The SM100 backward walks finer task tables built from `build_schedule`
+(`torch_msa/cute_dsl/task_tables.py`).
+
+The plan
+--------
+`msa::plan` returns the schedule of one layer's `block_indices` as one flat int32 tensor;
+`msa::forward` and `msa::backward` take it as their optional `plan` argument, so a training step
+builds the schedule once per layer instead of once per op call (the public API does this, and
+autograd saves the plan for the backward). Without a plan a backend builds the schedule itself.
+
+Layout: the `Schedule` fields, in field order, back to back:
+
+    entry_query [N] | bucket_ptr [MB + 1] | bucket_head, bucket_key_row, bucket_block [MB] each |
+    item_bucket, item_start, item_end [MI] each | position [Tq] | num_buckets [1] | num_items [1]
+
+with `N = Hkv * Tq * topk`, `MB = max_buckets(...)` and `MI = max_items(N, MB, entries_per_item)`.
+Every size but `MI` follows from the shapes of the op's own arguments, and `MI` from the plan's
+length, so a consumer splits the plan without being told `entries_per_item` and without a host
+sync. The item size only bounds the work of one program; every kernel walks an item of any size.
+
+A plan is opaque: pass what `msa::plan` returned for the same arguments. Its length is checked
+against the shapes on every call and at trace time. Its values are trusted by the kernels: a
+plan of the same shapes built for another selection or other documents (a stale plan) is
+detected by `torch_msa.validation.check_plan_values`, which `TORCH_MSA_DEBUG=1` and
+`torch_msa.validate_inputs` run (a host sync); without them the kernels compute the plan's own
+selection. A hand-made plan is not a supported input.
 """
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -59,17 +91,37 @@ class Schedule(NamedTuple):
     num_items: torch.Tensor
 
 
+def max_key_blocks(num_keys: int, num_docs: int, block_size: int) -> int:
+    """Upper bound of the key blocks of all documents: the blocks of the packed keys plus one
+    partial block per document, `ceil(Tk / block_size) + B`.
+
+    Integer arithmetic only, so it also takes SymInts (the fake kernel of `msa::plan`)."""
+    return (num_keys + block_size - 1) // block_size + num_docs
+
+
 def max_buckets(num_kv_heads: int, num_keys: int, num_docs: int, block_size: int) -> int:
     """Upper bound of the distinct (kv head, key block) pairs: every document's blocks, per head.
 
     Integer arithmetic only, so it also takes SymInts (the fake kernel of `msa::plan`)."""
-    blocks = (num_keys + block_size - 1) // block_size + num_docs
-    return torch.sym_max(1, num_kv_heads * torch.sym_min(num_keys, blocks))
+    return torch.sym_max(1, num_kv_heads * torch.sym_min(num_keys, max_key_blocks(num_keys, num_docs, block_size)))
 
 
 def max_items(num_entries: int, num_buckets: int, entries_per_item: int) -> int:
     """Upper bound of the items: each bucket adds at most one partial item."""
     return (num_entries + entries_per_item - 1) // entries_per_item + num_buckets
+
+
+ITEM_ROWS = 2048
+"""Query rows (tokens x query heads of a KV head) per schedule item in the plans the public API
+builds: 16 tiles of 128 rows, enough to amortise a program's K/V load, small enough that a block
+every query chose is spread over many programs."""
+
+
+def entries_per_item(num_heads: int, num_kv_heads: int) -> int:
+    """Entries (query tokens) per item for `Hq` query heads over `Hkv` KV heads: `ITEM_ROWS` rows,
+    counting the group of `Hq / Hkv` heads padded to a power of two as the kernels' tiles do."""
+    group = max(1, num_heads // max(1, num_kv_heads))
+    return max(1, ITEM_ROWS // (1 << (group - 1).bit_length()))
 
 
 def valid_entries(block_indices: torch.Tensor, position: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -97,10 +149,9 @@ def build_schedule(
 ) -> Schedule:
     """Build the KV-outer schedule of `block_indices` on its device, without a host sync.
 
-    This is the reference build (`msa::plan` of the reference backend, packed by
-    `torch_msa.plan.pack`); the Triton backend writes the same tables with a few kernels
-    (`torch_msa/triton/plan_kernel.py`), because in eager mode each ATen call here costs a
-    host-side launch (about 20 us each on an H200 host). It is still written with few calls:
+    This is the reference build (`msa::plan` of the reference backend, packed by `pack`); the
+    Triton backend writes the same tables with a few kernels (`torch_msa/triton/plan_kernel.py`),
+    because in eager mode each ATen call here costs a host-side launch. It is still written with few calls:
     scans and `searchsorted` instead of scatters, int32 tables computed directly.
     `tests/core/test_schedule.py` bounds the count.
 
@@ -181,51 +232,114 @@ def build_schedule(
     )
 
 
-def build_schedule_python(
-    block_indices: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    num_keys: int,
-    block_size: int,
-    entries_per_item: int,
-    fragment_documents: torch.Tensor | None = None,
-    fragment_starts: torch.Tensor | None = None,
-) -> dict:
-    """The same schedule built with plain Python loops, for tests.
+# ---------------------------------------------------------------------------------------------
+# The plan: the schedule packed into one int32 tensor (layout in the module docstring).
+# ---------------------------------------------------------------------------------------------
 
-    Returns `{"buckets": [(head, key_row, block, [t * topk + s, ...]), ...] in bucket order,
-    "items": [(bucket, start, end), ...]}`.
+
+def section_sizes(block_shape: Sequence, num_keys, num_docs, block_size, num_items) -> list:
+    """Lengths of the plan's sections (the `Schedule` fields in order); ints or SymInts.
+
+    Args:
+        block_shape: `[Hkv, Tq, topk]`, the shape of `block_indices`.
+        num_keys: `Tk`; num_docs: `B`; block_size: keys per block.
+        num_items: `MI`, the item rows of the plan.
     """
-    num_kv_heads, num_queries, topk = block_indices.shape
-    ids = block_indices.tolist()
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    position, key_start = [-1] * num_queries, [0] * num_queries
-    for segment in range(len(cu_q) - 1):
-        length_q = cu_q[segment + 1] - cu_q[segment]
-        if fragment_documents is None:
-            doc = segment
-            first = cu_k[doc + 1] - cu_k[doc] - length_q
-        else:
-            doc, first = int(fragment_documents[segment]), int(fragment_starts[segment])
-        for t in range(cu_q[segment], cu_q[segment + 1]):
-            position[t] = first + (t - cu_q[segment])
-            key_start[t] = cu_k[doc]
-    buckets: dict[tuple[int, int], list[int]] = {}
-    blocks: dict[tuple[int, int], int] = {}
-    for head in range(num_kv_heads):
-        for t in range(num_queries):
-            seen = set()
-            for s, block in enumerate(ids[head][t]):
-                if block < 0 or block * block_size > position[t] or block in seen:
-                    continue
-                seen.add(block)
-                key = (head, key_start[t] + block * block_size)
-                buckets.setdefault(key, []).append(t * topk + s)
-                blocks[key] = block
-    ordered = [(head, row, blocks[(head, row)], buckets[(head, row)]) for head, row in sorted(buckets)]
-    items, offset = [], 0
-    for index, (_, _, _, entries) in enumerate(ordered):
-        for first in range(0, len(entries), entries_per_item):
-            items.append((index, offset + first, offset + min(len(entries), first + entries_per_item)))
-        offset += len(entries)
-    return {"buckets": ordered, "items": items}
+    num_kv_heads, num_queries, topk = block_shape
+    buckets = max_buckets(num_kv_heads, num_keys, num_docs, block_size)
+    return [num_kv_heads * num_queries * topk, buckets + 1, buckets, buckets, buckets,
+            num_items, num_items, num_items, num_queries, 1, 1]
+
+
+def plan_numel(block_shape: Sequence, num_keys, num_docs, block_size, entries_per_item: int):
+    """Length of the plan `msa::plan` returns (from shapes only)."""
+    num_kv_heads, num_queries, topk = block_shape
+    item_rows = max_items(num_kv_heads * num_queries * topk, max_buckets(num_kv_heads, num_keys, num_docs, block_size),
+                          entries_per_item)
+    return sum(section_sizes(block_shape, num_keys, num_docs, block_size, item_rows))
+
+
+def pack(schedule: Schedule) -> torch.Tensor:
+    """The plan tensor of `schedule` (one copy of every table)."""
+    return torch.cat(schedule)
+
+
+def item_rows(numel, block_shape: Sequence, num_keys, num_docs, block_size):
+    """The item rows `MI` of a plan of `numel` entries for these shapes, or None when no plan of
+    them has that length (fixed sections plus `3 * MI`, `MI >= 1`)."""
+    fixed = sum(section_sizes(block_shape, num_keys, num_docs, block_size, 0))
+    rows, remainder = divmod(numel - fixed, 3)
+    return rows if rows >= 1 and remainder == 0 else None
+
+
+def length_error(numel, block_shape: Sequence, num_keys, num_docs, block_size) -> str:
+    """The message of a plan whose length does not fit these shapes."""
+    fixed = sum(section_sizes(block_shape, num_keys, num_docs, block_size, 0))
+    return (f"plan: expected {fixed} + 3 * num_items int32 entries with num_items >= 1 (a plan from msa::plan for "
+            f"block_indices of shape {list(block_shape)}, Tk = {num_keys}, B = {num_docs}, block_size = {block_size}), "
+            f"got {numel}")
+
+
+def unpack(plan: torch.Tensor, block_indices: torch.Tensor, num_keys: int, num_docs: int, block_size: int) -> Schedule:
+    """The `Schedule` views of `plan`, which must have been built for these arguments.
+
+    Raises:
+        ValueError: the plan's length does not fit `block_indices`, `num_keys`, `num_docs` and
+            `block_size` (a plan of another layer shape or another batch).
+    """
+    rows = item_rows(plan.numel(), block_indices.shape, num_keys, num_docs, block_size)
+    if rows is None:
+        raise ValueError(length_error(plan.numel(), list(block_indices.shape), num_keys, num_docs, block_size))
+    plan = plan if plan.is_contiguous() else plan.contiguous()  # the kernels index the tables densely
+    return Schedule(*plan.split_with_sizes(section_sizes(block_indices.shape, num_keys, num_docs, block_size, rows)))
+
+
+# ---------------------------------------------------------------------------------------------
+# What the KV-outer kernels of every backend read.
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
+                  fragment_documents=None, fragment_starts=None) -> Schedule:
+    """The schedule of a new plan with items of `entries_per_item` entries, built on the device by
+    the Triton plan kernels (`torch_msa/triton/plan_kernel.py`); the arguments as `build_schedule`'s.
+
+    Triton is imported here, on first use, so that importing torch_msa never imports it."""
+    from .triton import plan_kernel
+
+    plan = plan_kernel.plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
+                            fragment_documents, fragment_starts)
+    return unpack(plan, block_indices, num_keys, cu_seqlens_k.numel() - 1, block_size)
+
+
+def schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan=None,
+                 fragment_documents=None, fragment_starts=None) -> Schedule:
+    """The KV-outer schedule a kernel walks: `plan`'s, or (`None`) a new plan's (`plan_schedule`)
+    with the items the public API builds (`entries_per_item(num_heads, Hkv)`).
+
+    Args:
+        block_indices: int32 `[Hkv, Tq, topk]`; cu_seqlens_q, cu_seqlens_k, fragments: as for
+            `build_schedule`; num_keys: `Tk`; block_size: keys per block.
+        num_heads: the query heads `Hq` that size the items of a new plan.
+        plan: from `msa::plan` for these arguments (any item size), or None.
+    """
+    if plan is None:
+        return plan_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size,
+                             entries_per_item(num_heads, block_indices.shape[0]), fragment_documents, fragment_starts)
+    return unpack(plan, block_indices, num_keys, cu_seqlens_k.numel() - 1, block_size)
+
+
+def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int32 `[max_buckets]`: keys of each bucket's block inside its document (1..block_size).
+
+    A block starts inside its document (`bucket_key_row` is a document's start plus a multiple of
+    `block_size`), so the document is the last one starting at or before that row. Unused buckets
+    get a harmless count.
+
+    Args:
+        bucket_key_row: a `Schedule`'s int32 `bucket_key_row`; cu_seqlens_k: int32 `[B + 1]`.
+    """
+    cu = cu_seqlens_k.to(torch.int64)
+    document_after = torch.searchsorted(cu, bucket_key_row.to(torch.int64), right=True).clamp_(max=cu.numel() - 1)
+    doc_end = cu.index_select(0, document_after)
+    return (doc_end - bucket_key_row).clamp_(0, block_size).to(torch.int32)

@@ -75,13 +75,13 @@ def test_selected_keys_counts_the_actual_indices_as_sets():
     block_indices = random_block_indices(cu_q, cu_k, heads, topk, block_size,
                                          generator=torch.Generator().manual_seed(2))
     position = torch_msa.documents.locate_queries(cu_q, cu_k, 571, 571).position
-    valid = flops.selected_keys(block_indices, position, block_size)
+    valid = flops.selected_key_counts(block_indices, position, block_size)
     assert torch.equal(valid, flops.keys_per_token(position, block_size, topk).expand(heads, -1))
     broken = block_indices.clone()
     broken[0, 250] = torch.tensor([1, 1, -1, 3])
     broken[1, 299] = torch.tensor([4, 9, 0, 4])  # 9 is past the horizon of position 299
     broken[2, 10] = torch.tensor([-1, -1, -1, -1])
-    counts = flops.selected_keys(broken, position, block_size)
+    counts = flops.selected_key_counts(broken, position, block_size)
     for head in range(heads):
         for t in (10, 250, 299, 300, 570):
             expected = _brute_force_keys(broken[head, t].tolist(), position[t].item(), block_size)

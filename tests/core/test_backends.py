@@ -266,10 +266,10 @@ def test_inputs_a_forced_backend_declines_fall_back_with_a_warning(stand_in, mon
 def test_deterministic_mode_serves_the_deterministic_backward(monkeypatch):
     """The backend picks the kernel per call from `torch.are_deterministic_algorithms_enabled()`."""
     pytest.importorskip("triton", reason="triton is not installed (it ships with Linux x86_64 torch)")
-    from torch_msa.triton import backward_deterministic_kernel, backward_kernel
+    from torch_msa.triton import backward_deterministic, backward_kernel
 
     calls = []
-    monkeypatch.setattr(backward_deterministic_kernel, "backward", lambda *args: calls.append("deterministic"))
+    monkeypatch.setattr(backward_deterministic, "backward", lambda *args: calls.append("deterministic"))
     monkeypatch.setattr(backward_kernel, "backward", lambda *args: calls.append("atomic"))
     q, k = torch.zeros(1, 2, 64), torch.zeros(1, 1, 64)
     for enabled in (True, False):
@@ -303,10 +303,10 @@ def test_sm90_serves_forward_and_backward_by_default_and_says_why_it_cannot_serv
 def test_sm90_serves_deterministic_mode_with_its_deterministic_variant(monkeypatch):
     """The SM90 backward kernel adds with atomics, so under deterministic algorithms the backend
     calls its bitwise-reproducible variant instead; otherwise the kernel."""
-    from torch_msa.sm90 import backward_host
+    from torch_msa.sm90 import backward_deterministic, backward_host
 
     calls = []
-    monkeypatch.setattr(backward_host, "backward_deterministic", lambda *args: calls.append("deterministic"))
+    monkeypatch.setattr(backward_deterministic, "backward", lambda *args: calls.append("deterministic"))
     monkeypatch.setattr(backward_host, "backward", lambda *args: calls.append("atomic"))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # a CPU host
     q, k = torch.zeros(1, 16, 128), torch.zeros(1, 1, 128)

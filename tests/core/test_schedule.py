@@ -5,9 +5,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_msa
+from tests.support.schedule_oracle import build_schedule_python
 from torch_msa import testing
-from torch_msa.plan import plan_numel, unpack
-from torch_msa.schedule import build_schedule, build_schedule_python, max_buckets
+from torch_msa.schedule import bucket_key_count, build_schedule, max_buckets, plan_numel, unpack
 
 LAYOUTS = {
     "pack-with-empty-documents": ([40, 0, 1, 90], [140, 5, 1, 90], 64, 4),
@@ -171,11 +171,19 @@ def test_triton_plan_build_stays_a_few_host_calls(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append(self.name)
 
-    for name in ("_entry_keys_kernel", "_bucket_starts_kernel", "_bucket_tables_kernel", "_item_tables_kernel"):
+    for name in ("msa_plan_entry_keys_kernel", "msa_plan_bucket_starts_kernel", "msa_plan_bucket_tables_kernel",
+                 "msa_plan_item_tables_kernel"):
         monkeypatch.setattr(plan_kernel, name, Launcher(name))
     cu_q, cu_k = testing.cu_seqlens([300, 200], [300, 200])
     block_indices = testing.random_block_indices(cu_q, cu_k, 4, 16, 64)
     with CountOps() as counted:
-        plan_kernel.build_plan(block_indices, cu_q, cu_k, 500, 64, 128)
+        plan_kernel.plan(block_indices, cu_q, cu_k, 500, 64, 128)
     assert len(launches) == 4
     assert len(counted.calls) <= 8, counted.calls
+
+
+def test_bucket_key_count_stops_at_the_document_end():
+    cu_seqlens_k = torch.tensor([0, 200, 200, 201, 500], dtype=torch.int32)
+    # Blocks start at a document's start plus a multiple of 128.
+    key_rows = torch.tensor([0, 128, 200, 201, 329, 457], dtype=torch.int32)
+    assert bucket_key_count(key_rows, cu_seqlens_k, 128).tolist() == [128, 72, 1, 128, 128, 43]

@@ -1,5 +1,5 @@
 """The architecture-neutral kernels of the SM100 backward: preprocess, task tables, K/V alignment
-and postprocess (`torch_msa/cute_dsl/{preprocess,tasks,postprocess}.py`).
+and postprocess (`torch_msa/cute_dsl/{preprocess,task_tables,postprocess}.py`).
 
 What runs where:
 - CPU, always: the plain-torch construction of the task tables (the oracle of the CuTe kernel)
@@ -24,8 +24,9 @@ import pytest
 import torch
 
 from tests.support.cute_dsl import requires_cute
+from tests.support.schedule_oracle import build_schedule_python
 from torch_msa import reference
-from torch_msa.cute_dsl.tasks import (
+from torch_msa.cute_dsl.task_tables import (
     TASK_ROWS,
     WORKSPACE_ALIGNMENT,
     TaskTables,
@@ -33,7 +34,7 @@ from torch_msa.cute_dsl.tasks import (
     document_key_bounds,
     workspace_rows,
 )
-from torch_msa.schedule import build_schedule, build_schedule_python
+from torch_msa.schedule import build_schedule
 from torch_msa.testing import cu_seqlens, random_block_indices
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -240,8 +241,8 @@ def test_torch_align_and_finish_are_inverse():
 def test_bad_arguments_are_named():
     """Checked before anything is compiled or launched, so this runs on any host."""
     from torch_msa.cute_dsl.postprocess import finish_gradients
-    from torch_msa.cute_dsl.preprocess import compute_delta
-    from torch_msa.cute_dsl.tasks import align_kv, build_tasks
+    from torch_msa.cute_dsl.preprocess import prepare_delta
+    from torch_msa.cute_dsl.task_tables import align_kv, build_tasks
 
     inputs = _selection("pack", num_kv_heads=2, topk=3, block_size=128)
     tables = tables_torch(*inputs)
@@ -251,9 +252,9 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="block_indices: expected an int32 tensor"):
         build_tasks(block_indices.long(), cu_q, cu_k, num_keys)
     with pytest.raises(ValueError, match="grad_out: expected the shape of out"):
-        compute_delta(torch.zeros(3, 4, 16), torch.zeros(3, 4, 8))
+        prepare_delta(torch.zeros(3, 4, 16), torch.zeros(3, 4, 8))
     with pytest.raises(TypeError, match="grad_out: expected out's dtype"):
-        compute_delta(torch.zeros(3, 4, 16), torch.zeros(3, 4, 16, dtype=torch.float64))
+        prepare_delta(torch.zeros(3, 4, 16), torch.zeros(3, 4, 16, dtype=torch.float64))
     k = torch.zeros(num_keys, 2, 16)
     with pytest.raises(ValueError, match="v: expected the shape of k"):
         align_kv(k, k[:, :1], cu_k, tables)
@@ -278,11 +279,11 @@ def _cubin_sm(cubin: bytes) -> int:
 
 
 def _compile_all(arch: str, dump_dir: str) -> dict:
-    from torch_msa.cute_dsl import postprocess, preprocess, tasks
+    from torch_msa.cute_dsl import postprocess, preprocess, task_tables
 
     return {
         **preprocess.compile_for_target(arch, dump_dir),
-        **tasks.compile_for_target(arch, dump_dir),
+        **task_tables.compile_for_target(arch, dump_dir),
         **postprocess.compile_for_target(arch, dump_dir),
     }
 
@@ -330,7 +331,7 @@ class TorchPipeline:
 
     build_tasks = staticmethod(tables_torch)
     align_kv = staticmethod(align_kv_torch)
-    compute_delta = staticmethod(delta_torch)
+    prepare_delta = staticmethod(delta_torch)
     finish_gradients = staticmethod(finish_torch)
 
 
@@ -339,21 +340,21 @@ class CutePipeline:
 
     @staticmethod
     def build_tasks(*args):
-        from torch_msa.cute_dsl.tasks import build_tasks
+        from torch_msa.cute_dsl.task_tables import build_tasks
 
         return build_tasks(*args)
 
     @staticmethod
     def align_kv(*args):
-        from torch_msa.cute_dsl.tasks import align_kv
+        from torch_msa.cute_dsl.task_tables import align_kv
 
         return align_kv(*args)
 
     @staticmethod
-    def compute_delta(*args):
-        from torch_msa.cute_dsl.preprocess import compute_delta
+    def prepare_delta(*args):
+        from torch_msa.cute_dsl.preprocess import prepare_delta
 
-        return compute_delta(*args)
+        return prepare_delta(*args)
 
     @staticmethod
     def finish_gradients(*args):
@@ -394,7 +395,7 @@ def check_consumer_against_reference(pipeline, layout, heads, dim, block_size, t
 
     tables = pipeline.build_tasks(block_indices, cu_q, cu_k, num_keys, block_size)
     k_ws, v_ws = pipeline.align_kv(k, v, cu_k, tables)
-    delta = pipeline.compute_delta(out, grad_out, grad_lse)
+    delta = pipeline.prepare_delta(out, grad_out, grad_lse)
     pools = consume_tasks(q, k_ws, v_ws, grad_out, lse, delta, tables, scale, block_size)
     got = pipeline.finish_gradients(*pools, cu_k, tables, torch.float32)
     rounded = pipeline.finish_gradients(*pools, cu_k, tables, dtype)
@@ -440,14 +441,14 @@ M3_LAYOUT = ([1000, 3000, 77, 500], [1000, 3000, 77, 1300])  # the last document
 @pytest.mark.cuda
 @pytest.mark.parametrize("with_grad_lse", [False, True], ids=["delta", "delta_grad_lse"])
 def test_cute_delta_matches_torch(with_grad_lse):
-    from torch_msa.cute_dsl.preprocess import compute_delta
+    from torch_msa.cute_dsl.preprocess import prepare_delta
 
     out, grad_out = torch.randn(2, 4577, 64, 128, device="cuda").to(torch.bfloat16).unbind(0)
     grad_lse = torch.randn(4577, 64, device="cuda") if with_grad_lse else None
-    got = compute_delta(out, grad_out, grad_lse)
+    got = prepare_delta(out, grad_out, grad_lse)
     assert got.dtype == torch.float32 and got.shape == (4577, 64)
     torch.testing.assert_close(got, delta_torch(out, grad_out, grad_lse), atol=1e-4, rtol=1e-5)
-    assert compute_delta(out[:0], grad_out[:0]).shape == (0, 64)
+    assert prepare_delta(out[:0], grad_out[:0]).shape == (0, 64)
 
 
 @requires_cute
@@ -455,7 +456,7 @@ def test_cute_delta_matches_torch(with_grad_lse):
 @pytest.mark.parametrize("case", ["m3", "pack64", "suffix_bad_ids", "no_documents"])
 def test_cute_tables_align_and_finish_match_torch(case):
     from torch_msa.cute_dsl.postprocess import finish_gradients
-    from torch_msa.cute_dsl.tasks import align_kv, build_tasks
+    from torch_msa.cute_dsl.task_tables import align_kv, build_tasks
 
     layout, num_kv_heads, topk, block_size, bad = {
         "m3": (M3_LAYOUT, 4, 16, 128, False),

@@ -110,10 +110,10 @@ def test_nan_in_one_document_stays_there():
 
 @pytest.mark.parametrize("entries", [7, 128])
 def test_given_plans_of_any_item_size(entries):
-    from torch_msa.triton.plan_kernel import build_plan
+    from torch_msa.triton import plan_kernel
 
     args, _ = _problem([1000, 1500], [1000, 1500], seed=7)
-    plan = build_plan(args[6], args[7], args[8], args[2].shape[0], BLOCK, entries)
+    plan = plan_kernel.plan(args[6], args[7], args[8], args[2].shape[0], BLOCK, entries)
     _check(_sm90(args, None, plan), _reference(args))
 
 

@@ -5,9 +5,9 @@ ptxas assembles a cubin, and the machine code holds what the design says (the fo
 shared memory for `Q K^T` and from registers for `P V`, TMA loads and stores; the backward: five
 wgmma GEMMs, dQ by bulk reduce-add, dK/dV by vector atomics; neither spills to local memory).
 Also on any host: the modules import without the CuTe DSL, the launch arguments have the
-compiled types, the backend declines configurations it does not serve, and the per-bucket key
-counts. Whether the kernels compute the right result is checked on a compute capability 9.0 GPU
-(`tests/sm90/test_forward.py`, `tests/sm90/test_backward.py`).
+compiled types, and the backend declines configurations it does not serve. Whether the kernels
+compute the right result is checked on a compute capability 9.0 GPU (`tests/sm90/test_forward.py`,
+`tests/sm90/test_backward.py`).
 """
 
 import importlib.metadata
@@ -234,15 +234,6 @@ def test_partial_rows_beyond_32_bit_indices_are_declined():
     check_rows(2**21 - 1, 4, 16)
     with pytest.raises(UnsupportedInputs, match="32-bit integers: 2097152 queries"):
         check_rows(2**21, 4, 16)
-
-
-def test_bucket_key_count_stops_at_the_document_end():
-    from torch_msa.sm90.common import bucket_key_count
-
-    cu_seqlens_k = torch.tensor([0, 200, 200, 201, 500], dtype=torch.int32)
-    # Blocks start at a document's start plus a multiple of 128.
-    key_rows = torch.tensor([0, 128, 200, 201, 329, 457], dtype=torch.int32)
-    assert bucket_key_count(key_rows, cu_seqlens_k).tolist() == [128, 72, 1, 128, 128, 43]
 
 
 def test_backend_is_unavailable_off_sm90():

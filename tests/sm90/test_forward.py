@@ -140,10 +140,10 @@ def test_long_document_past_32_bit_element_offsets():
 def test_given_plans_of_any_item_size(entries):
     """The kernel walks the items of the plan it is given, whatever their size."""
     from torch_msa.sm90.forward_host import forward
-    from torch_msa.triton.plan_kernel import build_plan
+    from torch_msa.triton import plan_kernel
 
     q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([1000, 1500], [1000, 1500], torch.bfloat16, seed=7)
-    plan = None if entries is None else build_plan(blocks, cu_q, cu_k, k.shape[0], BLOCK, entries)
+    plan = None if entries is None else plan_kernel.plan(blocks, cu_q, cu_k, k.shape[0], BLOCK, entries)
     got = forward(q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE, plan)
     _check(got, _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k))
 

@@ -14,7 +14,7 @@ import torch
 
 import torch_msa
 from torch_msa import backends, reference
-from torch_msa.plan import entries_per_item
+from torch_msa.schedule import entries_per_item
 from torch_msa.testing import cu_seqlens, fragments, random_block_indices, skewed_block_indices
 
 pytestmark = pytest.mark.cuda

@@ -25,6 +25,7 @@ from torch_msa import backends  # noqa: E402
 from torch_msa.triton import (  # noqa: E402
     backward_deterministic_kernel,
     backward_kernel,
+    common,
     forward_kernel,
     kl_dense_kernel,
     kl_kernel,
@@ -51,35 +52,35 @@ SCHEDULE_TABLES = ("entry_query", "item_bucket", "item_start", "item_end", "buck
 
 
 def _forward_blocks(config):
-    tokens, group_p2 = forward_kernel.tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
+    tokens, group_p2 = common.tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
     types = dict.fromkeys(("q", "k", "v", "partial_out"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
     types |= {"partial_lse": "*fp32", "qk_scale": "fp32"}
     constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=group_p2, TOKENS=tokens, TOPK=M3["topk"],
                      BLOCK=M3["block_size"], DIM=M3["dim"], PRECISION="tf32")
-    return forward_kernel._blocks_kernel, types, constants
+    return forward_kernel.msa_fwd_blocks_kernel, types, constants
 
 
 def _forward_combine(config):
     types = {"partial_out": "*bf16", "partial_lse": "*fp32", "out": "*bf16", "lse": "*fp32"}
     constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=GROUP, TOPK=M3["topk"], DIM=M3["dim"])
-    return forward_kernel._combine_kernel, types, constants
+    return forward_kernel.msa_fwd_combine_kernel, types, constants
 
 
 def _backward_delta(config):
     types = {"grad_out": "*bf16", "out": "*bf16", "grad_lse": "*fp32", "delta": "*fp32"}
     constants = dict(NUM_HEADS=M3["num_heads"], DIM=M3["dim"], ROWS=config.rows, HAS_GRAD_LSE=True)
-    return backward_kernel._delta_kernel, types, constants
+    return backward_kernel.msa_bwd_delta_kernel, types, constants
 
 
 def _backward_blocks(config):
-    tokens, group_p2 = forward_kernel.tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
+    tokens, group_p2 = common.tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
     types = dict.fromkeys(("q", "k", "v", "grad_out"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
     types |= dict.fromkeys(("lse", "delta", "dq_acc", "dk_acc", "dv_acc"), "*fp32")
     types |= {"softmax_scale": "fp32", "qk_scale": "fp32"}
     constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=group_p2, TOKENS=tokens, TOPK=M3["topk"],
                      BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"], PRECISION="tf32",
                      DETERMINISTIC=False)
-    return backward_kernel._blocks_kernel, types, constants
+    return backward_kernel.msa_bwd_blocks_kernel, types, constants
 
 
 def _deterministic_key_blocks(config):
@@ -92,7 +93,7 @@ def _deterministic_key_reduce(config):
     types |= dict.fromkeys(("entry_query", "item_end", "bucket_ptr", "bucket_first_item", "bucket_head",
                             "bucket_key_row", "bucket_block", "position"), "*i32")
     constants = dict(TOPK=M3["topk"], BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"])
-    return backward_deterministic_kernel._key_reduce_kernel, types, constants
+    return backward_deterministic_kernel.msa_bwd_key_reduce_kernel, types, constants
 
 
 def _deterministic_query(config):
@@ -102,7 +103,7 @@ def _deterministic_query(config):
     constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=GROUP, TOPK=M3["topk"],
                      TOPK_P2=M3["topk"], BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"],
                      PRECISION="tf32")
-    return backward_deterministic_kernel._query_kernel, types, constants
+    return backward_deterministic_kernel.msa_bwd_dq_kernel, types, constants
 
 
 def _select(config):
@@ -112,7 +113,7 @@ def _select(config):
     constants = dict(NUM_HEADS=M3["index_heads"], HEADS_P2=heads_p2, TOKENS=config.rows // heads_p2,
                      DIM=M3["index_dim"], DIM_P2=M3["index_dim"], BLOCK=M3["block_size"], TOPK=M3["topk"],
                      KEEP_P2=M3["topk"], PRECISION="tf32")
-    return select_kernel._select_kernel, types, constants
+    return select_kernel.msa_select_kernel, types, constants
 
 
 def _kl_forward(config):
@@ -124,7 +125,7 @@ def _kl_forward(config):
     constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, HEADS_PER_PASS=heads_per_pass, TOKENS=tokens,
                      TOPK=M3["topk"], BLOCK=M3["block_size"], DIM=M3["dim"], INDEX_DIM=M3["index_dim"],
                      PRECISION="tf32", INDEX_PRECISION="tf32", SPLIT=True)
-    return kl_kernel._forward_kernel, types, constants
+    return kl_kernel.msa_kl_fwd_kernel, types, constants
 
 
 def _kl_backward(config):
@@ -133,7 +134,7 @@ def _kl_backward(config):
     types |= {"index_scale": "fp32"}
     constants = dict(NUM_KV_HEADS=M3["index_heads"], TOKENS=config.rows, TOPK=M3["topk"], BLOCK=M3["block_size"],
                      INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32", SPLIT=True)
-    return kl_kernel._backward_kernel, types, constants
+    return kl_kernel.msa_kl_bwd_kernel, types, constants
 
 
 DOCUMENT_TABLES = {"key_start": "*i64", "position": "*i64", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
@@ -143,7 +144,7 @@ def _kl_dense_teacher_lse(config):
     types = {"q": "*bf16", "k": "*bf16", "teacher_lse": "*fp32", "qk_scale": "fp32"} | DOCUMENT_TABLES
     constants = dict(NUM_HEADS=M3["num_heads"], GROUP=GROUP, TOKENS=config.rows, BLOCK_N=config.block_n,
                      DIM=M3["dim"], PRECISION="tf32")
-    return kl_dense_kernel._teacher_lse_kernel, types, constants
+    return kl_dense_kernel.msa_kl_dense_teacher_lse_kernel, types, constants
 
 
 def _kl_dense_loss(config):
@@ -154,7 +155,7 @@ def _kl_dense_loss(config):
     constants = dict(NUM_HEADS=M3["num_heads"], NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, TOKENS=config.rows,
                      BLOCK_N=config.block_n, DIM=M3["dim"], INDEX_DIM=M3["index_dim"], PRECISION="tf32",
                      INDEX_PRECISION="tf32")
-    return kl_dense_kernel._loss_kernel, types, constants
+    return kl_dense_kernel.msa_kl_dense_loss_kernel, types, constants
 
 
 def _kl_dense_grad(kernel):
@@ -171,23 +172,22 @@ def _kl_dense_grad(kernel):
 
 
 KERNELS = {
-    "forward._blocks_kernel": (_forward_blocks, forward_kernel.BLOCKS_CONFIGS),
-    "forward._combine_kernel": (_forward_combine, forward_kernel.COMBINE_CONFIGS),
-    "backward._delta_kernel": (_backward_delta, backward_kernel.DELTA_CONFIGS),
-    "backward._blocks_kernel": (_backward_blocks, backward_kernel.BLOCKS_CONFIGS),
-    "backward_deterministic._blocks_kernel": (_deterministic_key_blocks,
-                                                  backward_deterministic_kernel.KEY_BLOCKS_CONFIGS),
-    "backward_deterministic._key_reduce_kernel": (_deterministic_key_reduce,
-                                                  backward_deterministic_kernel.KEY_REDUCE_CONFIGS),
-    "backward_deterministic._query_kernel": (_deterministic_query, backward_deterministic_kernel.QUERY_CONFIGS),
-    "select._select_kernel": (_select, select_kernel.CONFIGS),
-    "kl_dense._teacher_lse_kernel": (_kl_dense_teacher_lse, kl_dense_kernel.TEACHER_LSE_CONFIGS),
-    "kl_dense._loss_kernel": (_kl_dense_loss, kl_dense_kernel.LOSS_CONFIGS),
-    "kl_dense._query_grad_kernel": (_kl_dense_grad(kl_dense_kernel._query_grad_kernel),
-                                    kl_dense_kernel.QUERY_GRAD_CONFIGS),
-    "kl_dense._key_grad_kernel": (_kl_dense_grad(kl_dense_kernel._key_grad_kernel), kl_dense_kernel.KEY_GRAD_CONFIGS),
-    "kl._forward_kernel": (_kl_forward, kl_kernel.FORWARD_CONFIGS),
-    "kl._backward_kernel": (_kl_backward, kl_kernel.BACKWARD_CONFIGS),
+    "msa_fwd_blocks_kernel": (_forward_blocks, forward_kernel.BLOCKS_CONFIGS),
+    "msa_fwd_combine_kernel": (_forward_combine, forward_kernel.COMBINE_CONFIGS),
+    "msa_bwd_delta_kernel": (_backward_delta, backward_kernel.DELTA_CONFIGS),
+    "msa_bwd_blocks_kernel": (_backward_blocks, backward_kernel.BLOCKS_CONFIGS),
+    "msa_bwd_blocks_kernel (deterministic)": (_deterministic_key_blocks, backward_kernel.DETERMINISTIC_BLOCKS_CONFIGS),
+    "msa_bwd_key_reduce_kernel": (_deterministic_key_reduce, backward_deterministic_kernel.KEY_REDUCE_CONFIGS),
+    "msa_bwd_dq_kernel": (_deterministic_query, backward_deterministic_kernel.QUERY_CONFIGS),
+    "msa_select_kernel": (_select, select_kernel.CONFIGS),
+    "msa_kl_dense_teacher_lse_kernel": (_kl_dense_teacher_lse, kl_dense_kernel.TEACHER_LSE_CONFIGS),
+    "msa_kl_dense_loss_kernel": (_kl_dense_loss, kl_dense_kernel.LOSS_CONFIGS),
+    "msa_kl_dense_query_grad_kernel": (_kl_dense_grad(kl_dense_kernel.msa_kl_dense_query_grad_kernel),
+                                       kl_dense_kernel.QUERY_GRAD_CONFIGS),
+    "msa_kl_dense_key_grad_kernel": (_kl_dense_grad(kl_dense_kernel.msa_kl_dense_key_grad_kernel),
+                                     kl_dense_kernel.KEY_GRAD_CONFIGS),
+    "msa_kl_fwd_kernel": (_kl_forward, kl_kernel.FORWARD_CONFIGS),
+    "msa_kl_bwd_kernel": (_kl_backward, kl_kernel.BACKWARD_CONFIGS),
 }
 
 
@@ -209,7 +209,7 @@ def _shared_memory(kernel, config, capability):
 
 
 # (kernel, target) pairs no configuration fits: launch() declines there and the registry runs the reference.
-UNSERVED = {("kl._forward_kernel", target) for target in ("sm_86", "sm_89", "sm_120")}
+UNSERVED = {("msa_kl_fwd_kernel", target) for target in ("sm_86", "sm_89", "sm_120")}
 
 
 @pytest.mark.slow
@@ -281,7 +281,7 @@ def test_a_kernel_that_fits_nothing_falls_back_to_the_reference_with_one_warning
         raise _out_of_resources(263_680)
 
     def forward(*args):
-        launch.launch("forward._blocks_kernel", "stand-in", forward_kernel.BLOCKS_CONFIGS, refuse)
+        launch.launch("msa_fwd_blocks_kernel", "stand-in", forward_kernel.BLOCKS_CONFIGS, refuse)
 
     monkeypatch.setitem(backends._BACKENDS, "small_smem",
                         torch_msa.Backend("small_smem", {"forward": forward}, priority=15))

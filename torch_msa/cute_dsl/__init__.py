@@ -7,10 +7,10 @@
 * `sm_capability(device)`, `sm_count(device)`: memoized device facts the backends ask per call.
 * `cute_io`: how torch tensors reach the kernels (fake compile-time tensors, launch conversion,
   streams, compile options).
-* The architecture-neutral kernels of the backward pipeline: `preprocess` (delta), `tasks` (task
+* The architecture-neutral kernels of the backward pipeline: `preprocess` (delta), `task_tables` (task
   tables and the aligned K/V workspace), `postprocess` (gradient cast and un-align), each a host
   module (checks, launch, compile cache) whose kernel classes are in `preprocess_kernel`,
-  `tasks_kernel`, `postprocess_kernel`. They compile for sm_90a and sm_100a alike.
+  `task_tables_kernel`, `postprocess_kernel`. They compile for sm_90a and sm_100a alike.
 * `ptx`: inline-PTX reductions the kernel modules share.
 
 The package is named `cute_dsl`, not `cute`, so that it is never confused with `cutlass.cute`,

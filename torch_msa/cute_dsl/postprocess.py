@@ -2,7 +2,7 @@
 
 The main kernel accumulates with fp32 atomics into `dq_accum [Tq, Hq, D]` and, in the 128-aligned
 workspace, `dk_accum` / `dv_accum [W, Hkv, D]`. This casts dq row for row and gathers dk / dv
-back to the packed key rows (the inverse of `tasks.align_kv`): packed key `j` of document `d`
+back to the packed key rows (the inverse of `task_tables.align_kv`): packed key `j` of document `d`
 comes from workspace row `doc_aligned_start[d] + j`, and a key no document covers gets zero.
 Architecture-neutral. This is the host side (checks, launch, compile cache); the kernel is
 `postprocess_kernel.py`, imported with the CuTe DSL only when it is first compiled.
@@ -22,7 +22,7 @@ from .cute_io import (
     cutlass_dtype,
     fake_rows,
 )
-from .tasks import TaskTables, check_tables_match
+from .task_tables import TaskTables, check_tables_match
 
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -41,7 +41,7 @@ def finish_gradients(
         dq_accum: fp32 `[Tq, Hq, D]`.
         dk_accum, dv_accum: fp32 `[W, Hkv, D]`, `W = tables.workspace_rows`.
         cu_seqlens_k: int32 `[B + 1]`, the documents `tables` was built for.
-        tables: from `tasks.build_tasks`.
+        tables: from `task_tables.build_tasks`.
         dtype: output dtype (bf16 in the contract; fp16 or fp32 also served).
 
     Returns:

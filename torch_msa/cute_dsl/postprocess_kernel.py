@@ -2,7 +2,7 @@
 
 `FinishKernel` casts row for row (`unalign=False`: dq), or gathers two pools back from the
 128-aligned K/V workspace to the packed key rows (`unalign=True`: dk and dv, the inverse of
-`tasks.align_kv`), finding each row's document with the binary search of `tasks_kernel.py`; a
+`task_tables.align_kv`), finding each row's document with the binary search of `task_tables_kernel.py`; a
 row no document covers gets zeros. 64-bit element offsets, so the pools may pass 2^31 values.
 Architecture-neutral: it compiles for sm_90a and sm_100a alike. Its host side (checks, launch,
 compile cache) is `postprocess.py`, which imports this module, and so cutlass, only when it
@@ -15,8 +15,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from .cute_io import ACCESS_BYTES
-from .tasks import THREADS_PER_CTA
-from .tasks_kernel import clamped, last_document_at_or_before
+from .task_tables import THREADS_PER_CTA
+from .task_tables_kernel import clamped, last_document_at_or_before
 
 VECTORS_PER_THREAD = 4  # rows of a CTA are sized so each thread moves about this many vectors
 

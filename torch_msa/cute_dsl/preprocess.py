@@ -17,8 +17,12 @@ from .cute_io import aligned_operand, compile_options, cute_rows, cute_stream, c
 SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def compute_delta(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None = None) -> torch.Tensor:
-    """`delta[t, h] = sum_d grad_out[t, h, d] * out[t, h, d] - grad_lse[t, h]`, in fp32.
+def prepare_delta(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The SM100 backward's preprocess, by a CuTe DSL kernel:
+    `delta[t, h] = sum_d grad_out[t, h, d] * out[t, h, d] - grad_lse[t, h]`, in fp32.
+
+    The same quantity as `torch_msa.triton.stages.compute_delta` (the delta of the other
+    backwards), summed in another order; this one needs no triton.
 
     Args:
         out, grad_out: `[Tq, Hq, D]` on a CUDA device, one dtype of bf16, fp16, fp32.

@@ -14,7 +14,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int64
 
 from .cute_io import ACCESS_BYTES
-from .tasks import THREADS_PER_CTA
+from .task_tables import THREADS_PER_CTA
 
 
 class DeltaKernel:

@@ -230,7 +230,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
              fragment_documents=None, fragment_starts=None):
     """`msa::backward` through our CuTe DSL `run_backward`: `(dq, dk, dv)` in bfloat16.
 
-    Its tasks hold 8 queries each (`tasks.TASK_ROWS`), a finer split than the plans the public
+    Its tasks hold 8 queries each (`task_tables.TASK_ROWS`), a finer split than the plans the public
     API builds, so it builds its own schedule and does not read `plan`.
 
     `run_backward` receives packed THD tensors and `canonical_block_indices` (ascending distinct

@@ -1,6 +1,6 @@
 """`run_backward`: the MSA backward on an SM100 (Blackwell) GPU, the host side of the main kernel.
 
-The pipeline, on the device with no host synchronisation: `compute_delta` (preprocess),
+The pipeline, on the device with no host synchronisation: `prepare_delta` (preprocess),
 `build_tasks` + `align_kv` (the task tables and the 128-aligned K/V workspace), zeroed fp32
 accumulators, `launch_main` (the main kernel adds dQ, dK and dV with atomics, so deterministic
 mode is refused), `finish_gradients` (cast and un-align). The architecture-neutral stages are
@@ -19,7 +19,7 @@ import torch
 
 from ..backends import UnsupportedInputs
 from ..cute_dsl import require_cute_dsl, sm_count
-from ..cute_dsl.tasks import TaskTables
+from ..cute_dsl.task_tables import TaskTables
 from .common import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, TOKENS_PER_TASK, require_sm100
 
 
@@ -40,7 +40,7 @@ def run_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MSA main-branch backward on an SM100 GPU: `(dq, dk, dv)` in q's dtype.
 
-    Pipeline: `compute_delta` (preprocess), `build_tasks` + `align_kv` (task tables and the
+    Pipeline: `prepare_delta` (preprocess), `build_tasks` + `align_kv` (task tables and the
     128-aligned K/V workspace), zeroed fp32 accumulators, `launch_main`, `finish_gradients`
     (cast and un-align). Nothing synchronises with the host.
 
@@ -72,13 +72,13 @@ def run_backward(
     require_sm100(q.device)
     _check_contract(q, k, v, grad_out, out, lse, block_indices)
     from ..cute_dsl.postprocess import finish_gradients
-    from ..cute_dsl.preprocess import compute_delta
+    from ..cute_dsl.preprocess import prepare_delta
     from ..cute_dsl.cute_io import aligned_operand
-    from ..cute_dsl.tasks import align_kv, build_tasks
+    from ..cute_dsl.task_tables import align_kv, build_tasks
 
     # The kernel reads these with TMA and vector loads: contiguous, 16-byte aligned rows.
     q, grad_out, lse = (aligned_operand(x) for x in (q, grad_out, lse))
-    delta = compute_delta(out, grad_out, grad_lse)
+    delta = prepare_delta(out, grad_out, grad_lse)
     tables = build_tasks(block_indices, cu_seqlens_q, cu_seqlens_k, k.shape[0], BLOCK_SIZE)
     k_ws, v_ws = align_kv(k, v, cu_seqlens_k, tables)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -153,9 +153,9 @@ def launch_main(
 
     Args:
         q, grad_out: bf16 `[Tq, 64, 128]`.
-        k_ws, v_ws: bf16 `[W, 4, 128]`, the aligned workspace of `tasks.align_kv`.
-        lse: fp32 `[Tq, 64]` (natural log); delta: fp32 `[Tq, 64]` from `compute_delta`.
-        tables: `tasks.TaskTables` of the same documents (`W == tables.workspace_rows`).
+        k_ws, v_ws: bf16 `[W, 4, 128]`, the aligned workspace of `task_tables.align_kv`.
+        lse: fp32 `[Tq, 64]` (natural log); delta: fp32 `[Tq, 64]` from `prepare_delta`.
+        tables: `task_tables.TaskTables` of the same documents (`W == tables.workspace_rows`).
         dq_accum: fp32 `[Tq, 64, 128]`; dk_accum, dv_accum: fp32 `[W, 4, 128]`; all zero on
             entry (the kernel only adds).
         softmax_scale: scale of `q k^T`; it also scales dQ and dK.

@@ -6,7 +6,7 @@ configuration both share is in `common.py`.
 
 Design (after NeMo AutoModel's `msa_backward_sm100`; our own code):
 
-* **KV-parallel.** The task tables (`tasks.build_tasks`) list *tasks* of 8 query tokens that chose
+* **KV-parallel.** The task tables (`task_tables.build_tasks`) list *tasks* of 8 query tokens that chose
   one `(kv head, key block)` *bucket*; the tasks of a bucket are consecutive. With the 16 query
   heads of the kv head, a task is one 128-row MMA tile (row `r` = token `r // 16`, head
   `16 * kv_head + r % 16`). The grid is persistent-like: CTA `c` walks the task rows

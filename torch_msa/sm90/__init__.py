@@ -4,12 +4,14 @@ Each kernel is a class in its own module, which imports cutlass at the top: `for
 `backward_kernel.py` (their shared device helpers: `tiles.py`). Its host side, torch only, holds
 the input checks, buffers, launch, compile cache and the functions this package calls:
 `forward_host.py`, `backward_host.py`. `common.py` holds what all of them share: the served
-configuration, the tile shape, the schedule operands.
+configuration, the tile shape, the schedule operands. The bitwise-reproducible backward is
+composed of the SM90 key pass and the Triton stages: `backward_deterministic.py`.
 
 It serves a CUDA device of compute capability 9.0 with the `cute` extra (nvidia-cutlass-dsl,
 cuda-bindings) and triton (the forward's partials are merged, and the backward's delta computed,
-by Triton kernels) installed, and within that the configuration the kernels are built for: 16
-query heads per KV head, D = 128, block_size = 128, bf16 or fp16 (MiniMax-M3). Other inputs raise
+by Triton kernels: `torch_msa.triton.stages`) installed, and within that the configuration the
+kernels are built for: 16 query heads per KV head, D = 128, block_size = 128, bf16 or fp16
+(MiniMax-M3). Other inputs raise
 `UnsupportedInputs` before any work, and the registry falls back to the Triton backend with a
 one-time warning. The block selection and the plan stay with the Triton backend.
 
@@ -75,12 +77,15 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
              block_size, softmax_scale, grad_lse=None, plan=None, fragment_documents=None, fragment_starts=None):
     """`msa::backward` through the SM90 kernel (`torch_msa.sm90.backward_host.backward`), or, under
     `torch.use_deterministic_algorithms(True)`, through its bitwise-reproducible variant
-    (`backward_deterministic`): the kernel adds dQ, dK and dV with atomics, whose order varies."""
-    module = importlib.import_module(f"{__name__}.backward_host")
-    serve = module.backward_deterministic if torch.are_deterministic_algorithms_enabled() else module.backward
+    (`torch_msa.sm90.backward_deterministic.backward`): the kernel adds dQ, dK and dV with atomics,
+    whose order varies."""
+    # Decided per call, like torch's own kernels: the flag may change between steps.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    module = importlib.import_module(f"{__name__}.{'backward_deterministic' if deterministic else 'backward_host'}")
     with torch.cuda.device(q.device):
-        return serve(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, block_size, softmax_scale, grad_lse, plan, fragment_documents, fragment_starts)
+        return module.backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, block_size, softmax_scale, grad_lse, plan, fragment_documents,
+                               fragment_starts)
 
 
 BACKEND = Backend(

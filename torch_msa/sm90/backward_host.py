@@ -4,17 +4,15 @@ Scope: the SM90 forward's: G = 16 query heads per KV head, D = 128, key blocks o
 fp16 (MiniMax-M3); any top-k. `check_inputs` raises `UnsupportedInputs` for anything else before
 any work.
 
-* **`backward`**: `delta = rowsum(dO * O) - grad_lse` (Triton,
-  `torch_msa.triton.backward_kernel.compute_delta`), the step's plan (or a new one), zeroed fp32
-  accumulators for dQ, dK and dV, one launch of the kernel on a persistent grid of one CTA per SM
-  (capped by the item count), which adds into them with atomics, then the casts to the inputs'
-  dtype.
-* **`backward_deterministic`** (bitwise reproducible, for
-  `torch.use_deterministic_algorithms(True)`): the Triton deterministic backward
-  (`backward_deterministic_kernel.py`) with its dK/dV pass run by the kernel's deterministic
-  variant, which stores each item's dK/dV in the item's own workspace rows; the Triton side
-  reduces the workspace in a fixed order per key block and computes dQ query-outer, each element
-  with one owner.
+* **`backward`**: `delta = rowsum(dO * O) - grad_lse` (Triton, `torch_msa.triton.stages.compute_delta`),
+  the step's plan (or a new one), zeroed fp32 accumulators for dQ, dK and dV, one launch of the
+  kernel on a persistent grid of one CTA per SM (capped by the item count), which adds into them
+  with atomics, then the casts to the inputs' dtype.
+* The bitwise-reproducible backward (for `torch.use_deterministic_algorithms(True)`) is
+  `backward_deterministic.py`: the kernel's deterministic variant (`launch_blocks(...,
+  deterministic=True)`) stores each item's dK/dV in the item's own workspace rows, and the Triton
+  stages (`torch_msa.triton.stages`) reduce the workspace in a fixed order per key block and
+  compute dQ query-outer, each element with one owner.
 
 The kernel itself and its design: `backward_kernel.py`; the constants and checks it shares with
 the forward: `common.py`. Importing this module imports neither cutlass nor triton:
@@ -28,13 +26,13 @@ import torch
 
 from ..backends import UnsupportedInputs
 from ..cute_dsl import require_cute_dsl, sm_count
+from ..schedule import bucket_key_count, schedule_for
 from .common import (
     BLOCK_SIZE,
     HEAD_DIM,
     HEADS_PER_KV,
     LOG2_E,
     SCHEDULE_OPERANDS,
-    bucket_key_count,
     check_served,
     schedule_tensors,
 )
@@ -79,8 +77,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     num_keys, num_kv_heads, _ = k.shape
     require_cute_dsl()
     from ..cute_dsl.cute_io import aligned_operand
-    from ..triton.backward_kernel import compute_delta
-    from ..triton.forward_kernel import schedule_for
+    from ..triton.stages import compute_delta
 
     topk = block_indices.shape[-1]
     device = q.device
@@ -96,33 +93,9 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
         compute_delta(grad_out, out, grad_lse, delta, (device, q.dtype, dim, block_size, HEADS_PER_KV, topk))
         schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, BLOCK_SIZE, num_heads, plan,
                                 fragment_documents, fragment_starts)
-        key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
+        key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k, BLOCK_SIZE)
         launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk, softmax_scale)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-
-
-def backward_deterministic(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-                           max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
-                           fragment_documents=None, fragment_starts=None):
-    """`backward`, bitwise reproducible: the Triton deterministic backward with its dK/dV pass run
-    by this kernel's deterministic variant. Same contract and `UnsupportedInputs` as `backward`;
-    a given `plan` is not read (the workspace is laid out by the deterministic plan's items)."""
-    check_inputs(grad_out, q, k, v, block_size)
-    require_cute_dsl()
-    from ..cute_dsl.cute_io import aligned_operand
-    from ..triton import backward_deterministic_kernel
-
-    def key_blocks(q, k, v, grad_out, lse, delta, dk_part, dv_part, schedule, topk, softmax_scale):
-        q, k, v, grad_out = (aligned_operand(x) for x in (q, k, v, grad_out))
-        key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
-        unused_dq = torch.empty((1, *q.shape[1:]), dtype=torch.float32, device=q.device)
-        launch_blocks(q, k, v, grad_out, lse, delta, unused_dq, dk_part, dv_part, schedule, key_count, topk,
-                      softmax_scale, deterministic=True)
-
-    return backward_deterministic_kernel.backward(
-        grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        block_size, softmax_scale, grad_lse, plan, fragment_documents, fragment_starts, key_blocks=key_blocks,
-    )
 
 
 # The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).

@@ -42,19 +42,6 @@ def check_served(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: 
         )
 
 
-def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
-    """int32 `[max_buckets]`: keys of each bucket's block inside its document (1..128).
-
-    A block starts inside its document (`bucket_key_row` is a document's start plus a multiple of
-    128), so the document is the last one starting at or before that row. Unused buckets get a
-    harmless count.
-    """
-    cu = cu_seqlens_k.to(torch.int64)
-    document_after = torch.searchsorted(cu, bucket_key_row.to(torch.int64), right=True).clamp_(max=cu.numel() - 1)
-    doc_end = cu.index_select(0, document_after)
-    return (doc_end - bucket_key_row).clamp_(0, BLOCK_SIZE).to(torch.int32)
-
-
 # The schedule's tensors both SM90 kernels read, in launch order after their own operands.
 SCHEDULE_OPERANDS = tuple(
     (name, (), torch.int32)

@@ -7,7 +7,7 @@ Hq = 64, Hkv = 4); any top-k. Everything else is the Triton backend's: `check_se
 `forward` takes the step's plan (or builds one), sizes the partial outputs `[Tq * Hkv * topk *
 16, 128]` and their log2-sum-exp, launches the kernel on a persistent grid of `CTAS_PER_SM` CTAs
 per SM (capped by the item count), and merges the partials of every query into `out` and `lse`
-with the Triton combine. The kernel itself, its design and its bytes per token:
+with the Triton combine (`torch_msa.triton.stages.combine`). The kernel itself, its design and its bytes per token:
 `forward_kernel.py`; the constants and checks it shares with the backward: `common.py`.
 
 Importing this module imports neither cutlass nor triton: `compile_blocks_kernel` imports the
@@ -29,10 +29,10 @@ from .common import (
     HEADS_PER_KV,
     LOG2_E,
     SCHEDULE_OPERANDS,
-    bucket_key_count,
     check_served,
     schedule_tensors,
 )
+from ..schedule import bucket_key_count, schedule_for
 
 CTAS_PER_SM = 2  # shared memory: K, V, two Q tiles and the output tile are 113 KiB
 
@@ -72,7 +72,7 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     check_rows(q.shape[0], k.shape[1], block_indices.shape[-1])
     require_cute_dsl()
     from ..cute_dsl.cute_io import aligned_operand
-    from ..triton.forward_kernel import combine, schedule_for
+    from ..triton.stages import combine
 
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
@@ -85,7 +85,7 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q, k, v = (aligned_operand(x) for x in (q, k, v))
     schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, BLOCK_SIZE, num_heads, plan,
                             fragment_documents, fragment_starts)
-    key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k)
+    key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k, BLOCK_SIZE)
     rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
     partial_out = torch.empty((rows, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((rows,), -math.inf, dtype=torch.float32, device=q.device)

@@ -8,7 +8,7 @@ helpers).
 
 Design
 ------
-* **Work.** The step's plan (`torch_msa/plan.py`, the one every op of the step reads) lists
+* **Work.** The step's plan (`torch_msa/schedule.py`, the one every op of the step reads) lists
   *items*: one KV head's key block (a *bucket*) and a run of the (query, slot) entries that chose
   it (128 in the plans the public API builds; the kernel walks items of any size). The grid is
   persistent: CTA `c` walks items `c, c + grid, ...` up to the real item count, which it reads on
@@ -34,7 +34,7 @@ Design
   log2-sum-exp (fp32). The output tile goes through shared memory and leaves as one 16 x 128 TMA
   store per token (full 32-byte sectors; the TMA's 64-bit addressing, so no 2**31-element
   bound), the next tile's math overlapping the store. Laid out `[Tq, Hkv, topk, G]`, they are
-  merged by the Triton combine kernel (`torch_msa.triton.forward_kernel.combine`) into `out` and
+  merged by the Triton combine kernel (`torch_msa.triton.stages.combine`) into `out` and
   the natural-log `lse`.
 
 Bytes per token (M3, bf16, top-16, long documents, nothing kept in L2): a token has 64 entries

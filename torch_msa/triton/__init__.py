@@ -1,14 +1,17 @@
 """The Triton backend: every MSA op on CUDA capability 8.0 and newer, tuned on Hopper (SM90).
 
 Kernels, one module per op: `select_kernel.py` (index scoring + top-k), `plan_kernel.py` (the
-key-to-query schedule of `torch_msa/schedule.py`, packed as a plan: `torch_msa/plan.py`),
-`forward_kernel.py` (KV-outer attention + combine), `backward_kernel.py` (KV-outer dQ/dK/dV, adding
-with atomics) and `backward_deterministic_kernel.py` (KV-outer dK/dV reduced in a fixed order,
-query-outer dQ), which serves the backward under `torch.use_deterministic_algorithms(True)`, and
-`kl_kernel.py` (the index branch's KL loss on the sparse support, KV-outer: the forward computes
-the teacher once and reduces it into the teacher's half of the gradient, the backward only the
-student) and `kl_dense_kernel.py` (the same loss on the dense causal support of the warm-up
-stage, query-tile-outer like a flash forward).
+key-to-query schedule of `torch_msa/schedule.py`, packed as a plan), `forward_kernel.py`
+(KV-outer attention + combine), `backward_kernel.py` (KV-outer dQ/dK/dV, adding with atomics),
+`backward_deterministic_kernel.py` (the fixed-order reduction of per-item dK/dV and the
+query-outer dQ), `kl_kernel.py` (the index branch's KL loss on the sparse support, KV-outer: the
+forward computes the teacher once and reduces it into the teacher's half of the gradient, the
+backward only the student) and `kl_dense_kernel.py` (the same loss on the dense causal support of
+the warm-up stage, query-tile-outer like a flash forward). No kernel module imports another: what
+they share is in `common.py` (and `launch.py`, the launch configurations that fit the device).
+`backward_deterministic.py` composes the backward that serves under
+`torch.use_deterministic_algorithms(True)` from the stages of two of them, and `stages.py` is
+the interface through which other backends (SM90) compose those stages with their own kernels.
 The forward and the default backward read the plan they are given, or build one.
 
 Importing this package imports no triton: the kernel modules load on the first call, and the
@@ -25,12 +28,25 @@ import importlib.util
 
 import torch
 
-from ..backends import Backend, register_backend
-from .common import check_served
+from ..backends import Backend, UnsupportedInputs, register_backend
 
 NAME = "triton"
 MIN_CAPABILITY = (8, 0)
 INSTALL_COMMAND = "pip install triton"
+SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_dtype_and_group(name: str, dtype: torch.dtype, group_size: int = 1) -> None:
+    """Decline, before any launch, a dtype or a head group (`Hq / Hkv`) the Triton kernels do not handle.
+
+    Raises:
+        UnsupportedInputs: `dtype` is not bf16, fp16 or fp32, or `group_size > 128`.
+    """
+    if dtype not in SERVED_DTYPES:
+        raise UnsupportedInputs(f"{name} dtype {dtype} (the Triton kernels take bf16, fp16 or fp32)")
+    if group_size > 128:
+        raise UnsupportedInputs(
+            f"Hq / Hkv = {group_size} query heads per KV head (the Triton kernels take at most 128)")
 
 
 @functools.cache
@@ -70,7 +86,7 @@ def _kernels(module: str):
 
 def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
                   fragment_documents=None, fragment_starts=None):
-    check_served("index_q", index_q.dtype)
+    check_dtype_and_group("index_q", index_q.dtype)
     return _kernels("select_kernel").select_blocks(
         index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
         fragment_documents, fragment_starts,
@@ -79,7 +95,7 @@ def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def plan(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size, entries_per_item,
          fragment_documents=None, fragment_starts=None):
-    return _kernels("plan_kernel").build_plan(
+    return _kernels("plan_kernel").plan(
         block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
         fragment_documents, fragment_starts,
     )
@@ -87,7 +103,7 @@ def plan(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
             plan=None, fragment_documents=None, fragment_starts=None):
-    check_served("q", q.dtype, q.shape[1] // k.shape[1])
+    check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
     return _kernels("forward_kernel").forward(
         q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, plan,
         fragment_documents, fragment_starts,
@@ -97,9 +113,9 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
              max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
              fragment_documents=None, fragment_starts=None):
-    check_served("q", q.dtype, q.shape[1] // k.shape[1])
+    check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
     # Decided per call, like torch's own kernels: the flag may change between steps.
-    module = "backward_deterministic_kernel" if torch.are_deterministic_algorithms_enabled() else "backward_kernel"
+    module = "backward_deterministic" if torch.are_deterministic_algorithms_enabled() else "backward_kernel"
     return _kernels(module).backward(
         grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse, plan, fragment_documents, fragment_starts,
@@ -108,8 +124,8 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
 
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
-    check_served("q", q.dtype, q.shape[1] // k.shape[1])
-    check_served("index_q", index_q.dtype)
+    check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
+    check_dtype_and_group("index_q", index_q.dtype)
     if block_indices is None:
         return _kernels("kl_dense_kernel").indexer_kl_dense(
             q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -124,7 +140,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
 def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
                         teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         block_size, index_softmax_scale, fragment_documents=None, fragment_starts=None):
-    check_served("index_q", index_q.dtype)
+    check_dtype_and_group("index_q", index_q.dtype)
     if block_indices is None:
         return _kernels("kl_dense_kernel").indexer_kl_dense_backward(
             grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries,

@@ -1,52 +1,45 @@
-"""`msa::backward` in Triton, deterministic: every gradient element has one owner and a fixed
-summation order, so two runs on the same inputs agree bitwise. It serves the backward under
-`torch.use_deterministic_algorithms(True)`; the default backward (`backward_kernel.py`) adds
-with atomics instead.
+"""The fixed-order stages of the deterministic `msa::backward`, in Triton: every dK/dV element is
+summed by one program in item order, and every dQ element is computed by one program, so two
+runs on the same inputs agree bitwise.
 
-Four kernels:
+A deterministic backward runs four stages (`backward_deterministic.py` composes them for the
+Triton backend, `torch_msa/sm90/backward_deterministic.py` for the SM90 backend):
 
-* `delta = rowsum(dO * O) - grad_lse`, the default backward's preprocess.
-* the default backward's `_blocks_kernel` with `DETERMINISTIC=True`: one program per schedule item and
-  `BLOCK_N`-key slice of its block keeps dK/dV of the slice on chip while it walks the item's
-  queries `TOKENS` at a time with all `G` heads of the KV head. It computes no dQ, and instead of
-  adding its dK/dV to the result it stores them in the item's own workspace slot.
-* `_key_reduce_kernel`: one program per (bucket, key slice) sums the workspace slots of the
-  bucket's items in item order (a block many queries chose is split over several items) and
-  writes dK/dV of those keys in the inputs' dtype. Each (KV head, key) belongs to one bucket,
-  the one of its document's block, so the writes never overlap.
-* `_query_kernel`: query-outer dQ. One program owns one query and KV head, so all `G` rows of
-  dQ it writes are its own: it walks the query's `topk` slots in order, loads each selected key
-  block and recomputes `P = exp(S - lse)`, `dP = dO V^T` and `dS = P (dP - delta)` to add
-  `dS K`. The GEMMs are written transposed (`S^T = K Q^T`, `dQ^T += K^T dS^T`) so that their M
-  side is the key slice (64 or 128) rather than the `G` heads. It reads `block_indices` itself
-  and skips what the schedule drops: `-1` and negative ids, blocks past the query's causal
-  position, and repeats of an earlier slot's id.
+1. delta (`backward_kernel.compute_delta`);
+2. a key pass over the schedule of `key_workspace`: one program per schedule item (and key
+   slice) keeps dK/dV of its keys on chip while it walks the item's queries, computes no dQ, and
+   stores its dK/dV in the item's own slot of the `KeyWorkspace` (the Triton backend's
+   `backward_kernel.launch_blocks(deterministic=True)`, or the SM90 CuTe kernel's
+   deterministic variant);
+3. `reduce_key_workspace` (`msa_bwd_key_reduce_kernel`): one program per (bucket, key slice) sums
+   the workspace slots of the bucket's items in item order (a block many queries chose is split
+   over several items) and writes dK/dV of those keys in the inputs' dtype. Each (KV head, key)
+   belongs to one bucket, the one of its document's block, so the writes never overlap.
+4. `query_dq` (`msa_bwd_dq_kernel`): query-outer dQ. One program owns one query and KV head, so
+   all `G` rows of dQ it writes are its own: it walks the query's `topk` slots in order, loads
+   each selected key block and recomputes `P = exp(S - lse)`, `dP = dO V^T` and
+   `dS = P (dP - delta)` to add `dS K`. The GEMMs are written transposed (`S^T = K Q^T`,
+   `dQ^T += K^T dS^T`) so that their M side is the key slice (64 or 128) rather than the `G`
+   heads. It reads `block_indices` itself and skips what the schedule drops: `-1` and negative
+   ids, blocks past the query's causal position, and repeats of an earlier slot's id.
 
-The schedule items hold `_ITEM_TILES` query tiles, four times the default backward's, which
-bounds the workspace (`2 x items x block_size x D` fp32, about 16 KiB per token at M3 shapes,
-less than the default backward's fp32 dQ accumulator) at a small cost in balance.
+The schedule items hold `ITEM_TILES` query tiles, four times those of the plans the public API
+builds, which bounds the workspace (`2 x items x block_size x D` fp32, less than the atomic
+backward's fp32 dQ accumulator at M3 shapes) at a small cost in balance.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..documents import locate_queries
-from ..plan import unpack
-from .backward_kernel import compute_delta, launch_blocks
-from .common import dot_precision
-from .forward_kernel import LOG2_E, item_horizon, tile_shape
+from ..schedule import Schedule, plan_schedule
+from .common import LOG2_E, dot_precision, item_horizon, tile_shape
 from .launch import LaunchConfig, launch
-from .plan_kernel import build_plan
 
-_ITEM_TILES = 64  # query tiles per schedule item
-# `rows`/`block_n` as in the default backward's `_blocks_kernel`, which this one follows minus dQ.
-KEY_BLOCKS_CONFIGS = (
-    LaunchConfig(rows=128, block_n=64, num_stages=3),
-    LaunchConfig(rows=128, block_n=64, num_stages=1),
-    LaunchConfig(rows=64, block_n=64, num_stages=1),
-    LaunchConfig(rows=64, block_n=32, num_stages=1),
-)
+ITEM_TILES = 64  # query tiles (of the tuned tile of `common.TILE_ROWS` rows) per schedule item
 KEY_REDUCE_CONFIGS = (LaunchConfig(num_stages=1, num_warps=4, block_n=32),)
 # `block_n`: keys of one step of the query kernel; the K/V tiles of `num_stages` steps are in
 # flight at once.
@@ -59,8 +52,53 @@ QUERY_CONFIGS = (
 _MIN_DOT = 16  # the smallest dimension `tl.dot` takes
 
 
+class KeyWorkspace(NamedTuple):
+    """What the key pass of a deterministic backward writes and `reduce_key_workspace` reads.
+
+    Attributes:
+        schedule: the schedule both walk, with items of `entries_per_item` entries.
+        entries_per_item: the item size of `schedule`.
+        bucket_first_item: int32 `[max_buckets]`, the first item of each bucket (the items of a
+            bucket are consecutive).
+        dk_part, dv_part: fp32 `[max_items * block_size, D]`; the key pass stores item `i`'s dK
+            (already multiplied by `softmax_scale`) and dV of its block's key `c` in row
+            `i * block_size + c`, for every key up to the item's horizon (`common.item_horizon`)
+            inside the packed keys. No other row is read.
+    """
+
+    schedule: Schedule
+    entries_per_item: int
+    bucket_first_item: torch.Tensor
+    dk_part: torch.Tensor
+    dv_part: torch.Tensor
+
+
+def key_workspace(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, head_dim,
+                  fragment_documents=None, fragment_starts=None) -> KeyWorkspace:
+    """The schedule of a deterministic backward (items of `ITEM_TILES` query tiles) and its empty
+    workspace, on the device of `block_indices`.
+
+    Args:
+        block_indices: int32 `[Hkv, Tq, topk]`; cu_seqlens_q, cu_seqlens_k, fragments: as for
+            `torch_msa.schedule.build_schedule`; num_keys: `Tk`; block_size: keys per block.
+        num_heads: `Hq`, which with `Hkv` sizes the query tiles; head_dim: `D`.
+    """
+    device = block_indices.device
+    entries_per_item = tile_shape(num_heads, block_indices.shape[0])[0] * ITEM_TILES
+    schedule = plan_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
+                             fragment_documents, fragment_starts)
+    num_buckets = schedule.bucket_head.numel()
+    bucket_first_item = torch.searchsorted(
+        schedule.item_bucket, torch.arange(num_buckets, device=device, dtype=torch.int32), out_int32=True
+    )
+    rows = schedule.item_start.numel() * block_size
+    dk_part = torch.empty((rows, head_dim), dtype=torch.float32, device=device)
+    dv_part = torch.empty((rows, head_dim), dtype=torch.float32, device=device)
+    return KeyWorkspace(schedule, entries_per_item, bucket_first_item, dk_part, dv_part)
+
+
 @triton.jit
-def _key_reduce_kernel(
+def msa_bwd_key_reduce_kernel(
     dk_part, dv_part, dk, dv,
     entry_query, item_end, bucket_ptr, bucket_first_item, bucket_head, bucket_key_row, bucket_block, position,
     num_keys, entries_per_item,
@@ -99,7 +137,7 @@ def _key_reduce_kernel(
 
 
 @triton.jit
-def _query_kernel(
+def msa_bwd_dq_kernel(
     q, k, v, grad_out, lse, delta, dq, block_indices, key_start, position,
     num_queries, softmax_scale, qk_scale,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
@@ -160,66 +198,58 @@ def _query_kernel(
              (dq_t * softmax_scale).to(dq.dtype.element_ty), mask=head_ok[None, :])
 
 
-def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
-             fragment_documents=None, fragment_starts=None, key_blocks=None):
-    """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype,
-    bitwise reproducible. A given `plan` is not read: the key kernels need items of exactly
-    `_ITEM_TILES` tiles (the workspace and its reduction are laid out by item), so this backward
-    builds its own plan of that item size.
+def reduce_key_workspace(workspace: KeyWorkspace, dk, dv, topk, block_size, shape_key) -> None:
+    """Sum each bucket's item slots of `workspace`, in item order, into the bucket's keys of `dk`, `dv`.
 
-    Shapes: `grad_out`, `q`, `out` `[Tq, Hq, D]`; `k`, `v` `[Tk, Hkv, D]`; `lse`, `grad_lse`
-    `[Tq, Hq]` fp32; `block_indices` int32 `[Hkv, Tq, topk]`.
-
-    `key_blocks`, when given, replaces the Triton key-blocks kernel (the SM90 backend passes its
-    CuTe kernel's deterministic variant): called as `key_blocks(q, k, v, grad_out, lse, delta,
-    dk_part, dv_part, schedule, topk, softmax_scale)`, it must store every item's dK (scaled) and
-    dV of the keys up to the item's horizon into the item's workspace rows `item * block_size + c`
-    (fp32 `[items * block_size, D]`).
+    Args:
+        workspace: filled by a key pass over `workspace.schedule`.
+        dk, dv: `[Tk, Hkv, D]` in the inputs' dtype, unit stride in D; the keys some item reads are
+            written, the others left as they are.
+        topk: slots per query of the `block_indices` the schedule was built from.
+        block_size: keys per block.
+        shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
     """
-    num_queries, num_heads, dim = q.shape
-    num_keys, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    topk = block_indices.shape[-1]
-    device = q.device
-    dk = torch.zeros(k.shape, dtype=k.dtype, device=device)
-    dv = torch.zeros(v.shape, dtype=v.dtype, device=device)
-    if num_queries == 0 or num_keys == 0 or topk == 0:
-        return torch.zeros(q.shape, dtype=q.dtype, device=device), dk, dv
-    dq = torch.empty(q.shape, dtype=q.dtype, device=device)  # `_query_kernel` writes every row
-    q, k, v, grad_out, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad_out, out))
-    lse = lse.contiguous()
-    block_indices = block_indices.contiguous()
-    delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
-    entries_per_item = tile_shape(num_heads, num_kv_heads, KEY_BLOCKS_CONFIGS[0].rows)[0] * _ITEM_TILES
-    schedule = unpack(build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
-                                 fragment_documents, fragment_starts),
-                      block_indices, num_keys, cu_seqlens_k.numel() - 1, block_size)
-    num_buckets = schedule.bucket_head.numel()
-    bucket_first_item = torch.searchsorted(
-        schedule.item_bucket, torch.arange(num_buckets, device=device, dtype=torch.int32), out_int32=True
-    )
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
-    workspace_rows = schedule.item_start.numel() * block_size
-    dk_part = torch.empty((workspace_rows, dim), dtype=torch.float32, device=device)
-    dv_part = torch.empty((workspace_rows, dim), dtype=torch.float32, device=device)
-    shape_key = (device, q.dtype, dim, block_size, group, topk)
-    precision = dot_precision(q.dtype)
+    schedule = workspace.schedule
+    num_keys, _, dim = dk.shape
 
     def launch_key_reduce(config):
         block_n = min(config.block_n, block_size)
-        _key_reduce_kernel[(num_buckets, block_size // block_n)](
-            dk_part, dv_part, dk, dv,
-            schedule.entry_query, schedule.item_end, schedule.bucket_ptr, bucket_first_item,
+        msa_bwd_key_reduce_kernel[(schedule.bucket_head.numel(), block_size // block_n)](
+            workspace.dk_part, workspace.dv_part, dk, dv,
+            schedule.entry_query, schedule.item_end, schedule.bucket_ptr, workspace.bucket_first_item,
             schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-            num_keys, entries_per_item,
+            num_keys, workspace.entries_per_item,
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=dim,
             **config.options,
         )
 
+    launch("msa_bwd_key_reduce_kernel", shape_key, KEY_REDUCE_CONFIGS, launch_key_reduce)
+
+
+def query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, softmax_scale,
+             shape_key, fragment_documents=None, fragment_starts=None) -> None:
+    """dQ, query-outer: every row of `dq` written by the one program that owns it.
+
+    Args:
+        q, grad_out: `[Tq, Hq, D]`; k, v: `[Tk, Hkv, D]`; one dtype, unit stride in D.
+        lse: fp32 `[Tq, Hq]` contiguous, natural log; delta: fp32 `[Tq, Hq]` contiguous, from
+            `compute_delta`.
+        dq: `[Tq, Hq, D]` in q's dtype, unit stride in D; written.
+        block_indices: int32 `[Hkv, Tq, topk]`, contiguous.
+        cu_seqlens_q, cu_seqlens_k, fragments: the documents, as for the op.
+        block_size: keys per block; softmax_scale: the scale of `q k^T`.
+        shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
+    """
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    topk = block_indices.shape[-1]
+    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
+    precision = dot_precision(q.dtype)
+
     def launch_query(config):
-        _query_kernel[(num_queries, num_kv_heads)](
+        msa_bwd_dq_kernel[(num_queries, num_kv_heads)](
             q, k, v, grad_out, lse, delta, dq, block_indices, docs.key_start, docs.position,
             num_queries, softmax_scale, softmax_scale * LOG2_E.value,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -230,13 +260,4 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
             **config.options,
         )
 
-    compute_delta(grad_out, out, grad_lse, delta, shape_key)
-    if key_blocks is not None:
-        key_blocks(q, k, v, grad_out, lse, delta, dk_part, dv_part, schedule, topk, softmax_scale)
-    else:
-        launch_blocks(q, k, v, grad_out, lse, delta, (dk_part, dk_part, dv_part), schedule, topk, block_size,
-                      softmax_scale, KEY_BLOCKS_CONFIGS, "backward_deterministic._blocks_kernel", shape_key,
-                      deterministic=True)
-    launch("backward_deterministic._key_reduce_kernel", shape_key, KEY_REDUCE_CONFIGS, launch_key_reduce)
-    launch("backward_deterministic._query_kernel", shape_key, QUERY_CONFIGS, launch_query)
-    return dq, dk, dv
+    launch("msa_bwd_dq_kernel", shape_key, QUERY_CONFIGS, launch_query)

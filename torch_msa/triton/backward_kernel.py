@@ -1,8 +1,8 @@
 """`msa::backward` in Triton: KV-outer, dK/dV on chip, dQ through fp32 atomics.
 
-`_delta_kernel` computes `delta = rowsum(dO * O) - grad_lse` per (query, head) in fp32.
+`msa_bwd_delta_kernel` computes `delta = rowsum(dO * O) - grad_lse` per (query, head) in fp32.
 
-`_blocks_kernel` takes one schedule item (a KV head's key block and a run of the queries that
+`msa_bwd_blocks_kernel` takes one schedule item (a KV head's key block and a run of the queries that
 chose it) and one `BLOCK_N`-key slice of the block: it loads that K/V slice once, walks the
 queries `TOKENS` at a time with all `G` heads of the KV head (128-row tiles for M3), and for each
 tile computes `P = exp(S - lse)`, `dV += P^T dO`, `dP = dO V^T`, `dS = P (dP - delta)`,
@@ -12,8 +12,10 @@ Splitting the 128-key block into `BLOCK_N` slices keeps the two fp32 accumulator
 register file.
 
 The atomics make the result order-dependent in the last bits, so under
-`torch.use_deterministic_algorithms(True)` the backend serves the backward with
-`backward_deterministic_kernel.py` instead, and this one declines.
+`torch.use_deterministic_algorithms(True)` the backend serves the deterministic backward
+(`backward_deterministic.py`) instead, and this one declines. That backward runs the two stages
+of this module too: `compute_delta`, and `launch_blocks` with `deterministic=True`, which
+stores each item's dK/dV in a workspace instead of adding them.
 """
 
 import torch
@@ -21,8 +23,8 @@ import triton
 import triton.language as tl
 
 from ..backends import UnsupportedInputs
-from .common import dot_precision
-from .forward_kernel import LOG2_E, item_horizon, schedule_for, tile_shape
+from ..schedule import schedule_for
+from .common import LOG2_E, dot_precision, item_horizon, tile_shape
 from .launch import LaunchConfig, launch
 
 # Tuned on SM90 first (128 query rows, 64-key slices, 3 stages); the others fit sm_100 (whose
@@ -33,11 +35,18 @@ BLOCKS_CONFIGS = (
     LaunchConfig(rows=64, block_n=64, num_stages=1),
     LaunchConfig(rows=64, block_n=32, num_stages=1),
 )
+# The deterministic variant: the same kernel without dQ, so the same tiles.
+DETERMINISTIC_BLOCKS_CONFIGS = (
+    LaunchConfig(rows=128, block_n=64, num_stages=3),
+    LaunchConfig(rows=128, block_n=64, num_stages=1),
+    LaunchConfig(rows=64, block_n=64, num_stages=1),
+    LaunchConfig(rows=64, block_n=32, num_stages=1),
+)
 DELTA_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4, rows=64),)
 
 
 @triton.jit
-def _delta_kernel(
+def msa_bwd_delta_kernel(
     grad_out, out, grad_lse, delta, num_rows,
     stride_grad_token, stride_grad_head, stride_out_token, stride_out_head,
     NUM_HEADS: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
@@ -58,7 +67,7 @@ def _delta_kernel(
 
 
 @triton.jit
-def _blocks_kernel(
+def msa_bwd_blocks_kernel(
     q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc,
     entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
     num_keys, softmax_scale, qk_scale,
@@ -74,7 +83,7 @@ def _blocks_kernel(
     `dk_acc`, `dv_acc` (`[T * H, D]` rows) with atomics. `DETERMINISTIC`: no dQ (`dq_acc` is not
     touched) and dK/dV are stored, not added, into the item's own slot of the workspaces `dk_acc`,
     `dv_acc` (rows `item * BLOCK + c` for the block's key `c`), which
-    `backward_deterministic_kernel.py` reduces in a fixed order.
+    `backward_deterministic_kernel.reduce_key_workspace` reduces in a fixed order.
     """
     item = tl.program_id(0)
     start = tl.load(item_start + item)
@@ -165,28 +174,35 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
         shape_key = (q.device, q.dtype, dim, block_size, group, topk)
         compute_delta(grad_out, out, grad_lse, delta, shape_key)
         launch_blocks(q, k, v, grad_out, lse, delta, (dq_acc, dk_acc, dv_acc), schedule, topk, block_size,
-                      softmax_scale, BLOCKS_CONFIGS, "backward._blocks_kernel", shape_key, deterministic=False)
+                      softmax_scale, BLOCKS_CONFIGS, "msa_bwd_blocks_kernel", shape_key, deterministic=False)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
 def compute_delta(grad_out, out, grad_lse, delta, shape_key) -> None:
-    """`delta = rowsum(dO * O) - grad_lse` into fp32 `delta [Tq, Hq]` (contiguous)."""
+    """The first stage of every backward but SM100's: `delta = rowsum(dO * O) - grad_lse` (fp32).
+
+    Args:
+        grad_out, out: `[Tq, Hq, D]` of one dtype, unit stride in D.
+        grad_lse: `[Tq, Hq]` (read as fp32), or None for a loss that does not depend on lse.
+        delta: fp32 `[Tq, Hq]`, contiguous; written.
+        shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
+    """
     num_queries, num_heads, dim = out.shape
 
     def launch_delta(config):
-        _delta_kernel[(triton.cdiv(num_queries * num_heads, config.rows),)](
+        msa_bwd_delta_kernel[(triton.cdiv(num_queries * num_heads, config.rows),)](
             grad_out, out, grad_lse.contiguous() if grad_lse is not None else delta, delta, num_queries * num_heads,
             grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, DIM=dim, ROWS=config.rows, HAS_GRAD_LSE=grad_lse is not None,
             **config.options,
         )
 
-    launch("backward._delta_kernel", shape_key, DELTA_CONFIGS, launch_delta)
+    launch("msa_bwd_delta_kernel", shape_key, DELTA_CONFIGS, launch_delta)
 
 
 def launch_blocks(q, k, v, grad_out, lse, delta, outputs, schedule, topk, block_size, softmax_scale, configs, name,
                   shape_key, deterministic: bool) -> None:
-    """`_blocks_kernel` over every item of `schedule` and key slice: `outputs` are
+    """`msa_bwd_blocks_kernel` over every item of `schedule` and key slice: `outputs` are
     `(dq_acc, dk_acc, dv_acc)`, the fp32 accumulators, or with `deterministic` the per-item dK/dV
     workspaces (`(ignored, dk_part, dv_part)`, rows `item * block_size + c`)."""
     num_heads, dim = q.shape[1], q.shape[2]
@@ -195,7 +211,7 @@ def launch_blocks(q, k, v, grad_out, lse, delta, outputs, schedule, topk, block_
     def launch_config(config):
         tokens, group_p2 = tile_shape(num_heads, num_kv_heads, config.rows)
         block_n = min(config.block_n, block_size)
-        _blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
+        msa_bwd_blocks_kernel[(schedule.item_start.numel(), block_size // block_n)](
             q, k, v, grad_out, lse, delta, *outputs,
             schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
             schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,

@@ -1,13 +1,13 @@
 """`msa::forward` in Triton: KV-outer sparse attention with a combine pass.
 
-Pass 1 (`_blocks_kernel`): one program per schedule item, i.e. one KV head's key block and a run
+Pass 1 (`msa_fwd_blocks_kernel`): one program per schedule item, i.e. one KV head's key block and a run
 of the queries that chose it. K and V of the block are loaded once; the queries are taken
 `TOKENS` at a time with all `G` query heads of the KV head, so one tile has `TOKENS x G` rows
 (8 x 16 = 128 for M3) that all read the same 128 keys: full-width GEMMs whatever the selection
 looks like. Each (query, slot) gets a partial output normalised over its block and the block's
 log2-sum-exp.
 
-Pass 2 (`_combine_kernel`): one program per (query, KV head) merges its `topk` partials with
+Pass 2 (`msa_fwd_combine_kernel`): one program per (query, KV head) merges its `topk` partials with
 their log-sum-exps. Slots without an entry (`-1`, repeated or invisible ids) keep the `-inf`
 the partial lse starts with and weigh nothing.
 
@@ -21,60 +21,17 @@ import triton
 import triton.language as tl
 
 from ..contract import compute_dtype
-from ..plan import entries_per_item, unpack
-from .common import dot_precision
+from ..schedule import schedule_for
+from .common import LN_2, LOG2_E, TILE_ROWS, dot_precision, item_horizon, tile_shape
 from .launch import LaunchConfig, launch
-from .plan_kernel import build_plan
 
-# Constexpr so that kernels read them as constants; host code reads `.value`.
-LOG2_E = tl.constexpr(math.log2(math.e))
-LN_2 = tl.constexpr(math.log(2))
-_ROWS = 128  # query rows (tokens x heads) per tile of the tuned configuration
 # Tuned on SM90 first; fewer rows and no pipelining for devices with less shared memory.
-BLOCKS_CONFIGS = (LaunchConfig(rows=_ROWS, num_stages=3), LaunchConfig(rows=64, num_stages=1))
+BLOCKS_CONFIGS = (LaunchConfig(rows=TILE_ROWS, num_stages=3), LaunchConfig(rows=64, num_stages=1))
 COMBINE_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4),)
 
 
-_HORIZON_ENTRIES: tl.constexpr = tl.constexpr(128)
-
-
-def tile_shape(num_heads: int, num_kv_heads: int, rows: int = _ROWS) -> tuple[int, int]:
-    """`(tokens, heads_p2)` of a query tile of about `rows` rows: all heads of a KV head for
-    `tokens` queries."""
-    heads_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
-    return max(1, rows // heads_p2), heads_p2
-
-
-def schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan=None,
-                 fragment_documents=None, fragment_starts=None):
-    """The KV-outer schedule the kernels walk: `plan`'s, or (`None`) a new plan's, with the items
-    the public API builds (`torch_msa.plan.entries_per_item`)."""
-    if plan is None:
-        plan = build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size,
-                          entries_per_item(num_heads, block_indices.shape[0]), fragment_documents, fragment_starts)
-    return unpack(plan, block_indices, num_keys, cu_seqlens_k.numel() - 1, block_size)
-
-
 @triton.jit
-def item_horizon(entry_query, position, start, end, TOPK: tl.constexpr):
-    """The last key position any query of an item sees: the largest position of its entries.
-
-    An item's entries all read one key block of one document, so this bounds the keys the item
-    may read to its own document. Entries are sorted by query, which within a document is
-    position order, except across query fragments of one document: hence the max, not the last
-    entry's position. One chunk of `_HORIZON_ENTRIES` covers the items the public API builds.
-    """
-    horizon = tl.full((), -1, tl.int32)
-    for first in range(start, end, _HORIZON_ENTRIES):
-        entries = first + tl.arange(0, _HORIZON_ENTRIES)
-        ok = entries < end
-        token = (tl.load(entry_query + entries, mask=ok, other=0) // TOPK).to(tl.int64)
-        horizon = tl.maximum(horizon, tl.max(tl.load(position + token, mask=ok, other=-1), axis=0))
-    return horizon
-
-
-@triton.jit
-def _blocks_kernel(
+def msa_fwd_blocks_kernel(
     q, k, v, partial_out, partial_lse,
     entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
     num_keys, qk_scale,
@@ -134,7 +91,7 @@ def _blocks_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def msa_fwd_combine_kernel(
     partial_out, partial_lse, out, lse,
     stride_out_token, stride_out_head,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
@@ -186,12 +143,13 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan,
                             fragment_documents, fragment_starts)
     partial_out = torch.empty((num_queries * num_kv_heads * topk * group, dim), dtype=q.dtype, device=q.device)
-    partial_lse = torch.full((num_queries * num_kv_heads * topk * group,), -math.inf, dtype=torch.float32, device=q.device)
+    partial_lse = torch.full((num_queries * num_kv_heads * topk * group,), -math.inf, dtype=torch.float32,
+                             device=q.device)
     shape_key = (q.device, q.dtype, dim, block_size, group, topk)
 
     def launch_blocks(config):
         tokens, group_p2 = tile_shape(num_heads, num_kv_heads, config.rows)
-        _blocks_kernel[(schedule.item_start.numel(),)](
+        msa_fwd_blocks_kernel[(schedule.item_start.numel(),)](
             q, k, v, partial_out, partial_lse,
             schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
             schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
@@ -202,7 +160,7 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             **config.options,
         )
 
-    launch("forward._blocks_kernel", shape_key, BLOCKS_CONFIGS, launch_blocks)
+    launch("msa_fwd_blocks_kernel", shape_key, BLOCKS_CONFIGS, launch_blocks)
     combine(partial_out, partial_lse, out, lse, num_kv_heads, topk)
     return out, lse
 
@@ -223,11 +181,11 @@ def combine(partial_out, partial_lse, out, lse, num_kv_heads, topk):
     shape_key = (out.device, out.dtype, dim, group, topk)
 
     def launch_combine(config):
-        _combine_kernel[(num_queries, num_kv_heads)](
+        msa_fwd_combine_kernel[(num_queries, num_kv_heads)](
             partial_out, partial_lse, out, lse,
             out.stride(0), out.stride(1),
             NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), TOPK=topk, DIM=dim,
             **config.options,
         )
 
-    launch("forward._combine_kernel", shape_key, COMBINE_CONFIGS, launch_combine)
+    launch("msa_fwd_combine_kernel", shape_key, COMBINE_CONFIGS, launch_combine)

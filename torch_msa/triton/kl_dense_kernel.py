@@ -11,18 +11,19 @@ Kernels (each program owns a tile of consecutive queries of one document and wal
 visible key tiles of that document; key tiles past the tile's last position are never read, so
 no value of another document is ever loaded):
 
-* `_teacher_lse_kernel` (only when the caller has no `lse`): programs over (query tile, query
-  head), an online log-sum-exp of the scores: a flash forward without the `P V` product.
-* `_loss_kernel`: programs over (query tile, KV head r). Per key tile it loads the keys once and
-  runs the `G` score GEMMs of the group's heads over them (the heads' queries stream through the
-  inner loop, as keys stream through a flash forward), sums `exp(S - lse)` into `P_t`, computes
-  the student logits (one index GEMM), and accumulates per query the student's online lse,
-  `A = sum P_t (log P_t - u)`, `M` and the teacher's index keys `sum_J P_t index_k`. The
-  teacher's index queries `sum_(t, r) P_t index_q[t, r]` are a reduction over queries: each
-  program adds its `[key tile, Di]` share with fp32 atomics.
-* `_query_grad_kernel` (query tiles) and `_key_grad_kernel` (key tiles, all index heads and the
-  queries that see them, reduced in registers): the backward reads only the student, so it is
-  two index-GEMM passes and needs no atomics.
+* `msa_kl_dense_teacher_lse_kernel` (only when the caller has no `lse`): programs over (query
+  tile, query head), an online log-sum-exp of the scores: a flash forward without the `P V`
+  product.
+* `msa_kl_dense_loss_kernel`: programs over (query tile, KV head r). Per key tile it loads the
+  keys once and runs the `G` score GEMMs of the group's heads over them (the heads' queries stream
+  through the inner loop, as keys stream through a flash forward), sums `exp(S - lse)` into
+  `P_t`, computes the student logits (one index GEMM), and accumulates per query the student's
+  online lse, `A = sum P_t (log P_t - u)`, `M` and the teacher's index keys
+  `sum_J P_t index_k`. The teacher's index queries `sum_(t, r) P_t index_q[t, r]` are a reduction
+  over queries: each program adds its `[key tile, Di]` share with fp32 atomics.
+* `msa_kl_dense_query_grad_kernel` (query tiles) and `msa_kl_dense_key_grad_kernel` (key tiles,
+  all index heads and the queries that see them, reduced in registers): the backward reads only
+  the student, so it is two index-GEMM passes and needs no atomics.
 
 Cost at M3 (Hq 64, Hkv 4, D = Di = 128), T tokens of one document, `T^2 / 2` visible pairs:
 the teacher GEMMs are `2 Hq D T^2 / 2` FLOPs per pass (8.6 TFLOP at 32K) with one exp per
@@ -41,7 +42,7 @@ Memory: `O(T (Hq + Hi Di))` fp32 outputs; no buffer grows with `T x T`.
 
 Precision: scores and exponentials in fp32; the GEMMs that take probabilities as an operand
 (teacher terms, student gradient) split them into two halves of the index inputs' dtype
-(`kl_kernel.weighted_dot`), so the gradient's teacher and student terms, nearly equal once the
+(`common.weighted_dot`), so the gradient's teacher and student terms, nearly equal once the
 student has learnt, keep their difference. fp32 inputs multiply in full fp32 ("ieee").
 """
 
@@ -53,11 +54,9 @@ import triton.language as tl
 
 from ..backends import UnsupportedInputs
 from ..documents import locate_queries
-from .common import check_served, dot_precision
-from .forward_kernel import LN_2, LOG2_E
-from .kl_kernel import split_weights, weighted_dot
+from . import check_dtype_and_group
+from .common import LN_2, LOG2_E, dot_precision, split_weights, weighted_dot
 from .launch import LaunchConfig, launch
-
 
 # Tuned first for SM90 (228 KB of shared memory per SM), then smaller tiles and fewer stages for
 # the parts with less shared memory. `rows`: query tokens of a program's tile (or of the key-outer
@@ -80,8 +79,8 @@ def _check_dim(name: str, dim: int) -> None:
 
 def check_inputs(q, k, index_q) -> None:
     """Decline, before any launch, what these kernels do not serve (the reference does)."""
-    check_served("q", q.dtype, q.shape[1] // k.shape[1])
-    check_served("index_q", index_q.dtype)
+    check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
+    check_dtype_and_group("index_q", index_q.dtype)
     _check_dim("head dim", q.shape[-1])
     _check_dim("index head dim", index_q.shape[-1])
 
@@ -126,7 +125,7 @@ def _finite_or_zero(x):
 
 
 @triton.jit
-def _teacher_lse_kernel(
+def msa_kl_dense_teacher_lse_kernel(
     q, k, key_start, position, cu_seqlens_q, teacher_lse,
     num_queries, num_docs, tiles_per_doc, qk_scale,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head,
@@ -168,7 +167,7 @@ def _teacher_lse_kernel(
 
 
 @triton.jit
-def _loss_kernel(
+def msa_kl_dense_loss_kernel(
     q, k, teacher_lse, index_q, index_k, key_start, position, cu_seqlens_q,
     weighted, mass, index_lse, teacher_index_keys, teacher_index_queries,
     num_queries, num_docs, tiles_per_doc, qk_scale, index_scale,
@@ -245,7 +244,7 @@ def _loss_kernel(
 
 
 @triton.jit
-def _query_grad_kernel(
+def msa_kl_dense_query_grad_kernel(
     index_q, index_k, index_lse, teacher_mass, teacher_index_keys, coefficient, d_index_q,
     key_start, position, cu_seqlens_q,
     num_queries, num_docs, tiles_per_doc, index_scale,
@@ -284,7 +283,7 @@ def _query_grad_kernel(
 
 
 @triton.jit
-def _key_grad_kernel(
+def msa_kl_dense_key_grad_kernel(
     index_q, index_k, index_lse, teacher_mass, teacher_index_queries, coefficient, d_index_k,
     key_start, position, cu_seqlens_q, cu_seqlens_k,
     num_queries, num_keys, num_docs, index_scale,
@@ -403,7 +402,7 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, ma
     if lse is None:
         def launch_teacher_lse(config):
             tiles = _tiles_per_doc(max_seqlen_q, num_queries, config.rows)
-            _teacher_lse_kernel[(num_docs * tiles, num_heads)](
+            msa_kl_dense_teacher_lse_kernel[(num_docs * tiles, num_heads)](
                 q, k, docs.key_start, docs.position, cu_seqlens_q, teacher_lse,
                 num_queries, num_docs, tiles, qk_scale,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -411,11 +410,11 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, ma
                 PRECISION=precision, **config.options,
             )
 
-        launch("kl_dense._teacher_lse_kernel", shape_key, TEACHER_LSE_CONFIGS, launch_teacher_lse)
+        launch("msa_kl_dense_teacher_lse_kernel", shape_key, TEACHER_LSE_CONFIGS, launch_teacher_lse)
 
     def launch_loss(config):
         tiles = _tiles_per_doc(max_seqlen_q, num_queries, config.rows)
-        _loss_kernel[(num_docs * tiles, num_kv_heads)](
+        msa_kl_dense_loss_kernel[(num_docs * tiles, num_kv_heads)](
             q, k, teacher_lse, index_q, index_k, docs.key_start, docs.position, cu_seqlens_q,
             weighted, mass, index_lse, teacher_index_keys, teacher_index_queries,
             num_queries, num_docs, tiles, qk_scale, index_scale,
@@ -426,7 +425,7 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, ma
             **config.options,
         )
 
-    launch("kl_dense._loss_kernel", shape_key, LOSS_CONFIGS, launch_loss)
+    launch("msa_kl_dense_loss_kernel", shape_key, LOSS_CONFIGS, launch_loss)
     divergence = weighted + torch.where(mass > 0, mass * index_lse.masked_fill(torch.isinf(index_lse), 0), 0)
     loss = divergence.sum() / (num_queries * num_kv_heads)
     return (loss, *outputs)
@@ -448,7 +447,7 @@ def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
     if fragment_documents is not None:
         raise UnsupportedInputs("query fragments (fragment_documents given): the Triton dense KL backward walks each "
                                 "document's queries as one causal suffix")
-    check_served("index_q", index_q.dtype)
+    check_dtype_and_group("index_q", index_q.dtype)
     index_dim = index_q.shape[-1]
     _check_dim("index head dim", index_dim)
     num_queries, num_kv_heads, _ = index_q.shape
@@ -472,7 +471,7 @@ def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
 
     def launch_query_grad(config):
         tiles = _tiles_per_doc(max_seqlen_q, num_queries, config.rows)
-        _query_grad_kernel[(num_docs * tiles, num_kv_heads)](
+        msa_kl_dense_query_grad_kernel[(num_docs * tiles, num_kv_heads)](
             index_q, index_k, index_lse, teacher_mass, teacher_index_keys, coefficient, d_index_q,
             docs.key_start, docs.position, cu_seqlens_q,
             num_queries, num_docs, tiles, index_scale,
@@ -484,7 +483,7 @@ def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
 
     def launch_key_grad(config):
         tiles = _tiles_per_doc(max_seqlen_k, num_keys, config.block_n)
-        _key_grad_kernel[(num_docs * tiles,)](
+        msa_kl_dense_key_grad_kernel[(num_docs * tiles,)](
             index_q, index_k, index_lse, teacher_mass, teacher_index_queries, coefficient, d_index_k,
             docs.key_start, docs.position, cu_seqlens_q, cu_seqlens_k,
             num_queries, num_keys, num_docs, index_scale,
@@ -494,6 +493,6 @@ def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
             **config.options,
         )
 
-    launch("kl_dense._query_grad_kernel", shape_key, QUERY_GRAD_CONFIGS, launch_query_grad)
-    launch("kl_dense._key_grad_kernel", shape_key, KEY_GRAD_CONFIGS, launch_key_grad)
+    launch("msa_kl_dense_query_grad_kernel", shape_key, QUERY_GRAD_CONFIGS, launch_query_grad)
+    launch("msa_kl_dense_key_grad_kernel", shape_key, KEY_GRAD_CONFIGS, launch_key_grad)
     return d_index_q, d_index_k

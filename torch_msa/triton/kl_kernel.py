@@ -40,8 +40,8 @@ import triton.language as tl
 
 from ..backends import UnsupportedInputs
 from ..reference_kl import loss_dtype
-from .common import dot_precision
-from .forward_kernel import LN_2, LOG2_E, item_horizon, schedule_for
+from ..schedule import schedule_for
+from .common import LN_2, LOG2_E, dot_precision, item_horizon, split_weights, weighted_dot
 from .launch import LaunchConfig, launch
 
 # `rows`: teacher rows (tokens x heads) of a forward tile; tokens of a backward tile.
@@ -146,19 +146,7 @@ def _teacher_tile(
 
 
 @triton.jit
-def weighted_dot(weights, operand, acc, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
-    """`acc + weights @ operand` for fp32 `weights`: with `SPLIT` (16-bit operands), in two halves
-    of the operand's dtype, so the product keeps about 16 bits of the weights."""
-    high = weights.to(operand.dtype)
-    acc = tl.dot(high, operand, acc, input_precision=PRECISION)
-    if SPLIT:
-        low = (weights - high.to(tl.float32)).to(operand.dtype)
-        acc = tl.dot(low, operand, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _forward_kernel(
+def msa_kl_fwd_kernel(
     q, k, lse, index_q, index_k, part_max, part_sum, part_weighted, part_mass, teacher_index_keys,
     teacher_index_queries,
     entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
@@ -219,7 +207,7 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_kernel(
+def msa_kl_bwd_kernel(
     index_q, index_k, index_lse, teacher_mass, coefficient, d_index_q, d_index_k,
     entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
     num_keys, index_scale, stride_iq_token, stride_iq_head, stride_ik_token,
@@ -264,12 +252,6 @@ def _schedule_tables(schedule) -> tuple:
             schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position)
 
 
-def split_weights(index_dtype: torch.dtype) -> bool:
-    """Whether `weighted_dot` splits its weights: for 16-bit index inputs, whose single rounding
-    would cost the gradient's two near-equal terms (teacher and student) their difference."""
-    return index_dtype in (torch.float16, torch.bfloat16)
-
-
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
     """Same contract as `torch_msa.reference_kl.indexer_kl` (sparse support, `lse` given)."""
@@ -292,7 +274,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
 
         def launch_forward(config):
             tokens, heads_per_pass = kl_tile_shape(num_heads, num_kv_heads, config.rows)
-            _forward_kernel[(schedule.item_start.numel(),)](
+            msa_kl_fwd_kernel[(schedule.item_start.numel(),)](
                 q, k, lse, index_q, index_k, part_max, part_sum, part_weighted, part_mass,
                 teacher_index_keys, teacher_index_queries, *_schedule_tables(schedule),
                 num_queries, num_keys, softmax_scale * LOG2_E.value, index_softmax_scale * LOG2_E.value,
@@ -305,7 +287,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
             )
 
         shape_key = (q.device, q.dtype, index_q.dtype, dim, index_dim, block_size, num_heads // num_kv_heads)
-        launch("kl._forward_kernel", shape_key, FORWARD_CONFIGS, launch_forward)
+        launch("msa_kl_fwd_kernel", shape_key, FORWARD_CONFIGS, launch_forward)
     used = part_sum > 0
     slot_lse = torch.where(used, (part_max + torch.where(used, part_sum, 1).log2()) * math.log(2), -math.inf)
     index_lse = torch.logsumexp(slot_lse, -1)  # [Hi, Tq]
@@ -335,7 +317,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
         student_lse, mass = index_lse.float().contiguous(), teacher_mass.float().contiguous()
 
         def launch_backward(config):
-            _backward_kernel[(schedule.item_start.numel(),)](
+            msa_kl_bwd_kernel[(schedule.item_start.numel(),)](
                 index_q, index_k, student_lse, mass, coefficient, d_index_q, d_index_k, *_schedule_tables(schedule),
                 num_keys, index_softmax_scale * LOG2_E.value, index_q.stride(0), index_q.stride(1), index_k.stride(0),
                 NUM_KV_HEADS=num_index_heads, TOKENS=config.rows, TOPK=block_indices.shape[-1], BLOCK=block_size,
@@ -343,6 +325,6 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
                 **config.options,
             )
 
-        launch("kl._backward_kernel", (index_q.device, index_q.dtype, index_dim, block_size), BACKWARD_CONFIGS,
+        launch("msa_kl_bwd_kernel", (index_q.device, index_q.dtype, index_dim, block_size), BACKWARD_CONFIGS,
                launch_backward)
     return d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)

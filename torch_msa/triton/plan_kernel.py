@@ -1,22 +1,23 @@
 """`msa::plan` in Triton: the KV-outer schedule in four kernels, a sort and two scans.
 
 It writes exactly the tables of `torch_msa.schedule.build_schedule` (the reference) into one
-plan tensor (layout in `torch_msa/plan.py`), with a dozen host calls instead of about a hundred:
-in eager mode each call costs a host-side launch, and below T = 64K the reference build's
-launches took longer than the attention kernels.
+plan tensor (layout in `torch_msa/schedule.py`), with a dozen host calls instead of about a
+hundred: in eager mode each call costs a host-side launch, and below T = 64K the reference
+build's launches took longer than the attention kernels.
 
-1. `_entry_keys_kernel`, one program per (tokens, KV head): finds each query's document (the
-   same binary search as `torch.searchsorted`), its position and which slots count (valid
+1. `msa_plan_entry_keys_kernel`, one program per (tokens, KV head): finds each query's document
+   (the same binary search as `torch.searchsorted`), its position and which slots count (valid
    entries), and writes every entry's bucket key `head * Tk + key row of its block` (invalid
    entries: `Hkv * Tk`, past every real key) and the positions.
 2. `torch.sort(stable=True)` orders the entries by (KV head, key block, query, slot): the
    deterministic order of the reference.
-3. `_bucket_starts_kernel` flags the first entry of each bucket and writes `entry_query`;
+3. `msa_plan_bucket_starts_kernel` flags the first entry of each bucket and writes `entry_query`;
    `torch.cumsum` numbers the buckets.
-4. `_bucket_tables_kernel` writes each bucket's CSR offset and fields from its first entry (which
-   also counts the bucket's items, finding its end by binary search), and fills the unused rows;
-   `torch.cumsum` places the items.
-5. `_item_tables_kernel`, one thread per item row, finds its bucket (binary search) and range.
+4. `msa_plan_bucket_tables_kernel` writes each bucket's CSR offset and fields from its first
+   entry (which also counts the bucket's items, finding its end by binary search), and fills the
+   unused rows; `torch.cumsum` places the items.
+5. `msa_plan_item_tables_kernel`, one thread per item row, finds its bucket (binary search) and
+   range.
 
 No host synchronisation: every size is a shape-derived bound, as in the reference.
 """
@@ -25,15 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import pack, section_sizes
-from ..schedule import build_schedule, max_buckets, max_items
+from ..schedule import build_schedule, max_buckets, max_items, pack, section_sizes
 
 _ENTRIES = 1024  # entries per program of the 1-D kernels
 _SLOT_TILE = 1024  # (token, slot) pairs per program of the key kernel
 
 
 @triton.jit
-def _entry_keys_kernel(
+def msa_plan_entry_keys_kernel(
     block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, bucket_key, position,
     num_queries, num_keys, num_segments, num_docs, search_steps, block_size, key_stride, past_all,
     stride_head, stride_token, stride_slot,
@@ -95,8 +95,8 @@ def _entry_keys_kernel(
 
 
 @triton.jit
-def _bucket_starts_kernel(sorted_key, order, entry_query, starts, num_entries, entries_per_head, past_all,
-                          BLOCK: tl.constexpr):
+def msa_plan_bucket_starts_kernel(sorted_key, order, entry_query, starts, num_entries, entries_per_head, past_all,
+                                  BLOCK: tl.constexpr):
     entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = entry < num_entries
     key = tl.load(sorted_key + entry, mask=ok, other=past_all)
@@ -119,7 +119,7 @@ def _lower_bound(sorted_key, low, high, value, search_steps):
 
 
 @triton.jit
-def _bucket_tables_kernel(
+def msa_plan_bucket_tables_kernel(
     sorted_key, order, entry_bucket, block_indices,
     bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, num_buckets,
     num_entries, bucket_bound, search_steps, key_stride, past_all, entries_per_item,
@@ -167,7 +167,7 @@ def _bucket_tables_kernel(
 
 
 @triton.jit
-def _item_tables_kernel(
+def msa_plan_item_tables_kernel(
     item_ptr, items_per_bucket, bucket_ptr, item_bucket, item_start, item_end, num_items,
     item_bound, bucket_bound, search_steps, entries_per_item,
     BLOCK: tl.constexpr,
@@ -199,9 +199,9 @@ def _search_steps(length: int) -> int:
     return max(1, int(length).bit_length())
 
 
-def build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
-               fragment_documents=None, fragment_starts=None) -> torch.Tensor:
-    """The plan of `block_indices` (see `torch_msa/plan.py`), the tables of `build_schedule`.
+def plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
+         fragment_documents=None, fragment_starts=None) -> torch.Tensor:
+    """`msa::plan`: the plan of `block_indices` (see `torch_msa/schedule.py`), the tables of `build_schedule`.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
@@ -230,12 +230,12 @@ def build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, 
     bucket_bound = max_buckets(num_kv_heads, num_keys, num_docs, block_size)
     item_bound = max_items(num_entries, bucket_bound, entries_per_item)
     sizes = section_sizes(block_indices.shape, num_keys, num_docs, block_size, item_bound)
-    plan = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+    packed = torch.empty(sum(sizes), dtype=torch.int32, device=device)
     (entry_query, bucket_ptr, bucket_head, bucket_key_row, bucket_block,
-     item_bucket, item_start, item_end, position, num_buckets, num_items) = plan.split_with_sizes(sizes)
+     item_bucket, item_start, item_end, position, num_buckets, num_items) = packed.split_with_sizes(sizes)
     # Scratch: bucket starts per entry, then items per bucket.
-    starts, items_per_bucket = torch.empty(num_entries + bucket_bound, dtype=torch.int32, device=device).split_with_sizes(
-        (num_entries, bucket_bound))
+    scratch = torch.empty(num_entries + bucket_bound, dtype=torch.int32, device=device)
+    starts, items_per_bucket = scratch.split_with_sizes((num_entries, bucket_bound))
 
     key_stride = max(1, num_keys)
     past_all = num_kv_heads * key_stride
@@ -245,7 +245,7 @@ def build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, 
     bucket_key = torch.empty(num_entries, dtype=key_dtype, device=device)
     topk_p2 = triton.next_power_of_2(topk)
     tokens = max(1, _SLOT_TILE // topk_p2)
-    _entry_keys_kernel[(triton.cdiv(num_queries, tokens), num_kv_heads)](
+    msa_plan_entry_keys_kernel[(triton.cdiv(num_queries, tokens), num_kv_heads)](
         block_indices, cu_seqlens_q, cu_seqlens_k,
         fragment_documents if fragments else cu_seqlens_q, fragment_starts if fragments else cu_seqlens_q,
         bucket_key, position,
@@ -255,11 +255,11 @@ def build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, 
     )
     sorted_key, order = torch.sort(bucket_key, stable=True)
     entry_grid = (triton.cdiv(num_entries, _ENTRIES),)
-    _bucket_starts_kernel[entry_grid](
+    msa_plan_bucket_starts_kernel[entry_grid](
         sorted_key, order, entry_query, starts, num_entries, num_queries * topk, past_all, BLOCK=_ENTRIES,
     )
     entry_bucket = torch.cumsum(starts, 0, dtype=torch.int32)
-    _bucket_tables_kernel[(triton.cdiv(max(num_entries, bucket_bound + 1), _ENTRIES),)](
+    msa_plan_bucket_tables_kernel[(triton.cdiv(max(num_entries, bucket_bound + 1), _ENTRIES),)](
         sorted_key, order, entry_bucket, block_indices,
         bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, num_buckets,
         num_entries, bucket_bound, _search_steps(num_entries), key_stride, past_all, entries_per_item,
@@ -267,9 +267,9 @@ def build_plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, 
         TOPK=topk, BLOCK=_ENTRIES,
     )
     item_ptr = torch.cumsum(items_per_bucket, 0, dtype=torch.int32)
-    _item_tables_kernel[(triton.cdiv(item_bound, _ENTRIES),)](
+    msa_plan_item_tables_kernel[(triton.cdiv(item_bound, _ENTRIES),)](
         item_ptr, items_per_bucket, bucket_ptr, item_bucket, item_start, item_end, num_items,
         item_bound, bucket_bound, _search_steps(bucket_bound), entries_per_item,
         BLOCK=_ENTRIES,
     )
-    return plan
+    return packed

@@ -47,7 +47,7 @@ def _merge(kept, chunk, first_block, num_candidates, slot):
 
 
 @triton.jit
-def _select_kernel(
+def msa_select_kernel(
     index_q, index_k, cu_seqlens_q, key_start, position, block_indices,
     num_queries, num_keys, num_docs, tiles_per_doc,
     stride_q_token, stride_q_head, stride_k_token,
@@ -134,7 +134,7 @@ def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     def launch_select(config):
         tokens = max(1, config.rows // heads_p2)
         tiles_per_doc = triton.cdiv(max(1, min(max_seqlen_q, num_queries)), tokens)
-        _select_kernel[(num_docs * tiles_per_doc,)](
+        msa_select_kernel[(num_docs * tiles_per_doc,)](
             index_q, index_k, cu_seqlens_q, docs.key_start, docs.position, block_indices,
             num_queries, num_keys, num_docs, tiles_per_doc,
             index_q.stride(0), index_q.stride(1), index_k.stride(0),
@@ -145,6 +145,6 @@ def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             **config.options,
         )
 
-    launch("select._select_kernel", (index_q.device, index_q.dtype, num_heads, index_dim, block_size, topk),
+    launch("msa_select_kernel", (index_q.device, index_q.dtype, num_heads, index_dim, block_size, topk),
            CONFIGS, launch_select)
     return block_indices

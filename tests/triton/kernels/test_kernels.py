@@ -14,9 +14,16 @@ import torch
 
 from tests.support import dense
 from torch_msa import reference, testing
-from torch_msa.plan import pack
-from torch_msa.schedule import build_schedule
-from torch_msa.triton import backward_deterministic_kernel, backward_kernel, forward_kernel, plan_kernel, select_kernel
+from torch_msa.schedule import build_schedule, pack
+from torch_msa.triton import (
+    backward_deterministic,
+    backward_deterministic_kernel,
+    backward_kernel,
+    common,
+    forward_kernel,
+    plan_kernel,
+    select_kernel,
+)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETING else "cuda"
@@ -102,12 +109,12 @@ def test_deterministic_backward_matches_reference_and_repeats_bitwise(case, monk
 
     Items of one tile split every bucket the queries share, so the reduction of dK/dV sums
     several items whose last positions differ."""
-    monkeypatch.setattr(backward_deterministic_kernel, "_ITEM_TILES", 1)
+    monkeypatch.setattr(backward_deterministic_kernel, "ITEM_TILES", 1)
     q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES[case]
     cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout(q_lens, k_lens)
     block_indices = _junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
-    entries_per_item = forward_kernel.tile_shape(num_heads, num_kv_heads,
-                                                 backward_deterministic_kernel.KEY_BLOCKS_CONFIGS[0].rows)[0]
+    entries_per_item = common.tile_shape(num_heads, num_kv_heads,
+                                         backward_kernel.DETERMINISTIC_BLOCKS_CONFIGS[0].rows)[0]
     bucket_sizes = build_schedule(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item).bucket_ptr.diff()
     assert (bucket_sizes > entries_per_item).any(), "no bucket is split over several items"
     q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
@@ -117,8 +124,8 @@ def test_deterministic_backward_matches_reference_and_repeats_bitwise(case, monk
     grad_out = torch.randn_like(q)
     grad_lse = torch.randn(num_queries, num_heads, device=DEVICE)
     expected = reference.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
-    first = backward_deterministic_kernel.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
-    second = backward_deterministic_kernel.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
+    first = backward_deterministic.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
+    second = backward_deterministic.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
     for name, got, again, want in zip(("dq", "dk", "dv"), first, second, expected):
         assert got.dtype == want.dtype and got.shape == want.shape
         _close(got, want, 4 * TOLERANCE[dtype], name)
@@ -127,7 +134,7 @@ def test_deterministic_backward_matches_reference_and_repeats_bitwise(case, monk
 
 def test_deterministic_backward_of_a_skewed_selection_without_grad_lse(monkeypatch):
     """Every query picks block 0 and its newest blocks: block 0's bucket spans many items."""
-    monkeypatch.setattr(backward_deterministic_kernel, "_ITEM_TILES", 1)
+    monkeypatch.setattr(backward_deterministic_kernel, "ITEM_TILES", 1)
     cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout([150, 60], [300, 60])
     num_heads, num_kv_heads, dim, block_size, topk = 4, 1, 64, 64, 3
     block_indices = testing.skewed_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
@@ -137,7 +144,7 @@ def test_deterministic_backward_of_a_skewed_selection_without_grad_lse(monkeypat
     out, lse = reference.forward(q, k, v, *args)
     grad_out = torch.randn_like(q)
     expected = reference.backward(grad_out, q, k, v, out, lse, *args)
-    grads = backward_deterministic_kernel.backward(grad_out, q, k, v, out, lse, *args)
+    grads = backward_deterministic.backward(grad_out, q, k, v, out, lse, *args)
     for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
         _close(got, want, 4 * TOLERANCE[torch.float16], name)
 
@@ -240,7 +247,7 @@ def test_a_non_finite_document_changes_no_other_document(poisoned):
         out, lse = forward_kernel.forward(x["q"], x["k"], x["v"], *args)
         backward_args = (x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args, x["grad_lse"])
         grads = backward_kernel.backward(*backward_args)
-        deterministic = backward_deterministic_kernel.backward(*backward_args)
+        deterministic = backward_deterministic.backward(*backward_args)
         return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads)),
                 **dict(zip(("deterministic dq", "deterministic dk", "deterministic dv"), deterministic))}
 
@@ -286,13 +293,13 @@ def test_plan_build_equals_reference_tables(case, entries_per_item):
     cu_q, cu_k, _, num_keys, _, _ = _layout(q_lens, k_lens)
     block_indices = _junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
     expected = pack(build_schedule(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item))
-    got = plan_kernel.build_plan(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item)
+    got = plan_kernel.plan(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item)
     assert torch.equal(got, expected)
     # Strided selections and boundaries are read through their strides.
     strided = block_indices.transpose(0, 1).contiguous().transpose(0, 1)
     cu_q_strided, cu_k_strided = (torch.stack((cu, -cu), 1)[:, 0] for cu in (cu_q, cu_k))
     assert torch.equal(
-        plan_kernel.build_plan(strided, cu_q_strided, cu_k_strided, num_keys, block_size, entries_per_item), expected)
+        plan_kernel.plan(strided, cu_q_strided, cu_k_strided, num_keys, block_size, entries_per_item), expected)
 
 
 def test_plan_build_equals_reference_on_malformed_documents():
@@ -310,7 +317,7 @@ def test_plan_build_equals_reference_on_malformed_documents():
         cu_k = torch.tensor(k_bounds, dtype=torch.int32, device=DEVICE)
         block_indices = torch.randint(-2, 5, (2, max(131, q_bounds[-1]), 4), dtype=torch.int32, device=DEVICE)
         expected = pack(build_schedule(block_indices, cu_q, cu_k, num_keys, 64, 8))
-        assert torch.equal(plan_kernel.build_plan(block_indices, cu_q, cu_k, num_keys, 64, 8), expected), q_bounds
+        assert torch.equal(plan_kernel.plan(block_indices, cu_q, cu_k, num_keys, 64, 8), expected), q_bounds
 
 
 def test_forward_and_backward_read_a_given_plan():
@@ -323,7 +330,7 @@ def test_forward_and_backward_read_a_given_plan():
     k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
     v = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
-    plan = plan_kernel.build_plan(block_indices, cu_q, cu_k, num_keys, block_size, 8)
+    plan = plan_kernel.plan(block_indices, cu_q, cu_k, num_keys, block_size, 8)
     out_ref, lse_ref = reference.forward(q, k, v, *args)
     out, _ = forward_kernel.forward(q, k, v, *args, plan)
     _close(out, out_ref, TOLERANCE[dtype], "out")
@@ -355,12 +362,12 @@ def test_fragments_match_reference():
     for entries_per_item in (1, 16):
         expected = pack(build_schedule(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size,
                                        entries_per_item, *fragments))
-        got = plan_kernel.build_plan(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size,
+        got = plan_kernel.plan(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size,
                                      entries_per_item, *fragments)
         assert torch.equal(got, expected)
     unknown = (torch.tensor([3, 0, 2, 0, 7, 0], dtype=torch.int32, device=DEVICE), fragments[1])
     assert torch.equal(
-        plan_kernel.build_plan(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size, 8, *unknown),
+        plan_kernel.plan(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size, 8, *unknown),
         pack(build_schedule(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size, 8, *unknown)))
 
     q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
@@ -373,7 +380,7 @@ def test_fragments_match_reference():
     _close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[dtype], "lse")
     grad_out = torch.randn_like(q)
     expected = reference.backward(grad_out, q, k, v, out_ref, lse_ref, *args, None, None, *fragments)
-    for module in (backward_kernel, backward_deterministic_kernel):
+    for module in (backward_kernel, backward_deterministic):
         actual = module.backward(grad_out, q, k, v, out_ref, lse_ref, *args, None, None, *fragments)
         for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
             _close(got, want, 4 * TOLERANCE[dtype], f"{module.__name__} {name}")

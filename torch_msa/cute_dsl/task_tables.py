@@ -1,4 +1,4 @@
-"""Task tables and the 128-aligned K/V workspace of the SM100 backward (architecture-neutral).
+"""The SM100 backward's task tables and its 128-aligned K/V workspace (architecture-neutral).
 
 The SM100 backward is KV-outer: a CTA owns one KV head's key block and walks the query tokens that
 chose it, eight tokens (x 16 query heads = one 128-row tile) per *task*. The shared schedule
@@ -9,22 +9,22 @@ K/V into the aligned workspace, where every document's keys start on a 128-row b
 key block is always one whole, TMA-friendly tile that never straddles two documents.
 
 Nothing here synchronises with the host: the workspace height `W` is the bound
-`128 * (ceil(Tk / 128) + B)`, which holds every document padded to a multiple of 128 rows, so it
-is known from shapes alone (the price is at most `128 * B` rows of zero padding).
+`128 * (ceil(Tk / 128) + B)` (the schedule's bound of the key blocks, `max_key_blocks`, for
+blocks of 128), which holds every document padded to a multiple of 128 rows, so it is known from
+shapes alone (the price is at most `128 * B` rows of zero padding).
 
-This is the host side; the kernels are `tasks_kernel.py`, imported with the CuTe DSL (after
+This is the host side; the kernels are `task_tables_kernel.py`, imported with the CuTe DSL (after
 `require_cute_dsl`) only when they are first compiled, so this module imports on hosts without
 it. The kernels compile for any architecture (`compile_for_target`); this module uses `cute_io`
 for how torch tensors are handed to the CuTe kernels.
 """
 
 import functools
-import math
 from typing import NamedTuple
 
 import torch
 
-from ..schedule import build_schedule
+from ..schedule import build_schedule, max_key_blocks
 from . import require_cute_dsl
 from .cute_io import (
     aligned_operand,
@@ -74,8 +74,7 @@ class TaskTables(NamedTuple):
 
 def workspace_rows(num_keys: int, num_docs: int) -> int:
     """`W`: rows that hold every document's keys padded to a multiple of 128 (never 0)."""
-    blocks = math.ceil(num_keys / WORKSPACE_ALIGNMENT) + num_docs
-    return WORKSPACE_ALIGNMENT * max(1, blocks)
+    return WORKSPACE_ALIGNMENT * max(1, max_key_blocks(num_keys, num_docs, WORKSPACE_ALIGNMENT))
 
 
 def document_key_bounds(cu_seqlens_k: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +204,7 @@ def check_tables_match(tables: TaskTables, cu_seqlens_k: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# CuTe DSL kernels. Their classes (`tasks_kernel.py`) need cutlass at definition time, so their
+# CuTe DSL kernels. Their classes (`task_tables_kernel.py`) need cutlass at definition time, so their
 # module is imported when a kernel is first compiled, never while this module loads.
 # ---------------------------------------------------------------------------------------------
 
@@ -236,7 +235,7 @@ def compile_task_kernel(arch: str | None = None, dump_dir: str | None = None):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    from .tasks_kernel import TaskKernel
+    from .task_tables_kernel import TaskKernel
 
     index = torch.int32
     inputs = [fake_rows(index) for _ in range(12)]
@@ -254,7 +253,7 @@ def compile_align_kernel(dtype: torch.dtype, row_elements: int, arch: str | None
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    from .tasks_kernel import AlignKernel
+    from .task_tables_kernel import AlignKernel
 
     rows = [fake_rows(dtype, (row_elements,)) for _ in range(4)]
     return cute.compile(
