@@ -35,7 +35,7 @@ import torch
 
 from .contract import compute_dtype
 from .documents import QueryDocuments, locate_queries
-from .reference import _chunk_rows, _chunks, _finite_or_zero, _heads_first, _KeyGather, _tokens_first
+from .reference import _chunks, _finite_or_zero, _heads_first, _KeyGather, _tokens_first
 
 
 def loss_dtype(index_dtype: torch.dtype) -> torch.dtype:

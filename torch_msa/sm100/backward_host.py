@@ -71,9 +71,9 @@ def run_backward(
         )
     require_sm100(q.device)
     _check_contract(q, k, v, grad_out, out, lse, block_indices)
+    from ..cute_dsl.cute_io import aligned_operand
     from ..cute_dsl.postprocess import finish_gradients
     from ..cute_dsl.preprocess import prepare_delta
-    from ..cute_dsl.cute_io import aligned_operand
     from ..cute_dsl.task_tables import align_kv, build_tasks
 
     # The kernel reads these with TMA and vector loads: contiguous, 16-byte aligned rows.

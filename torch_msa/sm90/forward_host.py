@@ -23,6 +23,7 @@ import torch
 from ..backends import UnsupportedInputs
 from ..contract import compute_dtype
 from ..cute_dsl import require_cute_dsl, sm_count
+from ..schedule import bucket_key_count, schedule_for
 from .common import (
     BLOCK_SIZE,
     HEAD_DIM,
@@ -32,7 +33,6 @@ from .common import (
     check_served,
     schedule_tensors,
 )
-from ..schedule import bucket_key_count, schedule_for
 
 CTAS_PER_SM = 2  # shared memory: K, V, two Q tiles and the output tile are 113 KiB
 
