@@ -166,8 +166,7 @@ def _plan_fake(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _forward_fake(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
                   plan=None, fragment_documents=None, fragment_starts=None):
     validation.check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,
-                             softmax_scale,
-                             fragment_documents, fragment_starts)
+                             softmax_scale, fragment_documents, fragment_starts)
     _check_plan(plan, block_indices, k, cu_seqlens_k, block_size)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype))
 
