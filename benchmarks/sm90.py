@@ -53,6 +53,10 @@ def main(argv=None) -> None:
                         help="problems: a document length, or COUNTxLENGTH for a pack")
     parser.add_argument("--iterations", type=int, default=10)
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        found = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+        parser.exit(1, f"python -m benchmarks.sm90 times the SM90 kernels: it needs a compute capability 9.0 GPU "
+                       f"(H100/H200), found {found}\n")
 
     from torch_msa.sm90 import backward_deterministic as sm90_deterministic
     from torch_msa.sm90 import backward_host, common, forward_host

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import torch_msa
 from torch_msa import distributed as cp
-from torch_msa.testing import M3
+from torch_msa.contract import M3
 
 
 def parse_args():
@@ -36,6 +36,9 @@ def parse_args():
 
 def main():
     args = parse_args()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise SystemExit("context_parallel.py runs one process per rank: start it with torchrun, for example\n"
+                         "    torchrun --nproc-per-node 2 examples/context_parallel.py --device cpu --tokens 4096")
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -512,3 +512,15 @@ def test_compiled_flex_and_fla_compute_msa_on_cuda():
         out = ParallelNSAFunction.apply(inputs.q[None], inputs.k[None], inputs.v[None], indices, 16, 128,
                                         128 ** -0.5, inputs.cu_seqlens.to(torch.int64))
         torch.testing.assert_close(out[0], reference, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA host the command would run the benchmark")
+def test_the_sm90_benchmark_says_what_it_needs_instead_of_a_traceback():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "benchmarks.sm90"], capture_output=True, text=True, timeout=120,
+                            cwd=pathlib.Path(__file__).resolve().parents[2])
+    assert result.returncode == 1
+    assert "needs a compute capability 9.0 GPU (H100/H200), found no CUDA device" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -315,3 +315,16 @@ def test_shard_takes_the_local_rows_along_a_dim():
 def test_layout_rejects_bad_arguments(args, error, message):
     with pytest.raises(error, match=message):
         cp.load_balanced_layout(*args)
+
+
+def test_the_example_outside_torchrun_says_how_to_start_it():
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "context_parallel.py"
+    env = {name: value for name, value in os.environ.items() if name not in ("RANK", "WORLD_SIZE")}
+    result = subprocess.run([sys.executable, str(script), "--device", "cpu"], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 1
+    assert "start it with torchrun" in result.stderr and "Traceback" not in result.stderr
