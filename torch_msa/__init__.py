@@ -20,6 +20,7 @@ from .api import (
     validate_inputs,
 )
 from .backends import BACKEND_ENV, Backend, BackendError, UnavailableError, UnsupportedInputs, register_backend, resolve
+from .diagnostics import TorchMSAWarning
 from .padding import check_padding_mask, pad_input, padded_cu_seqlens, unpad_input
 from .validation import DEBUG_ENV
 
@@ -36,6 +37,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "UnavailableError",
+    "TorchMSAWarning",
     "UnsupportedInputs",
     "build_plan",
     "check_padding_mask",

@@ -28,6 +28,7 @@ import torch
 from . import ops as _ops  # noqa: F401  (registers torch.ops.msa.*)
 from . import validation
 from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK
+from .diagnostics import TorchMSAWarning
 from .schedule import entries_per_item
 
 
@@ -217,7 +218,7 @@ def _warn_index_inputs_get_no_gradient(index_q, index_k) -> None:
             "differentiable and they get no gradient from the attention. Train the index branch with "
             "torch_msa.indexer_kl_loss (pass return_lse=True, return_block_indices=True to get its inputs), "
             "or torch_msa.indexer_kl_loss_dense for the dense warm-up; see the README, 'Training the index branch'.",
-            stacklevel=3,
+            category=TorchMSAWarning, stacklevel=3,
         )
 
 

@@ -26,6 +26,7 @@ import torch
 
 from . import reference, reference_kl
 from ._schemas import SCHEMAS
+from .diagnostics import TorchMSAWarning
 
 BACKEND_ENV = "TORCH_MSA_BACKEND"
 OPS = tuple(SCHEMAS)  # the op list: one per schema
@@ -185,7 +186,7 @@ def _no_fast_path(op: str, device: torch.device) -> str:
 def _warn_once(key: tuple, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, TorchMSAWarning, stacklevel=3)
 
 
 def _ordered() -> list[Backend]:

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from ..diagnostics import logger
+
 ACCESS_BYTES = 16  # one vectorised global access (128 bits)
 
 
@@ -71,7 +73,9 @@ def cute_stream(device: torch.device):
 
 def compile_options(arch: str | None, dump_dir: str | None, listings: bool = False) -> str:
     """`cute.compile` options: a target other than this host's GPU, where to keep the cubin, and
-    with `listings` the PTX and SASS next to it."""
+    with `listings` the PTX and SASS next to it. Called once per compile, it says so on the
+    `torch_msa` logger (INFO): a CuTe DSL compile takes seconds."""
+    logger.info("compiling a CuTe DSL kernel for %s (once per process and shape)", arch or "this GPU")
     options = []
     if arch is not None:
         options.append(f"--gpu-arch {arch}")

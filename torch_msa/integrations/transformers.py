@@ -64,6 +64,7 @@ except ImportError as error:  # transformers missing, or older than its MiniMax-
 
 from .. import api
 from ..contract import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
+from ..diagnostics import TorchMSAWarning
 from ..padding import padded_cu_seqlens
 
 ATTENTION_NAME = "torch_msa"
@@ -327,7 +328,8 @@ def _warn_no_attention_weights() -> None:
     if not _warned_output_attentions and not torch.compiler.is_compiling():
         _warned_output_attentions = True
         warnings.warn(f"{ATTENTION_NAME!r} attention does not return attention weights: output_attentions=True gives "
-                      "None for its layers. Set the attention implementation to 'eager' for them.", stacklevel=3)
+                      "None for its layers. Set the attention implementation to 'eager' for them.", TorchMSAWarning,
+                      stacklevel=3)
 
 
 def attention_forward(

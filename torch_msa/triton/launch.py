@@ -22,6 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 from triton.runtime.errors import OutOfResources
 
 from ..backends import UnsupportedInputs
+from ..diagnostics import logger
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,7 @@ def launch(kernel: str, key: Hashable, candidates: Sequence[LaunchConfig], launc
     if chosen is not None:
         launch_with(candidates[chosen])
         return
+    logger.info("compiling the Triton kernel %s for %s (once per process and shape)", kernel, key)
     refusals = []
     for index, config in enumerate(candidates):
         try:
