@@ -252,6 +252,8 @@ def packed_kwargs_from_position_ids(position_ids: torch.Tensor) -> dict | None:
 def _read_packed_position_ids(module, args, kwargs):
     """Forward pre-hook of the text model (`use_torch_msa`): rows packed through `position_ids`
     alone become HF's packed kwargs, which reach every layer's attention function."""
+    if module.config._attn_implementation != ATTENTION_NAME:  # switched back to HF's attention
+        return None
     position_ids = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
     attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
