@@ -47,11 +47,11 @@ class ProblemSpec:
 
 
 def parse_length(text: str, argument: str) -> int:
-    """`"8192"`, `"8K"` or `"8k"` -> 8192 (K = 1024); a positive int."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", text)
+    """`"8192"`, `"8K"` or `"8k"` -> 8192 (K = 1024), `"1M"` -> 1048576 (M = 1024K); a positive int."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
     if match is None:
-        raise ValueError(f"{argument}: expected a token count such as 8192 or 8K, got {text!r}")
-    value = int(match.group(1)) * (1024 if match.group(2) else 1)
+        raise ValueError(f"{argument}: expected a token count such as 8192, 8K or 1M, got {text!r}")
+    value = int(match.group(1)) * {"": 1, "k": 2**10, "m": 2**20}[match.group(2).lower()]
     if value < 1:
         raise ValueError(f"{argument}: expected a positive token count, got {text!r}")
     return value

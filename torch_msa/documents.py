@@ -49,14 +49,42 @@ def locate_queries(
             marked `-1`, so malformed boundaries can never produce an out-of-range key row.
         fragment_documents, fragment_starts: int32 `[F]` each, or None (the suffix rule).
     """
+    _, key_start, position, valid = _locate(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys,
+                                            fragment_documents, fragment_starts)
+    return QueryDocuments(torch.where(valid, key_start, 0), torch.where(valid, position, -1))
+
+
+def token_fragments(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    num_queries: int,
+    num_keys: int,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query token as a fragment of its own: int32 `(documents [Tq], starts [Tq])`.
+
+    Query `t` belongs to document `documents[t]` at the document-local position `starts[t]`,
+    both from the same rule as `locate_queries`; a token no well-formed document covers gets
+    document `-1` (out of range, so it sees no key). Any run of queries `[a, b)` is then described
+    exactly by the fragments `documents[a:b]`, `starts[a:b]` over `cu_seqlens_q = arange(b - a + 1)`,
+    which is how a forward is split into windows of queries (`torch_msa/query_windows.py`).
+    """
+    document, _, position, valid = _locate(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys,
+                                           fragment_documents, fragment_starts)
+    return (torch.where(valid, document, -1).to(torch.int32), torch.where(valid, position, 0).to(torch.int32))
+
+
+def _locate(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts):
+    """`(document, key_start, position, valid)` per query, int64 `[Tq]` each (`valid` bool)."""
     device = cu_seqlens_q.device
     cu_q = cu_seqlens_q.to(torch.int64)
     cu_k = cu_seqlens_k.to(torch.int64)
     num_segments = cu_q.numel() - 1
     tokens = torch.arange(num_queries, device=device, dtype=torch.int64)
     if num_segments < 1 or cu_k.numel() < 2:
-        minus_one = torch.full_like(tokens, -1)
-        return QueryDocuments(torch.zeros_like(tokens), minus_one)
+        zeros = torch.zeros_like(tokens)
+        return zeros, zeros, zeros, torch.zeros_like(tokens, dtype=torch.bool)
     # right=True skips empty documents (repeated boundaries).
     segment = torch.searchsorted(cu_q[1:].contiguous(), tokens, right=True)
     in_range = segment < num_segments
@@ -83,4 +111,4 @@ def locate_queries(
         & (k_start + position < k_end)
         & (k_start + position < num_keys)
     )
-    return QueryDocuments(torch.where(valid, k_start, 0), torch.where(valid, position, -1))
+    return doc, k_start, position, valid

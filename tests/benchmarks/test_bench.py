@@ -99,11 +99,11 @@ def test_tflops():
 
 
 def test_parse_seqlens_and_pack():
-    assert parse_seqlens(["8K,32K", "65536"]) == [8192, 32768, 65536]
+    assert parse_seqlens(["8K,32K", "65536", "1M"]) == [8192, 32768, 65536, 2**20]
     assert parse_pack("8x16K") == (16384,) * 8
     assert parse_pack("2x4k, 8K,1000") == (4096, 4096, 8192, 1000)
     assert parse_pack("none") is None
-    for bad, argument in (("8x", "--pack"), ("ax4K", "--pack"), ("0x4K", "--pack"), ("4M", "--pack")):
+    for bad, argument in (("8x", "--pack"), ("ax4K", "--pack"), ("0x4K", "--pack"), ("4G", "--pack")):
         with pytest.raises(ValueError, match=argument):
             parse_pack(bad)
     with pytest.raises(ValueError, match="--seqlens"):
@@ -524,3 +524,22 @@ def test_the_sm90_benchmark_says_what_it_needs_instead_of_a_traceback():
     assert result.returncode == 1
     assert "needs a compute capability 9.0 GPU (H100/H200), found no CUDA device" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_long_context_benchmark_needs_cuda(capsys):
+    from benchmarks import long_context
+
+    assert long_context.main(["--device", "cpu"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_the_long_context_benchmark_reports_time_memory_and_the_dense_peer(tmp_path):
+    from benchmarks import long_context
+
+    assert long_context.main(["--seqlens", "2K", "4K", "--dense-up-to", "2K", "--iters", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "long_context.json").read_text())["rows"]
+    assert [row["tokens"] for row in rows] == [2048, 4096]
+    assert all(row["step_ms"] > 0 and row["peak_above_inputs_gib"] > 0 for row in rows)
+    assert "dense_extrapolated" not in rows[0] and rows[1]["dense_extrapolated"]
+    assert rows[1]["dense_step_ms"] == pytest.approx(rows[0]["dense_step_ms"] * 4)

@@ -2,7 +2,7 @@
 
 M3 shapes (Hq = 64, Hkv = 4, D = 128, block 128, top-16): a 1K document, a pack with empty and
 one-token documents, an Lq < Lk pack, junk ids, a skewed selection, NaN in one document, bf16 and
-fp16, query fragments, given plans of any item size, a 32K document (partials past 2**31
+fp16, query fragments, given plans of any item size, query windows (bounded partials), a 32K document (partials past 2**31
 elements, against the Triton forward), CUDA-graph replay, `torch.compile(fullgraph=True)`,
 `torch.library.opcheck` and dispatch through `torch.ops.msa.forward`. Skipped without such a GPU
 or the CuTe DSL.
@@ -134,6 +134,31 @@ def test_long_document_past_32_bit_element_offsets():
 
     inputs = _inputs([32768], [32768], torch.bfloat16, seed=6)
     _check(_sm90(*inputs), triton_forward(*inputs, BLOCK, SCALE))
+
+
+def test_query_windows_bound_the_partials_and_equal_one_call(monkeypatch):
+    """The backend's forward over windows of 1000 queries (a pack with empty and one-token
+    documents and a 3000-token one) equals one kernel call over all queries, and its memory above
+    the inputs is the output plus one window's partials, not the 4096 queries' partials."""
+    from torch_msa import query_windows, sm90
+
+    inputs = _inputs([0, 1, 3000, 0, 1094, 1], [0, 1, 3000, 0, 1094, 1], torch.bfloat16, seed=8)
+    one_call = _sm90(*inputs)
+    window = 1000
+    per_query = query_windows.partial_bytes_per_query(HQ, TOPK, D, torch.bfloat16)
+    monkeypatch.setattr(query_windows, "PARTIAL_BYTES", window * per_query)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    got = sm90.forward(*inputs, BLOCK, SCALE)
+    torch.cuda.synchronize()
+    above_inputs = torch.cuda.max_memory_allocated() - before
+    torch.testing.assert_close(got[0], one_call[0], atol=0, rtol=0)
+    torch.testing.assert_close(got[1], one_call[1], atol=0, rtol=0)
+    num_queries = inputs[0].shape[0]
+    outputs = num_queries * HQ * (D * 2 + 4)
+    assert num_queries * per_query > outputs + 3 * window * per_query
+    assert above_inputs < outputs + 2 * window * per_query + (64 << 20), above_inputs
 
 
 @pytest.mark.parametrize("entries", [None, 7, 128])

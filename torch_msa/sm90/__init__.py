@@ -6,6 +6,8 @@ the input checks, buffers, launch, compile cache and the functions this package 
 `forward_host.py`, `backward_host.py`. `common.py` holds what all of them share: the served
 configuration, the tile shape, the schedule operands. The bitwise-reproducible backward is
 composed of the SM90 key pass and the Triton stages: `backward_deterministic.py`.
+The forward runs over windows of queries when its partials would pass
+`query_windows.PARTIAL_BYTES` (`torch_msa/query_windows.py`), so its memory stays bounded.
 
 It serves a CUDA device of compute capability 9.0 with the `cute` extra (nvidia-cutlass-dsl,
 cuda-bindings) and triton (the forward's partials are merged, and the backward's delta computed,
@@ -32,6 +34,7 @@ import torch
 
 from ..backends import Backend, register_backend
 from ..cute_dsl import INSTALL_COMMAND, device_unavailable_reason, importable, sm_capability
+from ..query_windows import forward_in_windows
 
 NAME = "sm90"
 PRIORITY = 15  # above the portable Triton backend (10), below SM100 (20), which other devices get
@@ -67,9 +70,9 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """`msa::forward` through the SM90 kernel; see `torch_msa.sm90.forward_host.forward`."""
     module = importlib.import_module(f"{__name__}.forward_host")
     with torch.cuda.device(q.device):
-        return module.forward(
-            q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            plan, fragment_documents, fragment_starts,
+        return forward_in_windows(
+            module.forward, q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,
+            softmax_scale, plan, fragment_documents, fragment_starts,
         )
 
 

@@ -12,7 +12,9 @@ they share is in `common.py` (and `launch.py`, the launch configurations that fi
 `backward_deterministic.py` composes the backward that serves under
 `torch.use_deterministic_algorithms(True)` from the stages of two of them, and `stages.py` is
 the interface through which other backends (SM90) compose those stages with their own kernels.
-The forward and the default backward read the plan they are given, or build one.
+The forward and the default backward read the plan they are given, or build one; a forward whose
+partials would pass `query_windows.PARTIAL_BYTES` runs over windows of queries
+(`torch_msa/query_windows.py`).
 
 Importing this package imports no triton: the kernel modules load on the first call, and the
 backend reports itself unavailable on a host without triton. It serves CUDA devices of compute
@@ -29,6 +31,7 @@ import importlib.util
 import torch
 
 from ..backends import Backend, UnsupportedInputs, register_backend
+from ..query_windows import forward_in_windows
 
 NAME = "triton"
 MIN_CAPABILITY = (8, 0)
@@ -104,9 +107,9 @@ def plan(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
             plan=None, fragment_documents=None, fragment_starts=None):
     check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
-    return _kernels("forward_kernel").forward(
-        q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, plan,
-        fragment_documents, fragment_starts,
+    return forward_in_windows(
+        _kernels("forward_kernel").forward, q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, block_size, softmax_scale, plan, fragment_documents, fragment_starts,
     )
 
 

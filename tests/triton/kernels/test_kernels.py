@@ -384,3 +384,25 @@ def test_fragments_match_reference():
         actual = module.backward(grad_out, q, k, v, out_ref, lse_ref, *args, None, None, *fragments)
         for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
             _close(got, want, 4 * TOLERANCE[dtype], f"{module.__name__} {name}")
+
+
+def test_forward_in_query_windows_equals_one_call(monkeypatch):
+    """The backend's forward with its partials bounded to 17 queries at a time (several windows,
+    with junk ids and a pack with empty and 1-token documents) equals one kernel call."""
+    import torch_msa.triton as triton_backend
+    from torch_msa import query_windows
+
+    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES["pack-empty-and-1-token"]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = _layout(q_lens, k_lens)
+    block_indices = _junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+    expected = forward_kernel.forward(q, k, v, *args)
+    monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 17 * query_windows.partial_bytes_per_query(num_heads, topk, dim,
+                                                                                                   dtype))
+    out, lse = triton_backend.forward(q, k, v, *args)
+    # Each window groups other queries into a program's tile, so only the rounding may differ.
+    _close(out, expected[0], 1e-5, "out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(expected[1]))
+    _close(lse.nan_to_num(neginf=0), expected[1].nan_to_num(neginf=0), 1e-5, "lse")

@@ -1,0 +1,123 @@
+"""The forward in query windows (`torch_msa/query_windows.py`) equals one call over all queries."""
+
+import pytest
+import torch
+
+from torch_msa import query_windows, reference, testing
+from torch_msa.documents import locate_queries, token_fragments
+
+BLOCK = 16
+HEADS, KV_HEADS, DIM, TOPK = 4, 2, 8, 3
+
+
+def _problem(q_lens, k_lens, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens)
+    num_queries, num_keys = int(cu_q[-1]), int(cu_k[-1])
+    q = torch.randn(num_queries, HEADS, DIM, generator=generator, dtype=torch.float64)
+    k = torch.randn(num_keys, KV_HEADS, DIM, generator=generator, dtype=torch.float64)
+    v = torch.randn(num_keys, KV_HEADS, DIM, generator=generator, dtype=torch.float64)
+    block_indices = testing.random_block_indices(cu_q, cu_k, KV_HEADS, TOPK, BLOCK, generator)
+    return q, k, v, block_indices, cu_q, cu_k, max(q_lens), max(k_lens)
+
+
+def _budget(window):
+    return window * query_windows.partial_bytes_per_query(HEADS, TOPK, DIM, torch.float64)
+
+
+class _Recorder:
+    """`reference.forward`, recording the queries and plan of every call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, *args):
+        self.calls.append((q.shape[0], args[9]))
+        return reference.forward(q, *args)
+
+
+def _windowed(problem, window, plan=None, fragments=(None, None)):
+    q, k, v, block_indices, cu_q, cu_k, max_q, max_k = problem
+    recorder = _Recorder()
+    out, lse = query_windows.forward_in_windows(recorder, q, k, v, block_indices, cu_q, cu_k, max_q, max_k, BLOCK,
+                                                DIM**-0.5, plan, *fragments, budget=_budget(window))
+    return out, lse, recorder.calls
+
+
+def _assert_same(actual, expected):
+    assert torch.equal(actual[0], expected[0])
+    assert torch.equal(actual[1], expected[1])
+
+
+@pytest.mark.parametrize("window", [1, 7, 64])
+@pytest.mark.parametrize("lengths", [([70], [70]), ([30, 0, 1, 45], [30, 0, 1, 45]), ([20, 33], [90, 33])],
+                         ids=["one-document", "pack-with-empty-and-1-token", "lq-below-lk"])
+def test_windows_equal_one_call(window, lengths):
+    problem = _problem(*lengths)
+    q, k, v, block_indices, cu_q, cu_k, max_q, max_k = problem
+    expected = reference.forward(q, k, v, block_indices, cu_q, cu_k, max_q, max_k, BLOCK, DIM**-0.5)
+    out, lse, calls = _windowed(problem, window)
+    _assert_same((out, lse), expected)
+    assert all(queries <= window for queries, _ in calls)
+    assert sum(queries for queries, _ in calls) == q.shape[0]
+
+
+def test_a_problem_that_fits_one_window_is_passed_through_with_its_plan():
+    problem = _problem([40], [40])
+    plan = torch.zeros(3, dtype=torch.int32)  # opaque to the windows: only passed on
+    _, _, calls = _windowed(problem, window=40, plan=plan)
+    assert len(calls) == 1 and calls[0][0] == 40 and calls[0][1] is plan
+
+
+def test_windows_of_fragments_equal_one_call():
+    frags = testing.fragments([50, 40], [(1, 10, 20), (0, 0, 30), (1, 0, 5)])
+    generator = torch.Generator().manual_seed(1)
+    num_queries, num_keys = int(frags.cu_seqlens_q[-1]), int(frags.cu_seqlens_k[-1])
+    q = torch.randn(num_queries, HEADS, DIM, generator=generator, dtype=torch.float64)
+    k = torch.randn(num_keys, KV_HEADS, DIM, generator=generator, dtype=torch.float64)
+    v = torch.randn(num_keys, KV_HEADS, DIM, generator=generator, dtype=torch.float64)
+    block_indices = testing.random_block_indices(frags.cu_seqlens_q, frags.cu_seqlens_k, KV_HEADS, TOPK, BLOCK,
+                                                 generator, *frags.tensors)
+    problem = (q, k, v, block_indices, *frags.op_args)
+    expected = reference.forward(q, k, v, block_indices, *frags.op_args, BLOCK, DIM**-0.5, None, *frags.tensors)
+    out, lse, calls = _windowed(problem, window=9, fragments=frags.tensors)
+    _assert_same((out, lse), expected)
+    assert len(calls) == 7
+
+
+def test_windows_keep_the_rule_for_malformed_documents():
+    problem = list(_problem([30, 30], [30, 30]))
+    problem[4] = torch.tensor([0, 40, 25], dtype=torch.int32)  # decreasing boundaries
+    problem[3] = torch.full_like(problem[3], 1)
+    q, k, v, block_indices, cu_q, cu_k, max_q, max_k = problem
+    expected = reference.forward(q, k, v, block_indices, cu_q, cu_k, max_q, max_k, BLOCK, DIM**-0.5)
+    out, lse, _ = _windowed(problem, window=8)
+    _assert_same((out, lse), expected)
+
+
+def test_a_non_finite_document_stays_in_its_document_across_windows():
+    problem = _problem([25, 25], [25, 25])
+    problem[0][:25] = float("nan")
+    problem[1][:25] = float("nan")
+    out, lse, _ = _windowed(problem, window=10)
+    assert torch.isfinite(out[25:]).all() and torch.isfinite(lse[25:]).all()
+
+
+def test_token_fragments_place_every_query_as_locate_queries_does():
+    cu_q, cu_k = testing.cu_seqlens([3, 0, 5], [7, 2, 5])
+    cu_q = torch.cat([cu_q, torch.tensor([6], dtype=torch.int32)])  # one malformed trailing boundary
+    cu_k = torch.cat([cu_k, torch.tensor([14], dtype=torch.int32)])
+    documents, starts = token_fragments(cu_q, cu_k, 9, 14)
+    boundaries = torch.arange(10, dtype=torch.int32)
+    direct = locate_queries(cu_q, cu_k, 9, 14)
+    through_fragments = locate_queries(boundaries, cu_k, 9, 14, documents, starts)
+    assert torch.equal(direct.position, through_fragments.position)
+    assert torch.equal(direct.key_start, through_fragments.key_start)
+    assert (documents[direct.position < 0] == -1).all()
+
+
+def test_the_window_bounds_the_partial_bytes_whatever_the_length():
+    per_query = query_windows.partial_bytes_per_query(64, 16, 128, torch.bfloat16)
+    assert per_query == 64 * 16 * (128 * 2 + 4)
+    window = query_windows.window_queries(64, 16, 128, torch.bfloat16)
+    assert window * per_query <= query_windows.PARTIAL_BYTES < (window + 1) * per_query

@@ -1,0 +1,67 @@
+"""A KV-outer forward run over windows of queries, so that its partial outputs take bounded memory.
+
+The Triton and SM90 forwards are KV-outer: a program owns one key block and writes one partial
+output row per (query, KV head, slot, query head of the group), which a combine then merges per
+query. Those partials take `Hq * topk * (D * itemsize + 4)` bytes per query (260 KiB for
+MiniMax-M3 in bf16), more than the layer's inputs, so at long lengths they, not the inputs,
+would set the memory of a step.
+
+`forward_in_windows` runs such a forward on consecutive windows of at most `window_queries(...)`
+queries, sized so that one window's partials fit `PARTIAL_BYTES` whatever the length. Every
+window reads all keys; its queries are passed as one-token fragments
+(`documents.token_fragments`) that place each of them exactly where the unwindowed call does, so
+each query's output and lse are those of one call over all queries. A problem that fits one
+window is passed through unchanged, with its plan; windows build their own plans.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from .documents import token_fragments
+
+PARTIAL_BYTES = 2 << 30
+"""Memory the partial outputs of one window may take (2 GiB: 8065 queries of MiniMax-M3)."""
+
+
+def partial_bytes_per_query(num_heads: int, topk: int, dim: int, dtype: torch.dtype) -> int:
+    """Bytes of partials one query costs: a row of `dim` outputs and an fp32 lse per head and slot."""
+    return num_heads * topk * (dim * dtype.itemsize + 4)
+
+
+def window_queries(num_heads: int, topk: int, dim: int, dtype: torch.dtype, budget: int = PARTIAL_BYTES) -> int:
+    """The most queries whose partials fit `budget` bytes (at least one)."""
+    return max(1, budget // max(1, partial_bytes_per_query(num_heads, topk, dim, dtype)))
+
+
+def forward_in_windows(forward: Callable, q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       block_size, softmax_scale, plan=None, fragment_documents=None, fragment_starts=None,
+                       budget: int | None = None):
+    """`forward(...)` (the `msa::forward` contract) with its partials bounded by `budget` bytes
+    (`PARTIAL_BYTES` when None).
+
+    Returns `out [Tq, Hq, D]` and `lse [Tq, Hq]` as `forward` does. No host synchronisation: the
+    windows follow from shapes alone.
+    """
+    num_queries, num_heads, dim = q.shape
+    window = window_queries(num_heads, block_indices.shape[-1], dim, q.dtype, PARTIAL_BYTES if budget is None else budget)
+    if num_queries <= window:
+        return forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,
+                       softmax_scale, plan, fragment_documents, fragment_starts)
+    documents, starts = token_fragments(cu_seqlens_q, cu_seqlens_k, num_queries, k.shape[0], fragment_documents,
+                                        fragment_starts)
+    boundaries = torch.arange(window + 1, dtype=torch.int32, device=q.device)
+    out = lse = None
+    for start in range(0, num_queries, window):
+        stop = min(num_queries, start + window)
+        part_out, part_lse = forward(
+            q[start:stop], k, v, block_indices[:, start:stop].contiguous(), boundaries[: stop - start + 1], cu_seqlens_k,
+            1, max_seqlen_k, block_size, softmax_scale, None, documents[start:stop], starts[start:stop],
+        )
+        if out is None:
+            out = part_out.new_empty((num_queries, *part_out.shape[1:]))
+            lse = part_lse.new_empty((num_queries, *part_lse.shape[1:]))
+        out[start:stop] = part_out
+        lse[start:stop] = part_lse
+    return out, lse
+
