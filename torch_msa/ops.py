@@ -234,7 +234,8 @@ def _forward_backward(ctx, grad_out, grad_lse):
 
 def _indexer_kl_setup_context(ctx, inputs, output):
     (_, _, _, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-     max_seqlen_q, max_seqlen_k, block_size, _, index_softmax_scale, fragment_documents, fragment_starts) = inputs
+     max_seqlen_q, max_seqlen_k, block_size, _, index_softmax_scale, fragment_documents, fragment_starts) = (
+        *inputs, *(None,) * (15 - len(inputs)))
     _, _, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries = output
     # The teacher's share of the gradient was reduced by the forward: q, k and lse are not kept.
     ctx.save_for_backward(index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries,
@@ -317,6 +318,29 @@ class _BackwardAutograd(torch.autograd.function._SingleLevelFunction):
     jvp = _no_forward_ad("msa::backward")
 
 
+class _IndexerKLAutograd(torch.autograd.function._SingleLevelFunction):
+    forward = _below_autograd(torch.ops.msa.indexer_kl.default)
+    setup_context = _without_grad_modes(_indexer_kl_setup_context)
+    backward = _no_grad_for_grad_modes(_indexer_kl_backward)
+    jvp = _no_forward_ad("msa::indexer_kl")
+
+
+class _IndexerKLBackwardAutograd(torch.autograd.function._SingleLevelFunction):
+    forward = _below_autograd(torch.ops.msa.indexer_kl_backward.default)
+    setup_context = _without_grad_modes(_backward_setup_context)
+    backward = staticmethod(_no_double_backward)
+    jvp = _no_forward_ad("msa::indexer_kl_backward")
+
+
+# The differentiable ops' autograd Functions (select_blocks and plan return integers).
+_AUTOGRAD_FUNCTIONS = {
+    "forward": _ForwardAutograd,
+    "backward": _BackwardAutograd,
+    "indexer_kl": _IndexerKLAutograd,
+    "indexer_kl_backward": _IndexerKLBackwardAutograd,
+}
+
+
 def _differentiated(args) -> bool:
     """Whether autograd must see this call: an input requires grad (in grad mode) or carries a
     forward-mode tangent, or a torch.func transform is active (its tensors are wrapped)."""
@@ -382,16 +406,9 @@ def _register() -> None:
         # With the C++ stub loaded, this replaces its "import torch_msa" kernel on the same key.
         _library.impl(name, kernel, _DISPATCH_KEY)
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_library)
-    for name, function in (("forward", _ForwardAutograd), ("backward", _BackwardAutograd)):
+    for name, function in _AUTOGRAD_FUNCTIONS.items():
         op = getattr(torch.ops.msa, name).default
         _library.impl(name, _autograd_kernel(function, op), "Autograd", with_keyset=True)
-    # The loss differentiates only to the index inputs; torch.library's autograd suffices there.
-    torch.library.register_autograd(
-        f"{NAMESPACE}::indexer_kl", _indexer_kl_backward, setup_context=_indexer_kl_setup_context, lib=_library
-    )
-    torch.library.register_autograd(
-        f"{NAMESPACE}::indexer_kl_backward", _no_double_backward, setup_context=_backward_setup_context, lib=_library
-    )
     for name, (_, _, cast_args) in _IMPLEMENTATIONS.items():
         op = getattr(torch.ops.msa, name).default
         for device_type in _AUTOCAST_DEVICE_TYPES:

@@ -235,6 +235,40 @@ def test_nested_torch_func_transforms_raise_or_match():
     assert torch.equal(batched[0], expected) and torch.equal(batched[1], expected)
 
 
+# The index branch's KL losses under torch.func: reverse mode equals backward(), forward mode raises.
+def _kl_losses(p, device):
+    lse = torch_msa.sparse_attention(p["q"], p["k"], p["v"], p["block_indices"], *_docs(device), block_size=BLOCK,
+                                     return_lse=True)[1]
+
+    def sparse(index_q, index_k):
+        return torch_msa.indexer_kl_loss(p["q"], p["k"], lse, index_q, index_k, p["block_indices"], *_docs(device),
+                                         block_size=BLOCK)
+
+    def dense(index_q, index_k):
+        return torch_msa.indexer_kl_loss_dense(p["q"], p["k"], index_q, index_k, *_docs(device), block_size=BLOCK)
+
+    return {"indexer_kl_loss": sparse, "indexer_kl_loss_dense": dense}
+
+
+@pytest.mark.parametrize("loss_name", ["indexer_kl_loss", "indexer_kl_loss_dense"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_kl_losses_under_torch_func(device, loss_name):
+    p = _problem(device, dtype=torch.float64 if device == "cpu" else torch.float32)
+    loss = _kl_losses(p, device)[loss_name]
+    leaves = [p[name].detach().clone().requires_grad_() for name in ("index_q", "index_k")]
+    expected = torch.autograd.grad(loss(*leaves), leaves)
+    got_grad = torch.func.grad(loss, argnums=(0, 1))(p["index_q"], p["index_k"])
+    value, vjp_fn = torch.func.vjp(loss, p["index_q"], p["index_k"])
+    for got in (got_grad, vjp_fn(torch.ones_like(value))):
+        for g, e in zip(got, expected):
+            _assert_same(g, e, device, "index gradient")
+    primals = (p["index_q"], p["index_k"])
+    with pytest.raises(NotImplementedError, match="torch_msa: msa::indexer_kl does not support forward-mode AD"):
+        torch.func.jvp(loss, primals, tuple(torch.ones_like(x) for x in primals))
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.func.grad(lambda q: torch.func.grad(loss)(q, p["index_k"]).sum())(p["index_q"])
+
+
 # Any strides: every tensor argument as a permuted, sliced or expanded view.
 def _strided(x: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "permuted":  # same values, storage in another dimension order
