@@ -62,7 +62,7 @@ def locate_queries(
     in_range = segment < num_segments
     segment = segment.clamp(max=num_segments - 1)
     q_start, q_end = cu_q[segment], cu_q[segment + 1]
-    if fragment_documents is None:
+    if fragment_documents is None or fragment_starts is None:
         doc = segment
         k_start, k_end = cu_k[doc], cu_k[doc + 1]
         position = (k_end - k_start) - (q_end - q_start) + (tokens - q_start)
