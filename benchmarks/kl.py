@@ -57,10 +57,10 @@ def _time_rows(tokens: int, shape: Shape, device, dtype, dense: bool, warmup: in
     grad_out = torch.randn_like(q)
 
     def attention_step():
-        out, lse, block_indices = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), **blocks,
-                                                          return_lse=True, return_block_indices=True)
-        out.backward(grad_out)
-        return lse, block_indices
+        attn = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), **blocks, return_lse=True,
+                                       return_block_indices=True)
+        attn.out.backward(grad_out)
+        return attn.lse, attn.block_indices
 
     results = {"attention step": measure(attention_step, device, warmup, iters).median_ms}
     lse, block_indices = attention_step()

@@ -11,6 +11,8 @@ from . import (
     triton,
 )
 from .api import (
+    AttentionOutput,
+    MSAAttentionOutput,
     build_plan,
     indexer_kl_loss,
     indexer_kl_loss_dense,
@@ -34,8 +36,10 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKEND_ENV",
     "DEBUG_ENV",
+    "AttentionOutput",
     "Backend",
     "BackendError",
+    "MSAAttentionOutput",
     "UnavailableError",
     "TorchMSAWarning",
     "UnsupportedInputs",

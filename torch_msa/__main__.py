@@ -104,7 +104,9 @@ class Problem:
 
     def query_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per packed query token (CPU int64): the packed row of its document's first key, and p(t)."""
-        key_start, position, offset = [], [], 0
+        key_start: list[int] = []
+        position: list[int] = []
+        offset = 0
         for doc in self.documents:
             key_start += [offset] * doc.queries
             position += range(doc.keys - doc.queries, doc.keys)
@@ -194,8 +196,8 @@ def run_ops(problem: Problem, step: str = "", timed: bool = True) -> OpResults:
     # The backward does 2.5 times the forward's work (torch_msa.flops).
     backward_per_forward = flops.attention_backward(1, 1, 1) / flops.attention_forward(1, 1, 1)
     with stage("backward", estimate_ms=backward_per_forward * stage_ms["forward"]):
-        loss.backward()
-    return OpResults(block_indices, out.detach(), lse.detach(), q.grad, k.grad, v.grad, stage_ms if timed else {})
+        dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+    return OpResults(block_indices, out.detach(), lse.detach(), dq, dk, dv, stage_ms if timed else {})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +277,7 @@ def check_attention(problem: Problem, results: OpResults, tokens: list[int], tol
     for i, token in enumerate(tokens):
         for r in range(shape.kv_heads):
             ids = block_indices[r, i].tolist()
-            keys = key_start[token] + selected_key_positions(ids, position[token].item(), shape.block_size)
+            keys = key_start[token] + selected_key_positions(ids, int(position[token]), shape.block_size)
             heads = slice(r * shape.group, (r + 1) * shape.group)
             key, value = k[keys, r], v[keys, r]
             scores = scale * q[i, heads] @ key.T
@@ -309,7 +311,7 @@ def check_selection(problem: Problem, block_indices: torch.Tensor, tokens: list[
     chosen_rows = block_indices[:, torch.tensor(tokens).to(block_indices.device)].cpu()
     worst, exact, broken = 0.0, 0, []
     for i, token in enumerate(tokens):
-        p = position[token].item()
+        p = int(position[token])
         visible_blocks = p // shape.block_size + 1
         local_block = visible_blocks - 1
         keys = index_k[key_start[token]: key_start[token] + p + 1]

@@ -18,10 +18,12 @@ Layouts (packed tokens, documents delimited by int32 `cu_seqlens`):
   you have them).
 
 Every function traces under `torch.compile(fullgraph=True)` and `torch.export` without a graph
-break or a host sync.
+break or a host sync (`validate_inputs` excepted: it reads values on the host). The layouts next
+to flash-attn's, fla's and HF's, and how to convert between them: docs/api.md.
 """
 
 import warnings
+from typing import Literal, NamedTuple, overload
 
 import torch
 
@@ -31,9 +33,55 @@ from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK
 from .diagnostics import TorchMSAWarning
 from .schedule import entries_per_item
 
+_Documents = tuple[torch.Tensor, torch.Tensor, int, int]
+"""The ops' four document arguments: `(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`."""
+_Fragments = tuple[torch.Tensor | None, torch.Tensor | None]
+"""The ops' two trailing fragment arguments: `(fragment_documents, fragment_starts)`."""
+
+
+class AttentionOutput(NamedTuple):
+    """What `sparse_attention(..., return_lse=True)` returns.
+
+    Attributes:
+        out: `[Tq, Hq, D]` in q's dtype.
+        lse: `[Tq, Hq]`, token-major: the natural-log log-sum-exp of each query head's scaled
+            scores over the keys it read, fp32 (fp64 for fp64 inputs), `-inf` for a query that
+            read no key. Differentiable in q and k. flash-attn's varlen lse is `[Hq, Tq]`:
+            `lse.t()` is that layout (docs/api.md).
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+class MSAAttentionOutput(NamedTuple):
+    """What `msa_attention(...)` returns with `return_lse` and/or `return_block_indices`.
+
+    A field whose flag was not set is None. Read the fields by name (`result.lse`): fields may be
+    added after the existing ones, so the tuple's length and positional unpacking are not part of
+    the contract.
+
+    Attributes:
+        out: `[Tq, Hq, D]` in q's dtype.
+        lse: with `return_lse`, `[Tq, Hq]` as in `AttentionOutput.lse`; otherwise None.
+        block_indices: with `return_block_indices`, the int32 `[Hkv, Tq, topk]` selection the
+            attention used (head-major; valid ids first, `-1` after), the input of
+            `indexer_kl_loss`; otherwise None.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor | None = None
+    block_indices: torch.Tensor | None = None
+
+
+# torch.export.save and AOTInductor packages serialise a program's output structure; a named
+# tuple needs a registered name for that, or a program that returns one could not be saved.
+for _output in (AttentionOutput, MSAAttentionOutput):
+    torch.utils._pytree._register_namedtuple(_output, serialized_type_name=f"torch_msa.{_output.__name__}")
+
 
 def _document_args(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               block_size, topk=None, softmax_scale=None):
+                   block_size, topk=None, softmax_scale=None) -> _Documents:
     """Fill the document defaults and check the host arguments; returns the ops' four document args."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         validation.check_optional_tensor(name, cu, "int32 [B + 1]")
@@ -50,7 +98,7 @@ def _document_args(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, ma
     return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
-def _fragments(fragment_documents, fragment_starts, cu_seqlens_q):
+def _fragments(fragment_documents, fragment_starts, cu_seqlens_q) -> _Fragments:
     """The ops' two trailing fragment arguments, checked to come together with `cu_seqlens`."""
     for name, x in (("fragment_documents", fragment_documents), ("fragment_starts", fragment_starts)):
         validation.check_optional_tensor(name, x, "int32 [F]")
@@ -64,7 +112,7 @@ def _fragments(fragment_documents, fragment_starts, cu_seqlens_q):
     return fragment_documents, fragment_starts
 
 
-def _rows(name, x, layout):
+def _rows(name, x, layout) -> int:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor {layout}, got {type(x).__name__}")
     if x.dim() < 1:
@@ -72,12 +120,13 @@ def _rows(name, x, layout):
     return x.shape[0]
 
 
-def _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale):
+def _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk,
+                             softmax_scale) -> _Documents:
     return _document_args(_rows("q", q, "[Tq, Hq, D]"), _rows("k", k, "[Tk, Hkv, D]"), q.device,
-                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
+                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
 
 
-def _scale(q, softmax_scale):
+def _scale(q, softmax_scale) -> float:
     return q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
 
 
@@ -102,15 +151,34 @@ def select_blocks(
     `nvb = p(t) // block_size + 1`.
 
     Args:
-        index_q: `[Tq, Hi, Di]` index queries (bf16/fp16/fp32/fp64).
-        index_k: `[Tk, 1, Di]` index keys, same dtype.
+        index_q: `[Tq, Hi, Di]` index queries, bf16/fp16/fp32/fp64, `Di >= 1`.
+        index_k: `[Tk, 1, Di]` index keys (one shared index head), index_q's dtype and device.
+        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` document boundaries of the queries and keys
+            (`cu_seqlens_q` is `[F + 1]` with fragments), both or neither; neither means one
+            document.
+        max_seqlen_q, max_seqlen_k: host ints bounding the documents' query and key counts;
+            default `Tq` and `Tk`.
+        topk: blocks kept per query, the local one included, `>= 1`.
+        block_size: keys per block, 64 or 128.
+        fragment_documents, fragment_starts: int32 `[F]` query fragments, both or neither
+            (module docstring).
 
     Returns:
-        int32 `[Hi, Tq, topk]`; valid ids first, `-1` padding after. Not differentiable.
+        int32 `[Hi, Tq, topk]`, head-major: per (index head, query) the block ids, valid ids
+        first, `-1` after; ids are document-local. Not differentiable. fla's NSA and HF's
+        MiniMax-M3 indexer lay their block ids out differently (docs/api.md).
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype; the message names it.
+        ValueError: a shape, head dim, `topk`, `block_size` or host int outside the contract, or a
+            `cu_seqlens` / fragment argument without its partner; the message names it. Values
+            (boundaries, lengths) are checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`.
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the op on
+            the inputs' device.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _document_args(_rows("index_q", index_q, "[Tq, Hi, Di]"), _rows("index_k", index_k, "[Tk, 1, Di]"),
-                      index_q.device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk)
+                          index_q.device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk)
     return torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size, *fragments)
 
 
@@ -134,16 +202,28 @@ def build_plan(
     several attention calls of one layer and step).
 
     Args:
-        block_indices: int32 `[Hkv, Tq, topk]`.
-        num_keys: `Tk`, rows of the packed keys; num_heads: `Hq`, query heads (they size the
-            plan's work items).
+        block_indices: int32 `[Hkv, Tq, topk]`, e.g. from `select_blocks`.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
+            `select_blocks` (`max_seqlen_k` defaults to `num_keys`).
+        num_keys: `Tk`, rows of the packed keys, `>= 0`.
+        num_heads: `Hq`, query heads, `>= 1` (with `Hkv` they size the plan's work items).
+        block_size: keys per block, 64 or 128.
+        fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
 
     Returns:
-        A 1-D int32 tensor (`msa::plan`; layout in `torch_msa/schedule.py`), valid for calls with
-        these `block_indices`, documents, `Tk` and `block_size`. Every call checks its length
-        against the shapes; a plan of the same shapes built for another selection or other
-        documents (a stale plan) is caught only by `TORCH_MSA_DEBUG=1` and
-        `validate_inputs(..., plan=plan)`: otherwise the kernels compute the plan's selection.
+        A 1-D int32 tensor (`msa::plan`; layout in `torch_msa/schedule.py`) on block_indices'
+        device, valid for calls with these `block_indices`, documents, `Tk` and `block_size`.
+        Every call checks its length against the shapes; a plan of the same shapes built for
+        another selection or other documents (a stale plan) is caught only by
+        `TORCH_MSA_DEBUG=1` and `validate_inputs(..., plan=plan)`: otherwise the kernels compute
+        the plan's selection.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype; the message names it.
+        ValueError: a shape, `block_size` or host int outside the contract, or a `cu_seqlens` /
+            fragment argument without its partner; the message names it.
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the op on
+            the inputs' device.
     """
     _rows("block_indices", block_indices, "[Hkv, Tq, topk]")
     # Checked before they stand in for defaults (max_seqlen_k defaults to num_keys).
@@ -157,9 +237,42 @@ def build_plan(
                               entries_per_item(num_heads, block_indices.shape[0]), *fragments)
 
 
-def _plan_for(q, k, block_indices, docs, block_size, fragments):
+def _plan_for(q, k, block_indices, docs, block_size, fragments) -> torch.Tensor:
     return torch.ops.msa.plan(block_indices, *docs, k.shape[0], block_size, entries_per_item(q.shape[1], k.shape[1]),
                               *fragments)
+
+
+@overload
+def sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
+    block_size: int = ..., softmax_scale: float | None = ..., return_lse: Literal[False] = ...,
+    plan: torch.Tensor | None = ..., fragment_documents: torch.Tensor | None = ...,
+    fragment_starts: torch.Tensor | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
+    block_size: int = ..., softmax_scale: float | None = ..., return_lse: Literal[True],
+    plan: torch.Tensor | None = ..., fragment_documents: torch.Tensor | None = ...,
+    fragment_starts: torch.Tensor | None = ...,
+) -> AttentionOutput: ...
+
+
+@overload
+def sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
+    block_size: int = ..., softmax_scale: float | None = ..., return_lse: bool = ...,
+    plan: torch.Tensor | None = ..., fragment_documents: torch.Tensor | None = ...,
+    fragment_starts: torch.Tensor | None = ...,
+) -> torch.Tensor | AttentionOutput: ...
 
 
 def sparse_attention(
@@ -178,22 +291,39 @@ def sparse_attention(
     plan: torch.Tensor | None = None,
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
-):
+) -> torch.Tensor | AttentionOutput:
     """Attention of each query over the keys of its selected blocks (causal inside the local one).
 
     Query head `h` uses KV head `r = h // (Hq // Hkv)` and the blocks in `block_indices[r, t]`.
 
     Args:
-        q: `[Tq, Hq, D]`; k, v: `[Tk, Hkv, D]`, same dtype.
-        block_indices: int32 `[Hkv, Tq, topk]`, e.g. from `select_blocks`.
+        q: `[Tq, Hq, D]` queries, bf16/fp16/fp32/fp64, `D` 64 or 128.
+        k, v: `[Tk, Hkv, D]` keys and values, q's dtype and device, `Hq % Hkv == 0`.
+        block_indices: int32 `[Hkv, Tq, topk]` (head-major), e.g. from `select_blocks`; valid ids
+            are read as a set, `-1` slots are skipped.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
+            `select_blocks`.
+        block_size: keys per block, 64 or 128.
         softmax_scale: defaults to `D ** -0.5`.
-        return_lse: also return the log-sum-exp.
+        return_lse: also return the log-sum-exp (one flag, flash-attn 4's name; docs/api.md).
         plan: from `build_plan` on the same `block_indices` and documents; by default one is
             built here. Either way the backward reuses it.
+        fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
 
     Returns:
-        `out [Tq, Hq, D]` in q's dtype, or `(out, lse)` with `lse [Tq, Hq]` (natural log, fp32;
-        fp64 for fp64 inputs). Differentiable in q, k, v, including through `lse`.
+        `out [Tq, Hq, D]` in q's dtype; with `return_lse`, an `AttentionOutput(out, lse)` with
+        `lse [Tq, Hq]` fp32 (fp64 for fp64 inputs), the natural-log log-sum-exp, token-major
+        (flash-attn's varlen lse is `[Hq, Tq]`: `lse.t()`). Differentiable in q, k, v, including
+        through `lse`; a query that reads no key gets `out = 0`, `lse = -inf`.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype; the message names it.
+        ValueError: a shape, head count, head dim, `block_size` or host int outside the contract,
+            a plan of the wrong length, or a `cu_seqlens` / fragment argument without its
+            partner; the message names it. Values (boundaries, block ids, a stale plan) are
+            checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`.
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the op on
+            the inputs' device.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
@@ -201,7 +331,7 @@ def sparse_attention(
     if plan is None:
         plan = _plan_for(q, k, block_indices, docs, block_size, fragments)
     out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan, *fragments)
-    return (out, lse) if return_lse else out
+    return AttentionOutput(out, lse) if return_lse else out
 
 
 _warned_untrained_index = False
@@ -222,6 +352,50 @@ def _warn_index_inputs_get_no_gradient(index_q, index_k) -> None:
         )
 
 
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: Literal[False] = ..., return_block_indices: Literal[False] = ...,
+    fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: Literal[True], return_block_indices: bool = ...,
+    fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+) -> MSAAttentionOutput: ...
+
+
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: bool = ..., return_block_indices: Literal[True],
+    fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+) -> MSAAttentionOutput: ...
+
+
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: bool = ..., return_block_indices: bool = ...,
+    fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+) -> torch.Tensor | MSAAttentionOutput: ...
+
+
 def msa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -240,16 +414,41 @@ def msa_attention(
     return_block_indices: bool = False,
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
-):
+) -> torch.Tensor | MSAAttentionOutput:
     """MiniMax Sparse Attention: `select_blocks` (no gradient) then `sparse_attention`.
 
-    Shapes as in `select_blocks` and `sparse_attention`, with `Hi == Hkv`. Returns `out [Tq, Hq, D]`;
-    with `return_lse` and/or `return_block_indices`, a tuple `(out, lse?, block_indices?)` in that
-    order: `lse [Tq, Hq]` as in `sparse_attention` and the int32 `block_indices [Hkv, Tq, topk]`
-    used, the inputs of `indexer_kl_loss` without recomputing the selection.
-
     `index_q` and `index_k` receive no gradient here (a one-time warning says so when they
-    require grad): the index branch is trained with `indexer_kl_loss`.
+    require grad): the index branch is trained with `indexer_kl_loss`, whose inputs
+    `return_lse` and `return_block_indices` give without recomputing the selection.
+
+    Args:
+        q: `[Tq, Hq, D]` queries, bf16/fp16/fp32/fp64, `D` 64 or 128.
+        k, v: `[Tk, Hkv, D]` keys and values, q's dtype and device, `Hq % Hkv == 0`.
+        index_q: `[Tq, Hkv, Di]` index queries (one index head per KV head), any float dtype,
+            q's device.
+        index_k: `[Tk, 1, Di]` index keys, index_q's dtype.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
+            `select_blocks`.
+        topk: blocks read per query, the local one included, `>= 1`.
+        block_size: keys per block, 64 or 128.
+        softmax_scale: defaults to `D ** -0.5`.
+        return_lse: return the log-sum-exp too (one flag, flash-attn 4's name; docs/api.md).
+        return_block_indices: return the selection too.
+        fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
+
+    Returns:
+        Without either flag, `out [Tq, Hq, D]` in q's dtype. With either, an
+        `MSAAttentionOutput(out, lse, block_indices)` whose fields not asked for are None:
+        `lse [Tq, Hq]` as in `sparse_attention`, `block_indices` int32 `[Hkv, Tq, topk]`
+        (head-major) as in `select_blocks`.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype; the message names it.
+        ValueError: a shape, head count, head dim, index head count, `topk`, `block_size` or host
+            int outside the contract, index inputs whose rows or device do not match q and k, or a
+            `cu_seqlens` / fragment argument without its partner; the message names it.
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve an op on
+            the inputs' device.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
@@ -260,10 +459,10 @@ def msa_attention(
     out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan, *fragments)
     if not (return_lse or return_block_indices):
         return out
-    return (out,) + ((lse,) if return_lse else ()) + ((block_indices,) if return_block_indices else ())
+    return MSAAttentionOutput(out, lse if return_lse else None, block_indices if return_block_indices else None)
 
 
-def _index_scale(index_q, index_softmax_scale):
+def _index_scale(index_q, index_softmax_scale) -> float:
     if index_softmax_scale is None:
         return index_q.shape[-1] ** -0.5
     validation.check_scale("index_softmax_scale", index_softmax_scale)
@@ -296,18 +495,33 @@ def indexer_kl_loss(
     `P_s = softmax over J of index_softmax_scale <index_q[t, r], index_k[j]>`.
 
     Args:
-        q: `[Tq, Hq, D]`, k: `[Tk, Hkv, D]`: the main branch's queries and keys (bf16/fp16/fp32/fp64).
-        lse: `[Tq, Hq]` from `sparse_attention(..., return_lse=True)` or
-            `msa_attention(..., return_lse=True)` (fp32; fp64 for fp64 q).
-        index_q: `[Tq, Hi, Di]` with `Hi == Hkv`; index_k: `[Tk, 1, Di]` (same dtype as each other).
-        block_indices: int32 `[Hkv, Tq, topk]`, the selection the attention used.
-        softmax_scale: the attention's, defaults to `D ** -0.5`; index_softmax_scale: defaults
-            to `Di ** -0.5`.
+        q: `[Tq, Hq, D]` and k: `[Tk, Hkv, D]`: the main branch's queries and keys
+            (bf16/fp16/fp32/fp64, one dtype).
+        lse: `[Tq, Hq]`, the attention's log-sum-exp (natural log, token-major): the `lse` field of
+            `sparse_attention(..., return_lse=True)` or `msa_attention(..., return_lse=True)`
+            (fp32; fp64 for fp64 q). A flash-attn varlen lse `[Hq, Tq]` enters as `lse.t()`.
+        index_q: `[Tq, Hkv, Di]` index queries; index_k: `[Tk, 1, Di]`, index_q's dtype.
+        block_indices: int32 `[Hkv, Tq, topk]`, the selection the attention used (the
+            `block_indices` field of `msa_attention(..., return_block_indices=True)`).
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
+            `select_blocks`.
+        block_size: keys per block, 64 or 128.
+        softmax_scale: the attention's, defaults to `D ** -0.5`.
+        index_softmax_scale: the student's, defaults to `Di ** -0.5`.
+        fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
 
     Returns:
         A 0-D tensor, fp32 (fp64 for fp64 index inputs): the mean over `(t, r)` of
         `KL(P_t || P_s)`, 0 when `Tq == 0`. Gradients flow to `index_q` and `index_k` only: the
         teacher (`q`, `k`, `lse`) is a constant of this loss.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype (`lse` or `block_indices` not a
+            tensor included); the message names it.
+        ValueError: a shape, head count, `block_size` or host int outside the contract, or a
+            `cu_seqlens` / fragment argument without its partner; the message names it.
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the op on
+            the inputs' device.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
@@ -338,14 +552,29 @@ def indexer_kl_loss_dense(
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same loss over the full causal support, for the dense warm-up stage.
+    """The index branch's KL loss over the full causal support, for the dense warm-up stage.
 
     `J(t, r)` is every key `j <= p(t)` of `t`'s document, and the teacher is the dense causal
-    attention's probabilities. `lse` (`[Tq, Hq]`, natural log) is that attention's
-    log-sum-exp when the caller has it; omitted, it is computed here (public SDPA does not return
-    it). Memory stays bounded: queries in chunks, keys in spans, never a `T x T` buffer.
-    `block_size` only sizes the key spans. Returns a 0-D tensor as `indexer_kl_loss` does;
-    gradients flow to `index_q` and `index_k` only.
+    attention's probabilities. Memory stays bounded: queries in chunks, keys in spans, never a
+    `T x T` buffer.
+
+    Args:
+        q, k, index_q, index_k: as in `indexer_kl_loss`.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
+            `select_blocks`.
+        lse: `[Tq, Hq]`, the dense causal attention's natural-log log-sum-exp (token-major; a
+            flash-attn varlen lse `[Hq, Tq]` enters as `lse.t()`), when the caller has it;
+            omitted, it is computed here (public SDPA does not return it).
+        block_size: sizes the key spans only, 64 or 128.
+        softmax_scale, index_softmax_scale: as in `indexer_kl_loss`.
+        fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
+
+    Returns:
+        A 0-D tensor as `indexer_kl_loss` returns it; gradients flow to `index_q` and `index_k`
+        only.
+
+    Raises:
+        TypeError, ValueError, torch_msa.BackendError: as `indexer_kl_loss` raises them.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
@@ -377,15 +606,30 @@ def validate_inputs(
 ) -> None:
     """Check every input the way `TORCH_MSA_DEBUG=1` does, including values (host sync).
 
-    Raises `ValueError`/`TypeError` naming the first offending argument: shapes, dtypes and
-    devices; `cu_seqlens` starting at 0, non-decreasing, ending at the token counts, `Lq <= Lk`
-    per document (with fragments: each names a document and fits in it) and `max_seqlen_*` large
-    enough; and, when given, the block-id contract of
-    `block_indices` (valid prefix then `-1`, distinct, `< nvb`, local block last), the index
-    inputs, and a `plan` (which needs `block_indices`): its length, and that it was built for this
-    selection and these documents (a stale plan of the same shapes would make the kernels compute
-    the plan's own selection). Use it in eager code when debugging; it is not meant for compiled
-    regions.
+    Use it in eager code when debugging; it is not meant for compiled regions.
+
+    Args:
+        q, k, v: as in `sparse_attention`.
+        block_indices: int32 `[Hkv, Tq, topk]`, checked against the block-id contract (valid
+            prefix then `-1`, distinct, `< nvb`, local block last) when given.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
+            `select_blocks`; checked to start at 0, not decrease, end at the token counts, give
+            `Lq <= Lk` per document (with fragments: each names a document and fits in it), and
+            `max_seqlen_*` large enough.
+        index_q, index_k: as in `msa_attention`, both or neither; checked when given.
+        plan: from `build_plan`, which needs `block_indices`: checked for its length and for
+            having been built for this selection and these documents (a stale plan of the same
+            shapes would make the kernels compute the plan's own selection).
+        topk, block_size, softmax_scale: as in `msa_attention`.
+        fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
+
+    Returns:
+        None: the inputs honour the contract.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype; the message names the first one.
+        ValueError: any other breach of the contract; the message names the first offending
+            argument with the expected and the actual value.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)

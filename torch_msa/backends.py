@@ -88,7 +88,14 @@ _warned: set[tuple] = set()
 
 
 def register_backend(backend: Backend) -> None:
-    """Add (or replace, by name) a backend."""
+    """Add (or replace, by name) a backend.
+
+    Args:
+        backend: its `ops` keys must be op names of `OPS`.
+
+    Raises:
+        ValueError: `backend.ops` names an op that does not exist.
+    """
     unknown = set(backend.ops) - set(OPS)
     if unknown:
         raise ValueError(f"backend {backend.name!r}: unknown ops {sorted(unknown)}; expected a subset of {OPS}")
@@ -143,7 +150,20 @@ def _by_default(op: str, device: torch.device, notes: bool) -> list[Backend]:
 
 
 def resolve(op: str, device: torch.device) -> Backend:
-    """The backend that would serve `op` on `device` for inputs it accepts."""
+    """The backend that would serve `op` on `device` for inputs it accepts.
+
+    Args:
+        op: an op name of `OPS` (`"forward"`, `"select_blocks"`, ...).
+        device: the device of the op's tensors.
+
+    Returns:
+        The `Backend` chosen first (`TORCH_MSA_BACKEND`'s when it names one that implements the
+        op); it may still decline particular inputs, which then fall back to the next one.
+
+    Raises:
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` names no backend, or one that cannot serve
+            the op on `device`, or no backend serves it.
+    """
     found = candidates(op, device)
     if not found:
         raise BackendError(f"no backend serves msa::{op} on {device}")

@@ -35,11 +35,13 @@ Every rank must make the same calls in the same order, with the same `requires_g
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
 
 from . import api
+from .api import MSAAttentionOutput
 from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK, INDEX_DTYPE
 
 # Recent torch (2.14 here) names the tensor collectives `*_single` and deprecates the old names,
@@ -94,7 +96,20 @@ class ContextParallelLayout:
         return self.rows.shape[0]
 
     def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        """This rank's rows of a tensor of the whole pack (`T` along `dim`), in local order."""
+        """This rank's rows of a tensor of the whole pack, in local order.
+
+        Args:
+            x: a tensor with the whole pack's `T` tokens along `dim`, any dtype and device.
+            dim: the token dimension.
+
+        Returns:
+            `x` with `Tl = num_local_tokens` rows along `dim` (a copy, `x.index_select`), its
+            dtype and device.
+
+        Raises:
+            TypeError: `x` is not a tensor.
+            ValueError: `x` has not `T` tokens along `dim`.
+        """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[dim] != self.num_tokens:
@@ -141,7 +156,7 @@ def _chunk_sizes(length: int, world_size: int, first_owner: int) -> list[int]:
     return sizes
 
 
-def load_balanced_layout(cu_seqlens, world_size: int, rank: int, *,
+def load_balanced_layout(cu_seqlens: torch.Tensor | Sequence[int], world_size: int, rank: int, *,
                          device: torch.device | str | None = None) -> ContextParallelLayout:
     """Split a pack of self-attention documents over `world_size` ranks; return `rank`'s share.
 
@@ -157,6 +172,17 @@ def load_balanced_layout(cu_seqlens, world_size: int, rank: int, *,
         world_size: ranks in the context-parallel group; rank: this rank, `0 <= rank < world_size`.
         device: where the layout's tensors live (the device of the activations); defaults to
             the device of `cu_seqlens` (CPU for host ints).
+
+    Returns:
+        The `ContextParallelLayout` of `rank`: its rows and positions (int64 `[Tl]`), its query
+        fragments (int32 `cu_seqlens_q [2B + 1]`, `fragment_documents`, `fragment_starts [2B]`),
+        the whole pack's documents (int32 `cu_seqlens_k [B + 1]`) and the gather permutation.
+
+    Raises:
+        TypeError: `world_size` or `rank` is not an int, or `cu_seqlens` is neither a sequence of
+            ints nor a 1-D integer tensor.
+        ValueError: `world_size < 1`, `rank` outside `[0, world_size)`, or boundaries that do not
+            start at 0, decrease, or exceed int32.
     """
     for name, value in (("world_size", world_size), ("rank", rank)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -171,7 +197,7 @@ def load_balanced_layout(cu_seqlens, world_size: int, rank: int, *,
 
     chunks = 2 * world_size
     # Per rank: (global start, length, document, document-local start) of its chunks, local order.
-    segments = [[] for _ in range(world_size)]
+    segments: list[list[tuple[int, int, int, int]]] = [[] for _ in range(world_size)]
     first_owner = 0
     for document, (begin, end) in enumerate(zip(bounds, bounds[1:])):
         sizes = _chunk_sizes(end - begin, world_size, first_owner)
@@ -261,7 +287,7 @@ class _PendingGather:
         if self._work is not None:
             self._work.wait()
         gathered = self.buffer.index_select(0, layout.gathered_rows)
-        self.buffer = self._sent = self._work = None  # free the rank-major copy now, not at the caller's return
+        del self.buffer, self._sent, self._work  # free the rank-major copy now, not at the caller's return
         return gathered
 
 
@@ -303,13 +329,30 @@ def _gather(layout, group, pending, *local):
     return _GatheredTokens.apply(layout, group, pending, *local)
 
 
-def all_gather_tokens(x: torch.Tensor, layout: ContextParallelLayout, group=None, *, dim: int = 0) -> torch.Tensor:
+def all_gather_tokens(x: torch.Tensor, layout: ContextParallelLayout, group: dist.ProcessGroup | None = None, *,
+                      dim: int = 0) -> torch.Tensor:
     """Gather every rank's local tokens (`Tl` along `dim`) into the whole pack's order (`T`).
 
     The inverse of `layout.shard` across the group: for outputs (`out`, `lse`, or
     `block_indices` with `dim=1`) and for tests. Differentiable: the backward sums the ranks'
     gradients and returns each rank its own rows (the convention that the total loss is the sum of
     the ranks' losses). A collective: every rank of `group` must call it.
+
+    Args:
+        x: this rank's tensor, `layout.num_local_tokens` tokens along `dim`, any dtype, on the
+            group's device (the same dtype and trailing shape on every rank).
+        layout: this rank's `load_balanced_layout`, on x's device.
+        group: the context-parallel process group (default: the world).
+        dim: the token dimension.
+
+    Returns:
+        `x`'s tokens of every rank in the whole pack's order: `T = layout.num_tokens` along
+        `dim`, x's dtype and device.
+
+    Raises:
+        TypeError: `layout` is not a `ContextParallelLayout` or `x` is not a tensor.
+        ValueError: `layout` is another rank's or another group size's, or `x` has not
+            `num_local_tokens` tokens along `dim`.
     """
     _check_group(layout, group)
     if not isinstance(x, torch.Tensor):
@@ -322,6 +365,42 @@ def all_gather_tokens(x: torch.Tensor, layout: ContextParallelLayout, group=None
     return gathered.movedim(0, dim)
 
 
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    layout: ContextParallelLayout, group: dist.ProcessGroup | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: Literal[False] = ..., return_block_indices: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    layout: ContextParallelLayout, group: dist.ProcessGroup | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: Literal[True], return_block_indices: bool = ...,
+) -> MSAAttentionOutput: ...
+
+
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    layout: ContextParallelLayout, group: dist.ProcessGroup | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: bool = ..., return_block_indices: Literal[True],
+) -> MSAAttentionOutput: ...
+
+
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    layout: ContextParallelLayout, group: dist.ProcessGroup | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: bool = ..., return_block_indices: bool = ...,
+) -> torch.Tensor | MSAAttentionOutput: ...
+
+
 def msa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -329,14 +408,14 @@ def msa_attention(
     index_q: torch.Tensor,
     index_k: torch.Tensor,
     layout: ContextParallelLayout,
-    group=None,
+    group: dist.ProcessGroup | None = None,
     *,
     topk: int = DEFAULT_TOPK,
     block_size: int = DEFAULT_BLOCK_SIZE,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     return_block_indices: bool = False,
-):
+) -> torch.Tensor | MSAAttentionOutput:
     """`torch_msa.msa_attention` for this rank's tokens, reading the keys of the whole group.
 
     All-gathers the index keys, then starts the all-gathers of K and V and selects the local
@@ -352,12 +431,21 @@ def msa_attention(
             layout.num_local_tokens`. Dtypes and head counts as in `torch_msa.msa_attention`.
         layout: this rank's `load_balanced_layout`, on the device of the inputs.
         group: the context-parallel process group (default: the world).
+        topk, block_size, softmax_scale: as in `torch_msa.msa_attention`.
+        return_lse, return_block_indices: as in `torch_msa.msa_attention`.
 
     Returns:
-        `out [Tl, Hq, D]`, or with the flags `(out, lse?, block_indices?)` as
-        `torch_msa.msa_attention` returns them, for the local tokens (`block_indices` hold
-        document-local block ids). `index_q` and `index_k` get no gradient here: train them with
-        `torch_msa.distributed.indexer_kl_loss`.
+        As `torch_msa.msa_attention` returns them, for the local tokens: `out [Tl, Hq, D]` in q's
+        dtype, or with either flag a `torch_msa.MSAAttentionOutput` whose fields not asked for
+        are None (`lse [Tl, Hq]`, token-major, as in `torch_msa.sparse_attention`;
+        `block_indices` int32 `[Hkv, Tl, topk]`, head-major, document-local ids). `index_q` and
+        `index_k` get no gradient here: train them with `torch_msa.distributed.indexer_kl_loss`.
+
+    Raises:
+        TypeError: `layout` is not a `ContextParallelLayout`, or an input is not a tensor or has
+            the wrong dtype; the message names it.
+        ValueError: `layout` is another rank's, an input has not `layout.num_local_tokens` rows,
+            or a shape breaks `torch_msa.msa_attention`'s contract; the message names it.
     """
     _check_group(layout, group)
     _check_local(layout, q=q, k=k, v=v, index_q=index_q, index_k=index_k)
@@ -370,7 +458,7 @@ def msa_attention(
                                     softmax_scale=softmax_scale, return_lse=True, **layout._fragments())
     if not (return_lse or return_block_indices):
         return out
-    return (out,) + ((lse,) if return_lse else ()) + ((block_indices,) if return_block_indices else ())
+    return MSAAttentionOutput(out, lse if return_lse else None, block_indices if return_block_indices else None)
 
 
 def _share_of_the_mean(loss, layout):
@@ -394,7 +482,7 @@ def indexer_kl_loss(
     index_k: torch.Tensor,
     block_indices: torch.Tensor,
     layout: ContextParallelLayout,
-    group=None,
+    group: dist.ProcessGroup | None = None,
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     softmax_scale: float | None = None,
@@ -410,13 +498,22 @@ def indexer_kl_loss(
     collective: every rank of `group` calls it.
 
     Args:
-        q, k, lse, index_q, index_k, block_indices: this rank's tokens, as in
-            `torch_msa.indexer_kl_loss` (`lse` and `block_indices` from
+        q, k, lse, index_q, index_k, block_indices: this rank's tokens (`Tl` rows; `Tl` queries of
+            `block_indices [Hkv, Tl, topk]`), dtypes and layouts as in
+            `torch_msa.indexer_kl_loss` (`lse` and `block_indices`: the fields of
             `torch_msa.distributed.msa_attention(..., return_lse=True, return_block_indices=True)`).
         layout, group: as in `msa_attention`.
+        block_size, softmax_scale, index_softmax_scale: as in `torch_msa.indexer_kl_loss`.
 
     Returns:
-        A 0-D tensor (fp32; fp64 for fp64 index inputs). Gradients reach `index_q` and `index_k`.
+        A 0-D tensor (fp32; fp64 for fp64 index inputs), this rank's share. Gradients reach
+        `index_q` and `index_k`.
+
+    Raises:
+        TypeError: `layout` is not a `ContextParallelLayout`, or an input is not a tensor or has
+            the wrong dtype; the message names it.
+        ValueError: `layout` is another rank's, an input has not `layout.num_local_tokens` rows,
+            or a shape breaks `torch_msa.indexer_kl_loss`'s contract; the message names it.
     """
     _check_group(layout, group)
     _check_local(layout, q=q, k=k, lse=lse, index_q=index_q, index_k=index_k)
@@ -433,7 +530,7 @@ def indexer_kl_loss_dense(
     index_q: torch.Tensor,
     index_k: torch.Tensor,
     layout: ContextParallelLayout,
-    group=None,
+    group: dist.ProcessGroup | None = None,
     *,
     lse: torch.Tensor | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
@@ -441,8 +538,22 @@ def indexer_kl_loss_dense(
     index_softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """This rank's share of `torch_msa.indexer_kl_loss_dense` (the dense warm-up) over the whole
-    pack: scaled, gathered and reduce-scattered as `indexer_kl_loss` is. `lse`, when given, is the
-    dense attention's `[Tl, Hq]` log-sum-exp of the local queries."""
+    pack: scaled, gathered and reduce-scattered as `indexer_kl_loss` is.
+
+    Args:
+        q, k, index_q, index_k: this rank's tokens, as in `indexer_kl_loss`.
+        layout, group: as in `msa_attention`.
+        lse: the dense attention's `[Tl, Hq]` natural-log log-sum-exp of the local queries, when
+            the caller has it; omitted, it is computed.
+        block_size, softmax_scale, index_softmax_scale: as in
+            `torch_msa.indexer_kl_loss_dense`.
+
+    Returns:
+        A 0-D tensor as `indexer_kl_loss` returns it. Gradients reach `index_q` and `index_k`.
+
+    Raises:
+        TypeError, ValueError: as `indexer_kl_loss` raises them.
+    """
     _check_group(layout, group)
     _check_local(layout, q=q, k=k, index_q=index_q, index_k=index_k)
     if lse is not None:

@@ -90,7 +90,7 @@ def _locate(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_document
     in_range = segment < num_segments
     segment = segment.clamp(max=num_segments - 1)
     q_start, q_end = cu_q[segment], cu_q[segment + 1]
-    if fragment_documents is None:
+    if fragment_documents is None or fragment_starts is None:
         doc = segment
         k_start, k_end = cu_k[doc], cu_k[doc + 1]
         position = (k_end - k_start) - (q_end - q_start) + (tokens - q_start)

@@ -18,23 +18,28 @@ registered when that module is first imported (at once if it already is).
 import importlib.abc
 import importlib.util
 import sys
+from typing import TypeVar
 
 import torch
 
 FLOP_COUNTER_MODULE = "torch.utils.flop_counter"
 
+# Pair counts are ints for shapes (the registered formulas) and may be floats for averages (the
+# benchmark); each formula returns the type it is given.
+Pairs = TypeVar("Pairs", int, float)
 
-def attention_forward(query_heads: int, head_dim: int, pairs: int | float) -> int | float:
+
+def attention_forward(query_heads: int, head_dim: int, pairs: Pairs) -> Pairs:
     """`4 * Hq * D` per (query, key) pair: `S = Q K^T` and `O = P V`."""
     return 4 * query_heads * head_dim * pairs
 
 
-def attention_backward(query_heads: int, head_dim: int, pairs: int | float) -> int | float:
+def attention_backward(query_heads: int, head_dim: int, pairs: Pairs) -> Pairs:
     """`2 * (3D + 2D) * Hq` per pair: `S` recomputed, `dP`, `dV`, `dQ`, `dK` (2.5 x the forward)."""
     return 2 * (3 * head_dim + 2 * head_dim) * query_heads * pairs
 
 
-def index_scoring(index_heads: int, index_dim: int, pairs: int | float) -> int | float:
+def index_scoring(index_heads: int, index_dim: int, pairs: Pairs) -> Pairs:
     """`2 * Di * Hi` per (query, key) pair scored by the index branch."""
     return 2 * index_dim * index_heads * pairs
 

@@ -12,6 +12,8 @@ implementation to call. Because it runs at execution time, never while tracing, 
 backend adds no guard and no graph break.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch._functorch.utils import enable_single_level_autograd_function
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
@@ -208,7 +210,7 @@ def _indexer_kl_backward_fake(grad_loss, index_q, index_k, index_lse, teacher_ma
 def _forward_setup_context(ctx, inputs, output):
     # Trailing optional arguments the caller left out are absent from `inputs`.
     (q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, plan,
-     fragment_documents, fragment_starts) = (*inputs, *(None,) * (13 - len(inputs)))
+     fragment_documents, fragment_starts) = [*inputs] + [None] * (13 - len(inputs))
     out, lse = output
     # The plan travels with the saved tensors, so the backward reuses the forward's schedule.
     ctx.save_for_backward(q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, plan,
@@ -389,7 +391,7 @@ def _autocast_eligible(x: torch.Tensor, device_type: str) -> bool:
 
 # One row per op of `_schemas.SCHEMAS`: its kernel (every device), its fake kernel, and the
 # positions of the arguments autocast casts.
-_IMPLEMENTATIONS = {
+_IMPLEMENTATIONS: dict[str, tuple[Callable[..., object], Callable[..., object], tuple[int, ...]]] = {
     "select_blocks": (_select_blocks_kernel, _select_blocks_fake, ()),
     "plan": (_plan_kernel, _plan_fake, ()),
     "forward": (_forward_kernel, _forward_fake, (0, 1, 2)),

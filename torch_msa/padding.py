@@ -50,17 +50,23 @@ def unpad_input(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Remove the padding of a batch.
 
+    Reads the token count and `max_seqlen` on the host (one sync); use `padded_cu_seqlens` where
+    a sync is not acceptable.
+
     Args:
         x: `[B, S, ...]`, any dtype.
         attention_mask: `[B, S]` bool or integer, nonzero at real tokens.
 
     Returns:
         `(packed [T, ...], indices [T] int64, cu_seqlens [B + 1] int32, max_seqlen)`: the real
-        tokens in row-major order, their flat positions in `x.reshape(B * S, ...)` (for
-        `pad_input`), one document per row, and the longest row as a host int.
+        tokens in row-major order (x's dtype and device), their flat positions in
+        `x.reshape(B * S, ...)` (for `pad_input`), one document per row, and the longest row as a
+        host int. The tensors are on x's device.
 
-    Reads the token count and `max_seqlen` on the host (one sync); use `padded_cu_seqlens` where
-    a sync is not acceptable.
+    Raises:
+        TypeError: `x` or `attention_mask` is not a tensor, or the mask is floating point or
+            complex.
+        ValueError: `x` has fewer than 2 dims, or the mask is not `[B, S]` of x's first two dims.
     """
     _check_padded("x", x)
     _check_mask(attention_mask, x.shape[0], x.shape[1])
@@ -77,12 +83,18 @@ def pad_input(packed: torch.Tensor, indices: torch.Tensor, batch_size: int, seql
     """Scatter packed tokens back into a zero-padded batch: the inverse of `unpad_input`.
 
     Args:
-        packed: `[T, ...]`.
-        indices: `[T]` int64, the flat positions `unpad_input` returned.
-        batch_size, seqlen: `B` and `S` of the padded batch.
+        packed: `[T, ...]`, any dtype.
+        indices: `[T]` int64, the flat positions `unpad_input` returned, on packed's device.
+        batch_size, seqlen: `B` and `S` of the padded batch (host ints).
 
     Returns:
-        `[B, S, ...]` with `packed`'s dtype, zeros at the padding. Differentiable in `packed`.
+        `[B, S, ...]` with `packed`'s dtype and device, zeros at the padding. Differentiable in
+        `packed`.
+
+    Raises:
+        TypeError: `packed` is not a tensor of at least 1 dim, or `indices` is not a 1-D int64
+            tensor.
+        ValueError: `indices` has not `T` entries.
     """
     if not isinstance(packed, torch.Tensor) or packed.dim() < 1:
         raise TypeError(f"packed: expected a torch.Tensor [T, ...], got {type(packed).__name__}")
@@ -99,18 +111,24 @@ def pad_input(packed: torch.Tensor, indices: torch.Tensor, batch_size: int, seql
 def padded_cu_seqlens(attention_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Documents of a left- or right-padded batch kept in place, computed on the device.
 
+    No host sync and no data-dependent shape. With `TORCH_MSA_DEBUG=1` the mask's layout is
+    checked (`check_padding_mask`, one sync).
+
     Args:
         attention_mask: `[B, S]` bool or integer, nonzero at real tokens; each row's real tokens
             must be one contiguous run at the row's start (right padding) or end (left padding).
 
     Returns:
-        `(cu_seqlens [2B + 1] int32, max_seqlen = S)`: row `b` is document `2b` and `2b + 1`,
-        its real tokens and its padding in the order they lie (a right-padded row: real, then
-        padding; a left-padded row: padding, then real; an unpadded row has an empty padding
-        document). Use it with `x.reshape(B * S, ...)`; reshape the result back to `[B, S, ...]`.
+        `(cu_seqlens [2B + 1] int32, max_seqlen = S)`, cu_seqlens on the mask's device: row `b` is
+        documents `2b` and `2b + 1`, its real tokens and its padding in the order they lie (a
+        right-padded row: real, then padding; a left-padded row: padding, then real; an
+        unpadded row has an empty padding document). Use it with `x.reshape(B * S, ...)`;
+        reshape the result back to `[B, S, ...]`.
 
-    No host sync and no data-dependent shape. With `TORCH_MSA_DEBUG=1` the mask's layout is
-    checked (`check_padding_mask`, one sync).
+    Raises:
+        TypeError: `attention_mask` is not a tensor, or is floating point or complex.
+        ValueError: the mask is not 2-D; with `TORCH_MSA_DEBUG=1`, a row that is neither left-
+            nor right-padded.
     """
     _check_mask(attention_mask)
     if debug_enabled():
@@ -130,6 +148,17 @@ def check_padding_mask(attention_mask: torch.Tensor) -> None:
     """Raise ValueError unless every row of `attention_mask [B, S]` is left- or right-padded.
 
     Reads the mask on the host (one sync): for debugging and input pipelines, not for the step.
+
+    Args:
+        attention_mask: `[B, S]` bool or integer, nonzero at real tokens.
+
+    Returns:
+        None: every row's real tokens are one contiguous run at its start or its end.
+
+    Raises:
+        TypeError: `attention_mask` is not a tensor, or is floating point or complex.
+        ValueError: the mask is not 2-D, or a row (named in the message) changes between real
+            and padding more than once.
     """
     _check_mask(attention_mask)
     mask = (attention_mask != 0).to(torch.int8)

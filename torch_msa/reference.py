@@ -271,6 +271,8 @@ def backward(
         row_bytes = _attention_row_bytes(num_heads, num_kv_heads, keys_per_query, dim, buffers=3)
         for start, end in _chunks(num_queries, row_bytes, q.device):
             gather = _KeyGather(block_indices, docs, start, end, num_kv_heads, block_size, k_flat.shape[0])
+            scatter_rows = gather.scatter_rows
+            assert scatter_rows is not None  # built with num_rows
             d_out = _heads_first(grad_out[start:end], num_kv_heads, cdtype)  # [Hkv, C, G, D]
             delta = (d_out * _heads_first(out[start:end], num_kv_heads, cdtype)).sum(-1, keepdim=True)
             if grad_lse is not None:
@@ -281,6 +283,6 @@ def backward(
             grad_scores = torch.matmul(d_out, value.transpose(-1, -2)).sub_(delta).mul_(probs).mul_(softmax_scale)
             dq[start:end] = _tokens_first(torch.matmul(grad_scores, key)).to(q.dtype)
             query = _heads_first(q[start:end], num_kv_heads, cdtype)
-            dk_acc.index_add_(0, gather.scatter_rows, torch.matmul(grad_scores.transpose(-1, -2), query).reshape(-1, dim))
-            dv_acc.index_add_(0, gather.scatter_rows, torch.matmul(probs.transpose(-1, -2), d_out).reshape(-1, dim))
+            dk_acc.index_add_(0, scatter_rows, torch.matmul(grad_scores.transpose(-1, -2), query).reshape(-1, dim))
+            dv_acc.index_add_(0, scatter_rows, torch.matmul(probs.transpose(-1, -2), d_out).reshape(-1, dim))
     return dq, dk_acc[:-1].view(k.shape).to(k.dtype), dv_acc[:-1].view(v.shape).to(v.dtype)

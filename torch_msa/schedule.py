@@ -99,14 +99,14 @@ def max_key_blocks(num_keys: int, num_docs: int, block_size: int) -> int:
     return (num_keys + block_size - 1) // block_size + num_docs
 
 
-def max_buckets(num_kv_heads: int, num_keys: int, num_docs: int, block_size: int) -> int:
+def max_buckets(num_kv_heads: int, num_keys: int, num_docs: int, block_size: int) -> int | torch.SymInt:
     """Upper bound of the distinct (kv head, key block) pairs: every document's blocks, per head.
 
     Integer arithmetic only, so it also takes SymInts (the fake kernel of `msa::plan`)."""
     return torch.sym_max(1, num_kv_heads * torch.sym_min(num_keys, max_key_blocks(num_keys, num_docs, block_size)))
 
 
-def max_items(num_entries: int, num_buckets: int, entries_per_item: int) -> int:
+def max_items(num_entries: int, num_buckets: int | torch.SymInt, entries_per_item: int) -> int | torch.SymInt:
     """Upper bound of the items: each bucket adds at most one partial item."""
     return (num_entries + entries_per_item - 1) // entries_per_item + num_buckets
 

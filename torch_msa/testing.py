@@ -9,9 +9,17 @@ from .documents import locate_queries
 
 
 def pick_device(name: str | None) -> torch.device:
-    """The device a command-line run asked for (`None`: CUDA when present, else CPU).
+    """The device a command-line run asked for.
 
-    Raises ValueError when the name is not a device or names CUDA on a host without it.
+    Args:
+        name: a device name (`"cpu"`, `"cuda"`, `"cuda:1"`), or None: CUDA when present, else CPU.
+
+    Returns:
+        The `torch.device`.
+
+    Raises:
+        ValueError: the name is not a device, or names CUDA on a host without it; the message
+            names the `--device` argument.
     """
     try:
         device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -25,7 +33,19 @@ def pick_device(name: str | None) -> torch.device:
 def cu_seqlens(
     q_lens: Sequence[int], k_lens: Sequence[int] | None = None, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 `(cu_seqlens_q, cu_seqlens_k)` for documents of these lengths (`k_lens` defaults to `q_lens`)."""
+    """The document boundaries of documents of these lengths.
+
+    Args:
+        q_lens: query tokens per document.
+        k_lens: key tokens per document; defaults to `q_lens`.
+        device: where the boundaries live.
+
+    Returns:
+        `(cu_seqlens_q, cu_seqlens_k)`, int32 `[B + 1]` each, on `device`.
+
+    Raises:
+        ValueError: `k_lens` has not one length per document of `q_lens`.
+    """
     k_lens = q_lens if k_lens is None else k_lens
     if len(q_lens) != len(k_lens):
         raise ValueError(f"k_lens: expected {len(q_lens)} lengths (one per document, like q_lens), got {len(k_lens)}")
@@ -77,6 +97,10 @@ def fragments(
         lengths: tokens per document.
         pieces: `(document, start, length)` per fragment, in packed order: the fragment holds
             the document's queries at positions `start .. start + length - 1`.
+        device: where the tensors live.
+
+    Returns:
+        The `Fragments` (int32 boundaries and fragment tensors, int64 rows) on `device`.
     """
     _, cu_k = cu_seqlens(lengths, lengths, device)
     doc_start = [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()]
@@ -102,14 +126,27 @@ def random_block_indices(
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A random selection that honours the contract: int32 `[Hkv, Tq, topk]`.
+    """A random selection that honours the contract.
 
     Each row keeps `min(topk - 1, nvb - 1)` distinct random non-local visible blocks in random
-    order, then the local block, then `-1`.
+    order, then the local block, then `-1`. Reads the boundaries on the host.
+
+    Args:
+        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` document boundaries (`[F + 1]` query
+            fragments with the fragment arguments).
+        num_kv_heads: `Hkv`.
+        topk: slots per row.
+        block_size: keys per block.
+        generator: the CPU random generator to draw from (default: torch's global one).
+        fragment_documents, fragment_starts: int32 `[F]` query fragments, or None.
+
+    Returns:
+        int32 `[Hkv, Tq, topk]` (head-major) on cu_seqlens_q's device.
     """
     num_queries = int(cu_seqlens_q[-1])
     num_keys = int(cu_seqlens_k[-1])
-    fragments = (None, None) if fragment_documents is None else (fragment_documents.cpu(), fragment_starts.cpu())
+    fragments = ((None, None) if fragment_documents is None or fragment_starts is None
+                 else (fragment_documents.cpu(), fragment_starts.cpu()))
     position = locate_queries(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), num_queries, num_keys, *fragments).position
     visible_blocks = position // block_size + 1  # [Tq]
     max_blocks = int(visible_blocks.max()) if num_queries else 1
@@ -129,10 +166,19 @@ def random_block_indices(
 def skewed_block_indices(
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_kv_heads: int, topk: int, block_size: int
 ) -> torch.Tensor:
-    """The most lopsided valid selection: int32 `[Hkv, Tq, topk]` on the cu_seqlens' device.
+    """The most lopsided valid selection.
 
     Every query keeps block 0 and its newest non-local blocks, then its local block, so block 0
     of each document is read by every query of it: the worst case for a KV-outer kernel's balance.
+
+    Args:
+        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` document boundaries.
+        num_kv_heads: `Hkv`.
+        topk: slots per row.
+        block_size: keys per block.
+
+    Returns:
+        int32 `[Hkv, Tq, topk]` (head-major) on the cu_seqlens' device.
     """
     num_queries, num_keys = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])
     position = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys).position

@@ -46,6 +46,42 @@ def test_one_graph_no_recompile_across_lengths():
     assert "msa.select_blocks" in targets and "msa.forward" in targets
 
 
+def _loss_from_named_fields(q, k, v, index_q, index_k, cu_q, cu_k, max_q, max_k):
+    docs = (cu_q, cu_k, max_q, max_k)
+    attn = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=64, return_lse=True,
+                                   return_block_indices=True)
+    again = torch_msa.sparse_attention(q, k, v, attn.block_indices, *docs, block_size=64, return_lse=True)
+    kl = torch_msa.indexer_kl_loss(q, k, attn.lse, index_q, index_k, attn.block_indices, *docs, block_size=64)
+    return (attn.out.float() ** 2).sum() + attn.lse.sum() + (again.out.float() - again.lse[..., None]).sum() + kl
+
+
+def test_named_output_fields_trace_in_one_graph():
+    """MSAAttentionOutput's and AttentionOutput's fields feed the loss inside one fullgraph graph."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_loss_from_named_fields, backend=counter, fullgraph=True, dynamic=True)
+    for q_lens, k_lens in PACKS[:2]:
+        inputs = _inputs(q_lens, k_lens)
+        for got, want in zip(_value_and_grads(compiled, inputs), _value_and_grads(_loss_from_named_fields, inputs)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert counter.frame_count == 1
+
+
+def test_a_compiled_function_returns_the_named_tuple():
+    def attention(q, k, v, index_q, index_k):
+        return torch_msa.msa_attention(q, k, v, index_q, index_k, topk=2, block_size=64, return_lse=True)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    args = [x.detach() for x in _inputs([300], [300])[:5]]
+    got = torch.compile(attention, backend=counter, fullgraph=True)(*args)
+    want = attention(*args)
+    assert type(got) is torch_msa.MSAAttentionOutput and got.block_indices is None
+    torch.testing.assert_close(got.out, want.out, rtol=0, atol=0)
+    torch.testing.assert_close(got.lse, want.lse, rtol=0, atol=0)
+    assert counter.frame_count == 1
+
+
 def test_one_document_defaults_trace_symbolically():
     """No cu_seqlens: the API builds [0, T] from the symbolic length without a recompile."""
     torch._dynamo.reset()

@@ -23,10 +23,16 @@ class AttentionWithIndexLoss(torch.nn.Module):
     """The training-time graph: attention, then the index branch's KL loss on its selection."""
 
     def forward(self, q, k, v, index_q, index_k):
-        out, lse, block_indices = torch_msa.msa_attention(q, k, v, index_q, index_k, topk=TOPK, block_size=BLOCK_SIZE,
-                                                          return_lse=True, return_block_indices=True)
-        loss = torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k, block_indices, block_size=BLOCK_SIZE)
-        return out, loss
+        attn = torch_msa.msa_attention(q, k, v, index_q, index_k, topk=TOPK, block_size=BLOCK_SIZE, return_lse=True,
+                                       return_block_indices=True)
+        loss = torch_msa.indexer_kl_loss(q, k, attn.lse, index_q, index_k, attn.block_indices, block_size=BLOCK_SIZE)
+        return attn.out, loss
+
+
+class AttentionReturningTheNamedTuple(torch.nn.Module):
+    def forward(self, q, k, v, index_q, index_k):
+        return torch_msa.msa_attention(q, k, v, index_q, index_k, topk=TOPK, block_size=BLOCK_SIZE, return_lse=True,
+                                       return_block_indices=True)
 
 
 def _inputs(tokens: int, seed: int = 0):
@@ -148,3 +154,16 @@ return [v6]""")
         x = _inputs(400, seed=4)
         for got, want in zip(loaded(*x), AttentionWithIndexLoss()(*x)):
             torch.testing.assert_close(got, want)
+
+    def test_a_program_returning_the_named_tuple_saves_and_loads(self):
+        """The output structure serialises (torch_msa registers the named tuples' names)."""
+        exported = torch.export.export(AttentionReturningTheNamedTuple(), _inputs(300))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "msa_named.pt2"
+            torch.export.save(exported, path)
+            loaded = torch.export.load(path).module()
+        x = _inputs(300, seed=3)
+        got, want = loaded(*x), AttentionReturningTheNamedTuple()(*x)
+        self.assertIs(type(got), torch_msa.MSAAttentionOutput)
+        for field in ("out", "lse", "block_indices"):
+            torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=0, atol=0)

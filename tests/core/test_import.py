@@ -34,3 +34,14 @@ def test_importing_twice_in_one_process_is_harmless():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_public_names_resolve():
+    import torch_msa
+
+    missing = [name for name in torch_msa.__all__ if not hasattr(torch_msa, name)]
+    assert not missing, missing
+    assert {"AttentionOutput", "MSAAttentionOutput"} <= set(torch_msa.__all__)
+    # Named fields are the contract; these are their names and order.
+    assert torch_msa.AttentionOutput._fields == ("out", "lse")
+    assert torch_msa.MSAAttentionOutput._fields[:3] == ("out", "lse", "block_indices")

@@ -290,8 +290,10 @@ def test_msa_attention_returns_what_the_loss_needs_and_warns_once(monkeypatch):
     q, k, v, index_q, index_k, _, docs = _problem(**CASE)
     monkeypatch.setattr(api, "_warned_untrained_index", False)
     with pytest.warns(UserWarning, match="indexer_kl_loss"):
-        out, lse, block_indices = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK,
-                                                          return_lse=True, return_block_indices=True)
+        attn = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, return_lse=True,
+                                       return_block_indices=True)
+    assert isinstance(attn, torch_msa.MSAAttentionOutput)
+    out, lse, block_indices = attn.out, attn.lse, attn.block_indices
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out_only = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK)
@@ -299,9 +301,13 @@ def test_msa_attention_returns_what_the_loss_needs_and_warns_once(monkeypatch):
     assert torch.equal(block_indices, torch_msa.select_blocks(index_q, index_k, *docs, topk=2, block_size=BLOCK))
     _, expected_lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
     assert torch.equal(lse, expected_lse)
-    out2, ids2 = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, topk=2, block_size=BLOCK,
-                                         return_block_indices=True)
-    assert torch.equal(ids2, block_indices) and torch.equal(out2, out)
+    only_ids = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, topk=2, block_size=BLOCK,
+                                       return_block_indices=True)
+    assert only_ids.lse is None and torch.equal(only_ids.block_indices, block_indices)
+    assert torch.equal(only_ids.out, out)
+    only_lse = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, topk=2, block_size=BLOCK,
+                                       return_lse=True)
+    assert only_lse.block_indices is None and torch.equal(only_lse.lse, lse) and torch.equal(only_lse.out, out)
 
 
 def test_compiled_select_attention_loss_and_backward_match_eager():
@@ -309,10 +315,10 @@ def test_compiled_select_attention_loss_and_backward_match_eager():
     q, k, v = (x.requires_grad_() for x in (q, k, v))
 
     def step(q, k, v, index_q, index_k):
-        out, lse, block_indices = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK,
-                                                          return_lse=True, return_block_indices=True)
-        kl = torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k, block_indices, *docs, block_size=BLOCK)
-        return out.square().mean() + kl
+        attn = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, return_lse=True,
+                                       return_block_indices=True)
+        kl = torch_msa.indexer_kl_loss(q, k, attn.lse, index_q, index_k, attn.block_indices, *docs, block_size=BLOCK)
+        return attn.out.square().mean() + kl
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -383,9 +389,9 @@ def test_training_the_index_branch_lowers_the_loss_and_finds_the_teacher_blocks(
 
     def sparse_loss():
         index_q, index_k = index_inputs()
-        _, lse, block_indices = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), topk=topk,
-                                                        block_size=BLOCK, return_lse=True, return_block_indices=True)
-        return torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k, block_indices, block_size=BLOCK)
+        attn = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), topk=topk, block_size=BLOCK,
+                                       return_lse=True, return_block_indices=True)
+        return torch_msa.indexer_kl_loss(q, k, attn.lse, index_q, index_k, attn.block_indices, block_size=BLOCK)
 
     overlap_before = overlap()
     dense_before, sparse_before = dense_loss().item(), sparse_loss().item()

@@ -63,9 +63,9 @@ def _single_process(x, lengths):
     cu = torch.tensor(_cu(lengths), dtype=torch.int32, device=device)
     docs = (cu, cu, max(lengths), max(lengths))
     t = _leaves({name: x[name] for name in ("q", "k", "v", "index_q", "index_k")})
-    out, lse, block_indices = torch_msa.msa_attention(t["q"], t["k"], t["v"], t["index_q"].detach(),
-                                                      t["index_k"].detach(), *docs, topk=TOPK, block_size=BLOCK,
-                                                      return_lse=True, return_block_indices=True)
+    attn = torch_msa.msa_attention(t["q"], t["k"], t["v"], t["index_q"].detach(), t["index_k"].detach(), *docs,
+                                   topk=TOPK, block_size=BLOCK, return_lse=True, return_block_indices=True)
+    out, lse, block_indices = attn.out, attn.lse, attn.block_indices
     dq, dk, dv = torch.autograd.grad((out * x["grad_out"]).sum() + (lse * x["grad_lse"]).sum(),
                                      (t["q"], t["k"], t["v"]))
     kl = torch_msa.indexer_kl_loss(t["q"].detach(), t["k"].detach(), lse.detach(), t["index_q"], t["index_k"],
@@ -82,9 +82,10 @@ def _single_process(x, lengths):
 def _context_parallel(x, layout, group):
     """The same quantities from the ranks' shares; each rank returns its local ones."""
     local = _leaves({name: layout.shard(x[name]) for name in ("q", "k", "v", "index_q", "index_k")})
-    out, lse, block_indices = cp.msa_attention(local["q"], local["k"], local["v"], local["index_q"], local["index_k"],
-                                               layout, group, topk=TOPK, block_size=BLOCK, return_lse=True,
-                                               return_block_indices=True)
+    attn = cp.msa_attention(local["q"], local["k"], local["v"], local["index_q"], local["index_k"], layout, group,
+                            topk=TOPK, block_size=BLOCK, return_lse=True, return_block_indices=True)
+    assert isinstance(attn, torch_msa.MSAAttentionOutput)
+    out, lse, block_indices = attn.out, attn.lse, attn.block_indices
     loss = (out * layout.shard(x["grad_out"])).sum() + (lse * layout.shard(x["grad_lse"])).sum()
     dq, dk, dv = torch.autograd.grad(loss, (local["q"], local["k"], local["v"]))
     kl = cp.indexer_kl_loss(local["q"].detach(), local["k"].detach(), lse.detach(), local["index_q"],
@@ -152,8 +153,9 @@ def _check_checkpointed_layer(lengths, device, dtype, tolerance):
     grad_out, grad_lse = layout.shard(x["grad_out"]), layout.shard(x["grad_lse"])
 
     def layer_loss(q, k, v, index_q, index_k):
-        out, lse = cp.msa_attention(q, k, v, index_q, index_k, layout, topk=TOPK, block_size=BLOCK, return_lse=True)
-        return (out * grad_out).sum() + (lse * grad_lse).sum()
+        attn = cp.msa_attention(q, k, v, index_q, index_k, layout, topk=TOPK, block_size=BLOCK, return_lse=True)
+        assert attn.block_indices is None  # not asked for
+        return (attn.out * grad_out).sum() + (attn.lse * grad_lse).sum()
 
     inputs = [local[name] for name in ("q", "k", "v", "index_q", "index_k")]
     plain = torch.autograd.grad(layer_loss(*inputs), inputs[:3])

@@ -36,8 +36,8 @@ for deterministic in (False, True):
     out, lse = torch_msa.sparse_attention(q, k, v, bi, *docs, return_lse=True)
     (out.float().square().sum() + lse.sum()).backward()
 torch.use_deterministic_algorithms(False)
-out, lse, used = torch_msa.msa_attention(q, k, v, iq, ik, *docs, return_lse=True, return_block_indices=True)
-loss = torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse.detach(), iq, ik, bi, *docs)
+attn = torch_msa.msa_attention(q, k, v, iq, ik, *docs, return_lse=True, return_block_indices=True)
+loss = torch_msa.indexer_kl_loss(q.detach(), k.detach(), attn.lse.detach(), iq, ik, bi, *docs)
 loss.backward()
 
 # Fragments: the first three of the pack's queries in three fragments whose fields are junk, then

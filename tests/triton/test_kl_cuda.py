@@ -108,10 +108,11 @@ def test_training_step_through_the_public_api():
     q, k, v = q.requires_grad_(), k.requires_grad_(), torch.randn_like(k).requires_grad_()
     index_q, index_k = index_q.requires_grad_(), index_k.requires_grad_()
     docs = (cu_q, cu_k, max_q, max_k)
-    out, lse, block_indices = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs,
-                                                      return_lse=True, return_block_indices=True)
+    attn = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, return_lse=True,
+                                   return_block_indices=True)
+    lse, block_indices = attn.lse, attn.block_indices
     kl = torch_msa.indexer_kl_loss(q, k, lse, index_q, index_k, block_indices, *docs)
-    (out.float().square().mean() + kl).backward()
+    (attn.out.float().square().mean() + kl).backward()
     assert kl.dtype == torch.float32 and torch.isfinite(kl) and kl > 0
     for x in (q, k, v, index_q, index_k):
         assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -44,11 +44,12 @@ weights (`output_attentions=True` warns once and returns None for these layers).
 
 import warnings
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import torch
 
 try:
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, PreTrainedModel
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
@@ -101,8 +102,19 @@ class PendingSelection:
     topk: int
     block_size: int
 
-    def select(self, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> torch.Tensor:
-        """int32 `[H_idx, B * Sq, topk]` block ids over the packed rows (torch_msa's layout)."""
+    def select(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+               max_seqlen_k: int) -> torch.Tensor:
+        """Select the blocks over the packed rows (`torch_msa.select_blocks`).
+
+        Args:
+            cu_seqlens_q, cu_seqlens_k: int32 document boundaries over the `B * Sq` query and
+                `B * Sk` key slots.
+            max_seqlen_q, max_seqlen_k: host ints bounding the documents.
+
+        Returns:
+            int32 `[H_idx, B * Sq, topk]` block ids (torch_msa's head-major layout), on the index
+            inputs' device.
+        """
         batch, heads, q_len, dim = self.index_q.shape
         index_q = self.index_q.transpose(1, 2).reshape(batch * q_len, heads, dim)
         index_k = self.index_k.transpose(1, 2).reshape(batch * self.index_k.shape[2], 1, dim)
@@ -110,9 +122,18 @@ class PendingSelection:
                                  topk=self.topk, block_size=self.block_size)
 
     def block_indices(self, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """int64 `[B, H_idx, Sq, topk]` block ids in HF's layout, relative to each row's first real token.
+        """The selection in HF's indexer's layout.
 
-        Valid ids first (a set: their order differs from HF's), `-1` after.
+        Args:
+            attention_mask: None (every slot real), a 2-D padding mask `[B, Sk]` or a 4-D causal
+                padding mask `[B, 1, Sq, Sk]`, as `attention_forward` takes them.
+
+        Returns:
+            int64 `[B, H_idx, Sq, topk]` block ids relative to each row's first real token: valid
+            ids first (a set: their order differs from HF's), `-1` after.
+
+        Raises:
+            TypeError, ValueError: a mask of another type or shape.
         """
         batch, heads, q_len, _ = self.index_q.shape
         documents = _documents(attention_mask, batch, q_len, self.index_k.shape[2], self.index_q.device)
@@ -131,6 +152,21 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
     """
 
     def forward(self, hidden_states, position_embeddings, past_key_values, position_ids) -> PendingSelection | torch.Tensor:
+        """HF's indexer's projections, norms and RoPE, with the selection left to the attention.
+
+        Args:
+            hidden_states: `[B, Sq, hidden_size]`.
+            position_embeddings: `(cos, sin)` of the text model's rotary embedding.
+            past_key_values: HF's cache, or None; a `DynamicCache` takes the index keys.
+            position_ids: `[B, Sq]`, used by HF's own selection only.
+
+        Returns:
+            Under `"torch_msa"` attention a `PendingSelection`; under another implementation HF's
+            int64 `[B, H_idx, Sq, topk]` block ids.
+
+        Raises:
+            ValueError: `past_key_values` holds a static cache layer.
+        """
         if self.config._attn_implementation != ATTENTION_NAME:
             # The model was switched to another attention implementation: HF's own selection.
             return super().forward(hidden_states, position_embeddings, past_key_values, position_ids)
@@ -211,7 +247,7 @@ the longest document as host ints."""
 
 def _packed_documents(kwargs: dict, attention_mask, q_len: int, k_len: int, device):
     """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` of HF's packed kwargs, or None."""
-    given = {name: kwargs.get(name) for name in PACKED_KWARGS}
+    given: dict[str, Any] = {name: kwargs.get(name) for name in PACKED_KWARGS}
     if all(value is None for value in given.values()):
         return None
     for name, value in given.items():
@@ -231,12 +267,19 @@ def _packed_documents(kwargs: dict, attention_mask, q_len: int, k_len: int, devi
 
 
 def packed_kwargs_from_position_ids(position_ids: torch.Tensor) -> dict | None:
-    """HF's packed kwargs (`PACKED_KWARGS`) of one row whose `position_ids` `[1, S]` restart at
-    every document (what `DataCollatorWithFlattening` returns), or None for a single document.
+    """HF's packed kwargs of one row whose `position_ids` restart at every document.
 
     A document starts wherever a position is not its predecessor's plus one. This reads the
     positions on the host (one sync, as HF's own packed path does); pass the packed kwargs
     themselves (`DataCollatorWithFlattening(return_flash_attn_kwargs=True)`) to avoid it.
+
+    Args:
+        position_ids: `[1, S]` integer positions (what `DataCollatorWithFlattening` returns).
+
+    Returns:
+        A dict of `PACKED_KWARGS`: int32 `cu_seq_lens_q` and `cu_seq_lens_k` (the same `[N + 1]`
+        boundaries, on position_ids' device) and the longest document as host ints
+        `max_length_q`, `max_length_k`; None when the row is a single document.
     """
     positions = position_ids.reshape(-1)
     starts = torch.ones_like(positions, dtype=torch.bool)
@@ -362,7 +405,13 @@ def attention_forward(
             its own in both kinds of layer; the rest goes to SDPA in full-attention layers.
 
     Returns:
-        `(out [B, Sq, Hq, D], None)`: no attention weights are materialised.
+        `(out [B, Sq, Hq, D], None)` in query's dtype: no attention weights are materialised.
+
+    Raises:
+        ValueError: attention dropout in a sparse layer; HF's own `block_indices` of another
+            shape, with a left-padded mask, or with packed rows; a mask of another shape;
+            incomplete packed-row arguments, or packed rows with a mask or while decoding.
+        TypeError: a mask or packed-row boundaries that are not tensors.
     """
     if kwargs.get("output_attentions"):
         _warn_no_attention_weights()
@@ -387,7 +436,7 @@ def attention_forward(
                 or block_indices.shape[:3] != (batch, kv_heads, q_len)):
             got = tuple(block_indices.shape) if isinstance(block_indices, torch.Tensor) else type(block_indices).__name__
             raise ValueError(f"block_indices: expected [{batch}, {kv_heads}, {q_len}, topk] (HF's layout), got {got}")
-        block_size = module.indexer.block_size
+        block_size = cast(MiniMaxM3VLIndexer, module.indexer).block_size
         blocks = _hf_block_indices(block_indices, attention_mask, q_len, k_len)
     q = query.transpose(1, 2).reshape(batch * q_len, q_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch * k_len, kv_heads, head_dim)
@@ -405,17 +454,32 @@ def padding_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
-    """HF mask function registered as `"torch_msa"`: the 2-D padding mask `[B, kv_length]` as is, or None.
+    """HF mask function registered as `"torch_msa"`: the padding mask as is.
 
     Nothing `O(S^2)` is built for the sparse layers; full-attention layers build their SDPA mask
     from it. HF's mask function argument (causal) is implied; packing through `position_ids` is
     not read.
+
+    Args:
+        batch_size, q_length, kv_length, q_offset, kv_offset: HF's mask-interface arguments; only
+            `kv_length` and `kv_offset` are read.
+        attention_mask: HF's 2-D padding mask `[B, S]`, or None.
+        kwargs: the rest of HF's mask-interface arguments, not read.
+
+    Returns:
+        `attention_mask` in its dtype, nonzero at real tokens, right-padded to
+        `kv_length + kv_offset` columns when shorter (HF's `prepare_padding_mask`), or None
+        without one.
     """
     return prepare_padding_mask(attention_mask, kv_length, kv_offset)
 
 
 def register() -> str:
-    """Register `"torch_msa"` with HF's attention and mask interfaces (done on import); returns the name."""
+    """Register `"torch_msa"` with HF's attention and mask interfaces (done on import).
+
+    Returns:
+        `ATTENTION_NAME`, the name to pass as `attn_implementation`.
+    """
     AttentionInterface.register(ATTENTION_NAME, attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, padding_mask)
     return ATTENTION_NAME
@@ -445,7 +509,13 @@ def _check_indexer_config(indexer: MiniMaxM3VLIndexer) -> None:
             f"got {config.index_n_heads}")
 
 
-def use_torch_msa(model: torch.nn.Module) -> torch.nn.Module:
+_Model = TypeVar("_Model", bound=PreTrainedModel)
+
+_PACKING_HOOK = "_torch_msa_packing_hook"
+"""The text model's attribute holding `use_torch_msa`'s forward pre-hook (registered once)."""
+
+
+def use_torch_msa(model: _Model) -> _Model:
     """Switch a HF MiniMax-M3 model to torch_msa, in place: `MiniMaxM3VLForCausalLM`, `MiniMaxM3VLTextModel`,
     or the vision-language `MiniMaxM3SparseForConditionalGeneration` / `MiniMaxM3VLModel` (only the text
     model switches; the vision tower keeps its attention).
@@ -455,12 +525,19 @@ def use_torch_msa(model: torch.nn.Module) -> torch.nn.Module:
     state-dict keys are unchanged. Packed rows are read from HF's packed kwargs
     (`PACKED_KWARGS`) or from `position_ids` that restart per document (one row, no mask: one
     host sync per forward). `model.set_attn_implementation(...)` with another implementation
-    switches back to HF's indexer and attention. Returns `model`.
+    switches back to HF's indexer and attention.
+
+    Args:
+        model: a HF MiniMax-M3 model with sparse layers.
+
+    Returns:
+        `model` itself, switched.
 
     Raises:
         ValueError: naming the config field torch_msa cannot serve (`head_dim`,
             `index_block_size`, `index_topk_blocks`, `index_local_blocks`, `index_n_heads`,
-            `num_attention_heads`), before anything is changed.
+            `num_attention_heads`), or `model` when it has no MiniMax-M3 sparse layers, before
+            anything is changed.
     """
     register()
     indexers = [m for m in model.modules() if isinstance(m, MiniMaxM3VLIndexer)]
@@ -472,9 +549,9 @@ def use_torch_msa(model: torch.nn.Module) -> torch.nn.Module:
     for indexer in indexers:
         indexer.__class__ = TorchMSAIndexer
     for text_model in (m for m in model.modules() if isinstance(m, MiniMaxM3VLTextModel)):
-        if not hasattr(text_model, "_torch_msa_packing_hook"):
-            text_model._torch_msa_packing_hook = text_model.register_forward_pre_hook(
-                _read_packed_position_ids, with_kwargs=True)
+        if not hasattr(text_model, _PACKING_HOOK):
+            setattr(text_model, _PACKING_HOOK, text_model.register_forward_pre_hook(
+                _read_packed_position_ids, with_kwargs=True))
     if hasattr(model.config, "text_config"):
         model.set_attn_implementation({"text_config": ATTENTION_NAME})
     else:

@@ -189,9 +189,6 @@ class Sm100BackwardKernel:
         scalar_rows = TILE * self.scalar_stages
         slot_rows = TOKENS_PER_TASK * self.scalar_stages
 
-        def tile_of(layout):
-            return cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(layout)], 1024]
-
         @cute.struct
         class SharedStorage:
             kv_full_empty: cute.struct.MemRange[Int64, 2]
@@ -210,11 +207,11 @@ class Sm100BackwardKernel:
             qpos: cute.struct.Align[cute.struct.MemRange[Int32, slot_rows], 16]
             qrows: cute.struct.Align[cute.struct.MemRange[Int32, slot_rows], 16]
             # 1024-byte alignment keeps the 128-byte swizzle pattern of every tile intact.
-            sK: tile_of(sK_layout)
-            sV: tile_of(sV_layout)
-            sQ: tile_of(sQ_layout)
-            sdO: tile_of(sdO_layout)
-            sdS: tile_of(sdSt_layout)
+            sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sdO_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sdSt_layout)], 1024]
 
         self.shared_storage = SharedStorage
 

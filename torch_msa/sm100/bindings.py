@@ -133,7 +133,8 @@ def _require_cute_dsl_version() -> None:
 def _import_official() -> tuple[ModuleType, ModuleType, ModuleType]:
     """`(fmha_sm100, fmha_sm100.sparse, fmha_sm100.jit)`; an ImportError inside them means the extras are incomplete."""
     try:
-        return tuple(importlib.import_module(name) for name in (OFFICIAL_PACKAGE, _SPARSE_MODULE, _JIT_MODULE))
+        return (importlib.import_module(OFFICIAL_PACKAGE), importlib.import_module(_SPARSE_MODULE),
+                importlib.import_module(_JIT_MODULE))
     except ImportError as error:
         raise UnavailableError(
             f"the SM100 MSA backend needs the official MiniMax MSA package ({OFFICIAL_PACKAGE}, at the revision below) "
@@ -175,9 +176,10 @@ def _is_patched(function: object) -> bool:
 
 def _msa_utils(sparse_module: ModuleType) -> ModuleType:
     """MSA's own `src.common.utils`, proven by its file lying where the pinned layout puts it."""
-    if getattr(sparse_module, "__name__", None) != _SPARSE_MODULE or not getattr(sparse_module, "__file__", None):
+    sparse_file = getattr(sparse_module, "__file__", None)
+    if getattr(sparse_module, "__name__", None) != _SPARSE_MODULE or not sparse_file:
         raise ImportError(f"the fmax compatibility patch needs MSA's own {_SPARSE_MODULE} module, got {sparse_module!r}")
-    expected = Path(sparse_module.__file__).resolve().parent / _UTILS_PATH_FROM_SPARSE_DIR
+    expected = Path(sparse_file).resolve().parent / _UTILS_PATH_FROM_SPARSE_DIR
     try:
         utils = importlib.import_module(_UTILS_MODULE)
     except ImportError as error:
@@ -230,7 +232,7 @@ def _patch_fmax(sparse_module: ModuleType) -> None:
 
     patched = utils.dsl_user_op(fmax)
     setattr(patched, _PATCH_MARKER, True)
-    utils.fmax = patched
+    setattr(utils, "fmax", patched)  # noqa: B010  (ModuleType declares no attributes to the type checker)
 
 
 # --- build-only patch ------------------------------------------------------------------------
@@ -290,7 +292,7 @@ def _patch_jit_gencode(jit_module: ModuleType) -> None:
         return flags if releases[cuda_home] >= _MIN_SM103A_NVCC else _without_sm103a(flags)
 
     setattr(_get_nvcc_flags, _PATCH_MARKER, True)
-    jit_module._get_nvcc_flags = _get_nvcc_flags
+    setattr(jit_module, "_get_nvcc_flags", _get_nvcc_flags)  # noqa: B010  (as for fmax above)
 
 
 def _require_msa_jit(jit_module: ModuleType) -> None:

@@ -194,7 +194,7 @@ def msa_plan_item_tables_kernel(
     tl.store(num_items + item, tl.load(item_ptr + bucket_bound - 1) + tl.zeros((BLOCK,), tl.int32), mask=item == 0)
 
 
-def _search_steps(length: int) -> int:
+def _search_steps(length: int | torch.SymInt) -> int:
     """Halvings that take a binary search over `length` elements to one candidate."""
     return max(1, int(length).bit_length())
 
