@@ -235,9 +235,10 @@ def _forward_backward(ctx, grad_out, grad_lse):
 
 
 def _indexer_kl_setup_context(ctx, inputs, output):
+    # Trailing optional arguments the caller left out are absent from `inputs`.
+    padded = tuple(inputs) + (None,) * (15 - len(inputs))
     (_, _, _, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-     max_seqlen_q, max_seqlen_k, block_size, _, index_softmax_scale, fragment_documents, fragment_starts) = (
-        *inputs, *(None,) * (15 - len(inputs)))
+     max_seqlen_q, max_seqlen_k, block_size, _, index_softmax_scale, fragment_documents, fragment_starts) = padded
     _, _, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries = output
     # The teacher's share of the gradient was reduced by the forward: q, k and lse are not kept.
     ctx.save_for_backward(index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from .contract import compute_dtype
 from .documents import token_fragments
 
 PARTIAL_BYTES = 2 << 30
@@ -51,16 +52,14 @@ def forward_in_windows(forward: Callable, q, k, v, block_indices, cu_seqlens_q, 
     documents, starts = token_fragments(cu_seqlens_q, cu_seqlens_k, num_queries, k.shape[0], fragment_documents,
                                         fragment_starts)
     boundaries = torch.arange(window + 1, dtype=torch.int32, device=q.device)
-    out = lse = None
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
     for start in range(0, num_queries, window):
         stop = min(num_queries, start + window)
         part_out, part_lse = forward(
             q[start:stop], k, v, block_indices[:, start:stop].contiguous(), boundaries[: stop - start + 1], cu_seqlens_k,
             1, max_seqlen_k, block_size, softmax_scale, None, documents[start:stop], starts[start:stop],
         )
-        if out is None:
-            out = part_out.new_empty((num_queries, *part_out.shape[1:]))
-            lse = part_lse.new_empty((num_queries, *part_lse.shape[1:]))
         out[start:stop] = part_out
         lse[start:stop] = part_lse
     return out, lse
