@@ -424,8 +424,8 @@ def msa_attention(
     Args:
         q: `[Tq, Hq, D]` queries, bf16/fp16/fp32/fp64, `D` 64 or 128.
         k, v: `[Tk, Hkv, D]` keys and values, q's dtype and device, `Hq % Hkv == 0`.
-        index_q: `[Tq, Hkv, Di]` index queries (one index head per KV head), any float dtype,
-            q's device.
+        index_q: `[Tq, Hkv, Di]` index queries (one index head per KV head), bf16/fp16/fp32/fp64
+            (not necessarily q's), q's device.
         index_k: `[Tk, 1, Di]` index keys, index_q's dtype.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
             `select_blocks`.
