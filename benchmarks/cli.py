@@ -18,9 +18,8 @@ from torch_msa.testing import pick_device
 from . import msa, peers, report, targets
 from .devices import device_peak
 from .problems import SELECTIONS, ProblemSpec, parse_pack, parse_seqlens
-from .results import BenchResult
+from .results import COMPLETE, INTERRUPTED, RUNNING, BenchResult, ProblemResult
 from .runner import Config, run_problem
-from .timing import Progress
 
 FULL_SEQLENS = (8192, 32768, 65536, 131072)
 FULL_PACK = (16384,) * 8
@@ -172,6 +171,7 @@ def _meta(args, argv) -> dict:
         "git_commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": name,
+        "device_type": device.type,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": _version("triton"),
@@ -218,8 +218,9 @@ def _write_text_outputs(result: BenchResult, header: str, out: str) -> str:
     outcomes = targets.evaluate(result)
     text = report.format_table(result) + "\n\n" + targets.format_outcomes(outcomes)
     report.write_json(result, outcomes, os.path.join(out, "bench.json"))
+    status = "" if result.status == COMPLETE else f"\nstatus: {result.status} (partial results)"
     with open(os.path.join(out, "bench.txt"), "w") as handle:
-        handle.write(header + "\n" + text + "\n")
+        handle.write(header + "\n" + text + status + "\n")
     return text
 
 
@@ -233,17 +234,30 @@ def main(argv=None) -> int:
     header = _header(meta, args)
     print(header, flush=True)
     os.makedirs(args.out, exist_ok=True)
-    progress = Progress()
-    result = BenchResult(meta, [])
-    for spec in config.problems:
-        result.problems.append(run_problem(spec, config, progress))
-        # Rewritten after every problem, so a run stopped early still leaves its finished problems.
-        text = _write_text_outputs(result, header, args.out)
-    progress("done")
+    result = BenchResult(meta, [], status=RUNNING)
+    json_path = os.path.join(args.out, "bench.json")
+    try:
+        for index, spec in enumerate(config.problems, 1):
+            problem = ProblemResult(spec, None, config.baseline)
+            result.problems.append(problem)
+            run_problem(spec, config, problem, label=f"[{index}/{len(config.problems)}] {spec.name}")
+            # Rewritten after every problem, so a run that is killed still leaves its finished problems.
+            _write_text_outputs(result, header, args.out)
+    except KeyboardInterrupt:
+        if result.problems:
+            result.problems[-1].add_sums()
+            result.problems[-1].notes.append("interrupted (KeyboardInterrupt): the phases after its last row did not run")
+        result.status = INTERRUPTED
+        _write_text_outputs(result, header, args.out)
+        print(f"interrupted: the partial results are in {json_path} and {os.path.join(args.out, 'bench.txt')}",
+              file=sys.stderr, flush=True)
+        return 130  # the shell's code for a command stopped by SIGINT
+    result.status = COMPLETE
+    text = _write_text_outputs(result, header, args.out)
     print(text)
     png = os.path.join(args.out, "bench.png")
-    why_not = report.write_plot(result, png)
+    why_not = report.write_plot(result, png, targets.rate_goals(result))
     print()
-    print(f"wrote {os.path.join(args.out, 'bench.json')} and {os.path.join(args.out, 'bench.txt')}")
+    print(f"wrote {json_path} and {os.path.join(args.out, 'bench.txt')}")
     print(f"plot: {why_not}" if why_not else f"wrote {png}")
     return 0

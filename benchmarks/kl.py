@@ -13,19 +13,30 @@ For each length (one document, M3 shapes, bf16) it times, with the benchmark's t
   normaliser (the difference of the two rows is the cost of computing it).
 
 and prints the KL rows as a share of their reference step and the backend serving each op.
+`kl.json` under `--out` holds the medians; it is rewritten after every length and on Ctrl-C, and
+its `status` (`running`, `interrupted`, `complete`) says whether it is partial. On a terminal
+stderr shows each length's progress (rows done, elapsed, time left).
 """
 
 import argparse
+import datetime
+import json
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import torch_msa
+from torch_msa._progress import Progress
 from torch_msa.contract import M3, Shape
 from torch_msa.testing import pick_device
 
+from .results import COMPLETE, INTERRUPTED, RUNNING
 from .timing import free_memory, measure
+
+SPARSE_ROWS = ("attention step", "sparse KL fwd+bwd", "sparse KL fwd")
+DENSE_ROWS = ("dense SDPA fwd+bwd", "dense KL fwd+bwd", "dense KL fwd+bwd, lse given")
 
 
 def _inputs(tokens: int, shape: Shape, device, dtype, seed: int = 0):
@@ -43,18 +54,31 @@ def _inputs(tokens: int, shape: Shape, device, dtype, seed: int = 0):
 
 
 def measure_kl(tokens: int, shape: Shape = M3, device=None, dtype=torch.bfloat16, dense: bool = False,
-               warmup: int = 2, iters: int = 5) -> dict[str, float]:
-    """Median milliseconds of each row (see the module docstring) at `tokens` tokens."""
+               warmup: int = 2, iters: int = 5, rows: dict[str, float] | None = None,
+               progress: Progress | None = None) -> dict[str, float]:
+    """Median milliseconds of each row (see the module docstring) at `tokens` tokens.
+
+    `rows`, when given, is filled in place as each row is timed (a caller holding it keeps the
+    rows timed before an interruption) and returned; `progress` gets a step per row."""
     device = torch.device(device) if device is not None else pick_device(None)
-    results = _time_rows(tokens, shape, device, dtype, dense, warmup, iters)
+    rows = {} if rows is None else rows
+    _time_rows(tokens, shape, device, dtype, dense, warmup, iters, rows, progress)
     free_memory(device)  # the rows' inputs died with _time_rows
-    return results
+    return rows
 
 
-def _time_rows(tokens: int, shape: Shape, device, dtype, dense: bool, warmup: int, iters: int) -> dict[str, float]:
+def _time_rows(tokens: int, shape: Shape, device, dtype, dense: bool, warmup: int, iters: int,
+               results: dict[str, float], progress: Progress | None) -> None:
     q, k, v, index_q, index_k = _inputs(tokens, shape, device, dtype)
     blocks = dict(topk=shape.topk, block_size=shape.block_size)
     grad_out = torch.randn_like(q)
+
+    def timed(name, fn):
+        if progress is not None:
+            progress.start(name)
+        results[name] = measure(fn, device, warmup, iters).median_ms
+        if progress is not None:
+            progress.advance()
 
     def attention_step():
         attn = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), **blocks, return_lse=True,
@@ -62,7 +86,7 @@ def _time_rows(tokens: int, shape: Shape, device, dtype, dense: bool, warmup: in
         attn.out.backward(grad_out)
         return attn.lse, attn.block_indices
 
-    results = {"attention step": measure(attention_step, device, warmup, iters).median_ms}
+    timed("attention step", attention_step)
     lse, block_indices = attention_step()
     lse, block_indices = lse.detach(), block_indices
 
@@ -75,8 +99,8 @@ def _time_rows(tokens: int, shape: Shape, device, dtype, dense: bool, warmup: in
             torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse, index_q, index_k, block_indices,
                                       block_size=shape.block_size)
 
-    results["sparse KL fwd+bwd"] = measure(sparse_kl, device, warmup, iters).median_ms
-    results["sparse KL fwd"] = measure(sparse_kl_forward, device, warmup, iters).median_ms
+    timed("sparse KL fwd+bwd", sparse_kl)
+    timed("sparse KL fwd", sparse_kl_forward)
     if dense:
         def dense_kl(teacher_lse=None):
             torch_msa.indexer_kl_loss_dense(q.detach(), k.detach(), index_q, index_k, lse=teacher_lse,
@@ -91,16 +115,15 @@ def _time_rows(tokens: int, shape: Shape, device, dtype, dense: bool, warmup: in
                 out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             out.backward(grad_out.transpose(0, 1).unsqueeze(0))
 
-        results["dense SDPA fwd+bwd"] = measure(sdpa_step, device, warmup, iters).median_ms
-        _print_peak_memory(device, tokens, dense_kl)
-        results["dense KL fwd+bwd"] = measure(dense_kl, device, warmup, iters).median_ms
+        timed("dense SDPA fwd+bwd", sdpa_step)
+        _print_peak_memory(device, tokens, dense_kl, progress)
+        timed("dense KL fwd+bwd", dense_kl)
         # The dense causal attention's lse, as a training loop that has it would pass it.
         with torch.no_grad():
             _, dense_lse, *_ = torch.ops.msa.indexer_kl(
                 q, k, None, index_q, index_k, None, *_one_document(tokens, device), shape.block_size,
                 shape.head_dim**-0.5, shape.index_dim**-0.5)
-        results["dense KL fwd+bwd, lse given"] = measure(lambda: dense_kl(dense_lse), device, warmup, iters).median_ms
-    return results
+        timed("dense KL fwd+bwd, lse given", lambda: dense_kl(dense_lse))
 
 
 def _one_document(tokens: int, device) -> tuple:
@@ -108,8 +131,8 @@ def _one_document(tokens: int, device) -> tuple:
     return cu_seqlens, cu_seqlens, tokens, tokens
 
 
-def _print_peak_memory(device, tokens: int, step) -> None:
-    """Run `step` once and print the memory it added at its peak (CUDA only)."""
+def _print_peak_memory(device, tokens: int, step, progress: Progress | None = None) -> None:
+    """Run `step` once and print the memory it added at its peak on stdout (CUDA only)."""
     if device.type != "cuda":
         return
     torch.cuda.synchronize(device)
@@ -117,29 +140,80 @@ def _print_peak_memory(device, tokens: int, step) -> None:
     torch.cuda.reset_peak_memory_stats(device)
     step()
     peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    print(f"T={tokens:>6}  dense KL fwd+bwd: {peak_mib:.0f} MiB peak added (outputs and gradients included)", flush=True)
+    line = f"T={tokens:>6}  dense KL fwd+bwd: {peak_mib:.0f} MiB peak added (outputs and gradients included)"
+    if progress is None:
+        print(line, flush=True)
+    else:
+        progress.write(line, file=sys.stdout)
+
+
+def _meta(args, argv, device) -> dict:
+    from .cli import git_commit
+
+    return {
+        "command": "python -m benchmarks.kl " + " ".join(argv),
+        "torch_msa": torch_msa.__version__,
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "backends": {op: torch_msa.resolve(op, device).name for op in ("forward", "indexer_kl", "indexer_kl_backward")},
+        "shape": {"query_heads": M3.query_heads, "kv_heads": M3.kv_heads, "head_dim": M3.head_dim,
+                  "index_dim": M3.index_dim, "block_size": M3.block_size, "topk": M3.topk, "dtype": "bfloat16"},
+        "dense": args.dense, "iters": args.iters, "statistic": "median",
+    }
+
+
+def _write_json(path: str, record: dict) -> None:
+    with open(path, "w") as handle:
+        json.dump(record, handle, indent=1)
+        handle.write("\n")
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlen", type=int, nargs="+", default=[32768, 65536], help="tokens (one document)")
     parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     parser.add_argument("--dense", action="store_true", help="also time the dense warm-up loss against SDPA")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default="bench_out", help="directory of kl.json (default: bench_out)")
     args = parser.parse_args(argv)
     device = pick_device(args.device)
-    print("backends:", {op: torch_msa.resolve(op, device).name for op in ("forward", "indexer_kl", "indexer_kl_backward")})
-    for tokens in args.seqlen:
-        results = measure_kl(tokens, device=device, dense=args.dense, iters=args.iters)
-        step, sdpa = results["attention step"], results.get("dense SDPA fwd+bwd")
-        for name, ms in results.items():
-            share = ""
-            if name == "sparse KL fwd+bwd":
-                share = f"  {100 * ms / step:5.1f}% of the attention step (target <= 20%)"
-            elif name.startswith("dense KL"):
-                share = f"  {ms / sdpa:5.2f}x dense SDPA fwd+bwd (target <= 3x)"
-            print(f"T={tokens:>6}  {name:<28} {ms:10.2f} ms{share}", flush=True)
+    meta = _meta(args, argv, device)
+    print("backends:", meta["backends"])
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "kl.json")
+    record = {"status": RUNNING, "partial": True, "meta": meta, "lengths": []}
+    names = SPARSE_ROWS + (DENSE_ROWS if args.dense else ())
+    try:
+        for index, tokens in enumerate(args.seqlen, 1):
+            rows: dict[str, float] = {}
+            record["lengths"].append({"tokens": tokens, "rows_ms": rows})
+            with Progress(f"[{index}/{len(args.seqlen)}] T={tokens}", len(names)) as progress:
+                measure_kl(tokens, device=device, dense=args.dense, iters=args.iters, rows=rows, progress=progress)
+            _print_rows(tokens, rows)
+            _write_json(path, record)  # after every length, so a run that is killed keeps what it measured
+    except KeyboardInterrupt:
+        record["status"] = INTERRUPTED
+        _write_json(path, record)
+        print(f"interrupted: the partial results are in {path}", file=sys.stderr, flush=True)
+        return 130  # the shell's code for a command stopped by SIGINT
+    record["status"], record["partial"] = COMPLETE, False
+    _write_json(path, record)
+    print(f"wrote {path}")
     return 0
+
+
+def _print_rows(tokens: int, results: dict[str, float]) -> None:
+    step, sdpa = results["attention step"], results.get("dense SDPA fwd+bwd")
+    for name, ms in results.items():
+        share = ""
+        if name == "sparse KL fwd+bwd":
+            share = f"  {100 * ms / step:5.1f}% of the attention step (target <= 20%)"
+        elif name.startswith("dense KL"):
+            share = f"  {ms / sdpa:5.2f}x dense SDPA fwd+bwd (target <= 3x)"
+        print(f"T={tokens:>6}  {name:<28} {ms:10.2f} ms{share}", flush=True)
 
 
 if __name__ == "__main__":

@@ -88,8 +88,11 @@ def _finite(value):
     return value
 
 
-def write_plot(result: BenchResult, path: str) -> str | None:
-    """Write the PNG; returns why it was not written (matplotlib missing, nothing timed) or None."""
+def write_plot(result: BenchResult, path: str, goals: dict[str, float] | None = None) -> str | None:
+    """Write the PNG; returns why it was not written (matplotlib missing, nothing timed) or None.
+
+    `goals` maps a phase (`fwd`, `bwd`) to a TF/s goal drawn as a line on its panel
+    (`targets.rate_goals`: none for a run that is not on a GPU)."""
     try:
         import matplotlib
 
@@ -97,24 +100,36 @@ def write_plot(result: BenchResult, path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError as error:
         return f"matplotlib is not importable ({error}); no plot written"
+    figure = plot(result, goals or {})
+    if figure is None:
+        return "nothing was timed; no plot written"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return None
+
+
+def plot(result: BenchResult, goals: dict[str, float]):
+    """The matplotlib figure of `write_plot` (needs matplotlib), or None when nothing was timed."""
+    import matplotlib.pyplot as plt
+
     panels = [
-        ("training step: fwd+bwd (torch_msa: select+fwd+bwd), ms, log scale", {"fwd+bwd"}, "ms"),
-        ("forward, effective TF/s", {"fwd"}, "tflops"),
-        ("backward, effective TF/s", {"bwd"}, "tflops"),
+        ("training step: fwd+bwd (torch_msa: select+fwd+bwd), ms, log scale", "fwd+bwd", "ms"),
+        ("forward, effective TF/s", "fwd", "tflops"),
+        ("backward, effective TF/s", "bwd", "tflops"),
     ]
     names = [p.name for p in result.problems]
     impls = [impl for impl in PLOT_IMPLS if any(p.timed(impl, "fwd") or p.timed(impl, "select+fwd+bwd")
                                                  for p in result.problems)]
     if not names or not impls:
-        return "nothing was timed; no plot written"
+        return None
     figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8))
     width = 0.8 / len(impls)
-    for axis, (title, phases, quantity) in zip(axes, panels):
+    for axis, (title, phase, quantity) in zip(axes, panels):
         for index, impl in enumerate(impls):
             heights = []
             for problem in result.problems:
-                phase = "select+fwd+bwd" if impl == "torch_msa" and quantity == "ms" else next(iter(phases))
-                row = problem.timed(impl, phase)
+                row = problem.timed(impl, "select+fwd+bwd" if impl == "torch_msa" and quantity == "ms" else phase)
                 value = None if row is None else (row.ms if quantity == "ms" else row.tflops)
                 heights.append(math.nan if value is None else value)
             positions = [i + (index - (len(impls) - 1) / 2) * width for i in range(len(names))]
@@ -123,19 +138,16 @@ def write_plot(result: BenchResult, path: str) -> str | None:
         axis.set_title(title, fontsize=10)
         if quantity == "ms":
             axis.set_yscale("log")
-        else:
-            if result.peak_tflops:
-                axis.axhline(result.peak_tflops, color="black", linestyle=":", linewidth=1,
-                             label=f"device bf16 {result.peak_tflops:.0f}")
-            goal = 420 if phases == {"fwd"} else 320
-            axis.axhline(goal, color="red", linestyle="--", linewidth=1, label=f"H200 goal {goal}")
+            continue
+        if result.peak_tflops:
+            axis.axhline(result.peak_tflops, color="black", linestyle=":", linewidth=1,
+                         label=f"device bf16 {result.peak_tflops:.0f}")
+        if phase in goals:
+            axis.axhline(goals[phase], color="red", linestyle="--", linewidth=1, label=f"H200 goal {goals[phase]:.0f}")
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=8)
     device = result.meta.get("device", "")
     shapes = result.meta.get("shape_text", "")
     figure.suptitle(f"torch_msa benchmark on {device} ({result.meta.get('selection', '')} selection, {shapes})")
     figure.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return None
+    return figure

@@ -12,6 +12,9 @@ from .flops import Work, tflops
 from .problems import ProblemSpec
 
 OK, OOM, SKIPPED, ERROR = "ok", "OOM", "skipped", "error"
+# A run's status: every problem ran; still running (the file is rewritten after every problem, so a
+# run that was killed leaves this); stopped by Ctrl-C (KeyboardInterrupt), its last problem cut short.
+COMPLETE, RUNNING, INTERRUPTED = "complete", "running", "interrupted"
 # The baseline phase each phase is compared with (phases absent here have no ratio).
 BASELINE_PHASE = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "fwd+bwd", "select+fwd+bwd": "fwd+bwd"}
 
@@ -86,6 +89,7 @@ class BenchResult:
     meta: dict
     problems: list[ProblemResult]
     notes: list[str] = dataclasses.field(default_factory=list)
+    status: str = COMPLETE  # COMPLETE, RUNNING or INTERRUPTED: anything but COMPLETE is a partial result
 
     @property
     def peak_tflops(self) -> float | None:
@@ -96,7 +100,7 @@ class BenchResult:
         return next((p for p in self.problems if p.name == name), None)
 
     def to_json(self) -> dict:
-        """Plain data: every row with its derived TF/s, fraction of peak and speedup."""
+        """Plain data: the status, then every row with its derived TF/s, fraction of peak and speedup."""
         problems = []
         for problem in self.problems:
             rows = []
@@ -115,4 +119,5 @@ class BenchResult:
                 "rows": rows,
                 "notes": problem.notes,
             })
-        return {"meta": self.meta, "notes": self.notes, "problems": problems}
+        return {"status": self.status, "partial": self.status != COMPLETE, "meta": self.meta, "notes": self.notes,
+                "problems": problems}

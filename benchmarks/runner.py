@@ -4,13 +4,19 @@ Problems run one after another; each gets fresh inputs, and its tensors are free
 next. Inside a problem the subjects run in turn (dense baseline first), and each of their phases
 is timed by `timing.measure`. Running out of memory, or any other failure, is recorded for the
 phase (and for the phases of that subject that could then not run) and the run goes on.
+
+Each problem is one stage of a `torch_msa._progress.Progress` on stderr, a step per phase: on a
+terminal the live line and each row as it is recorded, elsewhere one line per problem; error
+tracebacks are printed on every stream.
 """
 
 import dataclasses
+import sys
 import traceback
 
 import torch
 
+from torch_msa._progress import Progress
 from torch_msa.contract import Shape
 
 from . import msa, peers
@@ -19,7 +25,7 @@ from .problems import ProblemSpec, make_inputs
 from .report import format_rate
 from .results import ERROR, OK, OOM, SKIPPED, ProblemResult, Row
 from .subject import Measurement, Subject
-from .timing import Progress, free_memory, is_out_of_memory, measure
+from .timing import free_memory, is_out_of_memory, measure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +52,17 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
 
 
-def _log_row(progress: Progress, problem: str, row: Row) -> None:
-    head = f"{problem:<20} {row.impl:<17} {row.phase:<15}"
+def _record(progress: Progress, result: ProblemResult, row: Row) -> None:
+    """Append `row` to the problem, show it on a terminal and count its phase as done."""
+    result.rows.append(row)
+    head = f"{result.name:<20} {row.impl:<17} {row.phase:<15}"
     if row.status != OK:
-        progress(f"{head} {row.status}{': ' + row.note if row.note else ''}")
-        return
-    rate = f"{format_rate(row.tflops):>8} TF/s" if row.tflops is not None else " " * 13
-    runs = f"{row.runs} runs" + (", capped by the time budget" if row.capped else "")
-    progress(f"{head} {row.ms:11.3f} ms {rate}  ({runs})")
+        progress.log(f"{head} {row.status}{': ' + row.note if row.note else ''}")
+    else:
+        rate = f"{format_rate(row.tflops):>8} TF/s" if row.tflops is not None else " " * 13
+        runs = f"{row.runs} runs" + (", capped by the time budget" if row.capped else "")
+        progress.log(f"{head} {row.ms:11.3f} ms {rate}  ({runs})")
+    progress.advance()
 
 
 def _time(impl: str, measurement: Measurement, config: Config, progress: Progress) -> Row:
@@ -70,7 +79,7 @@ def _time(impl: str, measurement: Measurement, config: Config, progress: Progres
     except Exception as error:  # noqa: BLE001  (recorded, and the run goes on)
         failure = (OOM if is_out_of_memory(error) else ERROR, _describe(error))
         if failure[0] == ERROR:
-            progress("".join(traceback.format_exception(error)).rstrip())
+            progress.write("".join(traceback.format_exception(error)).rstrip())
     if failure is not None:
         row.status, row.note = failure[0], "; ".join(filter(None, [row.note, failure[1]]))
         free_memory(device)
@@ -84,9 +93,7 @@ def _time(impl: str, measurement: Measurement, config: Config, progress: Progres
 def run_subject(subject: Subject, result: ProblemResult, config: Config, progress: Progress) -> None:
     if subject.skip_reason:
         for phase in subject.phases:
-            row = Row(subject.impl, phase, SKIPPED, note=subject.skip_reason)
-            result.rows.append(row)
-            _log_row(progress, result.name, row)
+            _record(progress, result, Row(subject.impl, phase, SKIPPED, note=subject.skip_reason))
         return
     pending = list(subject.phases)
     failure = None
@@ -98,22 +105,20 @@ def run_subject(subject: Subject, result: ProblemResult, config: Config, progres
             if measurement.fn is None:
                 row = Row(subject.impl, measurement.phase, SKIPPED, flops=measurement.flops, note=measurement.note)
             else:
+                progress.start(f"{subject.impl} {measurement.phase}")
                 row = _time(subject.impl, measurement, config, progress)
-            result.rows.append(row)
-            _log_row(progress, result.name, row)
+            _record(progress, result, row)
     except Exception as error:  # noqa: BLE001  (preparing a phase failed: recorded, the run goes on)
         failure = (OOM if is_out_of_memory(error) else ERROR, f"could not prepare: {_describe(error)}")
         if failure[0] == ERROR:
-            progress("".join(traceback.format_exception(error)).rstrip())
+            progress.write("".join(traceback.format_exception(error)).rstrip())
     finally:
         measurements.close()
     del measurements  # drops the subject's tensors before the memory is released
     free_memory(config.device)
     for phase in pending:
         status, note = failure if failure else (ERROR, "not measured (the subject stopped early)")
-        row = Row(subject.impl, phase, status, note=note)
-        result.rows.append(row)
-        _log_row(progress, result.name, row)
+        _record(progress, result, Row(subject.impl, phase, status, note=note))
 
 
 def subjects(inputs, config: Config) -> list[Subject]:
@@ -130,15 +135,20 @@ def subjects(inputs, config: Config) -> list[Subject]:
     return found
 
 
-def run_problem(spec: ProblemSpec, config: Config, progress: Progress) -> ProblemResult:
-    result = ProblemResult(spec, None, config.baseline)
-    progress(f"{spec.name}: building inputs ({config.selection} selection)")
+def run_problem(spec: ProblemSpec, config: Config, result: ProblemResult | None = None, label: str | None = None,
+                stream=None) -> ProblemResult:
+    """Run every subject of one problem and return its result: `result` when given, filled in
+    place (so a caller holding it keeps the rows recorded before an interruption). The progress
+    goes to `stream` (default stderr) under `label` (default the problem's name)."""
+    result = ProblemResult(spec, None, config.baseline) if result is None else result
+    label = spec.name if label is None else label
     try:
         inputs = make_inputs(spec, config.shape, config.device, config.selection, config.seed)
     except Exception as error:  # noqa: BLE001
         status = OOM if is_out_of_memory(error) else ERROR
         result.notes.append(f"inputs could not be built: {status}: {_describe(error)}")
-        progress(f"{spec.name}: inputs could not be built: {_describe(error)}")
+        print(f"{label}: inputs could not be built: {_describe(error)}", file=sys.stderr if stream is None else stream,
+              flush=True)
         free_memory(config.device)
         return result
     result.work = inputs.work
@@ -147,9 +157,11 @@ def run_problem(spec: ProblemSpec, config: Config, progress: Progress) -> Proble
     if l2 is not None and input_bytes < 2 * l2:
         result.notes.append(f"q, k, v take {input_bytes / 2**20:.0f} MiB, under 2x the {l2 / 2**20:.0f} MiB L2, and "
                             "are not rotated between runs: times may be optimistic")
-    for subject in subjects(inputs, config):
-        run_subject(subject, result, config, progress)
+    found = subjects(inputs, config)
+    with Progress(label, sum(len(subject.phases) for subject in found), stream=stream) as progress:
+        for subject in found:
+            run_subject(subject, result, config, progress)
     result.add_sums()
-    del inputs
+    del inputs, found
     free_memory(config.device)
     return result

@@ -1,4 +1,4 @@
-"""How one measurement is timed, and the progress lines printed while the benchmark runs.
+"""How one measurement is timed.
 
 On CUDA each timed call is bracketed by a pair of CUDA events recorded on the current stream, all
 calls are queued back to back, and the device is synchronised once at the end: the times are
@@ -10,7 +10,6 @@ import dataclasses
 import gc
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -100,14 +99,3 @@ def free_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-
-
-class Progress:
-    """Prints `[  elapsed s] message` lines to stderr (stdout keeps the table clean)."""
-
-    def __init__(self, stream=None):
-        self.stream = stream if stream is not None else sys.stderr
-        self.start = time.perf_counter()
-
-    def __call__(self, message: str) -> None:
-        print(f"[{time.perf_counter() - self.start:7.1f} s] {message}", file=self.stream, flush=True)

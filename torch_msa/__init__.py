@@ -1,10 +1,12 @@
 """torch_msa: MiniMax Sparse Attention as `torch.ops.msa.*` custom ops.
 
 `import torch_msa` registers the ops with their reference kernels, fake kernels and autograd;
-it imports neither triton nor cutlass (optional backends bind on first use).
+it imports neither triton nor cutlass (optional backends bind on first use), nor transformers (when
+HF's modeling code is already imported, it registers `attn_implementation="torch_msa"` there).
 """
 
 from . import (
+    integrations,
     ops,  # noqa: F401  (registers torch.ops.msa.*)
     sm90,
     sm100,
@@ -30,6 +32,8 @@ from .validation import DEBUG_ENV
 triton.register()
 sm100.register()
 sm90.register()
+# HF's attn_implementation="torch_msa" when HF's modeling code is already imported (never imports it).
+integrations.register_with_loaded_transformers()
 
 __version__ = "0.1.0"
 

@@ -10,7 +10,9 @@ float64 computation written here in plain torch (no code shared with the backend
   of each KV head: `sum_j dv[j] = sum_{t, h} grad_out[t, h]` (the probabilities of a row sum to 1)
   and `sum_j dk[j] = 0` (softmax is shift invariant, so each row of dS sums to 0).
 
-The last line is `self-check: PASS` (exit code 0) or `self-check: FAIL` (exit code 1).
+Each stage's time goes to stdout when it ends; on a terminal stderr shows the stage running and,
+for the backward, the time it should take (`torch_msa._progress`). The last line is
+`self-check: PASS` (exit code 0) or `self-check: FAIL` (exit code 1).
 """
 
 import argparse
@@ -26,6 +28,7 @@ import torch
 
 import torch_msa
 from torch_msa import backends, flops
+from torch_msa._progress import Progress
 from torch_msa.contract import M3, Shape
 from torch_msa.testing import pick_device
 
@@ -157,10 +160,13 @@ class OpResults:
 
 
 @contextlib.contextmanager
-def timed_stage(label: str, device: torch.device, stage_ms: dict[str, float] | None = None, name: str = ""):
-    """Print `label ...` on entry and the elapsed time on exit; CUDA is synchronised around it
-    because kernel launches return before the work is done."""
-    print(f"{label} ...", end="", flush=True)
+def timed_stage(label: str, device: torch.device, stage_ms: dict[str, float] | None = None, name: str = "",
+                progress: Progress | None = None, expected_s: float | None = None):
+    """Time the block and print `label: <ms> ms` on stdout when it ends; CUDA is synchronised
+    around it because kernel launches return before the work is done. With `progress`, the block
+    is its next step, named `name`, expected to take `expected_s` seconds when that is known."""
+    if progress is not None:
+        progress.start(name or label, expected_s)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -170,33 +176,41 @@ def timed_stage(label: str, device: torch.device, stage_ms: dict[str, float] | N
     elapsed_ms = (time.perf_counter() - start) * 1e3
     if stage_ms is not None:
         stage_ms[name] = elapsed_ms
-    print(f" {elapsed_ms:.1f} ms", flush=True)
+    line = f"{label}: {elapsed_ms:.1f} ms"
+    if progress is None:
+        print(line, flush=True)
+    else:
+        progress.advance()
+        progress.write(line, file=sys.stdout)
 
 
-def run_ops(problem: Problem, step: str = "", timed: bool = True) -> OpResults:
-    """select_blocks -> sparse_attention(return_lse=True) -> backward of sum(out * grad_out)."""
+def run_ops(problem: Problem, step: str = "", timed: bool = True, label: str = "running the ops") -> OpResults:
+    """select_blocks -> sparse_attention(return_lse=True) -> backward of sum(out * grad_out).
+
+    Each stage prints its time on stdout; on a terminal stderr shows `label`'s progress, with the
+    time the backward should take (it does 2.5 times the forward's work, `torch_msa.flops`).
+    """
     shape, device = problem.shape, problem.q.device
     q, k, v = (x.detach().clone().requires_grad_() for x in (problem.q, problem.k, problem.v))
     stage_ms: dict[str, float] = {}
+    # The stages differ too much for a mean time per stage to predict the next one.
+    with Progress(label, 3, rate_estimate=False, summary=False, leave=False) as progress:
 
-    def stage(name, estimate_ms=None):
-        # Long stages (the backward on CPU takes minutes) say how long to expect.
-        hint = f" (expect about {estimate_ms / 1e3:.0f} s)" if estimate_ms is not None and estimate_ms >= 2e3 else ""
-        return timed_stage(f"{step}{name}{hint}", device, stage_ms, name)
+        def stage(name, expected_s=None):
+            return timed_stage(f"{step}{name}", device, stage_ms, name, progress, expected_s)
 
-    with stage("select_blocks"):
-        block_indices = torch_msa.select_blocks(problem.index_q, problem.index_k, *problem.document_args,
-                                                topk=shape.topk, block_size=shape.block_size)
-    with stage("forward"):
-        out, lse = torch_msa.sparse_attention(q, k, v, block_indices, *problem.document_args,
-                                              block_size=shape.block_size, return_lse=True)
-    # The loss reads only `out`, so the gradient reaching the op is exactly `grad_out` (in any
-    # dtype: d(sum)/d(out * w) is 1) and lse gets none.
-    loss = (out * problem.grad_out).sum()
-    # The backward does 2.5 times the forward's work (torch_msa.flops).
-    backward_per_forward = flops.attention_backward(1, 1, 1) / flops.attention_forward(1, 1, 1)
-    with stage("backward", estimate_ms=backward_per_forward * stage_ms["forward"]):
-        dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+        with stage("select_blocks"):
+            block_indices = torch_msa.select_blocks(problem.index_q, problem.index_k, *problem.document_args,
+                                                    topk=shape.topk, block_size=shape.block_size)
+        with stage("forward"):
+            out, lse = torch_msa.sparse_attention(q, k, v, block_indices, *problem.document_args,
+                                                  block_size=shape.block_size, return_lse=True)
+        # The loss reads only `out`, so the gradient reaching the op is exactly `grad_out` (in any
+        # dtype: d(sum)/d(out * w) is 1) and lse gets none.
+        loss = (out * problem.grad_out).sum()
+        backward_per_forward = flops.attention_backward(1, 1, 1) / flops.attention_forward(1, 1, 1)
+        with stage("backward", expected_s=backward_per_forward * stage_ms["forward"] / 1e3):
+            dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
     return OpResults(block_indices, out.detach(), lse.detach(), dq, dk, dv, stage_ms if timed else {})
 
 
@@ -462,7 +476,7 @@ def main(argv=None) -> int:
         if args.device.type == "cuda":
             # The first call may compile kernels; time the second.
             print("warm-up (not timed)", flush=True)
-            run_ops(problem, step="  ", timed=False)
+            run_ops(problem, step="  ", timed=False, label="warm-up")
         print("running the ops", flush=True)
         results = run_ops(problem, step="  ")
         tokens = sample_tokens(problem.documents)

@@ -12,10 +12,12 @@ import torch
 import torch_msa
 from benchmarks import cli, devices, flops, msa, peers, runner, targets
 from benchmarks.flex_mask import TILE_ROWS, fold_query_heads, kv_heads_first, msa_block_mask
-from benchmarks.problems import ProblemSpec, make_inputs, parse_pack, parse_seqlens
+from benchmarks.problems import Inputs, ProblemSpec, make_inputs, parse_pack, parse_seqlens
 from benchmarks.results import ERROR, OK, OOM, SKIPPED, BenchResult, ProblemResult, Row
 from benchmarks.subject import Measurement, Subject
-from benchmarks.timing import Progress, is_out_of_memory, measure
+from benchmarks.timing import Timing, is_out_of_memory, measure
+from tests.support.terminal import FakeTerminal, screen
+from torch_msa._progress import Progress
 from torch_msa.contract import M3, Shape
 from torch_msa.testing import random_block_indices
 
@@ -237,7 +239,7 @@ def _config(**overrides):
 
 def test_runner_records_oom_and_errors_and_goes_on(capsys):
     result = ProblemResult(ProblemSpec((10,)), None, "math dense")
-    progress = Progress()
+    progress = Progress("T=10", 8)
 
     def oom_in_a_phase():
         yield Measurement("fwd", lambda: 1, 1e9)
@@ -267,7 +269,7 @@ def test_runner_records_oom_and_errors_and_goes_on(capsys):
 @pytest.mark.parametrize("selection", ["index", "skewed"])
 def test_small_pack_runs_every_cpu_row(selection, one_thread):
     config = _config(problems=(ProblemSpec((100, 150, 7), pack=True),), selection=selection)
-    result = runner.run_problem(config.problems[0], config, Progress())
+    result = runner.run_problem(config.problems[0], config)
     status = {(r.impl, r.phase): r.status for r in result.rows}
     for phase in ("fwd", "bwd", "fwd+bwd"):
         assert status["math dense", phase] == OK
@@ -398,14 +400,16 @@ def test_cli_on_cpu_prints_the_table_and_targets_and_writes_json(tmp_path, capsy
     assert all(line.split("]")[0][3:] in (targets.REACHED, targets.NOT_REACHED, targets.NOT_MEASURED)
                for line in target_lines)
     assert "[not measured] select+fwd+bwd >= 10x cuDNN dense fwd+bwd at T=64K" in stdout
-    # Progress goes to stderr, one line per measurement.
-    assert sum("torch_msa " in line and " ms " in line for line in captured.err.splitlines()) == 6
+    # stderr is not a terminal here: no row lines, one line for the problem's 13 phases (2 math
+    # dense, 2 fla, 3 FlexAttention, 6 torch_msa).
+    assert re.fullmatch(r"\[1/1\] T=128: 13/13 in \d+:\d\d\n", captured.err), captured.err
     topk_line = next(line for line in target_lines if "top-k under 10% of selection" in line)
     assert "[not measured]" not in topk_line and "T=128 " in topk_line
 
     data = json.loads((out / "bench.json").read_text())
+    assert data["status"] == "complete" and data["partial"] is False
     meta = data["meta"]
-    assert meta["device"] == "cpu (1 threads)" and meta["timing"]["iters"] == 1
+    assert meta["device"] == "cpu (1 threads)" and meta["device_type"] == "cpu" and meta["timing"]["iters"] == 1
     assert meta["torch_msa"] == torch_msa.__version__
     assert meta["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}(-dirty)?", meta["git_commit"])
     assert meta["shape"]["query_heads"] == 16 and meta["shape"]["kv_heads"] == meta["shape"]["index_heads"] == 1
@@ -438,6 +442,136 @@ def test_plot_is_written_when_matplotlib_is_there(tmp_path):
     path = tmp_path / "plot.png"
     assert report.write_plot(result, str(path)) is None
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("device_type, goals", [("cuda", {"H200 goal 420", "H200 goal 320"}), ("cpu", set())])
+def test_plot_draws_the_h200_goals_only_for_a_gpu_run(device_type, goals):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from benchmarks import report
+
+    result = _result_with({"T=512": [Row("math dense", "fwd", OK, 2.0, 20, flops=1e9),
+                                      Row("math dense", "fwd+bwd", OK, 6.0, 20, flops=3e9),
+                                      Row("torch_msa", "fwd", OK, 1.0, 20, flops=1e9),
+                                      Row("torch_msa", "bwd", OK, 2.0, 20, flops=2e9),
+                                      Row("torch_msa", "select+fwd+bwd", OK, 3.5, 20, flops=3e9)]})
+    result.meta["device_type"] = device_type
+    assert targets.rate_goals(result) == ({"fwd": 420.0, "bwd": 320.0, "select": 400.0} if goals else {})
+    figure = report.plot(result, targets.rate_goals(result))
+    labels = {line.get_label() for axis in figure.axes for line in axis.get_lines()}
+    plt.close(figure)
+    assert {label for label in labels if "goal" in label} == goals
+
+
+def _fake_measure(interrupt_at_select: int | None = None):
+    """`timing.measure` without running anything: 1 ms per phase; with `interrupt_at_select`,
+    Ctrl-C when torch_msa's `select` phase is timed for that problem (1 = the first)."""
+    selects = []
+
+    def measure(fn, device, warmup, iters, budget_s=None, min_runs=5):
+        if getattr(fn, "__func__", None) is Inputs.select:
+            selects.append(fn)
+            if len(selects) == interrupt_at_select:
+                raise KeyboardInterrupt
+        return Timing((1.0,), 0, False)
+
+    return measure
+
+
+def _cli(out, *extra):
+    return cli.main(["--device", "cpu", "--seqlens", "64", "128", "--heads", "16/1", "--skip-peers", "--iters", "1",
+                     "--warmup", "0", "--out", str(out), *extra])
+
+
+def test_an_interrupted_run_leaves_a_valid_partial_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(runner, "measure", _fake_measure(interrupt_at_select=2))
+    assert _cli(tmp_path) == 130
+    assert "interrupted: the partial results are in" in capsys.readouterr().err
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["status"] == "interrupted" and data["partial"] is True
+    first, second = data["problems"]
+    assert first["name"] == "T=64" and not first["notes"]
+    assert {row["impl"] for row in first["rows"]} == {"math dense", "torch_msa"}
+    assert all(row["status"] == OK for row in first["rows"])
+    # The second problem stopped at torch_msa's first phase: the dense rows (and their sum) remain.
+    assert second["name"] == "T=128"
+    assert [(row["impl"], row["phase"]) for row in second["rows"]] == [
+        ("math dense", "fwd"), ("math dense", "bwd"), ("math dense", "fwd+bwd")]
+    assert second["notes"] == ["interrupted (KeyboardInterrupt): the phases after its last row did not run"]
+    assert "status: interrupted (partial results)" in (tmp_path / "bench.txt").read_text()
+    assert not (tmp_path / "bench.png").exists()
+
+
+def test_json_written_after_a_problem_says_the_run_is_still_going(tmp_path, monkeypatch):
+    """A run killed outright (no KeyboardInterrupt) leaves the file of its last finished problem."""
+    seen = []
+    write_json = cli.report.write_json
+
+    def spy(result, outcomes, path):
+        write_json(result, outcomes, path)
+        seen.append(json.loads(pathlib.Path(path).read_text()))
+
+    monkeypatch.setattr(runner, "measure", _fake_measure())
+    monkeypatch.setattr(cli.report, "write_json", spy)
+    assert _cli(tmp_path) == 0
+    assert [(len(data["problems"]), data["status"], data["partial"]) for data in seen] == [
+        (1, "running", True), (2, "running", True), (2, "complete", False)]
+
+
+def test_progress_on_a_terminal_shows_each_row_and_the_time_left(tmp_path, monkeypatch):
+    terminal = FakeTerminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    monkeypatch.setattr(runner, "measure", _fake_measure())
+    assert _cli(tmp_path) == 0
+    shown = screen(terminal)
+    rows = [line for line in shown if line.startswith(("T=64 ", "T=128 "))]
+    assert len(rows) == 2 * 8 and all(" 1.000 ms " in line for line in rows)  # 2 dense + 6 torch_msa phases each
+    final = [line for line in shown if line.startswith("[")]  # each problem's last progress line stays
+    assert len(final) == 2 and all(re.fullmatch(r"\[[12]/2\] T=(64|128): 8/8 done, \d+:\d\d elapsed", line)
+                                   for line in final), final
+    # While a phase ran, the line named it and estimated the time left from the phases done.
+    raw = terminal.getvalue()
+    assert re.search(r"\[1/2\] T=64: [1-7]/8 done, torch_msa \S+.*, \d+:\d\d elapsed, about \d+:\d\d left", raw)
+
+
+def _fake_kl_measure(monkeypatch, interrupt_at=None):
+    """`benchmarks.kl.measure` without running anything: 2 ms per row; Ctrl-C at call `interrupt_at`."""
+    from benchmarks import kl
+
+    calls = []
+
+    def measure(fn, device, warmup, iters, budget_s=None, min_runs=5):
+        calls.append(fn)
+        if len(calls) == interrupt_at:
+            raise KeyboardInterrupt
+        return Timing((2.0,), 0, False)
+
+    monkeypatch.setattr(kl, "measure", measure)
+    return kl
+
+
+def test_the_kl_benchmark_writes_its_json(tmp_path, capsys, monkeypatch):
+    kl = _fake_kl_measure(monkeypatch)
+    assert kl.main(["--device", "cpu", "--seqlen", "64", "--iters", "1", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "kl.json").read_text())
+    assert data["status"] == "complete" and data["partial"] is False
+    assert data["meta"]["backends"]["indexer_kl"] == "reference" and data["meta"]["command"].startswith("python -m")
+    assert data["lengths"] == [{"tokens": 64, "rows_ms": dict.fromkeys(kl.SPARSE_ROWS, 2.0)}]
+    captured = capsys.readouterr()
+    assert "T=    64  sparse KL fwd+bwd                  2.00 ms  100.0% of the attention step" in captured.out
+    assert re.fullmatch(r"\[1/1\] T=64: 3/3 in \d+:\d\d\n", captured.err), captured.err
+
+
+def test_an_interrupted_kl_run_leaves_a_valid_partial_json(tmp_path, capsys, monkeypatch):
+    kl = _fake_kl_measure(monkeypatch, interrupt_at=5)  # the second row of the second length
+    assert kl.main(["--device", "cpu", "--seqlen", "32", "64", "--iters", "1", "--out", str(tmp_path)]) == 130
+    data = json.loads((tmp_path / "kl.json").read_text())
+    assert data["status"] == "interrupted" and data["partial"] is True
+    assert data["lengths"] == [{"tokens": 32, "rows_ms": dict.fromkeys(kl.SPARSE_ROWS, 2.0)},
+                               {"tokens": 64, "rows_ms": {"attention step": 2.0}}]
+    err = capsys.readouterr().err
+    assert "[2/2] T=64: stopped at 1/3 after" in err and "interrupted: the partial results are in" in err
 
 
 @pytest.mark.parametrize("argv, message", [

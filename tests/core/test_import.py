@@ -14,6 +14,7 @@ def test_import_is_light():
         "added = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in optional)\n"
         "assert not added, added\n"
         "assert 'triton' not in sys.modules and 'cutlass' not in sys.modules\n"
+        "assert 'transformers' not in sys.modules  # nor HF, unless its modeling code was imported first\n"
         "assert hasattr(torch.ops.msa, 'forward')\n"
         "print('ok')\n"
     )

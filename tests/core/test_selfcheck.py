@@ -2,12 +2,14 @@
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.support.terminal import FakeTerminal, screen
 from torch_msa import __main__ as selfcheck
 
 # A tiny topology (not M3) so the in-process checks run in well under a second.
@@ -33,6 +35,33 @@ def test_small_run_passes():
     for name in ("selection", "out", "lse", "dq", "sum dv", "sum dk"):
         assert any(line.startswith(f"  {name} ") and " PASS" in line for line in lines), \
             f"no PASS line for {name}:\n{result.stdout}"
+    for stage in ("select_blocks", "forward", "backward"):
+        assert any(re.fullmatch(rf"  {stage}: \d+\.\d ms", line) for line in lines), f"no {stage} line:\n{result.stdout}"
+    assert "running the ops:" not in result.stderr  # stderr is a pipe: no progress display
+
+
+def test_progress_on_a_terminal_names_each_stage_and_expects_the_backward_to_take_2_5_forwards(monkeypatch, capsys):
+    terminal = FakeTerminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    expected = {}
+    start = selfcheck.Progress.start
+
+    def spy(progress, step, expected_s=None):
+        expected[step] = expected_s
+        start(progress, step, expected_s)
+
+    monkeypatch.setattr(selfcheck.Progress, "start", spy)
+    problem = selfcheck.make_problem(SMALL_DOCUMENTS, torch.float32, torch.device("cpu"), seed=0, shape=SMALL)
+    results = selfcheck.run_ops(problem, step="  ")
+    assert expected == {"select_blocks": None, "forward": None,
+                        "backward": pytest.approx(2.5 * results.stage_ms["forward"] / 1e3)}
+    raw = terminal.getvalue()
+    assert re.search(r"running the ops: 0/3 done, select_blocks, \d+:\d\d elapsed, \? left", raw)
+    assert re.search(r"running the ops: 1/3 done, forward, \d+:\d\d elapsed, \? left", raw)
+    assert re.search(r"running the ops: 2/3 done, backward, \d+:\d\d elapsed, about \d+:\d\d left", raw)
+    assert screen(terminal) == [""]  # the display is cleared once the ops ran
+    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == [
+        "  select_blocks", "  forward", "  backward"]
 
 
 def test_help_lists_the_options():

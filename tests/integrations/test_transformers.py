@@ -5,6 +5,10 @@ HF's model (written independently of torch_msa) is the oracle: a tiny random
 """
 
 import copy
+import json
+import pathlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -238,6 +242,99 @@ def test_switching_back_restores_hf_and_switching_again_torch_msa(hf_model):
     model.set_attn_implementation(ATTENTION_NAME)
     _assert_same(_run(model, ids, mask, attention_mask=mask),
                  _run(_torch_msa_model(hf_model, "torch_msa"), ids, mask, attention_mask=mask))
+
+
+def _enable_checkpointing(model):
+    # activation_checkpointing_enable is the current name (transformers 5.24 deprecates the other).
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
+@pytest.mark.parametrize("layout", ["right-padded", "packed position_ids", "packed cu_seq_lens"])
+def test_gradient_checkpointing_gives_the_same_logits_and_gradients(hf_model, layout):
+    """The recomputation in the backward selects again (and reads the packed kwargs again)."""
+    model = _torch_msa_model(hf_model, "torch_msa").train()
+    if layout == "right-padded":
+        ids, real = _batch([SEQLEN, 150])
+        kwargs = {"attention_mask": real}
+    else:
+        kwargs, _ = _packed_batch(layout == "packed cu_seq_lens")
+        ids = kwargs.pop("input_ids")
+        real = torch.ones_like(ids)
+    expected = _run(model, ids, real, **kwargs)
+    _enable_checkpointing(model)
+    calls = []
+    hook = model.model.layers[0].self_attn.indexer.register_forward_hook(lambda *args: calls.append(args))
+    checkpointed = _run(model, ids, real, **kwargs)
+    hook.remove()
+    assert len(calls) == 2  # the forward, then its recomputation in the backward
+    _assert_same(checkpointed, expected)
+
+
+@pytest.mark.parametrize("indexer", ["hf", "torch_msa"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "right-padded"])
+def test_a_batch_of_two_rows_equals_each_row_alone(hf_model, indexer, padded):
+    model = _torch_msa_model(hf_model, indexer).eval()
+    lengths = [SEQLEN, 150] if padded else [SEQLEN, SEQLEN]
+    ids, mask = _batch(lengths)
+    with torch.no_grad():
+        batch = model(ids, attention_mask=mask if padded else None).logits
+        for row, length in enumerate(lengths):
+            alone = model(ids[row:row + 1, :length]).logits[0]
+            _assert_close(f"row {row}", batch[row, :length], alone)
+
+
+def test_save_and_load_keep_the_outputs_and_torch_msa(hf_model, tmp_path):
+    """HF does not save the attention implementation: name it when loading, or switch after."""
+    model = _torch_msa_model(hf_model, "torch_msa")
+    ids, mask = _batch([SEQLEN, 150])
+    expected = _run(model, ids, mask, attention_mask=mask)
+    model.save_pretrained(tmp_path)
+    assert "attn_implementation" not in json.loads((tmp_path / "config.json").read_text())
+
+    loaded = MiniMaxM3VLForCausalLM.from_pretrained(tmp_path, attn_implementation=ATTENTION_NAME)
+    assert loaded.config._attn_implementation == ATTENTION_NAME  # HF's indexer, torch_msa's attention
+    _assert_same(_run(loaded, ids, mask, attention_mask=mask), expected)
+    use_torch_msa(loaded)
+    assert isinstance(loaded.model.layers[0].self_attn.indexer, TorchMSAIndexer)
+    _assert_same(_run(loaded, ids, mask, attention_mask=mask), expected)
+
+    reloaded = use_torch_msa(MiniMaxM3VLForCausalLM.from_pretrained(tmp_path))
+    assert reloaded.config._attn_implementation == ATTENTION_NAME
+    _assert_same(_run(reloaded, ids, mask, attention_mask=mask), expected)
+
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Builds the tiny model with attn_implementation="torch_msa" in a fresh process, after `imports`.
+_BUILD = """
+import json, sys
+{imports}
+modules = set(sys.modules)
+from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
+settings = {{**json.loads({settings!r}), "attn_implementation": "torch_msa"}}
+try:
+    print(MiniMaxM3VLForCausalLM(MiniMaxM3VLTextConfig(**settings)).config._attn_implementation)
+except ValueError as error:
+    print(error)
+print("transformers.modeling_utils" in modules, "torch_msa.integrations.transformers" in modules)
+"""
+
+
+@pytest.mark.parametrize("imports, expected", [
+    # HF's modeling code first: `import torch_msa` registers "torch_msa" with HF.
+    ("from transformers import MiniMaxM3VLForCausalLM\nimport torch_msa", ["torch_msa", "True True"]),
+    # transformers' top level alone imports no modeling code, and neither does torch_msa: not registered.
+    ("import transformers\nimport torch_msa", [
+        'Specified `attn_implementation="torch_msa"` is not supported.', "False False"]),
+    # The documented way, whatever the order.
+    ("import torch_msa.integrations.transformers", ["torch_msa", "True True"]),
+])
+def test_import_torch_msa_registers_with_hf_only_when_hf_modeling_is_loaded(imports, expected):
+    code = _BUILD.format(imports=imports, settings=json.dumps(_config().to_dict()))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(expected[0]) and lines[1] == expected[1], result.stdout
 
 
 def test_output_attentions_warns_once_that_there_are_no_weights(hf_model, monkeypatch):

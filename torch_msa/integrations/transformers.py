@@ -14,7 +14,9 @@ tokens, full-attention layers run PyTorch SDPA.
 Importing this module registers `"torch_msa"` with HF's `AttentionInterface` and
 `AttentionMaskInterface`, so `from_pretrained(..., attn_implementation="torch_msa")` works too; the
 attention function then consumes HF's own indexer's `block_indices` (`[B, H_idx, S, topk]`
-int64, `-1` padded), valid for unpadded and right-padded batches.
+int64, `-1` padded), valid for unpadded and right-padded batches. HF checks the name when it
+builds the model, so this import must come first (`import torch_msa` does it only when HF's
+modeling code is already imported: `torch_msa.integrations.register_with_loaded_transformers`).
 
 Padding: each row's real tokens form one document that starts at position 0, and its padding is
 a second document that only sees itself (`torch_msa.padding.padded_cu_seqlens`: no host sync,
