@@ -58,12 +58,12 @@ import functools
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Boolean, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
+from ..cute_dsl.compat import SmemAllocator
 from ..cute_dsl.ptx import red_add_f32x4
 from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, NUM_KV_HEADS, NUM_Q_HEADS, TILE, TOKENS_PER_TASK
 
@@ -283,7 +283,7 @@ class Sm100BackwardKernel:
             for atom in (tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         pipes = self._make_pipelines(storage)
 
