@@ -628,11 +628,12 @@ class Sm100BackwardKernel:
         kv_state = pipeline.make_pipeline_state(consumer, 1)
         q_state = pipeline.make_pipeline_state(consumer, self.q_stages)
         do_state = pipeline.make_pipeline_state(consumer, self.do_stages)
-        p_state = pipeline.make_pipeline_state(consumer, 1)
-        ds_state = pipeline.make_pipeline_state(consumer, 1)
-        s_state = pipeline.make_pipeline_state(producer, 1)
-        dp_state = pipeline.make_pipeline_state(producer, 1)
-        dq_state = pipeline.make_pipeline_state(producer, 1)
+        # The single-stage pipelines that turn over exactly once per task share one state per
+        # direction: produced S^T, dP^T and dQ; consumed P^T and dS^T. Five separate states would
+        # be five registers holding copies of two phase bits, in the warp whose register budget
+        # the hoisted shared-memory descriptors already fill.
+        result_state = pipeline.make_pipeline_state(producer, 1)  # pipes s, dp, dq
+        operand_state = pipeline.make_pipeline_state(consumer, 1)  # pipes p, ds
         dkdv_state = pipeline.make_pipeline_state(producer, 1)
 
         for row in cutlass.range(row_lo, row_hi, unroll=1):
@@ -642,39 +643,36 @@ class Sm100BackwardKernel:
 
             # S^T = K Q^T
             pipes["q"].consumer_wait(q_state)
-            pipes["s"].producer_acquire(s_state)
+            pipes["s"].producer_acquire(result_state)
             self._gemm(mma_s, tS, rK[None, None, None, 0], rQ[None, None, None, q_state.index], Boolean(False))
-            pipes["s"].producer_commit(s_state)
-            s_state.advance()
+            pipes["s"].producer_commit(result_state)
 
             # dP^T = V dO^T, into the columns that held the previous task's dQ.
             pipes["do"].consumer_wait(do_state)
-            pipes["dp"].producer_acquire(dp_state)
-            pipes["dq"].producer_acquire(dq_state)
+            pipes["dp"].producer_acquire(result_state)
+            pipes["dq"].producer_acquire(result_state)
             self._gemm(
                 mma_dp, tdP, rV[None, None, None, 0], rdO[None, None, None, do_state.index], Boolean(False)
             )
-            pipes["dp"].producer_commit(dp_state)
-            dp_state.advance()
+            pipes["dp"].producer_commit(result_state)
 
             # dV += P^T dO; a segment's first task overwrites the flushed accumulators.
-            pipes["p"].consumer_wait(p_state)
+            pipes["p"].consumer_wait(operand_state)
             if starts:
                 pipes["dkdv"].producer_acquire(dkdv_state)
             self._gemm(mma_dv, tdV, tPt, rdOt[None, None, None, do_state.index], ~starts)
-            pipes["p"].consumer_release(p_state)
-            p_state.advance()
+            pipes["p"].consumer_release(operand_state)
             pipes["do"].consumer_release(do_state)
             do_state.advance()
 
             # dQ = dS K (dP^T has been read: dS exists) and dK += dS^T Q.
-            pipes["ds"].consumer_wait(ds_state)
+            pipes["ds"].consumer_wait(operand_state)
             self._gemm(mma_dq, tdQ, rdS[None, None, None, 0], rKt[None, None, None, 0], Boolean(False))
-            pipes["dq"].producer_commit(dq_state)
-            dq_state.advance()
+            pipes["dq"].producer_commit(result_state)
             self._gemm(mma_dk, tdK, rdSt[None, None, None, 0], rQt[None, None, None, q_state.index], ~starts)
-            pipes["ds"].consumer_release(ds_state)
-            ds_state.advance()
+            pipes["ds"].consumer_release(operand_state)
+            operand_state.advance()
+            result_state.advance()
             pipes["q"].consumer_release(q_state)
             q_state.advance()
 
