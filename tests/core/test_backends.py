@@ -296,7 +296,7 @@ def test_sm90_serves_forward_and_backward_by_default_and_says_why_it_cannot_serv
         torch_msa.resolve("forward", blackwell)
     without_extra = fake_cuda(capability=(9, 0), extras=False)
     with pytest.raises(torch_msa.BackendError, match='install the CuTe DSL: pip install ".\\[cute\\]" in the torch_msa checkout '
-                       r'\(or: pip install nvidia-cutlass-dsl==4.6.2 cuda-bindings\)'):
+                       r'\(or: pip install "nvidia-cutlass-dsl>=4\.6\.2,<4\.9" cuda-bindings\)'):
         torch_msa.resolve("forward", without_extra)
 
 

@@ -3,8 +3,8 @@ and the backend's dispatch contract.
 
 The official package (`fmha_sm100`), MSA's CuTe DSL helper module (`src.common.utils`), the CuTe
 DSL itself and our backward module are replaced by stand-in modules in `sys.modules`; monkeypatch
-restores `sys.modules` after every test. The last test compiles the fmax patch with the real
-nvidia-cutlass-dsl 4.6.2 for sm_100a when that package is installed (it is not in CI).
+restores `sys.modules` after every test. The last test compiles the fmax patch for sm_100a with
+the real CuTe DSL when a served release is installed (CI runs it with both ends of the range).
 """
 
 import contextlib
@@ -74,7 +74,7 @@ class FakeFloat32:
 
 
 class FakeNVVM:
-    """Stands in for `cutlass._mlir.dialects.nvvm` with the 4.6.2 `fmax(a, b, *, c=None, ...)` binding."""
+    """Stands in for `cutlass._mlir.dialects.nvvm` with the served `fmax(a, b, *, c=None, ...)` binding."""
 
     def __init__(self):
         self.calls = []
@@ -163,7 +163,7 @@ def official(tmp_path, monkeypatch):
     backward = _module(bindings.BACKWARD_MODULE, REPO_ROOT / "torch_msa/sm100/backward_host.py",
                        run_backward=lambda *a: "backward")
     installation = Installation(monkeypatch, cuda_home, package, sparse, jit, utils, backward,
-                                {bindings.CUTE_DSL_DISTRIBUTION: bindings.CUTE_DSL_VERSION})
+                                {bindings.CUTE_DSL_DISTRIBUTION: "4.8.1"})
     for module in (
         package, sparse, jit, utils, backward,
         _module("src", cute_src / "__init__.py"),
@@ -227,14 +227,21 @@ def test_missing_dependency_raises_unavailable_naming_the_install_command(offici
     assert bindings._bundle is None
 
 
-@pytest.mark.parametrize("installed", [None, "4.5.0", "4.7.0"])
+@pytest.mark.parametrize("installed", ["4.6.2", "4.6.3", "4.7.1", "4.8.1"])
+def test_served_cute_dsl_versions_bind(official, installed):
+    official.versions[bindings.CUTE_DSL_DISTRIBUTION] = installed
+    assert bindings.kernels().run_backward is official.backward.run_backward
+
+
+@pytest.mark.parametrize("installed", [None, "4.5.0", "4.6.1", "4.9.0", "4.9.0rc1", "5.0.0", "nightly"])
 def test_other_cute_dsl_versions_are_unavailable(official, installed):
     official.versions[bindings.CUTE_DSL_DISTRIBUTION] = installed
-    with pytest.raises(UnavailableError, match="nvidia-cutlass-dsl==4.6.2") as caught:
+    with pytest.raises(UnavailableError, match=r"nvidia-cutlass-dsl>=4\.6\.2,<4\.9") as caught:
         bindings.kernels()
     assert INSTALL_COMMAND in str(caught.value)
     if installed is not None:
-        assert f"found {installed}" in str(caught.value)
+        assert f"found nvidia-cutlass-dsl {installed}" in str(caught.value)
+    assert bindings._bundle is None and not bindings._is_patched(official.utils.fmax)
 
 
 def test_an_official_package_without_an_entry_point_is_unavailable(official):
@@ -719,18 +726,18 @@ def test_empty_packs_return_without_launching(no_launch):
 # --- the numerical patch against the real CuTe DSL -------------------------------------------
 
 
-def _cute_dsl_4_6_2_installed() -> bool:
+def _served_cute_dsl_installed() -> bool:
     try:
         return (importlib.util.find_spec("cutlass") is not None
-                and importlib.metadata.version("nvidia-cutlass-dsl") == "4.6.2")
+                and cute_dsl.cute_dsl_version_served(importlib.metadata.version(cute_dsl.CUTE_DSL_DISTRIBUTION)))
     except (ImportError, ValueError):
         return False
 
 
-@pytest.mark.skipif(not _cute_dsl_4_6_2_installed(), reason="needs nvidia-cutlass-dsl==4.6.2 (the cute extra)")
+@pytest.mark.skipif(not _served_cute_dsl_installed(), reason=f"needs {cute_dsl.CUTE_DSL_REQUIREMENT} (the cute extra)")
 def test_fmax_patch_compiles_for_sm_100a_with_the_real_dsl(tmp_path):
-    """A stand-in MSA tree whose helper has the pinned explicit-result form: 4.6.2 rejects it, the patched one
-    lowers."""
+    """A stand-in MSA tree whose helper has the pinned explicit-result form: the installed CuTe DSL
+    rejects it, the patched one lowers."""
     package = tmp_path / "site" / "fmha_sm100"
     (package / "cute" / "src" / "common").mkdir(parents=True)
     for folder in (package, package / "cute" / "src", package / "cute" / "src" / "common"):

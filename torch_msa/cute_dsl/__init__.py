@@ -12,6 +12,8 @@
   module (checks, launch, compile cache) whose kernel classes are in `preprocess_kernel`,
   `task_tables_kernel`, `postprocess_kernel`. They compile for sm_90a and sm_100a alike.
 * `ptx`: inline-PTX reductions the kernel modules share.
+* `compat`: the CuTe DSL names that moved inside the served version range
+  (`CUTE_DSL_REQUIREMENT`); the kernel modules import them from there.
 
 The package is named `cute_dsl`, not `cute`, so that it is never confused with `cutlass.cute`,
 which the kernel modules import as `cute`. Importing it imports neither cutlass nor triton; only
@@ -21,14 +23,40 @@ which the kernel modules import as `cute`. Importing it imports neither cutlass 
 import functools
 import importlib
 import importlib.util
+import re
 
 import torch
 
 from ..backends import UnavailableError
 
-INSTALL_COMMAND = 'pip install ".[cute]" in the torch_msa checkout (or: pip install nvidia-cutlass-dsl==4.6.2 cuda-bindings)'
+CUTE_DSL_DISTRIBUTION = "nvidia-cutlass-dsl"
+OLDEST_CUTE_DSL = (4, 6, 2)
+"""The oldest CuTe DSL release the kernels are built and tested for (CI compiles them with it)."""
+FIRST_UNSERVED_CUTE_DSL = (4, 9)
+"""The first CuTe DSL release past the served range; the newest below it is what `pip install` picks."""
+CUTE_DSL_REQUIREMENT = (
+    f"{CUTE_DSL_DISTRIBUTION}>={'.'.join(map(str, OLDEST_CUTE_DSL))},<{'.'.join(map(str, FIRST_UNSERVED_CUTE_DSL))}"
+)
+"""The served range as a requirement; the `cute` and `test` extras of pyproject.toml carry this string."""
+INSTALL_COMMAND = f'pip install ".[cute]" in the torch_msa checkout (or: pip install "{CUTE_DSL_REQUIREMENT}" cuda-bindings)'
 """How to install the CuTe DSL: the `cute` extra of a checkout, or its two packages by name."""
 CUTE_DSL_MODULES = ("cutlass", "cuda.bindings.driver")
+
+
+def cute_dsl_version_served(version: str) -> bool:
+    """Whether a `nvidia-cutlass-dsl` version string (`"4.8.1"`, `"4.9.0rc1"`) lies in the served range.
+
+    Only the leading release numbers count, so a pre-release of the first unserved version is
+    outside the range and a post-release of the oldest inside it.
+
+    Raises:
+        ValueError: `version` does not start with dotted release numbers.
+    """
+    release = re.match(r"\d+(\.\d+)*", version)
+    if release is None:
+        raise ValueError(f"version: expected a release such as '4.8.1', got {version!r}")
+    numbers = tuple(int(part) for part in release.group().split("."))
+    return OLDEST_CUTE_DSL <= numbers < FIRST_UNSERVED_CUTE_DSL
 
 
 def require_cute_dsl() -> None:
@@ -47,7 +75,7 @@ def require_cute_dsl() -> None:
             missing.append(f"{name} ({error})")
     if missing:
         raise UnavailableError(
-            "the CuTe DSL MSA kernels need the CuTe DSL (nvidia-cutlass-dsl==4.6.2) and cuda-bindings; "
+            f"the CuTe DSL MSA kernels need the CuTe DSL ({CUTE_DSL_REQUIREMENT}) and cuda-bindings; "
             f"cannot import {', '.join(missing)}. Install them with: {INSTALL_COMMAND}"
         )
 

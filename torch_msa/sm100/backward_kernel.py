@@ -58,12 +58,12 @@ import functools
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Boolean, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
+from ..cute_dsl.compat import SmemAllocator
 from ..cute_dsl.ptx import red_add_f32x4
 from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, NUM_KV_HEADS, NUM_Q_HEADS, TILE, TOKENS_PER_TASK
 
@@ -280,7 +280,7 @@ class Sm100BackwardKernel:
             for atom in (tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         pipes = self._make_pipelines(storage)
 
@@ -625,11 +625,12 @@ class Sm100BackwardKernel:
         kv_state = pipeline.make_pipeline_state(consumer, 1)
         q_state = pipeline.make_pipeline_state(consumer, self.q_stages)
         do_state = pipeline.make_pipeline_state(consumer, self.do_stages)
-        p_state = pipeline.make_pipeline_state(consumer, 1)
-        ds_state = pipeline.make_pipeline_state(consumer, 1)
-        s_state = pipeline.make_pipeline_state(producer, 1)
-        dp_state = pipeline.make_pipeline_state(producer, 1)
-        dq_state = pipeline.make_pipeline_state(producer, 1)
+        # The single-stage pipelines that turn over exactly once per task share one state per
+        # direction: produced S^T, dP^T and dQ; consumed P^T and dS^T. Five separate states would
+        # be five registers holding copies of two phase bits, in the warp whose register budget
+        # the hoisted shared-memory descriptors already fill.
+        result_state = pipeline.make_pipeline_state(producer, 1)  # pipes s, dp, dq
+        operand_state = pipeline.make_pipeline_state(consumer, 1)  # pipes p, ds
         dkdv_state = pipeline.make_pipeline_state(producer, 1)
 
         for row in cutlass.range(row_lo, row_hi, unroll=1):
@@ -639,39 +640,36 @@ class Sm100BackwardKernel:
 
             # S^T = K Q^T
             pipes["q"].consumer_wait(q_state)
-            pipes["s"].producer_acquire(s_state)
+            pipes["s"].producer_acquire(result_state)
             self._gemm(mma_s, tS, rK[None, None, None, 0], rQ[None, None, None, q_state.index], Boolean(False))
-            pipes["s"].producer_commit(s_state)
-            s_state.advance()
+            pipes["s"].producer_commit(result_state)
 
             # dP^T = V dO^T, into the columns that held the previous task's dQ.
             pipes["do"].consumer_wait(do_state)
-            pipes["dp"].producer_acquire(dp_state)
-            pipes["dq"].producer_acquire(dq_state)
+            pipes["dp"].producer_acquire(result_state)
+            pipes["dq"].producer_acquire(result_state)
             self._gemm(
                 mma_dp, tdP, rV[None, None, None, 0], rdO[None, None, None, do_state.index], Boolean(False)
             )
-            pipes["dp"].producer_commit(dp_state)
-            dp_state.advance()
+            pipes["dp"].producer_commit(result_state)
 
             # dV += P^T dO; a segment's first task overwrites the flushed accumulators.
-            pipes["p"].consumer_wait(p_state)
+            pipes["p"].consumer_wait(operand_state)
             if starts:
                 pipes["dkdv"].producer_acquire(dkdv_state)
             self._gemm(mma_dv, tdV, tPt, rdOt[None, None, None, do_state.index], ~starts)
-            pipes["p"].consumer_release(p_state)
-            p_state.advance()
+            pipes["p"].consumer_release(operand_state)
             pipes["do"].consumer_release(do_state)
             do_state.advance()
 
             # dQ = dS K (dP^T has been read: dS exists) and dK += dS^T Q.
-            pipes["ds"].consumer_wait(ds_state)
+            pipes["ds"].consumer_wait(operand_state)
             self._gemm(mma_dq, tdQ, rdS[None, None, None, 0], rKt[None, None, None, 0], Boolean(False))
-            pipes["dq"].producer_commit(dq_state)
-            dq_state.advance()
+            pipes["dq"].producer_commit(result_state)
             self._gemm(mma_dk, tdK, rdSt[None, None, None, 0], rQt[None, None, None, q_state.index], ~starts)
-            pipes["ds"].consumer_release(ds_state)
-            ds_state.advance()
+            pipes["ds"].consumer_release(operand_state)
+            operand_state.advance()
+            result_state.advance()
             pipes["q"].consumer_release(q_state)
             q_state.advance()
 

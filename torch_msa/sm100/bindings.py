@@ -15,9 +15,11 @@ Two unrelated patches live here; do not confuse them. Remove each once the pinne
 carries the fix upstream.
 
 * `_patch_fmax` changes numerical code: it rebinds MSA's own scalar CuTe DSL helper
-  `src.common.utils.fmax` to the binding nvidia-cutlass-dsl 4.6.2 provides
-  (`nvvm.fmax(a, b, *, c=None)`, result type inferred). The pinned helper passes an explicit
-  result type, which 4.6.2 rejects, so every kernel using it fails to compile.
+  `src.common.utils.fmax` to the binding the served nvidia-cutlass-dsl releases
+  (`cute_dsl.CUTE_DSL_REQUIREMENT`) provide: `nvvm.fmax(a, b, *, c=None)`, result type inferred.
+  The pinned helper passes an explicit result type, which they reject, so every kernel using it
+  fails to compile. CI compiles the patched helper with both ends of the range; a release outside
+  it is refused (`UnavailableError`) before anything is patched.
 * `_patch_jit_gencode` changes the build only: MSA's JIT (`fmha_sm100.jit._get_nvcc_flags`)
   hard-codes the `sm_103a` target, which nvcc older than 12.9 cannot parse; the patch drops that
   target for such an nvcc. It never changes what the compiled kernels compute.
@@ -40,11 +42,9 @@ from types import ModuleType
 from typing import Any
 
 from ..backends import UnavailableError
-from ..cute_dsl import require_cute_dsl
+from ..cute_dsl import CUTE_DSL_DISTRIBUTION, CUTE_DSL_REQUIREMENT, cute_dsl_version_served, require_cute_dsl
 from .common import INSTALL_COMMAND
 
-CUTE_DSL_DISTRIBUTION = "nvidia-cutlass-dsl"
-CUTE_DSL_VERSION = "4.6.2"
 OFFICIAL_PACKAGE = "fmha_sm100"
 BACKWARD_MODULE = "torch_msa.sm100.backward_host"
 
@@ -85,9 +85,9 @@ def kernels() -> MSAKernels:
     """Bind the launchers once per process, patching the official package on the way.
 
     Raises:
-        UnavailableError: the official package, nvidia-cutlass-dsl==4.6.2 or cuda-bindings is
-            missing (or another version of the DSL is installed); the message names
-            the install steps (`common.INSTALL_COMMAND`).
+        UnavailableError: the official package, the CuTe DSL or cuda-bindings is missing, or
+            the installed CuTe DSL lies outside the served range (`CUTE_DSL_REQUIREMENT`); the
+            message names the install steps (`common.INSTALL_COMMAND`).
         ImportError: a module a patch must own (`fmha_sm100.jit`, MSA's `src.common.utils`) is
             shadowed by a foreign one, or our backward module is missing from this install.
     """
@@ -120,13 +120,18 @@ def _require_cute_dsl_version() -> None:
         installed = metadata.version(CUTE_DSL_DISTRIBUTION)
     except metadata.PackageNotFoundError:
         raise UnavailableError(
-            f"the SM100 MSA backend needs {CUTE_DSL_DISTRIBUTION}=={CUTE_DSL_VERSION}, which is not installed. "
+            f"the SM100 MSA backend needs {CUTE_DSL_REQUIREMENT}, which is not installed. "
             f"Install it with: {INSTALL_COMMAND}"
         ) from None
-    if installed != CUTE_DSL_VERSION:
+    try:
+        served = cute_dsl_version_served(installed)
+    except ValueError:
+        served = False
+    if not served:
         raise UnavailableError(
-            f"the SM100 MSA backend needs {CUTE_DSL_DISTRIBUTION}=={CUTE_DSL_VERSION} (the pinned MSA revision "
-            f"and its compatibility patch are built for it); found {installed}. Install it with: {INSTALL_COMMAND}"
+            f"the SM100 MSA backend needs {CUTE_DSL_REQUIREMENT} (the fmax compatibility patch for the pinned MSA "
+            f"revision is tested at both ends of that range); found {CUTE_DSL_DISTRIBUTION} {installed}. "
+            f"Install it with: {INSTALL_COMMAND}"
         )
 
 
@@ -200,7 +205,7 @@ def _msa_utils(sparse_module: ModuleType) -> ModuleType:
 
 
 def _patch_fmax(sparse_module: ModuleType) -> None:
-    """Rebind MSA's scalar `fmax` helper to the CuTe DSL 4.6.2 binding, once, before MSA's first JIT compile.
+    """Rebind MSA's scalar `fmax` helper to the served CuTe DSL's binding, once, before MSA's first JIT compile.
 
     The replacement keeps the helper's contract: fp32 operands and result, the optional third
     operand, `loc`/`ip` forwarded, and `dsl_user_op` decoration. MSA's softmax code looks the

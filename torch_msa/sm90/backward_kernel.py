@@ -49,11 +49,11 @@ the kernel, after `require_cute_dsl()`.
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from ..cute_dsl.compat import LayoutEnum, SmemAllocator
 from ..cute_dsl.ptx import bulk_reduce_add_f32, red_add_f32x2
 from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, LOG2_E, TILE_ROWS, TOKENS_PER_TILE
 from .tiles import (
@@ -125,7 +125,7 @@ class Sm90BackwardKernel:
         mma_dq = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 2, 1), (TILE_ROWS, HEAD_DIM // 2)
         )
-        row_major = utils.LayoutEnum.ROW_MAJOR
+        row_major = LayoutEnum.ROW_MAJOR
         sdp_tiler = (BLOCK_SIZE, TILE_ROWS, HEAD_DIM)
         # K and V: (key, dim) tiles; Q and dO: (row, dim) tiles; dS: (row, key). All K-major
         # with the 128-byte swizzle; the GEMMs that need them transposed read them through
@@ -222,7 +222,7 @@ class Sm90BackwardKernel:
         cta = cute.arch.block_idx()[0]
         grid = cute.arch.grid_dim()[0]
 
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         barriers = storage.barriers.data_ptr()
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)

@@ -50,11 +50,11 @@ the kernel, after `require_cute_dsl()`.
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from ..cute_dsl.compat import LayoutEnum, SmemAllocator
 from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS, TOKENS_PER_TILE
 from .tiles import (
     accumulator_as_operand_a,
@@ -112,7 +112,7 @@ class Sm90ForwardKernel:
             dtype, dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 1, 1), (TILE_ROWS, HEAD_DIM),
             warpgroup.OperandSource.RMEM,
         )
-        row_major = utils.LayoutEnum.ROW_MAJOR
+        row_major = LayoutEnum.ROW_MAJOR
         qk_tiler = (TILE_ROWS, BLOCK_SIZE, HEAD_DIM)
         sQ_layout = sm90_utils.make_smem_layout_a(row_major, qk_tiler, dtype, self.q_stages)
         # K and V are both (key, dim) tiles with dims contiguous; P V reads V transposed.
@@ -200,7 +200,7 @@ class Sm90ForwardKernel:
         cta = cute.arch.block_idx()[0]
         grid = cute.arch.grid_dim()[0]
 
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         barriers = storage.barriers.data_ptr()
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
