@@ -24,7 +24,7 @@ measurement is timed), `flex_mask` (the BlockMask), `peers` and `msa` (what is t
 `runner`, `results`, `targets`, `devices` (peak rates, L2), `report` (table, JSON, PNG), `cli`.
 Separate commands: `python -m benchmarks.deterministic` (the backward with and without
 `torch.use_deterministic_algorithms(True)`), `python -m benchmarks.kl` (the KL loss against
-the attention step), `python -m benchmarks.overhead` (eager host time of a forward call
-against its kernels) and `python -m benchmarks.sm90` (the SM90 CuTe DSL forward and backward
-against the Triton kernels, split into their parts).
+the attention step), `python -m benchmarks.overhead` (what each eager call costs the host
+and the GPU: host, kernel, synchronised and CUDA-graph times) and `python -m benchmarks.sm90`
+(the SM90 CuTe DSL forward and backward against the Triton kernels, split into their parts).
 """

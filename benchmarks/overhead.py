@@ -1,61 +1,179 @@
-"""`python -m benchmarks.overhead [T ...]`: eager host overhead of one forward call.
+"""`python -m benchmarks.overhead [T ...]`: what one eager call costs the host and the GPU.
 
-For one document of `T` tokens at M3 shapes (bf16, random valid selections), times 50 eager
-`sparse_attention` calls (plan included) on the host, and the same calls' kernels with the torch
-profiler; the difference is what the Python layer costs above the GPU work. CUDA only.
+For one document of `T` tokens at M3 shapes (bf16, the index branch's selection of random index
+inputs), each of these calls:
+
+- `select_blocks`; `build_plan`;
+- `forward, plan given`: `sparse_attention` with a plan, no autograd;
+- `forward + backward`: `sparse_attention` (its plan built inside) and the gradients of q, k, v;
+- `msa_attention step`: selection, plan, forward and the gradients of q, k, v;
+
+is measured four ways (docs/performance.md, "Host overhead"), each the median of `--iters` calls
+after warm-ups:
+
+- host ms: the host time of one call while the GPU queue is kept busy (a spin kernel queued
+  before it), so that nothing the call launches waits for the GPU: its Python, dispatch and
+  launch work alone (a host sync inside the call would show up as the spin's length);
+- GPU ms: the sum of the call's kernels (torch.profiler), and `launches`, their count;
+- wall ms: one call event-timed on an empty queue and synchronised, as a loop that syncs every
+  step sees it;
+- graph ms: the call captured in a CUDA graph and replayed: its kernels without host work.
+
+A call whose host ms exceeds its GPU ms leaves the GPU idle in an eager loop. CUDA only.
 """
 
 import argparse
+import statistics
+import sys
 import time
 
 import torch
 
 import torch_msa
-from torch_msa import testing
+from torch_msa.contract import M3
 
-CALLS = 50
+from .problems import ProblemSpec, make_inputs, parse_seqlens
+
+WARMUPS = 3
+SPIN_MS = 50.0  # GPU work queued before each host-timed call: longer than any call's host time
 
 
-def measure(tokens: int) -> dict[str, float]:
-    """Milliseconds per call: host enqueue, wall (until the GPU is done) and device kernels."""
-    cu = testing.cu_seqlens([tokens], [tokens], "cuda")[0]
-    q = torch.randn(tokens, 64, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(tokens, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    block_indices = testing.random_block_indices(cu, cu, 4, 16, 128).cuda()
+def calls(tokens: int, device: torch.device) -> dict:
+    """The measured calls at `tokens` tokens, by name (each a function of no arguments)."""
+    inputs = make_inputs(ProblemSpec((tokens,)), M3, device, "index", seed=0)
+    docs = inputs.document_args
+    q, k, v = (x.detach().requires_grad_() for x in (inputs.q, inputs.k, inputs.v))
+    block_indices, grad_out = inputs.block_indices, inputs.grad_out
+    plan = torch_msa.build_plan(block_indices, *docs, num_keys=tokens, num_heads=M3.query_heads)
 
-    def call():
-        return torch_msa.sparse_attention(q, k, v, block_indices, cu, cu, tokens, tokens)
+    def forward_with_plan():
+        with torch.no_grad():
+            return torch_msa.sparse_attention(inputs.q, inputs.k, inputs.v, block_indices, *docs, plan=plan)
 
-    for _ in range(5):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        call()
-    enqueue = (time.perf_counter() - start) / CALLS * 1e3
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / CALLS * 1e3
+    def forward_backward():
+        out = torch_msa.sparse_attention(q, k, v, block_indices, *docs)
+        return torch.autograd.grad(out, (q, k, v), grad_out)
+
+    def step():
+        out = torch_msa.msa_attention(q, k, v, inputs.index_q, inputs.index_k, *docs)
+        return torch.autograd.grad(out, (q, k, v), grad_out)
+
+    return {
+        "select_blocks": lambda: torch_msa.select_blocks(inputs.index_q, inputs.index_k, *docs),
+        "build_plan": lambda: torch_msa.build_plan(block_indices, *docs, num_keys=tokens, num_heads=M3.query_heads),
+        "forward, plan given": forward_with_plan,
+        "forward + backward": forward_backward,
+        "msa_attention step": step,
+    }
+
+
+def spin_cycles(device: torch.device, milliseconds: float) -> int:
+    """GPU clock cycles of `torch.cuda._sleep` that take about `milliseconds` on `device`."""
+    cycles = 10_000_000
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    begin.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize(device)
+    return int(cycles * milliseconds / max(begin.elapsed_time(end), 1e-3))
+
+
+def host_ms(fn, device: torch.device, iters: int, cycles: int) -> float:
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(cycles)
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize(device)
+    return statistics.median(times)
+
+
+def gpu_ms_and_launches(fn, device: torch.device, iters: int) -> tuple[float, float]:
+    """Per call: the summed device time of the kernels (and copies and fills) it launches, and their count."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize(device)
     with torch.profiler.profile(activities=activities) as profile:
-        for _ in range(CALLS):
-            call()
-        torch.cuda.synchronize()
-    device_us = sum(e.device_time_total for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"enqueue": enqueue, "wall": wall, "kernels": device_us / CALLS / 1e3}
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize(device)
+    kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time_total for e in kernels) / iters / 1e3, len(kernels) / iters
+
+
+def wall_ms(fn, device: torch.device, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        begin.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_ms(fn, device: torch.device, iters: int) -> float:
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # capture needs a warm-up on a side stream
+        for _ in range(WARMUPS):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for begin, end in events:
+        begin.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(begin.elapsed_time(end) for begin, end in events)
+
+
+def measure(tokens: int, device: torch.device, iters: int) -> list[dict]:
+    """One row per call at `tokens` tokens: host, GPU, wall and graph ms, and the launches."""
+    cycles = spin_cycles(device, SPIN_MS)
+    rows = []
+    for name, fn in calls(tokens, device).items():
+        for _ in range(WARMUPS):  # the first calls compile the kernels
+            fn()
+        gpu, launches = gpu_ms_and_launches(fn, device, iters)
+        row = {"call": name, "host_ms": host_ms(fn, device, iters, cycles), "gpu_ms": gpu, "launches": launches,
+               "wall_ms": wall_ms(fn, device, iters)}
+        try:
+            row["graph_ms"] = graph_ms(fn, device, iters)
+        except RuntimeError as error:  # a call that cannot be captured is reported, the others still run
+            row["graph_error"] = str(error).splitlines()[0][:120]
+        rows.append(row)
+    return rows
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("tokens", type=int, nargs="*", default=[8192], help="document lengths (default 8192)")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.split("\n\n")[0])
+    parser.add_argument("seqlens", nargs="*", default=["4K", "8K"], metavar="T",
+                        help="document lengths (K = 1024; default 4K 8K)")
+    parser.add_argument("--iters", type=int, default=20, help="measured calls per number (default 20)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        parser.error("needs a CUDA device")
-    for tokens in args.tokens:
-        ms = measure(tokens)
-        print(f"T={tokens}: enqueue {ms['enqueue']:.3f} ms/call, wall {ms['wall']:.3f} ms/call, kernels "
-              f"{ms['kernels']:.3f} ms/call, wall - kernels {ms['wall'] - ms['kernels']:.3f} ms")
+        print("python -m benchmarks.overhead: needs a CUDA device", file=sys.stderr)
+        return 2
+    if args.iters < 1:
+        parser.error(f"argument --iters: expected at least 1, got {args.iters}")
+    device = torch.device("cuda")
+    print(f"{'T':>6} {'call':<20} {'host ms':>8} {'GPU ms':>8} {'launches':>8} {'wall ms':>8} {'graph ms':>9}")
+    for tokens in parse_seqlens(args.seqlens):
+        for row in measure(tokens, device, args.iters):
+            graph = f"{row['graph_ms']:9.3f}" if "graph_ms" in row else f"{'-':>9} ({row['graph_error']})"
+            print(f"{tokens:>6} {row['call']:<20} {row['host_ms']:8.3f} {row['gpu_ms']:8.3f} {row['launches']:8.0f} "
+                  f"{row['wall_ms']:8.3f} {graph}", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -103,7 +103,11 @@ def max_buckets(num_kv_heads: int, num_keys: int, num_docs: int, block_size: int
     """Upper bound of the distinct (kv head, key block) pairs: every document's blocks, per head.
 
     Integer arithmetic only, so it also takes SymInts (the fake kernel of `msa::plan`)."""
-    return torch.sym_max(1, num_kv_heads * torch.sym_min(num_keys, max_key_blocks(num_keys, num_docs, block_size)))
+    blocks = max_key_blocks(num_keys, num_docs, block_size)
+    if type(num_kv_heads) is int and type(num_keys) is int and type(blocks) is int:
+        # Plain ints (every eager call asks, several times): the builtins, without torch's symbolic dispatch.
+        return max(1, num_kv_heads * min(num_keys, blocks))
+    return torch.sym_max(1, num_kv_heads * torch.sym_min(num_keys, blocks))
 
 
 def max_items(num_entries: int, num_buckets: int | torch.SymInt, entries_per_item: int) -> int | torch.SymInt:

@@ -677,3 +677,25 @@ def test_the_long_context_benchmark_reports_time_memory_and_the_dense_peer(tmp_p
     assert all(row["step_ms"] > 0 and row["peak_above_inputs_gib"] > 0 for row in rows)
     assert "dense_extrapolated" not in rows[0] and rows[1]["dense_extrapolated"]
     assert rows[1]["dense_step_ms"] == pytest.approx(rows[0]["dense_step_ms"] * 4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA host the command would run the benchmark")
+def test_the_overhead_benchmark_needs_cuda(capsys):
+    from benchmarks import overhead
+
+    assert overhead.main([]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_the_overhead_benchmark_measures_every_call_four_ways():
+    from benchmarks import overhead
+
+    rows = overhead.measure(1024, torch.device("cuda"), iters=2)
+    assert [row["call"] for row in rows] == ["select_blocks", "build_plan", "forward, plan given", "forward + backward",
+                                             "msa_attention step"]
+    for row in rows:
+        assert "graph_error" not in row, row  # every call is captured: no host sync, torch's current stream
+        assert all(row[key] > 0 for key in ("host_ms", "gpu_ms", "launches", "wall_ms", "graph_ms")), row
+    by_call = {row["call"]: row for row in rows}
+    assert by_call["msa_attention step"]["launches"] > by_call["forward + backward"]["launches"]

@@ -104,3 +104,31 @@ def test_bounded_working_set_gives_the_same_selection(monkeypatch):
     expected = torch_msa.select_blocks(iq, ik, cu_q, cu_k, topk=3, block_size=64)
     monkeypatch.setattr(reference, "_CHUNK_BYTES_CPU", 1)
     assert torch.equal(torch_msa.select_blocks(iq, ik, cu_q, cu_k, topk=3, block_size=64), expected)
+
+
+def test_triton_selection_stays_a_few_host_calls(monkeypatch):
+    """The Triton selection's host work, counted without a GPU (the kernels replaced by counters):
+    the `-1` fill of the result, the two tables of where each query sits, and two launches (the
+    tables in one kernel rather than a few dozen small torch ops, each a host-side launch in eager
+    mode)."""
+    pytest.importorskip("triton")
+    from tests.core.test_schedule import CountOps
+    from torch_msa.triton import common, select_kernel
+
+    launches = []
+
+    class Launcher:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(self.name)
+
+    monkeypatch.setattr(common, "msa_locate_kernel", Launcher("locate"))
+    monkeypatch.setattr(select_kernel, "msa_select_kernel", Launcher("select"))
+    cu_q, cu_k = cu_seqlens([300, 200])
+    iq, ik = torch.randn(500, 4, 128), torch.randn(500, 1, 128)
+    with CountOps() as counted:
+        select_kernel.select_blocks(iq, ik, cu_q, cu_k, 300, 300, 16, 128)
+    assert launches == ["locate", "select"]
+    assert [str(op) for op in counted.calls] == ["aten.full.default", *["aten.empty.memory_format"] * 2], counted.calls

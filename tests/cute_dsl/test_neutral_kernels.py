@@ -4,9 +4,9 @@ and postprocess (`torch_msa/cute_dsl/{preprocess,task_tables,postprocess}.py`).
 What runs where:
 - CPU, always: the plain-torch construction of the task tables (the oracle of the CuTe kernel)
   against an independent pure-Python one, and the workspace geometry.
-- CPU with nvidia-cutlass-dsl: every CuTe kernel compiles for sm_90a and sm_100a without a GPU
-  (a kernel that fails to lower fails here), and the launch arguments have exactly the types
-  the kernels were compiled for.
+- CPU with the `cute` extra: every CuTe kernel compiles for sm_90a and sm_100a without a GPU
+  (a kernel that fails to lower fails here), and a compiled kernel refuses arguments it cannot
+  read before it launches.
 - CPU with triton: the table-consuming Triton backward (`tests/support/triton_task_consumer.py`) under
   the Triton interpreter, fed by the plain-torch tables, against the reference gradients.
 - CUDA (an H200 for the neutral kernels): the CuTe kernels against the torch equivalents (the
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.cute_dsl import deprecated_dsl_use_is_an_error, requires_cute
+from tests.support.cute_dsl import deprecated_dsl_use_is_an_error, forbid_python_conversions, requires_cute
 from tests.support.schedule_oracle import build_schedule_python
 from torch_msa import reference
 from torch_msa.cute_dsl.task_tables import (
@@ -301,25 +301,42 @@ def test_every_kernel_compiles_for(arch, tmp_path):
 
 
 @requires_cute
-def test_launch_arguments_have_the_compiled_types():
-    """`cute_rows` of a real tensor has the type `fake_rows` compiled the kernel for; nothing
-    checks this at launch, so a mismatch would read memory with the wrong layout."""
-    from cutlass._mlir import ir
+def test_compiled_kernels_refuse_arguments_they_cannot_read():
+    """The launches pass torch tensors as they are (`cute_io`): the compiled function itself
+    refuses, before any launch and naming the argument, a tensor of another dtype, rank or inner
+    extent, non-contiguous rows, a base less aligned than `row_alignment` assumes, a leading
+    extent past int32, a tensor where `None` was compiled or the reverse, and integer scalars
+    that are not int32."""
+    from tests.support.cute_dsl import assert_refused, device_argument
+    from torch_msa.cute_dsl.cute_io import launcher
+    from torch_msa.cute_dsl.postprocess import compile_finish_kernel
+    from torch_msa.cute_dsl.preprocess import compile_delta_kernel
 
-    from torch_msa.cute_dsl.cute_io import cute_rows, fake_rows
+    rows, bf16 = 37, torch.bfloat16
+    delta = launcher(compile_delta_kernel(bf16, 128, True))
+    good = [torch.zeros(rows, 128, dtype=bf16), torch.zeros(rows, 128, dtype=bf16), torch.zeros(rows), torch.zeros(rows)]
+    huge = torch.zeros(1, 128, dtype=bf16, device="cuda" if torch.cuda.is_available() else "cpu").expand(2**31, 128)
+    cases = [
+        (0, torch.zeros(rows, 128, dtype=torch.float16), "expected dtype=bfloat16"),
+        (0, torch.zeros(rows, 1, 128, dtype=bf16), "expected ndim=2"),
+        (1, torch.zeros(rows, 64, dtype=bf16), "grad_out.shape[1] on argument #1"),
+        (1, torch.zeros(rows, 256, dtype=bf16)[:, :128], "grad_out.strides[0] on argument #1"),
+        (0, torch.zeros(rows * 128 + 1, dtype=bf16)[1:].view(rows, 128), "expected data alignment=16 bytes"),
+        (0, huge, "int32 range"),
+        (2, None, "expected Tensor"),
+    ]
+    for position, bad, message in cases:
+        args = [device_argument(x) for x in good]
+        args[position] = None if bad is None else device_argument(bad)
+        assert_refused(delta, args, position, message)
+    without_grad_lse = launcher(compile_delta_kernel(bf16, 128, False))
+    assert_refused(without_grad_lse, [device_argument(x) for x in good], 2, "expected None")
 
-    cases = [(torch.bfloat16, (128,)), (torch.bfloat16, (512,)), (torch.float32, (128,)), (torch.float32, (512,)),
-             (torch.float32, ()), (torch.int32, ()), (torch.int32, (4,)), (torch.int32, (TASK_ROWS,)),
-             (torch.bfloat16, (64, 128)), (torch.float32, (4, 128)), (torch.float32, (64,))]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with ir.Context(), ir.Location.unknown():
-        for dtype, inner in cases:
-            for rows in (0, 1, 37):
-                tensor = torch.zeros(rows, *inner, dtype=dtype, device=device)
-                # The memory space does not change the argument's layout (host tensors say generic).
-                got = str(cute_rows(tensor).__get_mlir_types__()[0]).replace("generic", "gmem")
-                want = str(fake_rows(dtype, inner).__get_mlir_types__()[0])
-                assert got == want, (dtype, inner, rows)
+    unalign = launcher(compile_finish_kernel(bf16, 512, True))
+    pools = [torch.zeros(128, 512), torch.zeros(128, 512, dtype=bf16)] * 2
+    documents = [torch.tensor([0, 100], dtype=torch.int32), torch.tensor([0, 128], dtype=torch.int32)]
+    for num_keys, message in ((2**31, "int32 range"), (1.5, "Mismatched type")):
+        assert_refused(unalign, [*(device_argument(x) for x in pools + documents), num_keys], 6, message)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,9 +458,10 @@ M3_LAYOUT = ([1000, 3000, 77, 500], [1000, 3000, 77, 1300])  # the last document
 @requires_cute
 @pytest.mark.cuda
 @pytest.mark.parametrize("with_grad_lse", [False, True], ids=["delta", "delta_grad_lse"])
-def test_cute_delta_matches_torch(with_grad_lse):
+def test_cute_delta_matches_torch(with_grad_lse, monkeypatch):
     from torch_msa.cute_dsl.preprocess import prepare_delta
 
+    forbid_python_conversions(monkeypatch)
     out, grad_out = torch.randn(2, 4577, 64, 128, device="cuda").to(torch.bfloat16).unbind(0)
     grad_lse = torch.randn(4577, 64, device="cuda") if with_grad_lse else None
     got = prepare_delta(out, grad_out, grad_lse)
@@ -455,10 +473,11 @@ def test_cute_delta_matches_torch(with_grad_lse):
 @requires_cute
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", ["m3", "pack64", "suffix_bad_ids", "no_documents"])
-def test_cute_tables_align_and_finish_match_torch(case):
+def test_cute_tables_align_and_finish_match_torch(case, monkeypatch):
     from torch_msa.cute_dsl.postprocess import finish_gradients
     from torch_msa.cute_dsl.task_tables import align_kv, build_tasks
 
+    forbid_python_conversions(monkeypatch)
     layout, num_kv_heads, topk, block_size, bad = {
         "m3": (M3_LAYOUT, 4, 16, 128, False),
         "pack64": ("pack", 2, 3, 64, False),

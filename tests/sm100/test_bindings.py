@@ -170,6 +170,7 @@ def official(tmp_path, monkeypatch):
         _module("src.common", cute_src / "common" / "__init__.py"),
         _module("cutlass", tmp_path / "cutlass" / "__init__.py"),
         _module("cuda.bindings.driver", tmp_path / "cuda_bindings" / "driver.py"),
+        _module("tvm_ffi", tmp_path / "tvm_ffi" / "__init__.py"),
     ):
         installation.install(module)
 
@@ -216,7 +217,8 @@ def test_binds_one_frozen_bundle_per_process(official):
 
 
 @pytest.mark.parametrize("missing",
-                         ["fmha_sm100", "fmha_sm100.sparse", "fmha_sm100.jit", "cutlass", "cuda.bindings.driver"])
+                         ["fmha_sm100", "fmha_sm100.sparse", "fmha_sm100.jit", "cutlass", "cuda.bindings.driver",
+                          "tvm_ffi"])
 def test_missing_dependency_raises_unavailable_naming_the_install_command(official, missing):
     official.remove(missing)
     with pytest.raises(UnavailableError) as caught:
@@ -422,7 +424,7 @@ def test_nvcc_is_asked_only_when_msa_builds_and_once(official):
 # --- the device gates ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("missing", ["cutlass", "cuda.bindings.driver"])
+@pytest.mark.parametrize("missing", ["cutlass", "cuda.bindings.driver", "tvm_ffi"])
 def test_require_cute_dsl_raises_unavailable_before_any_dsl_import(official, missing):
     cute_dsl.require_cute_dsl()
     official.remove(missing)

@@ -5,7 +5,7 @@ DSL release (`.ci/run` runs this file with both), is that the kernel *lowers* fo
 CPU host: the CuTe DSL traces it, NVVM emits PTX and ptxas assembles a cubin, and the
 machine code holds what the design says (tcgen05 MMAs and TMEM traffic, TMA loads, vector fp32
 atomics). Also on any host: the module imports without the CuTe DSL, `run_backward` refuses
-deterministic mode, and the launch arguments have exactly the types the kernel was compiled for.
+deterministic mode, and the kernel is compiled for the operand table its launch checks.
 
 Whether the kernel computes the right gradients is checked only on a compute capability 10.0
 GPU (`test_run_backward_matches_reference_on_sm100`, skipped everywhere else).
@@ -19,7 +19,6 @@ import torch
 
 from tests.support.cute_dsl import (
     assert_imports_without,
-    assert_launch_types_match,
     deprecated_dsl_use_is_an_error,
     requires_cute,
     skip_without_nvdisasm,
@@ -92,11 +91,25 @@ def test_sass_issues_tensor_core_mmas_from_tmem(sm100_build):
 
 
 @requires_cute
-def test_launch_arguments_have_the_compiled_types():
-    """`launch_main` converts each operand as the kernel was compiled for it."""
-    from torch_msa.sm100.backward_host import OPERANDS
+def test_the_main_kernel_is_compiled_for_its_operand_table(monkeypatch):
+    """`compile_main_kernel` compiles for `OPERANDS` in order (the table `launch_main` checks its
+    tensors against and passes them by), its two scalars and the environment's stream, with the
+    TVM-FFI calling convention: the compiled function takes the checked torch tensors as they are."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import _FakeStream
 
-    assert_launch_types_match((name, dtype, inner) for name, dtype, _, inner in OPERANDS)
+    from torch_msa.cute_dsl.cute_io import cutlass_dtype
+    from torch_msa.sm100.backward_host import OPERANDS, compile_main_kernel
+
+    compiles = []
+    monkeypatch.setattr(cute, "compile", lambda kernel, *args, options="": compiles.append((args, options)))
+    compile_main_kernel()
+    ((*tensors, grid, scale, stream), options), = compiles
+    assert [(t.element_type, tuple(t.shape[1:])) for t in tensors] == [
+        (cutlass_dtype(dtype), inner) for _, dtype, _, inner in OPERANDS]
+    assert (type(grid).__name__, type(scale).__name__) == ("Int32", "Float32")
+    assert isinstance(stream, _FakeStream) and stream.use_tvm_ffi_env_stream
+    assert "--enable-tvm-ffi" in options
 
 
 def test_module_imports_without_the_cute_dsl():

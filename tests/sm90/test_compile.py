@@ -5,10 +5,10 @@ both), that the kernels *lower* for `sm_90a`: the CuTe DSL traces them, NVVM emi
 ptxas assembles a cubin, and the machine code holds what the design says (the forward: wgmma from
 shared memory for `Q K^T` and from registers for `P V`, TMA loads and stores; the backward: five
 wgmma GEMMs, dQ by bulk reduce-add, dK/dV by vector atomics; neither spills to local memory).
-Also on any host: the modules import without the CuTe DSL, the launch arguments have the
-compiled types, and the backend declines configurations it does not serve. Whether the kernels
-compute the right result is checked on a compute capability 9.0 GPU (`tests/sm90/test_forward.py`,
-`tests/sm90/test_backward.py`).
+Also on any host: the modules import without the CuTe DSL and the backend declines
+configurations it does not serve; what each launch passes is `tests/sm90/test_host_path.py`'s.
+Whether the kernels compute the right result is checked on a compute capability 9.0 GPU
+(`tests/sm90/test_forward.py`, `tests/sm90/test_backward.py`).
 """
 
 import os
@@ -20,12 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.cute_dsl import (
-    assert_imports_without,
-    assert_launch_types_match,
-    requires_cute,
-    skip_without_nvdisasm,
-)
+from tests.support.cute_dsl import assert_imports_without, requires_cute, skip_without_nvdisasm
 from torch_msa.backends import UnsupportedInputs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -163,32 +158,12 @@ def test_deterministic_backward_has_no_dq_and_no_atomics(sm90_deterministic_buil
     assert not re.findall(r"\b(STL|LDL)\b", _listing(sm90_deterministic_build, ".sass"))
 
 
-@requires_cute
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_launch_arguments_have_the_compiled_types(deterministic):
-    from torch_msa.sm90.backward_host import operands
-
-    assert_launch_types_match(
-        (name, torch.float16 if dtype is None else dtype, inner) for name, inner, dtype in operands(4, deterministic)
-    )
-
-
 def test_query_rows_beyond_32_bit_indices_are_declined():
     from torch_msa.sm90.backward_host import check_query_rows
 
     check_query_rows(2**25 - 1, 64)
     with pytest.raises(UnsupportedInputs, match="32-bit integers: 33554432 queries x 64 heads"):
         check_query_rows(2**25, 64)
-
-
-@requires_cute
-def test_launch_arguments_have_the_compiled_types():
-    """`launch_blocks` converts each operand as the kernel was compiled for it."""
-    from torch_msa.sm90.forward_host import operands
-
-    assert_launch_types_match(
-        (name, torch.float16 if dtype is None else dtype, inner) for name, inner, dtype in operands(4)
-    )
 
 
 def test_module_imports_without_the_cute_dsl():

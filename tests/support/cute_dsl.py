@@ -1,6 +1,7 @@
 """What the CuTe DSL tests share: the skip marker (the `cute` extra; CI installs it with `test`),
-the nvdisasm check of the SASS listings, the warning filter of the compile tests, the launch-type
-check and the import-hygiene check."""
+the nvdisasm check of the SASS listings, the warning filter of the compile tests, arguments for a
+compiled kernel's argument checks on any host, the guard against Python tensor conversions at
+launch, and the import-hygiene check."""
 
 import contextlib
 import subprocess
@@ -25,7 +26,7 @@ def cute_dsl_available() -> bool:
 
 
 requires_cute = pytest.mark.skipif(
-    not cute_dsl_available(), reason=f"{CUTE_DSL_REQUIREMENT} / cuda-bindings not installed (extra `cute`)"
+    not cute_dsl_available(), reason=f"{CUTE_DSL_REQUIREMENT} / cuda-bindings / apache-tvm-ffi not installed (extra `cute`)"
 )
 
 SASS_INSTALL_HINT = 'pip install "nvidia-cutlass-dsl-libs-base[sass]"'
@@ -57,21 +58,51 @@ def deprecated_dsl_use_is_an_error():
         yield
 
 
-def assert_launch_types_match(operands) -> None:
-    """Each `(name, dtype, inner shape)` operand converted at launch (`cute_rows`) has the type the
-    kernel was compiled for (`fake_rows`): nothing checks this at launch, so a mismatch would read
-    memory with the wrong layout."""
-    from cutlass._mlir import ir
+def device_argument(tensor: torch.Tensor):
+    """`tensor` as a CUDA argument of a compiled CuTe kernel: a copy on the GPU where there is one,
+    else a `tvm_ffi.Tensor` over its host memory that says it is on cuda:0.
 
-    from torch_msa.cute_dsl.cute_io import cute_rows, fake_rows
+    A compiled kernel checks every argument against its compiled description (dtype, rank,
+    extents, strides, alignment, device) before it touches the GPU, so without one such tensors
+    exercise those checks. Never pass a set that passes them all: the launch needs a GPU.
+    """
+    if torch.cuda.is_available():
+        return tensor.cuda()
+    import ctypes
 
-    with ir.Context(), ir.Location.unknown():
-        for name, dtype, inner in operands:
-            for rows in (1, 37):
-                got = str(cute_rows(torch.zeros(rows, *inner, dtype=dtype)).__get_mlir_types__()[0])
-                want = str(fake_rows(dtype, inner).__get_mlir_types__()[0])
-                # Host tensors report the generic memory space; the layout is what must agree.
-                assert got.replace("generic", "gmem") == want, (name, rows)
+    import tvm_ffi
+
+    class DLDevice(ctypes.Structure):
+        _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+    class DLTensorHead(ctypes.Structure):  # the first fields of DLPack's DLTensor
+        _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice)]
+
+    capsule = torch.utils.dlpack.to_dlpack(tensor)
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    head = DLTensorHead.from_address(get_pointer(capsule, b"dltensor"))  # a DLManagedTensor starts with its DLTensor
+    head.device = DLDevice(2, 0)  # kDLCUDA, device 0
+    return tvm_ffi.from_dlpack(capsule)
+
+
+def forbid_python_conversions(monkeypatch) -> None:
+    """Make `cutlass.cute.runtime.from_dlpack` fail for the rest of the test: the launches pass
+    torch tensors to the compiled kernels unconverted (`torch_msa/cute_dsl/cute_io.py`)."""
+    import cutlass.cute.runtime as runtime
+
+    def from_dlpack(*args, **kwargs):
+        raise AssertionError("a launch converted a tensor with cutlass.cute.runtime.from_dlpack")
+
+    monkeypatch.setattr(runtime, "from_dlpack", from_dlpack)
+
+
+def assert_refused(function, args, position: int, message: str) -> None:
+    """`function(*args)` (a compiled kernel's launcher) raises, before any launch, a ValueError or
+    TypeError for argument `position` whose message contains `message`."""
+    with pytest.raises((ValueError, TypeError)) as caught:
+        function(*args)
+    assert f"argument #{position} " in str(caught.value) and message in str(caught.value), str(caught.value)
 
 
 def assert_imports_without(statements: str, forbidden: tuple[str, ...]) -> None:

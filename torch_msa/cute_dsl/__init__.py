@@ -5,8 +5,8 @@
   torch_msa's `UnavailableError` (naming the install command) instead of a bare
   `ModuleNotFoundError`.
 * `sm_capability(device)`, `sm_count(device)`: memoized device facts the backends ask per call.
-* `cute_io`: how torch tensors reach the kernels (fake compile-time tensors, launch conversion,
-  streams, compile options).
+* `cute_io`: how torch tensors reach the kernels: fake compile-time tensors, the compile for the
+  TVM-FFI calling convention (torch tensors in, torch's current stream) and its launcher.
 * The architecture-neutral kernels of the backward pipeline: `preprocess` (delta), `task_tables` (task
   tables and the aligned K/V workspace), `postprocess` (gradient cast and un-align), each a host
   module (checks, launch, compile cache) whose kernel classes are in `preprocess_kernel`,
@@ -38,9 +38,12 @@ CUTE_DSL_REQUIREMENT = (
     f"{CUTE_DSL_DISTRIBUTION}>={'.'.join(map(str, OLDEST_CUTE_DSL))},<{'.'.join(map(str, FIRST_UNSERVED_CUTE_DSL))}"
 )
 """The served range as a requirement; the `cute` and `test` extras of pyproject.toml carry this string."""
-INSTALL_COMMAND = f'pip install ".[cute]" in the torch_msa checkout (or: pip install "{CUTE_DSL_REQUIREMENT}" cuda-bindings)'
-"""How to install the CuTe DSL: the `cute` extra of a checkout, or its two packages by name."""
-CUTE_DSL_MODULES = ("cutlass", "cuda.bindings.driver")
+INSTALL_COMMAND = ('pip install ".[cute]" in the torch_msa checkout '
+                   f'(or: pip install "{CUTE_DSL_REQUIREMENT}" cuda-bindings "apache-tvm-ffi>=0.1.11,<0.2")')
+"""How to install the CuTe DSL: the `cute` extra of a checkout, or its three packages by name."""
+CUTE_DSL_MODULES = ("cutlass", "cuda.bindings.driver", "tvm_ffi")
+"""What the CuTe DSL kernels import: the DSL, its CUDA driver bindings, and apache-tvm-ffi, through
+which every kernel is called (`cute_io`)."""
 
 
 def cute_dsl_version_served(version: str) -> bool:
@@ -63,9 +66,9 @@ def require_cute_dsl() -> None:
     """Import the CuTe DSL toolchain, or explain what to install.
 
     Raises:
-        UnavailableError: if `cutlass` (nvidia-cutlass-dsl) or `cuda.bindings.driver`
-            (cuda-bindings) cannot be imported; the message names every missing module and the
-            install command.
+        UnavailableError: if `cutlass` (nvidia-cutlass-dsl), `cuda.bindings.driver`
+            (cuda-bindings) or `tvm_ffi` (apache-tvm-ffi) cannot be imported; the message names
+            every missing module and the install command.
     """
     missing = []
     for name in CUTE_DSL_MODULES:
@@ -75,7 +78,7 @@ def require_cute_dsl() -> None:
             missing.append(f"{name} ({error})")
     if missing:
         raise UnavailableError(
-            f"the CuTe DSL MSA kernels need the CuTe DSL ({CUTE_DSL_REQUIREMENT}) and cuda-bindings; "
+            f"the CuTe DSL MSA kernels need the CuTe DSL ({CUTE_DSL_REQUIREMENT}), cuda-bindings and apache-tvm-ffi; "
             f"cannot import {', '.join(missing)}. Install them with: {INSTALL_COMMAND}"
         )
 

@@ -1,10 +1,23 @@
 """How torch tensors reach the CuTe DSL kernels of torch_msa (the neutral preprocess, tasks and
-postprocess kernels of this package, the SM100 backward, the SM90 forward).
+postprocess kernels of this package, the SM100 backward, the SM90 forward and backward).
 
-Every tensor is passed as contiguous "rows": only the leading extent is dynamic, the inner extents
-are compile-time constants, so the kernels know every stride and can use 16-byte accesses.
-`fake_rows` describes such a tensor to `cute.compile`, `cute_rows` converts a real one at launch;
-tests check that the two have the same type. cutlass is imported only inside the functions.
+Every kernel is compiled for the CuTe DSL's TVM-FFI calling convention (`compile_kernel`), and
+`launcher` gives the function to call at each launch: it takes torch tensors (`None` where the
+kernel was compiled for `None`) and Python ints and floats, in the compiled order, and nothing
+else. apache-tvm-ffi converts the tensors in C through torch's DLPack exchange API, so a launch
+builds no Python object per tensor, and the kernel runs on the tensors' device, on torch's
+current stream there (the stream is not an argument), so CUDA-graph capture records it.
+
+Every tensor is passed as contiguous "rows": only the leading extent is dynamic, the inner
+extents are compile-time constants, so the kernels know every stride and can use 16-byte
+accesses. `fake_rows` describes such a tensor to `cute.compile`. At each call, before anything
+launches, the compiled function checks every tensor against its description and raises a
+`ValueError` naming the argument (a `TypeError` for a tensor where `None` was compiled, or the
+reverse, or a wrong argument count): its dtype, rank and inner extents, strides of a contiguous
+tensor (dimensions of extent 1 excepted), the base alignment `row_alignment` assumes, a leading
+extent within int32, and one CUDA device for all of them; integer scalars must fit int32. It does
+not relate the leading extents of different operands (each is a runtime value of its own): the
+host code sizes those. cutlass is imported only inside the functions.
 """
 
 import math
@@ -45,18 +58,6 @@ def fake_rows(dtype: torch.dtype, inner: tuple[int, ...] = ()):
     )
 
 
-def cute_rows(tensor: torch.Tensor):
-    """A contiguous tensor as the CuTe argument `fake_rows(tensor.dtype, tensor.shape[1:])` describes."""
-    from cutlass.cute.runtime import from_dlpack
-
-    alignment = row_alignment(tensor.dtype, tuple(tensor.shape[1:]))
-    if not tensor.is_contiguous() or tensor.data_ptr() % alignment:
-        raise ValueError(f"expected a contiguous tensor aligned to {alignment} bytes, got strides {tensor.stride()}")
-    return from_dlpack(tensor.detach(), assumed_align=alignment).mark_compact_shape_dynamic(
-        mode=0, stride_order=tensor.dim_order()
-    )
-
-
 def aligned_operand(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`, copied only if it is not contiguous or its storage is not 16-byte aligned."""
     if tensor.is_contiguous() and tensor.data_ptr() % ACCESS_BYTES == 0:
@@ -64,19 +65,12 @@ def aligned_operand(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
-def cute_stream(device: torch.device):
-    """The CUstream of torch's current stream on `device`."""
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-
-
 def compile_options(arch: str | None, dump_dir: str | None, listings: bool = False) -> str:
-    """`cute.compile` options: a target other than this host's GPU, where to keep the cubin, and
-    with `listings` the PTX and SASS next to it. Called once per compile, it says so on the
-    `torch_msa` logger (INFO): a CuTe DSL compile takes seconds."""
+    """`cute.compile` options: the TVM-FFI calling convention, a target other than this host's GPU,
+    where to keep the cubin, and with `listings` the PTX and SASS next to it. Called once per
+    compile, it says so on the `torch_msa` logger (INFO): a CuTe DSL compile takes seconds."""
     logger.info("compiling a CuTe DSL kernel for %s (once per process and shape)", arch or "this GPU")
-    options = []
+    options = ["--enable-tvm-ffi"]
     if arch is not None:
         options.append(f"--gpu-arch {arch}")
     if dump_dir is not None:
@@ -86,6 +80,29 @@ def compile_options(arch: str | None, dump_dir: str | None, listings: bool = Fal
             raise ValueError("listings: needs a dump_dir to write the PTX and SASS to")
         options.append("--keep-ptx --keep-sass")
     return " ".join(options)
+
+
+def compile_kernel(kernel, *args, arch: str | None = None, dump_dir: str | None = None, listings: bool = False):
+    """`cute.compile` the host function `kernel` (whose last parameter is its stream) for `args`,
+    fakes and scalars standing for every parameter but the stream, with `compile_options(arch,
+    dump_dir, listings)`. The stream is compiled as the TVM-FFI environment's: the compiled
+    function takes no stream and launches on torch's current one.
+
+    Returns the compiled function (its `artifacts` hold the cubin); launch it through `launcher`.
+    """
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    return cute.compile(kernel, *args, make_fake_stream(use_tvm_ffi_env_stream=True),
+                        options=compile_options(arch, dump_dir, listings))
+
+
+def launcher(compiled):
+    """The function that launches `compiled` (from `compile_kernel`): its TVM-FFI function, which
+    takes the arguments positionally, without the CuTe DSL's Python wrapper around it."""
+    import tvm_ffi
+
+    return compiled if isinstance(compiled, tvm_ffi.Function) else compiled.__tvm_ffi_object__()
 
 
 def check_index_tensor(name: str, tensor: torch.Tensor, dims: int, device: torch.device | None = None) -> None:

@@ -13,15 +13,7 @@ import functools
 import torch
 
 from . import require_cute_dsl
-from .cute_io import (
-    aligned_operand,
-    check_index_tensor,
-    compile_options,
-    cute_rows,
-    cute_stream,
-    cutlass_dtype,
-    fake_rows,
-)
+from .cute_io import aligned_operand, check_index_tensor, compile_kernel, cutlass_dtype, fake_rows, launcher
 from .task_tables import TaskTables, check_tables_match
 
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -70,18 +62,16 @@ def finish_gradients(
     dq = torch.empty(num_queries, num_heads, head_dim, dtype=dtype, device=device)
     dk = torch.empty(tables.num_keys, num_kv_heads, kv_dim, dtype=dtype, device=device)
     dv = torch.empty_like(dk)
-    stream = cute_stream(device)
     if dq.numel():
         _compiled_finish_kernel(dtype, head_dim, False)(
-            cute_rows(aligned_operand(dq_accum).view(-1, head_dim)), cute_rows(dq.view(-1, head_dim)),
-            None, None, None, None, 0, stream,
+            aligned_operand(dq_accum).view(-1, head_dim), dq.view(-1, head_dim), None, None, None, None, 0,
         )
     if dk.numel():
         row = num_kv_heads * kv_dim
         _compiled_finish_kernel(dtype, row, True)(
-            cute_rows(aligned_operand(dk_accum).view(-1, row)), cute_rows(dk.view(-1, row)),
-            cute_rows(aligned_operand(dv_accum).view(-1, row)), cute_rows(dv.view(-1, row)),
-            cute_rows(aligned_operand(cu_seqlens_k)), cute_rows(tables.doc_aligned_start), tables.num_keys, stream,
+            aligned_operand(dk_accum).view(-1, row), dk.view(-1, row),
+            aligned_operand(dv_accum).view(-1, row), dv.view(-1, row),
+            aligned_operand(cu_seqlens_k), tables.doc_aligned_start, tables.num_keys,
         )
     return dq, dk, dv
 
@@ -97,7 +87,7 @@ def compile_for_target(arch: str, dump_dir: str | None = None) -> dict:
 
 @functools.cache
 def _compiled_finish_kernel(dtype: torch.dtype, row_elements: int, unalign: bool):
-    return compile_finish_kernel(dtype, row_elements, unalign)
+    return launcher(compile_finish_kernel(dtype, row_elements, unalign))
 
 
 def compile_finish_kernel(
@@ -107,8 +97,6 @@ def compile_finish_kernel(
     (`unalign=True`), for rows of `row_elements` fp32 values cast to `dtype`."""
     require_cute_dsl()
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
 
     from .postprocess_kernel import FinishKernel
 
@@ -117,7 +105,7 @@ def compile_finish_kernel(
 
     second = pair() if unalign else (None, None)
     documents = (fake_rows(torch.int32), fake_rows(torch.int32)) if unalign else (None, None)
-    return cute.compile(
+    return compile_kernel(
         FinishKernel(cutlass_dtype(dtype).width, row_elements, unalign), *pair(), *second, *documents,
-        cutlass.Int32(0), make_fake_stream(), options=compile_options(arch, dump_dir),
+        cutlass.Int32(0), arch=arch, dump_dir=dump_dir,
     )

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from . import require_cute_dsl
-from .cute_io import aligned_operand, compile_options, cute_rows, cute_stream, cutlass_dtype, fake_rows
+from .cute_io import aligned_operand, compile_kernel, cutlass_dtype, fake_rows, launcher
 
 SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -53,11 +53,10 @@ def prepare_delta(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Ten
         return delta
     kernel = _compiled_delta_kernel(out.dtype, head_dim, grad_lse is not None)
     kernel(
-        cute_rows(aligned_operand(out).view(-1, head_dim)),
-        cute_rows(aligned_operand(grad_out).view(-1, head_dim)),
-        None if grad_lse is None else cute_rows(grad_lse.view(-1)),
-        cute_rows(delta.view(-1)),
-        cute_stream(out.device),
+        aligned_operand(out).view(-1, head_dim),
+        aligned_operand(grad_out).view(-1, head_dim),
+        None if grad_lse is None else grad_lse.view(-1),
+        delta.view(-1),
     )
     return delta
 
@@ -73,7 +72,7 @@ def compile_for_target(arch: str, dump_dir: str | None = None) -> dict:
 
 @functools.cache
 def _compiled_delta_kernel(dtype: torch.dtype, head_dim: int, with_grad_lse: bool):
-    return compile_delta_kernel(dtype, head_dim, with_grad_lse)
+    return launcher(compile_delta_kernel(dtype, head_dim, with_grad_lse))
 
 
 def compile_delta_kernel(
@@ -81,14 +80,9 @@ def compile_delta_kernel(
 ):
     """Compile the delta kernel for `[rows, head_dim]` operands of `dtype` (`arch=None`: this GPU)."""
     require_cute_dsl()
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
-
     from .preprocess_kernel import DeltaKernel
 
-    operand = fake_rows(dtype, (head_dim,))
-    return cute.compile(
-        DeltaKernel(cutlass_dtype(dtype).width, head_dim), operand, fake_rows(dtype, (head_dim,)),
-        fake_rows(torch.float32) if with_grad_lse else None, fake_rows(torch.float32), make_fake_stream(),
-        options=compile_options(arch, dump_dir),
+    return compile_kernel(
+        DeltaKernel(cutlass_dtype(dtype).width, head_dim), fake_rows(dtype, (head_dim,)), fake_rows(dtype, (head_dim,)),
+        fake_rows(torch.float32) if with_grad_lse else None, fake_rows(torch.float32), arch=arch, dump_dir=dump_dir,
     )

@@ -26,15 +26,7 @@ import torch
 
 from ..schedule import build_schedule, max_key_blocks
 from . import require_cute_dsl
-from .cute_io import (
-    aligned_operand,
-    check_index_tensor,
-    compile_options,
-    cute_rows,
-    cute_stream,
-    cutlass_dtype,
-    fake_rows,
-)
+from .cute_io import aligned_operand, check_index_tensor, compile_kernel, cutlass_dtype, fake_rows, launcher
 
 TASK_ROWS = 8  # query tokens per task: 8 tokens x 16 query heads fill one 128-row MMA tile
 WORKSPACE_ALIGNMENT = 128  # rows; every document's keys start on such a boundary
@@ -147,13 +139,11 @@ def build_tasks(
         num_keys=num_keys,
     )
     _compiled_task_kernel()(
-        *(cute_rows(x) for x in (
-            schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
-            schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-            schedule.num_items, schedule.num_buckets, aligned_operand(cu_seqlens_k), aligned_starts,
-            tables.task_meta, tables.task_qrows, tables.task_qpos, tables.bucket_task_ptr,
-        )),
-        block_indices.shape[-1], num_keys, cute_stream(device),
+        schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
+        schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
+        schedule.num_items, schedule.num_buckets, aligned_operand(cu_seqlens_k), aligned_starts,
+        tables.task_meta, tables.task_qrows, tables.task_qpos, tables.bucket_task_ptr,
+        block_indices.shape[-1], num_keys,
     )
     return tables
 
@@ -188,8 +178,8 @@ def align_kv(
     row = num_kv_heads * head_dim
     kernel = _compiled_align_kernel(k.dtype, row)
     kernel(
-        *(cute_rows(x.view(x.shape[0], row)) for x in (aligned_operand(k), aligned_operand(v), k_ws, v_ws)),
-        cute_rows(aligned_operand(cu_seqlens_k)), cute_rows(tables.doc_aligned_start), num_keys, cute_stream(k.device),
+        *(x.view(x.shape[0], row) for x in (aligned_operand(k), aligned_operand(v), k_ws, v_ws)),
+        aligned_operand(cu_seqlens_k), tables.doc_aligned_start, num_keys,
     )
     return k_ws, v_ws
 
@@ -220,29 +210,26 @@ def compile_for_target(arch: str, dump_dir: str | None = None) -> dict:
 
 @functools.cache
 def _compiled_task_kernel():
-    return compile_task_kernel()
+    return launcher(compile_task_kernel())
 
 
 @functools.cache
 def _compiled_align_kernel(dtype: torch.dtype, row_elements: int):
-    return compile_align_kernel(dtype, row_elements)
+    return launcher(compile_align_kernel(dtype, row_elements))
 
 
 def compile_task_kernel(arch: str | None = None, dump_dir: str | None = None):
     """Compile the task-table kernel (`arch=None`: this host's GPU)."""
     require_cute_dsl()
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
 
     from .task_tables_kernel import TaskKernel
 
     index = torch.int32
     inputs = [fake_rows(index) for _ in range(12)]
     outputs = [fake_rows(index, (4,)), fake_rows(index, (TASK_ROWS,)), fake_rows(index, (TASK_ROWS,)), fake_rows(index)]
-    return cute.compile(
-        TaskKernel(), *inputs, *outputs, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(),
-        options=compile_options(arch, dump_dir),
+    return compile_kernel(
+        TaskKernel(), *inputs, *outputs, cutlass.Int32(1), cutlass.Int32(1), arch=arch, dump_dir=dump_dir,
     )
 
 
@@ -250,13 +237,11 @@ def compile_align_kernel(dtype: torch.dtype, row_elements: int, arch: str | None
     """Compile the K/V alignment kernel for rows of `row_elements` (= Hkv * D) values of `dtype`."""
     require_cute_dsl()
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
 
     from .task_tables_kernel import AlignKernel
 
     rows = [fake_rows(dtype, (row_elements,)) for _ in range(4)]
-    return cute.compile(
+    return compile_kernel(
         AlignKernel(cutlass_dtype(dtype).width, row_elements), *rows, fake_rows(torch.int32), fake_rows(torch.int32),
-        cutlass.Int32(1), make_fake_stream(), options=compile_options(arch, dump_dir),
+        cutlass.Int32(1), arch=arch, dump_dir=dump_dir,
     )

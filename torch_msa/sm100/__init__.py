@@ -30,7 +30,7 @@ import torch
 
 from ..backends import BACKEND_ENV, Backend, UnsupportedInputs, register_backend
 from ..contract import M3
-from ..cute_dsl import device_unavailable_reason, importable, sm_capability
+from ..cute_dsl import CUTE_DSL_MODULES, device_unavailable_reason, importable, sm_capability
 from ..documents import locate_queries
 from ..schedule import valid_entries
 from . import bindings
@@ -44,7 +44,7 @@ PRIORITY = 20
 TOPK = M3.topk
 DTYPE = torch.bfloat16
 
-_REQUIRED_MODULES = (bindings.OFFICIAL_PACKAGE, "cutlass", "cuda.bindings.driver", bindings.BACKWARD_MODULE)
+_REQUIRED_MODULES = (bindings.OFFICIAL_PACKAGE, *CUTE_DSL_MODULES, bindings.BACKWARD_MODULE)
 
 
 def available(device: torch.device) -> bool:

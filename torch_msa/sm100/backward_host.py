@@ -117,7 +117,7 @@ def _check_contract(q, k, v, grad_out, out, lse, block_indices) -> None:
 
 # The kernel's tensor operands in launch order: (name, dtype, extent of dim 0, inner shape). Dim 0
 # is dynamic (Tq, W, max_tasks); `compile_main_kernel` describes each with `fake_rows`,
-# `launch_main` checks and converts each with `cute_rows`, so the two cannot disagree.
+# `launch_main` checks each and passes them in this order, so the two cannot disagree.
 OPERANDS = (
     ("q", torch.bfloat16, "Tq", (NUM_Q_HEADS, HEAD_DIM)),
     ("k_ws", torch.bfloat16, "W", (NUM_KV_HEADS, HEAD_DIM)),
@@ -183,26 +183,18 @@ def launch_main(
             raise ValueError(f"{name}: expected q's CUDA device, got {tensor.device} (q on {q.device})")
     if extents["Tq"] == 0 or extents["max_tasks"] == 0:
         return
-
-    import cutlass
-
-    from ..cute_dsl.cute_io import cute_rows, cute_stream
-
     # One CTA per SM (shared memory allows no more); the CTAs split the real tasks evenly.
     grid = max(1, min(sm_count(q.device), extents["max_tasks"]))
-    _compile()(
-        *(cute_rows(tensors[name]) for name, _, _, _ in OPERANDS),
-        cutlass.Int32(grid),
-        cutlass.Float32(softmax_scale),
-        cute_stream(q.device),
-    )
+    _compile()(*(tensors[name] for name, _, _, _ in OPERANDS), grid, softmax_scale)
 
 
 @functools.cache
 def _compile():
     """Compile the main kernel once per process for this host's GPU; token, workspace and task
     counts are dynamic, so one executable serves every call."""
-    return compile_main_kernel()
+    from ..cute_dsl.cute_io import launcher
+
+    return launcher(compile_main_kernel())
 
 
 def compile_for_target(arch: str, dump_dir: str | None = None) -> dict:
@@ -214,17 +206,13 @@ def compile_main_kernel(arch: str | None = None, dump_dir: str | None = None, li
     """`cute.compile` the main kernel (`arch=None`: this host's GPU) on fake tensors whose leading
     extents (Tq, W, max_tasks) are dynamic. `dump_dir` keeps the cubin there, and with `listings`
     also the PTX and the SASS (disassembled with nvdisasm, a dependency of the CuTe DSL)."""
-    from ..cute_dsl.cute_io import compile_options, fake_rows
+    from ..cute_dsl.cute_io import compile_kernel, fake_rows
 
     require_cute_dsl()
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
 
     from .backward_kernel import Sm100BackwardKernel
 
     operands = [fake_rows(dtype, inner) for _, dtype, _, inner in OPERANDS]
-    options = compile_options(arch, dump_dir, listings)
-    return cute.compile(
-        Sm100BackwardKernel(), *operands, cutlass.Int32(1), cutlass.Float32(1.0), make_fake_stream(), options=options
-    )
+    return compile_kernel(Sm100BackwardKernel(), *operands, cutlass.Int32(1), cutlass.Float32(1.0), arch=arch,
+                          dump_dir=dump_dir, listings=listings)

@@ -33,13 +33,13 @@ import importlib
 import torch
 
 from ..backends import Backend, register_backend
-from ..cute_dsl import INSTALL_COMMAND, device_unavailable_reason, importable, sm_capability
+from ..cute_dsl import CUTE_DSL_MODULES, INSTALL_COMMAND, device_unavailable_reason, importable, sm_capability
 from ..query_windows import forward_in_windows
 
 NAME = "sm90"
 PRIORITY = 15  # above the portable Triton backend (10), below SM100 (20), which other devices get
 SM90_CAPABILITY = (9, 0)
-_REQUIRED_MODULES = ("cutlass", "cuda.bindings.driver", "triton")
+_REQUIRED_MODULES = (*CUTE_DSL_MODULES, "triton")
 
 
 def available(device: torch.device) -> bool:

@@ -15,7 +15,6 @@ without them.
 import torch
 
 from ..cute_dsl import require_cute_dsl
-from ..schedule import bucket_key_count
 from .backward_host import check_inputs, launch_blocks
 from .common import BLOCK_SIZE
 
@@ -51,7 +50,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     stages.compute_delta(grad_out, out, grad_lse, delta, shape_key)
     # TMA reads whole 16-byte aligned rows; the Triton stages take any unit-stride rows.
     aligned = [aligned_operand(x) for x in (q, k, v, grad_out)]
-    key_count = bucket_key_count(workspace.schedule.bucket_key_row, cu_seqlens_k, BLOCK_SIZE)
+    key_count = stages.bucket_key_count(workspace.schedule.bucket_key_row, cu_seqlens_k, BLOCK_SIZE)
     unused_dq = torch.empty((1, *q.shape[1:]), dtype=torch.float32, device=device)  # the variant adds no dQ
     launch_blocks(*aligned, lse, delta, unused_dq, workspace.dk_part, workspace.dv_part, workspace.schedule,
                   key_count, topk, softmax_scale, deterministic=True)

@@ -26,7 +26,7 @@ import torch
 
 from ..backends import UnsupportedInputs
 from ..cute_dsl import require_cute_dsl, sm_count
-from ..schedule import bucket_key_count, schedule_for
+from ..schedule import schedule_for
 from .common import (
     BLOCK_SIZE,
     HEAD_DIM,
@@ -77,13 +77,19 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     num_keys, num_kv_heads, _ = k.shape
     require_cute_dsl()
     from ..cute_dsl.cute_io import aligned_operand
-    from ..triton.stages import compute_delta
+    from ..triton.stages import bucket_key_count, compute_delta
 
     topk = block_indices.shape[-1]
     device = q.device
-    dq_acc = torch.zeros((num_queries, num_heads, dim), dtype=torch.float32, device=device)
-    dk_acc = torch.zeros((num_keys, num_kv_heads, dim), dtype=torch.float32, device=device)
-    dv_acc = torch.zeros((num_keys, num_kv_heads, dim), dtype=torch.float32, device=device)
+    # One zero fill for the three accumulators (each view starts 16-byte aligned: D = 128 fp32).
+    query_elements, key_elements = num_queries * num_heads * dim, num_keys * num_kv_heads * dim
+    accumulators = torch.zeros(query_elements + 2 * key_elements, dtype=torch.float32, device=device)
+    dq_acc, dk_acc, dv_acc = (
+        part.view(shape) for part, shape in zip(
+            accumulators.split((query_elements, key_elements, key_elements)),
+            ((num_queries, num_heads, dim), (num_keys, num_kv_heads, dim), (num_keys, num_kv_heads, dim)),
+        )
+    )
     if num_queries > 0 and num_keys > 0 and topk > 0:
         # TMA reads whole 16-byte aligned rows.
         q, k, v, grad_out = (aligned_operand(x) for x in (q, k, v, grad_out))
@@ -99,8 +105,9 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
 
 
 # The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).
-# Dim 0 is dynamic; `compile_blocks_kernel` describes each with `fake_rows`, `launch_blocks`
-# converts each with `cute_rows`, so the two cannot disagree. The deterministic variant stores
+# Dim 0 is dynamic; `compile_blocks_kernel` describes each with `fake_rows` and `launch_blocks`
+# passes the tensors in this order, so the two cannot disagree (and the compiled function checks
+# every tensor against its description when it is called). The deterministic variant stores
 # dK/dV into per-item workspace rows `[items * 128, D]` instead of adding to `[Tk, Hkv, D]`, and
 # its dq_acc is not read.
 def operands(num_kv_heads: int, deterministic: bool = False):
@@ -124,10 +131,6 @@ def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedul
                   softmax_scale, deterministic: bool = False) -> None:
     """Launch the blocks kernel: adds every scheduled entry's dQ, dK and dV to the fp32 accumulators,
     or, `deterministic`, stores each item's dK/dV into its workspace rows (see `operands`)."""
-    import cutlass
-
-    from ..cute_dsl.cute_io import cute_rows, cute_stream
-
     tensors = {
         "q": q, "k": k, "v": v, "grad_out": grad_out, "lse": lse, "delta": delta,
         "dq_acc": dq_acc, "dk_acc": dk_acc, "dv_acc": dv_acc,
@@ -135,21 +138,18 @@ def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedul
     }
     num_kv_heads = k.shape[1]
     grid = max(1, min(schedule.item_start.numel(), sm_count(q.device)))
-    kernel = _compiled(q.dtype, num_kv_heads, deterministic)
-    kernel(
-        *(cute_rows(tensors[name]) for name, _, _ in operands(num_kv_heads, deterministic)),
-        cutlass.Int32(topk),
-        cutlass.Float32(softmax_scale * LOG2_E),
-        cutlass.Float32(softmax_scale),
-        cutlass.Int32(grid),
-        cute_stream(q.device),
+    _compiled(q.dtype, num_kv_heads, deterministic)(
+        *(tensors[name] for name, _, _ in operands(num_kv_heads, deterministic)),
+        topk, softmax_scale * LOG2_E, softmax_scale, grid,
     )
 
 
 @functools.cache
 def _compiled(dtype: torch.dtype, num_kv_heads: int, deterministic: bool):
     """One executable per process and (dtype, Hkv, variant); token, key and item counts are dynamic."""
-    return compile_blocks_kernel(dtype, num_kv_heads, deterministic=deterministic)
+    from ..cute_dsl.cute_io import launcher
+
+    return launcher(compile_blocks_kernel(dtype, num_kv_heads, deterministic=deterministic))
 
 
 def compile_blocks_kernel(
@@ -165,23 +165,15 @@ def compile_blocks_kernel(
     `dump_dir` keeps the cubin there, and with `listings` the PTX and SASS too."""
     require_cute_dsl()
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
 
-    from ..cute_dsl.cute_io import compile_options, fake_rows
+    from ..cute_dsl.cute_io import compile_kernel, fake_rows
     from .backward_kernel import Sm90BackwardKernel
 
     fakes = [
         fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads, deterministic)
     ]
-    options = compile_options(arch, dump_dir, listings)
-    return cute.compile(
-        Sm90BackwardKernel(num_kv_heads, deterministic),
-        *fakes,
-        cutlass.Int32(1),
-        cutlass.Float32(1.0),
-        cutlass.Float32(1.0),
-        cutlass.Int32(1),
-        make_fake_stream(),
-        options=options,
+    return compile_kernel(
+        Sm90BackwardKernel(num_kv_heads, deterministic), *fakes,
+        cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(1),
+        arch=arch, dump_dir=dump_dir, listings=listings,
     )

@@ -23,7 +23,7 @@ import torch
 from ..backends import UnsupportedInputs
 from ..contract import compute_dtype
 from ..cute_dsl import require_cute_dsl, sm_count
-from ..schedule import bucket_key_count, schedule_for
+from ..schedule import schedule_for
 from .common import (
     BLOCK_SIZE,
     HEAD_DIM,
@@ -72,7 +72,7 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     check_rows(q.shape[0], k.shape[1], block_indices.shape[-1])
     require_cute_dsl()
     from ..cute_dsl.cute_io import aligned_operand
-    from ..triton.stages import combine
+    from ..triton.stages import bucket_key_count, combine
 
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
@@ -95,8 +95,9 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 # The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).
-# Dim 0 is dynamic; `compile_blocks_kernel` describes each with `fake_rows`, `launch_blocks`
-# converts each with `cute_rows`, so the two cannot disagree.
+# Dim 0 is dynamic; `compile_blocks_kernel` describes each with `fake_rows` and `launch_blocks`
+# passes the tensors in this order, so the two cannot disagree (and the compiled function checks
+# every tensor against its description when it is called).
 def operands(num_kv_heads: int):
     return (
         ("q", (HEADS_PER_KV * num_kv_heads, HEAD_DIM), None),
@@ -110,30 +111,23 @@ def operands(num_kv_heads: int):
 
 def launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale) -> None:
     """Launch the blocks kernel: fills the partials of every scheduled (query, slot)."""
-    import cutlass
-
-    from ..cute_dsl.cute_io import cute_rows, cute_stream
-
     tensors = {
         "q": q, "k": k, "v": v, "partial_out": partial_out, "partial_lse": partial_lse,
         **schedule_tensors(schedule, key_count),
     }
     num_kv_heads = k.shape[1]
     grid = max(1, min(schedule.item_start.numel(), CTAS_PER_SM * sm_count(q.device)))
-    kernel = _compiled(q.dtype, num_kv_heads)
-    kernel(
-        *(cute_rows(tensors[name]) for name, _, _ in operands(num_kv_heads)),
-        cutlass.Int32(topk),
-        cutlass.Float32(softmax_scale * LOG2_E),
-        cutlass.Int32(grid),
-        cute_stream(q.device),
+    _compiled(q.dtype, num_kv_heads)(
+        *(tensors[name] for name, _, _ in operands(num_kv_heads)), topk, softmax_scale * LOG2_E, grid,
     )
 
 
 @functools.cache
 def _compiled(dtype: torch.dtype, num_kv_heads: int):
     """One executable per process and (dtype, Hkv); token, key and item counts are dynamic."""
-    return compile_blocks_kernel(dtype, num_kv_heads)
+    from ..cute_dsl.cute_io import launcher
+
+    return launcher(compile_blocks_kernel(dtype, num_kv_heads))
 
 
 def compile_blocks_kernel(
@@ -147,20 +141,12 @@ def compile_blocks_kernel(
     leading extents. `dump_dir` keeps the cubin there, and with `listings` the PTX and SASS too."""
     require_cute_dsl()
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
 
-    from ..cute_dsl.cute_io import compile_options, fake_rows
+    from ..cute_dsl.cute_io import compile_kernel, fake_rows
     from .forward_kernel import Sm90ForwardKernel
 
     fakes = [fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads)]
-    options = compile_options(arch, dump_dir, listings)
-    return cute.compile(
-        Sm90ForwardKernel(num_kv_heads),
-        *fakes,
-        cutlass.Int32(1),
-        cutlass.Float32(1.0),
-        cutlass.Int32(1),
-        make_fake_stream(),
-        options=options,
+    return compile_kernel(
+        Sm90ForwardKernel(num_kv_heads), *fakes, cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(1),
+        arch=arch, dump_dir=dump_dir, listings=listings,
     )

@@ -34,9 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..documents import locate_queries
 from ..schedule import Schedule, plan_schedule
-from .common import LOG2_E, dot_precision, item_horizon, tile_shape
+from .common import LOG2_E, dot_precision, item_horizon, locate_queries, tile_shape
 from .launch import LaunchConfig, launch
 
 ITEM_TILES = 64  # query tiles (of the tuned tile of `common.TILE_ROWS` rows) per schedule item

@@ -1,6 +1,7 @@
 """What the Triton kernel modules share, so that none of them imports another: how their GEMMs
-round, the log2-domain constants, the query tile of the KV-outer kernels, an item's key horizon
-and the split-precision weighted GEMM of the KL kernels.
+round, the log2-domain constants, the query tile of the KV-outer kernels, where each query sits
+in its document (`locate_tokens`, and `locate_queries`, its one-kernel launch), an item's key
+horizon and the split-precision weighted GEMM of the KL kernels.
 
 Imports triton: only the kernel modules import it (the package `__init__` does not).
 """
@@ -10,6 +11,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from ..documents import QueryDocuments
 
 # Constexpr so that kernels read them as constants; host code reads `.value`. The kernels score in
 # the log2 domain (`exp2`): `LOG2_E` scales natural-log quantities into it, `LN_2` back.
@@ -32,6 +35,95 @@ def tile_shape(num_heads: int, num_kv_heads: int, rows: int = TILE_ROWS) -> tupl
     `tokens` queries."""
     heads_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
     return max(1, rows // heads_p2), heads_p2
+
+
+def binary_search_steps(length: int | torch.SymInt) -> int:
+    """Halvings that take a binary search over `length` elements to one candidate."""
+    return max(1, int(length).bit_length())
+
+
+@triton.jit
+def locate_tokens(token, token_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, num_keys,
+                  num_segments, num_docs, search_steps, FRAGMENTS: tl.constexpr):
+    """Per lane, `(position, key_start)` (int64) of the packed query `token` (int64; lanes with
+    `token_ok` false load nothing): the rule of `torch_msa.documents.locate_queries`, position -1
+    and key start 0 for a token no well-formed document covers.
+
+    `num_segments` documents (or fragments, with `FRAGMENTS`) of `cu_seqlens_q`, `num_docs` of
+    `cu_seqlens_k`; `search_steps = binary_search_steps(num_segments)`.
+    """
+    # The probes of torch.searchsorted(cu_seqlens_q[1:], token, right=True), so that even
+    # unsorted (malformed) boundaries give the reference's document (or fragment).
+    low = tl.zeros(token.shape, tl.int32)
+    high = tl.zeros(token.shape, tl.int32) + num_segments
+    for _ in range(search_steps):
+        active = low < high
+        middle = low + ((high - low) >> 1)
+        boundary = tl.load(cu_seqlens_q + 1 + middle, mask=active & token_ok, other=0).to(tl.int64)
+        right = boundary > token
+        high = tl.where(active & right, middle, high)
+        low = tl.where(active & ~right, middle + 1, low)
+    in_range = low < num_segments
+    segment = tl.minimum(low, num_segments - 1)
+    doc_ok = token_ok & (num_segments > 0)
+    q_start = tl.load(cu_seqlens_q + segment, mask=doc_ok, other=0).to(tl.int64)
+    q_end = tl.load(cu_seqlens_q + segment + 1, mask=doc_ok, other=0).to(tl.int64)
+    if FRAGMENTS:
+        doc = tl.load(fragment_documents + segment, mask=doc_ok, other=-1)
+        in_range &= (doc >= 0) & (doc < num_docs)
+        doc = tl.minimum(tl.maximum(doc, 0), num_docs - 1)
+        doc_ok &= num_docs > 0
+        k_start = tl.load(cu_seqlens_k + doc, mask=doc_ok, other=0).to(tl.int64)
+        k_end = tl.load(cu_seqlens_k + doc + 1, mask=doc_ok, other=0).to(tl.int64)
+        pos = tl.load(fragment_starts + segment, mask=doc_ok, other=-1).to(tl.int64) + (token - q_start)
+    else:
+        k_start = tl.load(cu_seqlens_k + segment, mask=doc_ok, other=0).to(tl.int64)
+        k_end = tl.load(cu_seqlens_k + segment + 1, mask=doc_ok, other=0).to(tl.int64)
+        pos = (k_end - k_start) - (q_end - q_start) + (token - q_start)
+    located = (in_range & doc_ok & (token >= q_start) & (pos >= 0) & (k_start >= 0)
+               & (k_start + pos < k_end) & (k_start + pos < num_keys))
+    return tl.where(located, pos, -1), tl.where(located, k_start, 0)
+
+
+_LOCATE_TOKENS = 1024  # tokens per program of `msa_locate_kernel`
+
+
+@triton.jit
+def msa_locate_kernel(cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, key_start, position,
+                      num_queries, num_keys, num_segments, num_docs, search_steps,
+                      FRAGMENTS: tl.constexpr, TOKENS: tl.constexpr):
+    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    token_ok = tokens < num_queries
+    pos, start = locate_tokens(tokens.to(tl.int64), token_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents,
+                               fragment_starts, num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
+    tl.store(position + tokens, pos, mask=token_ok)
+    tl.store(key_start + tokens, start, mask=token_ok)
+
+
+def locate_queries(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_queries: int, num_keys: int,
+                   fragment_documents: torch.Tensor | None = None,
+                   fragment_starts: torch.Tensor | None = None) -> QueryDocuments:
+    """`torch_msa.documents.locate_queries` (same arguments, same int64 result) in one kernel
+    launch on the tensors' device instead of a few dozen small torch ops."""
+    device = cu_seqlens_q.device
+    key_start = torch.empty(num_queries, dtype=torch.int64, device=device)
+    position = torch.empty(num_queries, dtype=torch.int64, device=device)
+    if num_queries == 0:
+        return QueryDocuments(key_start, position)
+    fragments = fragment_documents is not None
+    # The kernel reads the boundaries and fragments as dense arrays.
+    cu_seqlens_q, cu_seqlens_k = (cu if cu.is_contiguous() else cu.contiguous() for cu in (cu_seqlens_q, cu_seqlens_k))
+    if fragment_documents is not None and fragment_starts is not None:
+        fragment_documents, fragment_starts = fragment_documents.contiguous(), fragment_starts.contiguous()
+    num_segments = cu_seqlens_q.numel() - 1
+    msa_locate_kernel[(triton.cdiv(num_queries, _LOCATE_TOKENS),)](
+        cu_seqlens_q, cu_seqlens_k,
+        fragment_documents if fragments else cu_seqlens_q, fragment_starts if fragments else cu_seqlens_q,
+        key_start, position,
+        num_queries, num_keys, num_segments, cu_seqlens_k.numel() - 1, binary_search_steps(num_segments),
+        FRAGMENTS=fragments, TOKENS=_LOCATE_TOKENS, num_warps=4,
+    )
+    return QueryDocuments(key_start, position)
 
 
 @triton.jit

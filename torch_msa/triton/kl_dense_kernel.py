@@ -53,9 +53,8 @@ import triton
 import triton.language as tl
 
 from ..backends import UnsupportedInputs
-from ..documents import locate_queries
 from . import check_dtype_and_group
-from .common import LN_2, LOG2_E, dot_precision, split_weights, weighted_dot
+from .common import LN_2, LOG2_E, dot_precision, locate_queries, split_weights, weighted_dot
 from .launch import LaunchConfig, launch
 
 # Tuned first for SM90 (228 KB of shared memory per SM), then smaller tiles and fewer stages for

@@ -6,9 +6,9 @@ hundred: in eager mode each call costs a host-side launch, and below T = 64K the
 build's launches took longer than the attention kernels.
 
 1. `msa_plan_entry_keys_kernel`, one program per (tokens, KV head): finds each query's document
-   (the same binary search as `torch.searchsorted`), its position and which slots count (valid
-   entries), and writes every entry's bucket key `head * Tk + key row of its block` (invalid
-   entries: `Hkv * Tk`, past every real key) and the positions.
+   and position (`common.locate_tokens`, the same binary search as `torch.searchsorted`) and
+   which slots count (valid entries), and writes every entry's bucket key `head * Tk + key row of
+   its block` (invalid entries: `Hkv * Tk`, past every real key) and the positions.
 2. `torch.sort(stable=True)` orders the entries by (KV head, key block, query, slot): the
    deterministic order of the reference.
 3. `msa_plan_bucket_starts_kernel` flags the first entry of each bucket and writes `entry_query`;
@@ -20,6 +20,9 @@ build's launches took longer than the attention kernels.
    range.
 
 No host synchronisation: every size is a shape-derived bound, as in the reference.
+
+`bucket_key_count` is `torch_msa.schedule.bucket_key_count` in one kernel: what the SM90 kernels
+read beside a plan.
 """
 
 import torch
@@ -27,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..schedule import build_schedule, max_buckets, max_items, pack, section_sizes
+from .common import binary_search_steps, locate_tokens
 
 _ENTRIES = 1024  # entries per program of the 1-D kernels
 _SLOT_TILE = 1024  # (token, slot) pairs per program of the key kernel
@@ -44,38 +48,8 @@ def msa_plan_entry_keys_kernel(
     token_ok = tokens < num_queries
     token = tokens.to(tl.int64)
 
-    # The probes of torch.searchsorted(cu_seqlens_q[1:], token, right=True), so that even
-    # unsorted (malformed) boundaries give the reference's document (or fragment).
-    low = tl.zeros((TOKENS,), tl.int32)
-    high = tl.zeros((TOKENS,), tl.int32) + num_segments
-    for _ in range(search_steps):
-        active = low < high
-        middle = low + ((high - low) >> 1)
-        boundary = tl.load(cu_seqlens_q + 1 + middle, mask=active & token_ok, other=0).to(tl.int64)
-        right = boundary > token
-        high = tl.where(active & right, middle, high)
-        low = tl.where(active & ~right, middle + 1, low)
-    in_range = low < num_segments
-    segment = tl.minimum(low, num_segments - 1)
-    doc_ok = token_ok & (num_segments > 0)
-    q_start = tl.load(cu_seqlens_q + segment, mask=doc_ok, other=0).to(tl.int64)
-    q_end = tl.load(cu_seqlens_q + segment + 1, mask=doc_ok, other=0).to(tl.int64)
-    if FRAGMENTS:
-        doc = tl.load(fragment_documents + segment, mask=doc_ok, other=-1)
-        in_range &= (doc >= 0) & (doc < num_docs)
-        doc = tl.minimum(tl.maximum(doc, 0), num_docs - 1)
-        doc_ok &= num_docs > 0
-        k_start = tl.load(cu_seqlens_k + doc, mask=doc_ok, other=0).to(tl.int64)
-        k_end = tl.load(cu_seqlens_k + doc + 1, mask=doc_ok, other=0).to(tl.int64)
-        pos = tl.load(fragment_starts + segment, mask=doc_ok, other=-1).to(tl.int64) + (token - q_start)
-    else:
-        k_start = tl.load(cu_seqlens_k + segment, mask=doc_ok, other=0).to(tl.int64)
-        k_end = tl.load(cu_seqlens_k + segment + 1, mask=doc_ok, other=0).to(tl.int64)
-        pos = (k_end - k_start) - (q_end - q_start) + (token - q_start)
-    located = (in_range & doc_ok & (token >= q_start) & (pos >= 0) & (k_start >= 0)
-               & (k_start + pos < k_end) & (k_start + pos < num_keys))
-    pos = tl.where(located, pos, -1)
-    key_start = tl.where(located, k_start, 0)
+    pos, key_start = locate_tokens(token, token_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
+                                   num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
     tl.store(position + tokens, pos.to(tl.int32), mask=token_ok & (head == 0))
 
     # Valid entries: id >= 0, visible (id <= p(t) // block_size), first occurrence in the row.
@@ -194,11 +168,6 @@ def msa_plan_item_tables_kernel(
     tl.store(num_items + item, tl.load(item_ptr + bucket_bound - 1) + tl.zeros((BLOCK,), tl.int32), mask=item == 0)
 
 
-def _search_steps(length: int | torch.SymInt) -> int:
-    """Halvings that take a binary search over `length` elements to one candidate."""
-    return max(1, int(length).bit_length())
-
-
 def plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
          fragment_documents=None, fragment_starts=None) -> torch.Tensor:
     """`msa::plan`: the plan of `block_indices` (see `torch_msa/schedule.py`), the tables of `build_schedule`.
@@ -249,7 +218,7 @@ def plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entrie
         block_indices, cu_seqlens_q, cu_seqlens_k,
         fragment_documents if fragments else cu_seqlens_q, fragment_starts if fragments else cu_seqlens_q,
         bucket_key, position,
-        num_queries, num_keys, num_segments, num_docs, _search_steps(num_segments), block_size, key_stride, past_all,
+        num_queries, num_keys, num_segments, num_docs, binary_search_steps(num_segments), block_size, key_stride, past_all,
         *strides,
         TOPK=topk, TOPK_P2=topk_p2, TOKENS=tokens, FRAGMENTS=fragments,
     )
@@ -262,14 +231,48 @@ def plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entrie
     msa_plan_bucket_tables_kernel[(triton.cdiv(max(num_entries, bucket_bound + 1), _ENTRIES),)](
         sorted_key, order, entry_bucket, block_indices,
         bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, num_buckets,
-        num_entries, bucket_bound, _search_steps(num_entries), key_stride, past_all, entries_per_item,
+        num_entries, bucket_bound, binary_search_steps(num_entries), key_stride, past_all, entries_per_item,
         num_queries, *strides,
         TOPK=topk, BLOCK=_ENTRIES,
     )
     item_ptr = torch.cumsum(items_per_bucket, 0, dtype=torch.int32)
     msa_plan_item_tables_kernel[(triton.cdiv(item_bound, _ENTRIES),)](
         item_ptr, items_per_bucket, bucket_ptr, item_bucket, item_start, item_end, num_items,
-        item_bound, bucket_bound, _search_steps(bucket_bound), entries_per_item,
+        item_bound, bucket_bound, binary_search_steps(bucket_bound), entries_per_item,
         BLOCK=_ENTRIES,
     )
     return packed
+
+
+@triton.jit
+def msa_bucket_key_count_kernel(bucket_key_row, cu_seqlens_k, key_count, num_buckets, num_bounds, search_steps,
+                                block_size, BLOCK: tl.constexpr):
+    bucket = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = bucket < num_buckets
+    row = tl.load(bucket_key_row + bucket, mask=ok, other=0).to(tl.int64)
+    # torch.searchsorted(cu_seqlens_k, row, right=True), clamped to the last boundary.
+    low = tl.zeros((BLOCK,), tl.int32)
+    high = tl.zeros((BLOCK,), tl.int32) + num_bounds
+    for _ in range(search_steps):
+        active = low < high
+        middle = low + ((high - low) >> 1)
+        right = tl.load(cu_seqlens_k + middle, mask=active & ok, other=0).to(tl.int64) > row
+        high = tl.where(active & right, middle, high)
+        low = tl.where(active & ~right, middle + 1, low)
+    doc_end = tl.load(cu_seqlens_k + tl.minimum(low, num_bounds - 1), mask=ok, other=0).to(tl.int64)
+    tl.store(key_count + bucket, tl.minimum(tl.maximum(doc_end - row, 0), block_size).to(tl.int32), mask=ok)
+
+
+def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`torch_msa.schedule.bucket_key_count` (same arguments, same int32 `[max_buckets]` result) in
+    one kernel launch on the tensors' device."""
+    key_count = torch.empty_like(bucket_key_row)
+    num_buckets, num_bounds = bucket_key_row.numel(), cu_seqlens_k.numel()
+    if num_buckets == 0:
+        return key_count
+    cu_seqlens_k = cu_seqlens_k if cu_seqlens_k.is_contiguous() else cu_seqlens_k.contiguous()
+    msa_bucket_key_count_kernel[(triton.cdiv(num_buckets, _ENTRIES),)](
+        bucket_key_row, cu_seqlens_k, key_count, num_buckets, num_bounds, binary_search_steps(num_bounds), block_size,
+        BLOCK=_ENTRIES,
+    )
+    return key_count

@@ -16,8 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..documents import locate_queries
-from .common import dot_precision
+from .common import dot_precision, locate_queries
 from .launch import LaunchConfig, launch
 
 # Rows are tokens x index heads per program: 128 is one full wgmma tile (tuned on SM90 first).

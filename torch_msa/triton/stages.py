@@ -6,6 +6,11 @@ them (the SM90 backend: its forward's partials are merged, its backward's delta 
 deterministic backward reduced and finished here) needs triton, and says so in its requirements.
 Nothing here chooses a backend: each backward is written out as its own sequence of stages.
 
+Both:
+
+* `bucket_key_count`: the keys of each bucket's block inside its document, which the SM90
+  kernels read beside a plan (`torch_msa.schedule.bucket_key_count` in one kernel).
+
 Forward:
 
 * `combine`: merge the per-(query, slot) partial outputs of a KV-outer forward into `out` and
@@ -30,5 +35,7 @@ Importing this module imports triton.
 from .backward_deterministic_kernel import KeyWorkspace, key_workspace, query_dq, reduce_key_workspace
 from .backward_kernel import compute_delta
 from .forward_kernel import combine
+from .plan_kernel import bucket_key_count
 
-__all__ = ["KeyWorkspace", "combine", "compute_delta", "key_workspace", "query_dq", "reduce_key_workspace"]
+__all__ = ["KeyWorkspace", "bucket_key_count", "combine", "compute_delta", "key_workspace", "query_dq",
+           "reduce_key_workspace"]

@@ -406,3 +406,51 @@ def test_forward_in_query_windows_equals_one_call(monkeypatch):
     _close(out, expected[0], 1e-5, "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(expected[1]))
     _close(lse.nan_to_num(neginf=0), expected[1].nan_to_num(neginf=0), 1e-5, "lse")
+
+
+def test_located_queries_equal_the_documents_rule():
+    """`common.locate_queries` (one kernel; the selection, the KL losses and the deterministic dQ
+    read it) gives `documents.locate_queries`'s tables: well-formed and malformed boundaries
+    (unsorted, past the keys, none, no keys, overlapping), strided boundaries, and fragments with an
+    out-of-range document."""
+    from torch_msa.documents import locate_queries
+
+    cases = (
+        ([0, 40, 40, 41, 131], [0, 140, 145, 146, 236], 236, 131),
+        ([0, 90, 40, 131], [0, 140, 100, 236], 236, 131),
+        ([0, 50, 131], [0, 60, 400], 236, 140),
+        ([0], [0], 236, 20),
+        ([0, 131], [0, 0], 0, 131),
+        ([0, 200, 200, 400, 400, 600], [0, 200, 1, 200, 2, 200], 200, 600),
+    )
+    for q_bounds, k_bounds, num_keys, num_queries in cases:
+        cu_q, cu_k = (torch.tensor(bounds, dtype=torch.int32, device=DEVICE) for bounds in (q_bounds, k_bounds))
+        expected = locate_queries(cu_q, cu_k, num_queries, num_keys)
+        for got in (common.locate_queries(cu_q, cu_k, num_queries, num_keys),
+                    common.locate_queries(*(torch.stack((cu, -cu), 1)[:, 0] for cu in (cu_q, cu_k)), num_queries, num_keys)):
+            assert got.key_start.dtype == got.position.dtype == torch.int64
+            assert torch.equal(got.key_start, expected.key_start) and torch.equal(got.position, expected.position), q_bounds
+    frag = testing.fragments((150, 0, 1, 90), ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40)), DEVICE)
+    num_queries, num_keys = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+    documents, starts = frag.tensors
+    for fragment_documents in (documents, torch.tensor([3, 0, 7, 0, -1], dtype=torch.int32, device=DEVICE)):
+        args = (frag.cu_seqlens_q, frag.cu_seqlens_k, num_queries, num_keys, fragment_documents, starts)
+        got, expected = common.locate_queries(*args), locate_queries(*args)
+        assert torch.equal(got.key_start, expected.key_start) and torch.equal(got.position, expected.position)
+    empty = common.locate_queries(frag.cu_seqlens_q, frag.cu_seqlens_k, 0, num_keys)
+    assert empty.key_start.shape == empty.position.shape == (0,)
+
+
+def test_bucket_key_counts_equal_the_reference():
+    """`plan_kernel.bucket_key_count` (one kernel; the SM90 kernels read it) gives
+    `schedule.bucket_key_count`'s counts, for block rows of well-formed documents, of empty ones,
+    past every document and before the first, and over unsorted boundaries."""
+    from torch_msa.schedule import bucket_key_count
+
+    rows = torch.tensor([0, 128, 200, 201, 329, 457, 499, 500, 900, -3, 0, 64], dtype=torch.int32, device=DEVICE)
+    for bounds in ([0, 200, 200, 201, 500], [0], [0, 300, 100, 500], [10, 20]):
+        cu_k = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+        for block_size in (64, 128):
+            got = plan_kernel.bucket_key_count(rows, cu_k, block_size)
+            assert got.dtype == torch.int32 and torch.equal(got, bucket_key_count(rows, cu_k, block_size)), bounds
+    assert plan_kernel.bucket_key_count(rows[:0], cu_k, 128).shape == (0,)

@@ -1,0 +1,201 @@
+"""The per-call host path of the SM90 forward and backward (`torch_msa/sm90/forward_host.py`,
+`backward_host.py`), on CPU.
+
+The CuTe compile is replaced by a recorder and the Triton stages by stand-ins, so what runs is
+the host code itself: each launch must pass the torch tensors the kernel was compiled for
+(dtype, inner extents, contiguous, aligned), in the compiled order and unconverted (no
+`cutlass.cute.runtime.from_dlpack`), plain Python scalars, and no stream (the compiled function
+takes torch's current one); and the host work around the launch must stay a few ATen calls, each
+of which costs a host-side launch in eager mode. On a GPU the whole step is counted by
+`tests/sm90/test_launches.py`.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.core.test_schedule import CountOps
+from tests.support.cute_dsl import forbid_python_conversions, requires_cute
+from torch_msa import testing
+from torch_msa.cute_dsl.cute_io import row_alignment
+from torch_msa.schedule import bucket_key_count, build_schedule, entries_per_item, pack, unpack
+
+pytest.importorskip("triton", reason="the SM90 hosts import the Triton stages (triton ships with Linux torch)")
+
+TOKENS, HEADS, KV_HEADS, DIM, TOPK, BLOCK = 300, 64, 4, 128, 16, 128
+
+
+class RecordedKernel:
+    """What the stand-in `cute.compile` returns: the compile's arguments and, as its TVM-FFI
+    function, a launcher that checks every call against them and records it."""
+
+    def __init__(self, kernel, args, options):
+        self.kernel, self.args, self.options = kernel, args, options
+        self.calls = []
+
+    def __tvm_ffi_object__(self):
+        return self.launch
+
+    def launch(self, *args):
+        check_call(self.args, args)
+        self.calls.append(args)
+
+
+def check_call(compiled_args, call_args) -> None:
+    """A call matches what was compiled as TVM-FFI would check it, and passes nothing converted."""
+    import cutlass
+    from cutlass.cute.runtime import _FakeStream, _FakeTensor
+
+    torch_dtypes = {cutlass.BFloat16: torch.bfloat16, cutlass.Float16: torch.float16, cutlass.Float32: torch.float32,
+                    cutlass.Int32: torch.int32}
+    *parameters, stream = compiled_args
+    assert isinstance(stream, _FakeStream) and stream.use_tvm_ffi_env_stream, "the stream comes from the environment"
+    assert len(call_args) == len(parameters), "every parameter but the stream is passed"
+    for position, (parameter, arg) in enumerate(zip(parameters, call_args)):
+        where = f"argument #{position}"
+        if isinstance(parameter, _FakeTensor):
+            assert type(arg) is torch.Tensor, f"{where}: a torch tensor, unconverted, got {type(arg).__name__}"
+            dtype, inner = torch_dtypes[parameter.element_type], tuple(parameter.shape[1:])
+            assert (arg.dtype, tuple(arg.shape[1:])) == (dtype, inner), f"{where}: {arg.dtype} {list(arg.shape)}"
+            assert all(size == 1 or got == want for size, got, want in zip(arg.shape, arg.stride(), parameter.stride)), \
+                f"{where}: strides {arg.stride()}, compiled {parameter.stride}"
+            assert arg.data_ptr() % row_alignment(dtype, inner) == 0, f"{where}: misaligned"
+        elif parameter is None:
+            assert arg is None, where
+        else:
+            assert type(arg) in (int, float), f"{where}: a Python number, got {type(arg).__name__}"
+
+
+@dataclasses.dataclass
+class Recorder:
+    """The compiles (`kernels`), the stand-in Triton stages called (`stages`), and the key counts
+    the `bucket_key_count` stage returns, by the data pointer of its `bucket_key_row`."""
+
+    kernels: list = dataclasses.field(default_factory=list)
+    stages: list = dataclasses.field(default_factory=list)
+    key_count: dict = dataclasses.field(default_factory=dict)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """A `Recorder` of the stand-in compile and stages, with `from_dlpack` made to fail and a
+    132-SM device."""
+    import cutlass.cute as cute
+
+    from torch_msa.sm90 import backward_host, forward_host
+    from torch_msa.triton import stages
+
+    recorder = Recorder()
+
+    def compile(kernel, *args, options=""):
+        recorder.kernels.append(RecordedKernel(kernel, args, options))
+        return recorder.kernels[-1]
+
+    monkeypatch.setattr(cute, "compile", compile)
+    forbid_python_conversions(monkeypatch)
+    for module in (forward_host, backward_host):
+        monkeypatch.setattr(module, "sm_count", lambda device: 132)
+        module._compiled.cache_clear()
+
+    def stand_in(name, result=None):
+        def stage(*args):
+            recorder.stages.append(name)
+            return result(*args) if result else None
+        monkeypatch.setattr(stages, name, stage)
+
+    stand_in("bucket_key_count", lambda rows, cu, block_size: recorder.key_count[rows.data_ptr()])
+    stand_in("combine")
+    stand_in("compute_delta")
+    yield recorder
+    for module in (forward_host, backward_host):
+        module._compiled.cache_clear()
+
+
+def _inputs(key_count):
+    cu_q, cu_k = testing.cu_seqlens([TOKENS], [TOKENS])
+    block_indices = testing.random_block_indices(cu_q, cu_k, KV_HEADS, TOPK, BLOCK)
+    plan = pack(build_schedule(block_indices, cu_q, cu_k, TOKENS, BLOCK, entries_per_item(HEADS, KV_HEADS)))
+    schedule = unpack(plan, block_indices, TOKENS, 1, BLOCK)
+    # The key counts are computed here, so that the stand-in stage adds no ATen call to the count.
+    key_count[schedule.bucket_key_row.data_ptr()] = bucket_key_count(schedule.bucket_key_row, cu_k, BLOCK)
+    q = torch.randn(TOKENS, HEADS, DIM).to(torch.bfloat16)
+    k, v = (torch.randn(TOKENS, KV_HEADS, DIM).to(torch.bfloat16) for _ in range(2))
+    return q, k, v, block_indices, cu_q, cu_k, plan, schedule
+
+
+def _assert_schedule_passed(call, first, schedule, key_count, names):
+    """The schedule operands after the kernel's own ones: the plan's views, in `SCHEDULE_OPERANDS` order."""
+    for offset, name in enumerate(names):
+        want = key_count if name == "bucket_key_count" else getattr(schedule, name)
+        got = call[first + offset]
+        assert (got.data_ptr(), got.shape) == (want.data_ptr(), want.shape), name
+
+
+@requires_cute
+def test_forward_with_a_plan_launches_its_tensors_unconverted_after_five_aten_calls(recorded):
+    from torch_msa.sm90 import forward_host
+    from torch_msa.sm90.common import SCHEDULE_OPERANDS
+
+    q, k, v, block_indices, cu_q, cu_k, plan, schedule = _inputs(recorded.key_count)
+    args = (q, k, v, block_indices, cu_q, cu_k, TOKENS, TOKENS, BLOCK, DIM**-0.5, plan)
+    forward_host.forward(*args)  # the first call compiles
+    (kernel,) = recorded.kernels
+    assert "--enable-tvm-ffi" in kernel.options
+    with CountOps() as counted:
+        forward_host.forward(*args)
+    assert len(kernel.calls) == 2 and recorded.stages == ["bucket_key_count", "combine"] * 2
+    call = kernel.calls[-1]
+    assert call[0] is q and call[1] is k and call[2] is v
+    key_count = recorded.key_count[schedule.bucket_key_row.data_ptr()]
+    _assert_schedule_passed(call, 5, schedule, key_count, [name for name, _, _ in SCHEDULE_OPERANDS])
+    grid = min(schedule.item_start.numel(), 2 * 132)  # two CTAs per SM, no more than the items
+    assert call[-3:] == (TOPK, pytest.approx(DIM**-0.5 * 1.4426950408889634), grid)
+    # out, lse, the plan's views, the partial outputs and their -inf lse: nothing else.
+    names = [str(op) for op in counted.calls]
+    assert names == ["aten.empty.memory_format"] * 2 + ["aten.split_with_sizes.default", "aten.empty.memory_format",
+                                                        "aten.full.default"], names
+
+
+@requires_cute
+def test_backward_with_a_plan_launches_its_tensors_unconverted_after_a_few_aten_calls(recorded):
+    from torch_msa.sm90 import backward_host
+    from torch_msa.sm90.common import SCHEDULE_OPERANDS
+
+    q, k, v, block_indices, cu_q, cu_k, plan, schedule = _inputs(recorded.key_count)
+    grad_out, out = torch.randn(2, *q.shape).to(torch.bfloat16).unbind(0)
+    lse = torch.randn(TOKENS, HEADS)
+    args = (grad_out, q, k, v, out, lse, block_indices, cu_q, cu_k, TOKENS, TOKENS, BLOCK, DIM**-0.5, None, plan)
+    backward_host.backward(*args)
+    (kernel,) = recorded.kernels
+    with CountOps() as counted:
+        dq, dk, dv = backward_host.backward(*args)
+    assert len(kernel.calls) == 2 and recorded.stages == ["compute_delta", "bucket_key_count"] * 2
+    call = kernel.calls[-1]
+    assert call[0] is q and call[3] is grad_out and call[4] is lse
+    dq_acc, dk_acc, dv_acc = call[6:9]
+    assert dq_acc.shape == q.shape and dk_acc.shape == dv_acc.shape == k.shape
+    key_count = recorded.key_count[schedule.bucket_key_row.data_ptr()]
+    _assert_schedule_passed(call, 9, schedule, key_count, [name for name, _, _ in SCHEDULE_OPERANDS])
+    grid = min(schedule.item_start.numel(), 132)
+    assert call[-4:] == (TOPK, pytest.approx(DIM**-0.5 * 1.4426950408889634), pytest.approx(DIM**-0.5), grid)
+    assert (dq.dtype, dk.dtype, dv.dtype) == (torch.bfloat16,) * 3
+    # One zero fill for the three accumulators, delta, the plan's views and the three casts.
+    names = [str(op) for op in counted.calls]
+    assert names == ["aten.zeros.default", "aten.split_with_sizes.default", *["aten.view.default"] * 3,
+                     "aten.empty.memory_format", "aten.split_with_sizes.default", *["aten._to_copy.default"] * 3], names
+
+
+@requires_cute
+def test_the_deterministic_variant_launches_its_workspace_rows(recorded):
+    from torch_msa.sm90 import backward_host
+
+    q, k, v, block_indices, cu_q, cu_k, plan, schedule = _inputs(recorded.key_count)
+    items = schedule.item_start.numel()
+    workspace = torch.zeros(2, items * BLOCK, DIM).unbind(0)
+    lse, delta = torch.zeros(2, TOKENS, HEADS).unbind(0)
+    key_count = recorded.key_count[schedule.bucket_key_row.data_ptr()]
+    backward_host.launch_blocks(q, k, v, q, lse, delta, torch.empty(1, HEADS, DIM), *workspace, schedule, key_count,
+                                TOPK, DIM**-0.5, deterministic=True)
+    (kernel,) = recorded.kernels
+    assert kernel.kernel.deterministic and len(kernel.calls) == 1

@@ -1,0 +1,91 @@
+"""One eager MiniMax-M3 training step (`msa_attention` forward and the gradients of q, k, v) on the
+`sm90` backend: how many kernels it launches, and that no launch converts a tensor in Python.
+
+Every CuTe DSL kernel is called with torch tensors through the TVM-FFI calling convention
+(`torch_msa/cute_dsl/cute_io.py`); what remains around the kernels is a handful of fills and
+casts and torch's sort and scans inside the plan build. The CPU side of the same path, with
+the compile replaced: `tests/sm90/test_host_path.py`. Skipped without a compute capability 9.0
+GPU or the CuTe DSL.
+"""
+
+import torch
+
+import torch_msa
+from tests.support.sm90 import SM90_MARKS
+from torch_msa.schedule import max_buckets
+
+pytestmark = SM90_MARKS
+
+TOKENS = 8000  # one document, within one query window (8065 M3 queries): the forward runs once
+HQ, HKV, D, TOPK, BLOCK = 64, 4, 128, 16, 128
+
+# The launches of the step besides torch's sort and scans, by design:
+OWN_LAUNCHES = {
+    "select_blocks": 3,  # the -1 fill of the selection, the located queries, the selection kernel
+    "plan": 4,  # the Triton plan kernels (around them torch.sort and two torch.cumsum)
+    "forward": 4,  # bucket key counts, the -inf fill of the partial lse, the CuTe kernel, the combine
+    "backward": 7,  # one zero fill of the accumulators, delta, bucket key counts, the CuTe kernel, three casts
+}
+
+
+def _device_activities(fn) -> list[str]:
+    """The names of the kernels, fills and copies `fn()` runs on the GPU (torch.profiler)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _library_launches() -> int:
+    """What the plan build's `torch.sort(stable=True)` and its two `torch.cumsum` launch at this size."""
+    entries, buckets = HKV * TOKENS * TOPK, max_buckets(HKV, TOKENS, 1, BLOCK)
+    keys = torch.randint(0, HKV * TOKENS, (entries,), dtype=torch.int32, device="cuda")
+    starts = torch.randint(0, 2, (entries,), dtype=torch.int32, device="cuda")
+    items = torch.randint(0, 3, (buckets,), dtype=torch.int32, device="cuda")
+
+    def library():
+        torch.sort(keys, stable=True)
+        torch.cumsum(starts, 0, dtype=torch.int32)
+        torch.cumsum(items, 0, dtype=torch.int32)
+
+    library()
+    return len(_device_activities(library))
+
+
+def test_an_eager_step_launches_few_kernels_and_converts_no_tensor_in_python(monkeypatch):
+    import cutlass.cute.runtime as runtime
+    import tvm_ffi  # noqa: F401  (installs torch's DLPack exchange API where torch lacks it natively)
+
+    # The C path apache-tvm-ffi takes for torch tensors (no Python DLPack capsule per argument).
+    assert hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+    conversions = []
+    real_from_dlpack = runtime.from_dlpack
+
+    def from_dlpack(*args, **kwargs):
+        conversions.append(args)
+        return real_from_dlpack(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "from_dlpack", from_dlpack)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def normal(*shape, grad=False):
+        return torch.randn(*shape, generator=generator, device="cuda").to(torch.bfloat16).requires_grad_(grad)
+
+    q, k, v = normal(TOKENS, HQ, D, grad=True), normal(TOKENS, HKV, D, grad=True), normal(TOKENS, HKV, D, grad=True)
+    index_q, index_k, grad_out = normal(TOKENS, HKV, D), normal(TOKENS, 1, D), normal(TOKENS, HQ, D)
+    cu = torch.tensor([0, TOKENS], dtype=torch.int32, device="cuda")
+
+    def step():
+        out = torch_msa.msa_attention(q, k, v, index_q, index_k, cu, cu, TOKENS, TOKENS)
+        return torch.autograd.grad(out, (q, k, v), grad_out)
+
+    assert {op: torch_msa.resolve(op, q.device).name for op in ("forward", "backward")} == {"forward": "sm90",
+                                                                                           "backward": "sm90"}
+    step()  # compiles the kernels
+    conversions.clear()
+    launches = _device_activities(step)
+    assert not conversions, f"{len(conversions)} tensors converted by cutlass.cute.runtime.from_dlpack"
+    bound = sum(OWN_LAUNCHES.values()) + _library_launches()
+    assert len(launches) <= bound, f"{len(launches)} launches, expected at most {bound}: {sorted(launches)}"
