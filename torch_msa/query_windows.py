@@ -21,8 +21,9 @@ import torch
 from .contract import compute_dtype
 from .documents import token_fragments
 
-PARTIAL_BYTES = 2 << 30
-"""Memory the partial outputs of one window may take (2 GiB: 8065 queries of MiniMax-M3)."""
+PARTIAL_BYTES = 3 << 30
+"""Memory the partial outputs of one window may take (3 GiB: 12098 queries of MiniMax-M3, so that
+the common training lengths up to 12K tokens run in one window, on the plan they are given)."""
 
 
 def partial_bytes_per_query(num_heads: int, topk: int, dim: int, dtype: torch.dtype) -> int:

@@ -59,15 +59,20 @@ def deprecated_dsl_use_is_an_error():
 
 
 def device_argument(tensor: torch.Tensor):
-    """`tensor` as a CUDA argument of a compiled CuTe kernel: a copy on the GPU where there is one,
-    else a `tvm_ffi.Tensor` over its host memory that says it is on cuda:0.
+    """`tensor` as a CUDA argument of a compiled CuTe kernel: a copy on the GPU where there is one
+    (of its whole storage, so that its strides and storage offset, and with them its alignment,
+    stay those of `tensor`), else a `tvm_ffi.Tensor` over its host memory that says it is on cuda:0.
 
     A compiled kernel checks every argument against its compiled description (dtype, rank,
     extents, strides, alignment, device) before it touches the GPU, so without one such tensors
     exercise those checks. Never pass a set that passes them all: the launch needs a GPU.
     """
+    if tensor.is_cuda:
+        return tensor
     if torch.cuda.is_available():
-        return tensor.cuda()
+        elements = tensor.untyped_storage().nbytes() // tensor.element_size()
+        storage = torch.empty(elements, dtype=tensor.dtype).set_(tensor.untyped_storage(), 0, (elements,), (1,))
+        return storage.cuda().as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
     import ctypes
 
     import tvm_ffi
