@@ -6,23 +6,25 @@ calls after one warm-up) and its peak device memory above the inputs (q, k, v, t
 and the output gradient) is reported, in GiB and in KiB per token. cuDNN's dense causal
 fwd+bwd on the same q, k, v is timed up to `--dense-up-to` tokens and, past that, extrapolated
 from the longest timed length by the quadratic growth of its work. Results go to stdout and to
-`long_context.json` under `--out`.
+`long_context.json` under `--out`, written after every length; its `status` (`running`,
+`interrupted`, `complete`) says whether it is partial.
 """
 
 import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
+from torch_msa._progress import Progress
 from torch_msa.contract import M3
 from torch_msa.testing import pick_device
 
 from .msa import msa_subject
 from .peers import dense_subject
 from .problems import ProblemSpec, make_inputs, parse_length, parse_seqlens
+from .results import COMPLETE, INTERRUPTED, RUNNING
 from .timing import free_memory, is_out_of_memory, measure
 
 STEP = "select+fwd+bwd"
@@ -87,36 +89,60 @@ def main(argv=None) -> int:
     dense_limit = parse_length(args.dense_up_to, "--dense-up-to") if args.dense_up_to != "0" else 0
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "long_context.json")
-    rows, start = [], time.perf_counter()
+    record = {"status": RUNNING, "partial": True, "device": torch.cuda.get_device_name(device), "rows": []}
+    rows = record["rows"]
     print(f"{'T':>8} {'step ms':>10} {'TF/s':>6} {'peak GiB':>9} {'KiB/token':>9} {'cuDNN dense ms':>15} {'speedup':>8}")
-    for tokens in lengths:
-        print(f"[{time.perf_counter() - start:7.1f} s] T={tokens}: running", file=sys.stderr, flush=True)
-        try:
-            row = measure_length(tokens, device, args.iters, dense=tokens <= dense_limit)
-        except Exception as error:  # one length's failure is recorded; the next length still runs
-            if not is_out_of_memory(error):
-                raise
-            row = {"tokens": tokens, "error": f"out of memory: {str(error).splitlines()[0][:200]}"}
-            free_memory(device)
-            rows.append(row)
-            print(f"{tokens:>8} {row['error']}", flush=True)
-            continue
-        timed = [r for r in rows + [row] if "dense_step_ms" in r and not r.get("dense_extrapolated")]
-        if "dense_step_ms" not in row and timed:
-            base = timed[-1]
-            row["dense_step_ms"] = base["dense_step_ms"] * (tokens / base["tokens"]) ** 2
-            row["dense_extrapolated"] = True
-        rows.append(row)
-        dense = row.get("dense_step_ms")
-        dense_text = "-" if dense is None else f"{dense:.0f}{' (extrap.)' if row.get('dense_extrapolated') else ''}"
-        speedup = "-" if dense is None else f"{dense / row['step_ms']:.1f}x"
-        print(f"{tokens:>8} {row['step_ms']:>10.1f} {row['step_tflops']:>6.0f} {row['peak_above_inputs_gib']:>9.2f} "
-              f"{row['peak_above_inputs_kib_per_token']:>9.1f} {dense_text:>15} {speedup:>8}", flush=True)
-        with open(path, "w") as file:  # after every length, so an interrupted run keeps what it measured
-            json.dump({"device": torch.cuda.get_device_name(device), "rows": rows}, file, indent=1)
+    try:
+        # Each length takes several times the one before: no rate estimate of the time left.
+        with Progress("long context", len(lengths), rate_estimate=False) as progress:
+            for tokens in lengths:
+                progress.start(f"T={tokens}")
+                row = _measure_or_out_of_memory(tokens, device, args.iters, tokens <= dense_limit, rows)
+                rows.append(row)
+                progress.write(_table_line(row), file=sys.stdout)
+                _write_json(path, record)  # after every length, so a run that is killed keeps what it measured
+                progress.advance()
+    except KeyboardInterrupt:
+        record["status"] = INTERRUPTED
+        _write_json(path, record)
+        print(f"interrupted: the partial results are in {path}", file=sys.stderr, flush=True)
+        return 130  # the shell's code for a command stopped by SIGINT
+    record["status"], record["partial"] = COMPLETE, False
+    _write_json(path, record)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 
+
+def _measure_or_out_of_memory(tokens: int, device, iters: int, dense: bool, earlier: list[dict]) -> dict:
+    """`measure_length`'s row, with cuDNN's time extrapolated from the longest timed earlier row
+    when it was not timed; a row saying so when the device ran out of memory."""
+    try:
+        row = measure_length(tokens, device, iters, dense)
+    except Exception as error:  # one length's failure is recorded; the next length still runs
+        if not is_out_of_memory(error):
+            raise
+        free_memory(device)
+        return {"tokens": tokens, "error": f"out of memory: {str(error).splitlines()[0][:200]}"}
+    timed = [r for r in earlier if "dense_step_ms" in r and not r.get("dense_extrapolated")]
+    if "dense_step_ms" not in row and timed:
+        row["dense_step_ms"] = timed[-1]["dense_step_ms"] * (tokens / timed[-1]["tokens"]) ** 2
+        row["dense_extrapolated"] = True
+    return row
+
+
+def _table_line(row: dict) -> str:
+    if "error" in row:
+        return f"{row['tokens']:>8} {row['error']}"
+    dense = row.get("dense_step_ms")
+    dense_text = "-" if dense is None else f"{dense:.0f}{' (extrap.)' if row.get('dense_extrapolated') else ''}"
+    speedup = "-" if dense is None else f"{dense / row['step_ms']:.1f}x"
+    return (f"{row['tokens']:>8} {row['step_ms']:>10.1f} {row['step_tflops']:>6.0f} {row['peak_above_inputs_gib']:>9.2f} "
+            f"{row['peak_above_inputs_kib_per_token']:>9.1f} {dense_text:>15} {speedup:>8}")
+
+
+def _write_json(path: str, record: dict) -> None:
+    with open(path, "w") as file:
+        json.dump(record, file, indent=1)
 
 if __name__ == "__main__":
     sys.exit(main())

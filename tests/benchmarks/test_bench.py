@@ -667,12 +667,54 @@ def test_the_long_context_benchmark_needs_cuda(capsys):
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
+def _fake_long_context(monkeypatch, outcomes):
+    """`benchmarks.long_context` on a pretend GPU whose lengths measure as `outcomes` says:
+    a row's step time, or an exception to raise."""
+    from benchmarks import long_context
+
+    monkeypatch.setattr(long_context, "pick_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "pretend GPU")
+
+    def measure_length(tokens, device, iters, dense):
+        outcome = outcomes[tokens]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        row = {"tokens": tokens, "step_ms": outcome, "step_tflops": 1.0, "peak_above_inputs_gib": 1.0,
+               "peak_above_inputs_kib_per_token": 1.0}
+        return {**row, "dense_step_ms": 10 * outcome} if dense else row
+
+    monkeypatch.setattr(long_context, "measure_length", measure_length)
+    monkeypatch.setattr(long_context, "free_memory", lambda device: None)
+    return long_context
+
+
+def test_the_long_context_benchmark_extrapolates_dense_and_records_out_of_memory(monkeypatch, tmp_path):
+    long_context = _fake_long_context(monkeypatch, {1024: 2.0, 2048: 5.0, 4096: torch.cuda.OutOfMemoryError("out of memory")})
+    assert long_context.main(["--seqlens", "1K", "2K", "4K", "--dense-up-to", "1K", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "long_context.json").read_text())
+    assert record["status"] == "complete" and not record["partial"]
+    first, second, third = record["rows"]
+    assert first["dense_step_ms"] == 20.0 and "dense_extrapolated" not in first
+    assert second["dense_step_ms"] == 80.0 and second["dense_extrapolated"]
+    assert third == {"tokens": 4096, "error": "out of memory: out of memory"}
+
+
+def test_an_interrupted_long_context_run_leaves_a_partial_json(monkeypatch, tmp_path):
+    long_context = _fake_long_context(monkeypatch, {1024: 2.0, 2048: KeyboardInterrupt()})
+    assert long_context.main(["--seqlens", "1K", "2K", "--out", str(tmp_path)]) == 130
+    record = json.loads((tmp_path / "long_context.json").read_text())
+    assert record["status"] == "interrupted" and record["partial"]
+    assert [row["tokens"] for row in record["rows"]] == [1024]
+
+
 @pytest.mark.cuda
 def test_the_long_context_benchmark_reports_time_memory_and_the_dense_peer(tmp_path):
     from benchmarks import long_context
 
     assert long_context.main(["--seqlens", "2K", "4K", "--dense-up-to", "2K", "--iters", "1", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "long_context.json").read_text())["rows"]
+    record = json.loads((tmp_path / "long_context.json").read_text())
+    assert record["status"] == "complete"
+    rows = record["rows"]
     assert [row["tokens"] for row in rows] == [2048, 4096]
     assert all(row["step_ms"] > 0 and row["peak_above_inputs_gib"] > 0 for row in rows)
     assert "dense_extrapolated" not in rows[0] and rows[1]["dense_extrapolated"]
