@@ -20,7 +20,6 @@ stderr shows each length's progress (rows done, elapsed, time left).
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -32,7 +31,7 @@ from torch_msa._progress import Progress
 from torch_msa.contract import M3, Shape
 from torch_msa.testing import pick_device
 
-from .results import COMPLETE, INTERRUPTED, RUNNING
+from .results import RUNNING, run_recorded, write_record
 from .timing import free_memory, measure
 
 SPARSE_ROWS = ("attention step", "sparse KL fwd+bwd", "sparse KL fwd")
@@ -164,12 +163,6 @@ def _meta(args, argv, device) -> dict:
     }
 
 
-def _write_json(path: str, record: dict) -> None:
-    with open(path, "w") as handle:
-        json.dump(record, handle, indent=1)
-        handle.write("\n")
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kl", description=__doc__.split("\n\n")[0])
@@ -184,25 +177,22 @@ def main(argv=None) -> int:
     print("backends:", meta["backends"])
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "kl.json")
-    record = {"status": RUNNING, "partial": True, "meta": meta, "lengths": []}
+    record: dict = {"status": RUNNING, "partial": True, "meta": meta, "lengths": []}
     names = SPARSE_ROWS + (DENSE_ROWS if args.dense else ())
-    try:
+
+    def run():
         for index, tokens in enumerate(args.seqlen, 1):
             rows: dict[str, float] = {}
             record["lengths"].append({"tokens": tokens, "rows_ms": rows})
             with Progress(f"[{index}/{len(args.seqlen)}] T={tokens}", len(names)) as progress:
                 measure_kl(tokens, device=device, dense=args.dense, iters=args.iters, rows=rows, progress=progress)
             _print_rows(tokens, rows)
-            _write_json(path, record)  # after every length, so a run that is killed keeps what it measured
-    except KeyboardInterrupt:
-        record["status"] = INTERRUPTED
-        _write_json(path, record)
-        print(f"interrupted: the partial results are in {path}", file=sys.stderr, flush=True)
-        return 130  # the shell's code for a command stopped by SIGINT
-    record["status"], record["partial"] = COMPLETE, False
-    _write_json(path, record)
-    print(f"wrote {path}")
-    return 0
+            write_record(path, record)  # after every length, so a run that is killed keeps what it measured
+
+    code = run_recorded(path, record, run)
+    if code == 0:
+        print(f"wrote {path}")
+    return code
 
 
 def _print_rows(tokens: int, results: dict[str, float]) -> None:

@@ -11,7 +11,6 @@ from the longest timed length by the quadratic growth of its work. Results go to
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -24,7 +23,7 @@ from torch_msa.testing import pick_device
 from .msa import msa_subject
 from .peers import dense_subject
 from .problems import ProblemSpec, make_inputs, parse_length, parse_seqlens
-from .results import COMPLETE, INTERRUPTED, RUNNING
+from .results import RUNNING, run_recorded, write_record
 from .timing import free_memory, is_out_of_memory, measure
 
 STEP = "select+fwd+bwd"
@@ -89,10 +88,11 @@ def main(argv=None) -> int:
     dense_limit = parse_length(args.dense_up_to, "--dense-up-to") if args.dense_up_to != "0" else 0
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "long_context.json")
-    record = {"status": RUNNING, "partial": True, "device": torch.cuda.get_device_name(device), "rows": []}
-    rows = record["rows"]
+    rows: list[dict] = []
+    record = {"status": RUNNING, "partial": True, "device": torch.cuda.get_device_name(device), "rows": rows}
     print(f"{'T':>8} {'step ms':>10} {'TF/s':>6} {'peak GiB':>9} {'KiB/token':>9} {'cuDNN dense ms':>15} {'speedup':>8}")
-    try:
+
+    def run():
         # Each length takes several times the one before: no rate estimate of the time left.
         with Progress("long context", len(lengths), rate_estimate=False) as progress:
             for tokens in lengths:
@@ -100,17 +100,13 @@ def main(argv=None) -> int:
                 row = _measure_or_out_of_memory(tokens, device, args.iters, tokens <= dense_limit, rows)
                 rows.append(row)
                 progress.write(_table_line(row), file=sys.stdout)
-                _write_json(path, record)  # after every length, so a run that is killed keeps what it measured
+                write_record(path, record)  # after every length, so a run that is killed keeps what it measured
                 progress.advance()
-    except KeyboardInterrupt:
-        record["status"] = INTERRUPTED
-        _write_json(path, record)
-        print(f"interrupted: the partial results are in {path}", file=sys.stderr, flush=True)
-        return 130  # the shell's code for a command stopped by SIGINT
-    record["status"], record["partial"] = COMPLETE, False
-    _write_json(path, record)
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
+
+    code = run_recorded(path, record, run)
+    if code == 0:
+        print(f"wrote {path}", file=sys.stderr)
+    return code
 
 
 def _measure_or_out_of_memory(tokens: int, device, iters: int, dense: bool, earlier: list[dict]) -> dict:
@@ -139,10 +135,3 @@ def _table_line(row: dict) -> str:
     return (f"{row['tokens']:>8} {row['step_ms']:>10.1f} {row['step_tflops']:>6.0f} {row['peak_above_inputs_gib']:>9.2f} "
             f"{row['peak_above_inputs_kib_per_token']:>9.1f} {dense_text:>15} {speedup:>8}")
 
-
-def _write_json(path: str, record: dict) -> None:
-    with open(path, "w") as file:
-        json.dump(record, file, indent=1)
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,6 +7,9 @@ the math backend elsewhere; `select+fwd+bwd` compares with the baseline's `fwd+b
 """
 
 import dataclasses
+import json
+import sys
+from collections.abc import Callable
 
 from .flops import Work, tflops
 from .problems import ProblemSpec
@@ -121,3 +124,29 @@ class BenchResult:
             })
         return {"status": self.status, "partial": self.status != COMPLETE, "meta": self.meta, "notes": self.notes,
                 "problems": problems}
+
+
+def write_record(path: str, record: dict) -> None:
+    """Write the JSON record of a run whose results are a plain dict (the KL and long-context
+    benchmarks), replacing the file."""
+    with open(path, "w") as handle:
+        json.dump(record, handle, indent=1)
+        handle.write("\n")
+
+
+def run_recorded(path: str, record: dict, body: Callable[[], None]) -> int:
+    """Run `body`, which fills `record` and rewrites it with `write_record` after each part, with
+    the record's `status` running. Then write it complete and return 0; on Ctrl-C write it
+    interrupted (still `partial`), say where it is on stderr and return 130, the shell's code for
+    a command stopped by SIGINT."""
+    record.update(status=RUNNING, partial=True)
+    try:
+        body()
+    except KeyboardInterrupt:
+        record["status"] = INTERRUPTED
+        write_record(path, record)
+        print(f"interrupted: the partial results are in {path}", file=sys.stderr, flush=True)
+        return 130
+    record.update(status=COMPLETE, partial=False)
+    write_record(path, record)
+    return 0
