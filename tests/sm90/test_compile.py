@@ -112,6 +112,19 @@ def test_ptx_has_both_wgmmas_and_the_tma_copies(sm90_build):
     assert "fence.proxy.async.shared::cta" in ptx
 
 
+@pytest.mark.parametrize("build", ["sm90_build", "sm90_backward_build"])
+@requires_cute
+def test_loads_run_on_two_pipelines_with_full_and_empty_barriers(build, request):
+    """`sm90/pipeline.py`: K/V (one stage) and the token tiles (two stages), each stage with a full
+    and an empty barrier; the producer arms a full barrier with the TMA's bytes (three call sites:
+    K/V, an item's first tile, the next tile) and every consumer warp releases a stage by a plain
+    arrive on its empty barrier (two call sites: the tile's stage and the item's K/V)."""
+    ptx = _listing(request.getfixturevalue(build), ".ptx")
+    assert ptx.count("mbarrier.init.shared.b64") == 2 * (1 + 2)
+    assert ptx.count("mbarrier.arrive.expect_tx.shared.b64") == 3
+    assert ptx.count("mbarrier.arrive.shared.b64") == 2
+
+
 @requires_cute
 def test_sass_has_hgmma_and_no_spills(sm90_build):
     sass = _listing(sm90_build, ".sass")

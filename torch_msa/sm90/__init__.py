@@ -1,7 +1,9 @@
 """The SM90 (Hopper) backend: `msa::forward` and `msa::backward` by CuTe DSL wgmma/TMA kernels.
 
 Each kernel is a class in its own module, which imports cutlass at the top: `forward_kernel.py`,
-`backward_kernel.py` (their shared device helpers: `tiles.py`). Its host side, torch only, holds
+`backward_kernel.py`. Their shared device code: `tile_scheduler.py` (the persistent walk over the
+plan's items), `pipeline.py` (the TMA load pipelines, on `cutlass.pipeline`), `mask.py`,
+`softmax.py` and `tiles.py` (tile layouts and loads). Its host side, torch only, holds
 the input checks, buffers, launch, compile cache and the functions this package calls:
 `forward_host.py`, `backward_host.py`. `common.py` holds what all of them share: the served
 configuration, the tile shape, the schedule operands. The bitwise-reproducible backward is

@@ -3,17 +3,18 @@
 Scope: the SM90 forward kernel's (`forward_kernel.py`): G = 16 query heads per KV head, D = 128,
 key blocks of 128, bf16 or fp16 (MiniMax-M3); any top-k. The host side (input checks, delta, the
 accumulators and their casts, launch, compile cache, the deterministic composition) is
-`backward_host.py`; what this kernel shares with the forward kernel is in `common.py`
-(constants) and `tiles.py` (device helpers).
+`backward_host.py`; what this kernel shares with the forward kernel is listed in
+`forward_kernel.py`.
 
 Design
 ------
-* **Work.** The step's plan, walked as in the forward: a persistent grid, CTA `c` takes items
-  `c, c + grid, ...`, an item being one KV head's key block and a run of the (query, slot) entries
-  that chose it, taken four tokens (a 64-row tile of 4 tokens x 16 heads) at a time.
-* **CTA.** Two warpgroups (256 threads), one CTA per SM (177 KiB of shared memory). Warp 0 loads
-  the block's K and V once per item (two TMA boxes) and, per tile, Q and dO (one 16 x 128 TMA
-  box per token each, double-buffered: the next tile loads while this one is computed).
+* **Work.** The step's plan, walked as in the forward (`tile_scheduler.py`): items of one KV
+  head's key block and the (query, slot) entries that chose it, taken four tokens (a 64-row tile
+  of 4 tokens x 16 heads) at a time.
+* **CTA.** Two warpgroups (256 threads), one CTA per SM (177 KiB of shared memory). Warp 0
+  produces the TMA load pipelines (`pipeline.py`): the block's K and V once per item (two TMA
+  boxes) and, per tile, Q and dO (one 16 x 128 TMA box per token each, two stages: the next tile
+  loads while this one is computed; a stage is released once the tile's dK/dV GEMMs have read it).
 * **Math, keys as the wgmma M side** (warpgroup w owns keys 64 w .. 64 w + 63):
   `S^T = K Q^T` and `dP^T = V dO^T` (both operands from shared memory);
   `P^T = exp2(S^T scale - lse)` and `dS^T = P^T (dP^T - delta)` in registers, with the
@@ -55,17 +56,22 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..cute_dsl.compat import LayoutEnum, SmemAllocator
 from ..cute_dsl.ptx import bulk_reduce_add_f32, red_add_f32x2
-from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, LOG2_E, TILE_ROWS, TOKENS_PER_TILE
+from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, LOG2_E, TILE_ROWS, TOKENS_PER_TILE, ScheduleOperands
+from .mask import key_hidden, zero_keys_past
+from .pipeline import consumer_state, producer_state, tma_load_pipeline
+from .softmax import probability
+from .tile_scheduler import Item, ItemScheduler
 from .tiles import (
     accumulator_as_operand_a,
     accumulator_rows_cols,
-    load_key_block,
+    load_key_blocks,
+    load_token_tile,
     token_box_layout,
     token_slots,
-    zero_keys_past,
 )
 
 THREADS = 256  # two MMA warpgroups
+CONSUMER_WARPS = THREADS // 32
 KEYS_PER_WARPGROUP = BLOCK_SIZE // 2
 # Q and dO tiles are fetched two at a time: the next tile loads while this one is computed.
 TILE_STAGES = 2
@@ -93,22 +99,19 @@ class Sm90BackwardKernel:
         mdQ: cute.Tensor,  # fp32 [Tq, Hq, 128], added to
         mdK: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
         mdV: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
-        mEntryQuery: cute.Tensor,
-        mItemBucket: cute.Tensor,
-        mItemStart: cute.Tensor,
-        mItemEnd: cute.Tensor,
-        mBucketHead: cute.Tensor,
-        mBucketKeyRow: cute.Tensor,
-        mBucketBlock: cute.Tensor,
-        mBucketKeyCount: cute.Tensor,
-        mPosition: cute.Tensor,
-        mNumItems: cute.Tensor,
+        # The schedule, in `ScheduleOperands` order.
+        entry_query, item_bucket, item_start, item_end, bucket_head,
+        bucket_key_row, bucket_block, bucket_key_count, position, num_items,
         topk: Int32,
         scale_log2: Float32,
         softmax_scale: Float32,
         grid_size: Int32,
         stream,
     ):
+        schedule = ScheduleOperands(
+            entry_query, item_bucket, item_start, item_end, bucket_head,
+            bucket_key_row, bucket_block, bucket_key_count, position, num_items,
+        )
         dtype = mQ.element_type
         self.dtype = dtype
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -170,15 +173,14 @@ class Sm90BackwardKernel:
             sLse: cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES]
             sDelta: cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES]
             sLast: cute.struct.MemRange[Int32, TILE_ROWS * TILE_STAGES]
-            # [0]: K/V loaded; [1 + s]: Q and dO of stage s loaded.
-            barriers: cute.struct.MemRange[Int64, 1 + TILE_STAGES]
+            # The full and empty barriers of the K/V and the Q/dO pipelines.
+            kv_barriers: cute.struct.MemRange[Int64, 2]
+            tile_barriers: cute.struct.MemRange[Int64, 2 * TILE_STAGES]
 
         self.shared_storage = SharedStorage
         self.kernel(
             mma_sdp, mma_dkv, mma_dq, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mLse, mDelta, mdQ, mdK, mdV, mEntryQuery, mItemBucket, mItemStart, mItemEnd,
-            mBucketHead, mBucketKeyRow, mBucketBlock, mBucketKeyCount, mPosition, mNumItems,
-            topk, scale_log2, softmax_scale, sQ_layout, sK_layout, sdS_layout,
+            mLse, mDelta, mdQ, mdK, mdV, schedule, topk, scale_log2, softmax_scale, sQ_layout, sK_layout, sdS_layout,
         ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
@@ -200,16 +202,7 @@ class Sm90BackwardKernel:
         mdQ: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
-        mEntryQuery: cute.Tensor,
-        mItemBucket: cute.Tensor,
-        mItemStart: cute.Tensor,
-        mItemEnd: cute.Tensor,
-        mBucketHead: cute.Tensor,
-        mBucketKeyRow: cute.Tensor,
-        mBucketBlock: cute.Tensor,
-        mBucketKeyCount: cute.Tensor,
-        mPosition: cute.Tensor,
-        mNumItems: cute.Tensor,
+        schedule: ScheduleOperands,
         topk: Int32,
         scale_log2: Float32,
         softmax_scale: Float32,
@@ -219,11 +212,8 @@ class Sm90BackwardKernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        cta = cute.arch.block_idx()[0]
-        grid = cute.arch.grid_dim()[0]
 
         storage = SmemAllocator().allocate(self.shared_storage)
-        barriers = storage.barriers.data_ptr()
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -244,8 +234,8 @@ class Sm90BackwardKernel:
         if tidx == 0:
             for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V):
                 cpasync.prefetch_descriptor(atom)
-            for index in cutlass.range_constexpr(1 + TILE_STAGES):
-                cute.arch.mbarrier_init(barriers + index, 1)
+        kv_pipeline = tma_load_pipeline(storage.kv_barriers.data_ptr(), 1, self.kv_bytes, CONSUMER_WARPS)
+        tile_pipeline = tma_load_pipeline(storage.tile_barriers.data_ptr(), TILE_STAGES, self.tile_bytes, CONSUMER_WARPS)
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
@@ -260,6 +250,8 @@ class Sm90BackwardKernel:
             tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(token_slots(sdO, TILE_STAGES), 0, 2),
             cute.group_modes(do_blocks, 0, 2),
         )
+        key_copies = ((tma_atom_K, tma_K, sK), (tma_atom_V, tma_V, sV))
+        tile_copies = ((tma_atom_Q, tQgQ, tQsQ), (tma_atom_dO, tdOgdO, tdOsdO))
 
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
@@ -296,56 +288,45 @@ class Sm90BackwardKernel:
         # dK/dV accumulate over an item's tiles from zeros set at its start.
         mma_dkv.set(warpgroup.Field.ACCUMULATE, True)
 
-        num_items = mNumItems[0]
-        tile_loads = Int32(0)  # Q/dO tiles this CTA has consumed: stage and phase of the next one
-        kv_loads = Int32(0)
-        for item in cutlass.range(cta, num_items, grid, unroll=1):
-            start = mItemStart[item]
-            end = mItemEnd[item]
-            bucket = mItemBucket[item]
-            kv_head = mBucketHead[bucket]
-            key_row = mBucketKeyRow[bucket]
-            first_key = mBucketBlock[bucket] * BLOCK_SIZE  # document position of key 0
-            key_count = mBucketKeyCount[bucket]
-            num_tiles = (end - start + TOKENS_PER_TILE - 1) // TOKENS_PER_TILE
-
-            # Shared memory is free to refill: the previous item's last tile ended with a
-            # barrier that every thread passed after all its GEMMs had completed.
+        items = ItemScheduler.create(schedule, topk)
+        kv_load, kv_read = producer_state(1), consumer_state(1)
+        tile_load, tile_read = producer_state(TILE_STAGES), consumer_state(TILE_STAGES)
+        for index in cutlass.range(items.first, items.count, items.stride, unroll=1):
+            item = items.item(index)
             if warp == 0:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(barriers, self.kv_bytes)
-                load_key_block(tma_atom_K, tma_K, sK, kv_head, key_row, barriers)
-                load_key_block(tma_atom_V, tma_V, sV, kv_head, key_row, barriers)
-                self.load_tile(
-                    tma_atom_Q, tQgQ, tQsQ, tma_atom_dO, tdOgdO, tdOsdO, barriers, mEntryQuery, start, end, topk,
-                    kv_head, tile_loads,
+                load_key_blocks(kv_pipeline, kv_load, key_copies, item.kv_head, item.key_row)
+                kv_load.advance()
+                load_token_tile(
+                    tile_pipeline, tile_load, tile_copies, items, item.start, item.end, self.num_kv_heads, item.kv_head
                 )
+                tile_load.advance()
             if tidx >= THREADS - TILE_ROWS:
                 self.stage_row(
-                    sLse, sDelta, sLast, mLse, mDelta, mEntryQuery, mPosition, start, end, topk, kv_head,
-                    first_key, tidx - (THREADS - TILE_ROWS), tile_loads % TILE_STAGES,
+                    sLse, sDelta, sLast, mLse, mDelta, items, item, item.start, tidx - (THREADS - TILE_ROWS),
+                    tile_read.index,
                 )
             # The first tile's rows are visible to every thread.
             cute.arch.barrier()
             acc_dK.fill(0.0)
             acc_dV.fill(0.0)
 
-            # A tile's stage, row buffer and dS tile are reused two (stage, rows) or one (dS)
-            # tiles later; the two barriers of every tile order each reuse after the last read.
-            for tile in cutlass.range(num_tiles, unroll=1):
-                first = start + tile * TOKENS_PER_TILE
+            # A tile's row buffer and dS tile are reused two (rows) or one (dS) tiles later; the
+            # barriers of every tile order each reuse after the last read.
+            for tile in cutlass.range(item.num_tiles, unroll=1):
+                first = item.start + tile * TOKENS_PER_TILE
                 if warp == 0:
-                    if tile + 1 < num_tiles:
-                        self.load_tile(
-                            tma_atom_Q, tQgQ, tQsQ, tma_atom_dO, tdOgdO, tdOsdO, barriers, mEntryQuery,
-                            first + TOKENS_PER_TILE, end, topk, kv_head, tile_loads + 1,
+                    if tile + 1 < item.num_tiles:
+                        load_token_tile(
+                            tile_pipeline, tile_load, tile_copies, items, first + TOKENS_PER_TILE, item.end,
+                            self.num_kv_heads, item.kv_head,
                         )
-                stage = tile_loads % TILE_STAGES
-                cute.arch.mbarrier_wait(barriers + 1 + stage, (tile_loads // TILE_STAGES) % 2)
+                        tile_load.advance()
+                stage = tile_read.index
+                tile_pipeline.consumer_wait(tile_read)
                 if tile == 0:
-                    cute.arch.mbarrier_wait(barriers, kv_loads % 2)
-                    if key_count < BLOCK_SIZE:
-                        zero_keys_past(sK, key_count, tidx)
+                    kv_pipeline.consumer_wait(kv_read)
+                    if item.key_count < BLOCK_SIZE:
+                        zero_keys_past(sK, item.key_count, tidx)
 
                 # S^T = K Q^T, dP^T = V dO^T
                 warpgroup.fence()
@@ -361,11 +342,10 @@ class Sm90BackwardKernel:
                 # The next tile's rows, in the shadow of the GEMMs; the barriers below make
                 # them visible.
                 if tidx >= THREADS - TILE_ROWS:
-                    if tile + 1 < num_tiles:
+                    if tile + 1 < item.num_tiles:
                         self.stage_row(
-                            sLse, sDelta, sLast, mLse, mDelta, mEntryQuery, mPosition, first + TOKENS_PER_TILE,
-                            end, topk, kv_head, first_key, tidx - (THREADS - TILE_ROWS),
-                            (tile_loads + 1) % TILE_STAGES,
+                            sLse, sDelta, sLast, mLse, mDelta, items, item, first + TOKENS_PER_TILE,
+                            tidx - (THREADS - TILE_ROWS), (stage + 1) % TILE_STAGES,
                         )
                 warpgroup.wait_group(0)
 
@@ -376,9 +356,9 @@ class Sm90BackwardKernel:
                     row_delta = sDelta[col, stage]
                     last = sLast[col, stage]
                     for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
-                        prob = cute.math.exp2(s_rc[r, c] * scale_log2 - row_lse, fastmath=True)
+                        prob = probability(s_rc[r, c], scale_log2, row_lse)
                         d_score = prob * (dp_rc[r, c] - row_delta)
-                        if cS_rc[r, c][0] > last:
+                        if key_hidden(cS_rc[r, c][0], last):
                             prob = Float32(0.0)
                             d_score = Float32(0.0)
                         s_rc[r, c] = prob
@@ -419,55 +399,38 @@ class Sm90BackwardKernel:
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier()
                     if warp == 0:
-                        self.reduce_dq(sdQ, mdQ, mEntryQuery, first, end, topk, kv_head)
-                tile_loads += 1
+                        self.reduce_dq(sdQ, mdQ, items, first, item.end, item.kv_head)
+                # Every GEMM that reads the tile's Q and dO has completed.
+                tile_pipeline.consumer_release(tile_read)
+                tile_read.advance()
 
+            # Every warp's GEMMs of the item have completed: the next item may refill K and V.
+            kv_pipeline.consumer_release(kv_read)
+            kv_read.advance()
             if cutlass.const_expr(self.deterministic):
-                self.store_keys(mdK, dk_rc, cKV_rc, item, key_count, softmax_scale)
-                self.store_keys(mdV, dv_rc, cKV_rc, item, key_count, Float32(1.0))
+                self.store_keys(mdK, dk_rc, cKV_rc, index, item.key_count, softmax_scale)
+                self.store_keys(mdV, dv_rc, cKV_rc, index, item.key_count, Float32(1.0))
             else:
-                self.add_keys(mdK, acc_dK, dk_rc, cKV_rc, key_row, key_count, kv_head, softmax_scale)
-                self.add_keys(mdV, acc_dV, dv_rc, cKV_rc, key_row, key_count, kv_head, Float32(1.0))
-            kv_loads += 1
+                self.add_keys(mdK, acc_dK, dk_rc, cKV_rc, item, softmax_scale)
+                self.add_keys(mdV, acc_dV, dv_rc, cKV_rc, item, Float32(1.0))
         # Shared memory must outlive the TMA engine's reads of the last dQ tile.
         if warp == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def load_tile(
-        self, tma_atom_Q: cute.CopyAtom, tQgQ: cute.Tensor, tQsQ: cute.Tensor, tma_atom_dO: cute.CopyAtom,
-        tdOgdO: cute.Tensor, tdOsdO: cute.Tensor, barriers, mEntryQuery: cute.Tensor, first: Int32, end: Int32,
-        topk: Int32, kv_head: Int32, load_index: Int32,
-    ):
-        """Q and dO of entries `first .. first + 3` into stage `load_index % 2`: one TMA box per
-        token and tensor (its 16 heads of `kv_head`); entries at or past `end` reload the first."""
-        stage = load_index % TILE_STAGES
-        barrier = barriers + 1 + stage
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.tile_bytes)
-        for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
-            entry = first + slot
-            if entry >= end:
-                entry = first
-            block = (mEntryQuery[entry] // topk) * self.num_kv_heads + kv_head
-            cute.copy(tma_atom_Q, tQgQ[None, block, 0], tQsQ[None, slot, 0, stage], tma_bar_ptr=barrier)
-            cute.copy(tma_atom_dO, tdOgdO[None, block, 0], tdOsdO[None, slot, 0, stage], tma_bar_ptr=barrier)
-
-    @cute.jit
     def stage_row(
         self, sLse: cute.Tensor, sDelta: cute.Tensor, sLast: cute.Tensor, mLse: cute.Tensor, mDelta: cute.Tensor,
-        mEntryQuery: cute.Tensor, mPosition: cute.Tensor, first: Int32, end: Int32, topk: Int32, kv_head: Int32,
-        first_key: Int32, row: Int32, buffer: Int32,
+        items: ItemScheduler, item: Item, first: Int32, row: Int32, buffer: Int32,
     ):
-        """Row `row` of the tile of entries `first ..` (token `row // 16`, head `row % 16`) into
-        row buffer `buffer`: its lse in the log2 domain, delta, and the last key of the block
+        """Row `row` of `item`'s tile of entries `first ..` (token `row // 16`, head `row % 16`)
+        into row buffer `buffer`: its lse in the log2 domain, delta, and the last key of the block
         it sees (-1 for a padding row)."""
         entry = first + row // HEADS_PER_KV
         last = Int32(-1)
-        if entry < end:
-            token = mEntryQuery[entry] // topk
-            head = kv_head * HEADS_PER_KV + row % HEADS_PER_KV
-            last = mPosition[token] - first_key
+        if entry < item.end:
+            token = items.token(entry)
+            head = item.kv_head * HEADS_PER_KV + row % HEADS_PER_KV
+            last = items.last_visible_key(token, item)
             row_lse = mLse[token, head] * Float32(LOG2_E)
             # Like the reference, a query with an empty key set (lse = -inf) shifts by 0, not inf.
             if row_lse == Float32.inf or row_lse == -Float32.inf:
@@ -478,8 +441,7 @@ class Sm90BackwardKernel:
 
     @cute.jit
     def reduce_dq(
-        self, sdQ: cute.Tensor, mdQ: cute.Tensor, mEntryQuery: cute.Tensor, first: Int32, end: Int32, topk: Int32,
-        kv_head: Int32,
+        self, sdQ: cute.Tensor, mdQ: cute.Tensor, items: ItemScheduler, first: Int32, end: Int32, kv_head: Int32,
     ):
         """Add the dQ tile's token blocks (those before `end`) into the fp32 accumulator, one bulk
         reduce-add of 16 heads x 128 dims each, then close the bulk group."""
@@ -488,7 +450,7 @@ class Sm90BackwardKernel:
             for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
                 entry = first + slot
                 if entry < end:
-                    token = Int64(mEntryQuery[entry] // topk)
+                    token = Int64(items.token(entry))
                     row = token * self.num_heads + kv_head * HEADS_PER_KV
                     source = (sdQ.iterator + slot * HEADS_PER_KV * HEAD_DIM).toint()
                     bulk_reduce_add_f32((mdQ.iterator + row * HEAD_DIM).toint(), source, Int32(token_bytes))
@@ -496,15 +458,15 @@ class Sm90BackwardKernel:
 
     @cute.jit
     def add_keys(
-        self, accumulator: cute.Tensor, acc: cute.Tensor, acc_rc: cute.Tensor, coords_rc: cute.Tensor,
-        key_row: Int32, key_count: Int32, kv_head: Int32, scale: Float32,
+        self, accumulator: cute.Tensor, acc: cute.Tensor, acc_rc: cute.Tensor, coords_rc: cute.Tensor, item: Item,
+        scale: Float32,
     ):
-        """accumulator[key_row + key, kv_head, :] += scale * acc for the block's keys inside its
-        document (`key < key_count`), two adjacent dims per 8-byte atomic."""
+        """accumulator[key_row + key, kv_head, :] += scale * acc for `item`'s block's keys inside
+        its document (`key < key_count`), two adjacent dims per 8-byte atomic."""
         for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
             key = coords_rc[r, 0][0]
-            if key < key_count:
-                row = (Int64(key_row) + key) * self.num_kv_heads + kv_head
+            if key < item.key_count:
+                row = (Int64(item.key_row) + key) * self.num_kv_heads + item.kv_head
                 base = (accumulator.iterator + row * HEAD_DIM).toint()
                 for c in cutlass.range_constexpr(0, cute.size(acc_rc, mode=[1]), 2):
                     dim = coords_rc[r, c][1]

@@ -6,12 +6,13 @@ other inputs, and the schedule operands both kernels take after their own: the p
 the per-bucket key counts (`bucket_key_count`).
 
 Both host modules (`forward_host.py`, `backward_host.py`) and both kernel modules
-(`forward_kernel.py`, `backward_kernel.py`, and their device helpers in `tiles.py`) read their
+(`forward_kernel.py`, `backward_kernel.py`, and their shared device modules) read their
 constants from here, so no module imports another kernel module for them. This module imports
 only torch.
 """
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,12 +43,26 @@ def check_served(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: 
         )
 
 
-# The schedule's tensors both SM90 kernels read, in launch order after their own operands.
-SCHEDULE_OPERANDS = tuple(
-    (name, (), torch.int32)
-    for name in ("entry_query", "item_bucket", "item_start", "item_end", "bucket_head", "bucket_key_row",
-                 "bucket_block", "bucket_key_count", "position", "num_items")
-)
+class ScheduleOperands(NamedTuple):
+    """The schedule's tensors both SM90 kernels read, int32 each, in launch order after their own
+    operands: the plan's tables (`torch_msa.schedule.Schedule`) and the per-bucket key counts. The
+    host launches them as torch tensors; the kernels receive them as CuTe tensors and walk them
+    through `tile_scheduler.ItemScheduler`."""
+
+    entry_query: Any
+    item_bucket: Any
+    item_start: Any
+    item_end: Any
+    bucket_head: Any
+    bucket_key_row: Any
+    bucket_block: Any
+    bucket_key_count: Any
+    position: Any
+    num_items: Any
+
+
+# (name, inner shape, dtype) of each, as the host modules describe their operands.
+SCHEDULE_OPERANDS = tuple((name, (), torch.int32) for name in ScheduleOperands._fields)
 
 
 def schedule_tensors(schedule, key_count: torch.Tensor) -> dict[str, torch.Tensor]:

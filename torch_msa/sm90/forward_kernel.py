@@ -2,31 +2,30 @@
 
 Scope: G = 16 query heads per KV head, D = 128, key blocks of 128, bf16 or fp16 (MiniMax-M3:
 Hq = 64, Hkv = 4); any top-k. Everything else is the Triton backend's. The host side (input
-checks, buffers, the plan, launch, compile cache, the combine) is `forward_host.py`; what this
-kernel shares with the backward kernel is in `common.py` (constants) and `tiles.py` (device
-helpers).
+checks, buffers, the plan, launch, compile cache, the combine) is `forward_host.py`. What this
+kernel shares with the backward kernel: `common.py` (constants), `tile_scheduler.py` (the
+persistent walk over the plan's items), `pipeline.py` (the TMA load pipelines), `mask.py` (which
+keys a query sees), `softmax.py` and `tiles.py` (tile layouts and loads).
 
 Design
 ------
-* **Work.** The step's plan (`torch_msa/schedule.py`, the one every op of the step reads) lists
-  *items*: one KV head's key block (a *bucket*) and a run of the (query, slot) entries that chose
-  it (128 in the plans the public API builds; the kernel walks items of any size). The grid is
-  persistent: CTA `c` walks items `c, c + grid, ...` up to the real item count, which it reads on
-  the device (no host sync, CUDA-graph safe).
-* **CTA.** One warpgroup (128 threads), two CTAs per SM (113 KiB of shared memory each). Per item
-  warp 0 loads the block's K and V (128 keys x 128 dims each) once with two TMA boxes; then the
-  item's entries are taken four at a time: a *tile* of 4 tokens x 16 heads = 64 rows, one wgmma
-  M. A token's 16 heads of one KV head are 16 consecutive rows of the `[Tq * Hq, 128]` view of q,
-  so each token is one 16 x 128 TMA box written straight into its 16 rows of the 128-byte
-  swizzled operand tile; the tile of the next four tokens is loaded (double buffer) while this
-  one is computed. Padding rows (an item's last tile) reload the tile's first token.
+* **Work.** The step's plan (`torch_msa/schedule.py`, the one every op of the step reads), walked
+  by a persistent grid (`tile_scheduler.py`): items of one KV head's key block and the (query,
+  slot) entries that chose it (128 in the plans the public API builds; the kernel walks items of
+  any size), their entries taken four at a time: a *tile* of 4 tokens x 16 heads = 64 rows, one
+  wgmma M.
+* **CTA.** One warpgroup (128 threads), two CTAs per SM (113 KiB of shared memory each). Warp 0
+  produces both TMA load pipelines (`pipeline.py`): per item the block's K and V (128 keys x 128
+  dims each, two TMA boxes, one stage) and per tile its Q (two stages: the next tile loads while
+  this one is computed). A token's 16 heads of one KV head are 16 consecutive rows of the
+  `[Tq * Hq, 128]` view of q, so each token is one 16 x 128 TMA box written straight into its 16
+  rows of the 128-byte swizzled operand tile. A Q stage is released as soon as `Q K^T` has read
+  it, K and V once the item's last `P V` has.
 * **Math.** `S = Q K^T` (wgmma, A and B from shared memory, fp32 accumulators in registers);
-  keys past the query's position are masked with `where` to `-inf` (a key of another document,
-  or past the packed keys, is always past the position, since positions are document-local and
-  the block starts inside the query's document); softmax over the one block in registers (no
-  online rescale: one block per slot); `O = P V` (wgmma with P from registers, V read through a
-  transposed view of its shared-memory tile). Warp `w` owns token `w` of the tile, so a row's
-  position, token and slot are per-warp scalars.
+  hidden keys (`mask.py`) selected to `-inf`; softmax over the one block in registers
+  (`softmax.py`: no online rescale, one block per slot); `O = P V` (wgmma with P from registers,
+  V read through a transposed view of its shared-memory tile). Warp `w` owns token `w` of the
+  tile, so a row's position, token and slot are per-warp scalars.
 * **Document isolation under NaN.** `P = 0` does not stop a NaN of V (`0 * NaN = NaN`), so when
   the block runs past its document's end (`bucket_key_count < 128`) the rows of V beyond it are
   zeroed in shared memory before `P V`. Masked scores never reach a max or a sum.
@@ -55,17 +54,22 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..cute_dsl.compat import LayoutEnum, SmemAllocator
-from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS, TOKENS_PER_TILE
+from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS, TOKENS_PER_TILE, ScheduleOperands
+from .mask import hide_scores_past, zero_keys_past
+from .pipeline import consumer_state, producer_state, tma_load_pipeline
+from .softmax import block_softmax_row
+from .tile_scheduler import ItemScheduler
 from .tiles import (
     accumulator_as_operand_a,
     accumulator_rows_cols,
-    load_key_block,
+    load_key_blocks,
+    load_token_tile,
     token_box_layout,
     token_slots,
-    zero_keys_past,
 )
 
 THREADS = 128  # one warpgroup
+CONSUMER_WARPS = THREADS // 32
 
 
 class Sm90ForwardKernel:
@@ -86,21 +90,18 @@ class Sm90ForwardKernel:
         mV: cute.Tensor,  # [Tk, Hkv, 128]
         mPartialOut: cute.Tensor,  # [Tq * Hkv * topk * 16, 128]
         mPartialLse: cute.Tensor,  # fp32 [Tq * Hkv * topk * 16]
-        mEntryQuery: cute.Tensor,
-        mItemBucket: cute.Tensor,
-        mItemStart: cute.Tensor,
-        mItemEnd: cute.Tensor,
-        mBucketHead: cute.Tensor,
-        mBucketKeyRow: cute.Tensor,
-        mBucketBlock: cute.Tensor,
-        mBucketKeyCount: cute.Tensor,
-        mPosition: cute.Tensor,
-        mNumItems: cute.Tensor,
+        # The schedule, in `ScheduleOperands` order.
+        entry_query, item_bucket, item_start, item_end, bucket_head,
+        bucket_key_row, bucket_block, bucket_key_count, position, num_items,
         topk: Int32,
         scale_log2: Float32,
         grid_size: Int32,
         stream,
     ):
+        schedule = ScheduleOperands(
+            entry_query, item_bucket, item_start, item_end, bucket_head,
+            bucket_key_row, bucket_block, bucket_key_count, position, num_items,
+        )
         dtype = mQ.element_type
         self.dtype = dtype
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -151,16 +152,15 @@ class Sm90ForwardKernel:
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sO_layout)], 1024]
-            # [0]: K/V loaded; [1 + s]: Q tile of stage s loaded. Last, so that no alignment
-            # padding precedes the tiles: two CTAs' 113 KiB must fit an SM's 228 KiB.
-            barriers: cute.struct.MemRange[Int64, 1 + self.q_stages]
+            # The full and empty barriers of the K/V and the Q pipelines. Last, so that no
+            # alignment padding precedes the tiles: two CTAs' 113 KiB must fit an SM's 228 KiB.
+            kv_barriers: cute.struct.MemRange[Int64, 2]
+            q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
 
         self.shared_storage = SharedStorage
         self.kernel(
             mma_qk, mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
-            mPartialOut, mPartialLse, mEntryQuery, mItemBucket, mItemStart, mItemEnd,
-            mBucketHead, mBucketKeyRow, mBucketBlock, mBucketKeyCount, mPosition, mNumItems,
-            topk, scale_log2, sQ_layout, sK_layout, sO_layout,
+            mPartialLse, schedule, topk, scale_log2, sQ_layout, sK_layout, sO_layout,
         ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
@@ -176,18 +176,8 @@ class Sm90ForwardKernel:
         tma_V: cute.Tensor,
         tma_atom_O: cute.CopyAtom,
         tma_O: cute.Tensor,
-        mPartialOut: cute.Tensor,
         mPartialLse: cute.Tensor,
-        mEntryQuery: cute.Tensor,
-        mItemBucket: cute.Tensor,
-        mItemStart: cute.Tensor,
-        mItemEnd: cute.Tensor,
-        mBucketHead: cute.Tensor,
-        mBucketKeyRow: cute.Tensor,
-        mBucketBlock: cute.Tensor,
-        mBucketKeyCount: cute.Tensor,
-        mPosition: cute.Tensor,
-        mNumItems: cute.Tensor,
+        schedule: ScheduleOperands,
         topk: Int32,
         scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
@@ -197,11 +187,8 @@ class Sm90ForwardKernel:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
-        cta = cute.arch.block_idx()[0]
-        grid = cute.arch.grid_dim()[0]
 
         storage = SmemAllocator().allocate(self.shared_storage)
-        barriers = storage.barriers.data_ptr()
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -212,8 +199,8 @@ class Sm90ForwardKernel:
         if tidx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                 cpasync.prefetch_descriptor(atom)
-            for index in cutlass.range_constexpr(1 + self.q_stages):
-                cute.arch.mbarrier_init(barriers + index, 1)
+        kv_pipeline = tma_load_pipeline(storage.kv_barriers.data_ptr(), 1, self.kv_bytes, CONSUMER_WARPS)
+        q_pipeline = tma_load_pipeline(storage.q_barriers.data_ptr(), self.q_stages, self.q_bytes, CONSUMER_WARPS)
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
@@ -230,6 +217,8 @@ class Sm90ForwardKernel:
         tOsO_tma, tOgO_tma = cpasync.tma_partition(
             tma_atom_O, 0, cute.make_layout(1), cute.group_modes(o_slots, 0, 2), cute.group_modes(o_blocks, 0, 2)
         )
+        key_copies = ((tma_atom_K, tma_K, sK), (tma_atom_V, tma_V, sV))
+        q_copies = ((tma_atom_Q, tQgQ, tQsQ),)
 
         thr_qk = mma_qk.get_slice(tidx)
         thr_pv = mma_pv.get_slice(tidx)
@@ -249,93 +238,56 @@ class Sm90ForwardKernel:
         tOrP = cute.make_tensor(rP.iterator, accumulator_as_operand_a(rP.layout))
         rows_per_thread = cute.size(s_rc, mode=[0])
 
-        num_items = mNumItems[0]
-        q_loads = Int32(0)  # Q tiles this CTA has consumed: stage and phase of the next one
-        kv_loads = Int32(0)
-        for item in cutlass.range(cta, num_items, grid, unroll=1):
-            start = mItemStart[item]
-            end = mItemEnd[item]
-            bucket = mItemBucket[item]
-            kv_head = mBucketHead[bucket]
-            key_row = mBucketKeyRow[bucket]
-            first_key = mBucketBlock[bucket] * BLOCK_SIZE  # document position of key 0
-            key_count = mBucketKeyCount[bucket]
-            num_tiles = (end - start + TOKENS_PER_TILE - 1) // TOKENS_PER_TILE
-
-            # Every thread is done with the previous item's K, V and Q tiles, and the TMA with
-            # the previous output tile.
+        items = ItemScheduler.create(schedule, topk)
+        kv_load, kv_read = producer_state(1), consumer_state(1)
+        q_load, q_read = producer_state(self.q_stages), consumer_state(self.q_stages)
+        for index in cutlass.range(items.first, items.count, items.stride, unroll=1):
+            item = items.item(index)
             if warp == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier()
-            # Warp 0 issues the loads: a TMA copy elects one lane of a converged warp
-            # (elect.sync), so it must not run under a one-thread branch.
-            if warp == 0:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(barriers, self.kv_bytes)
-                load_key_block(tma_atom_K, tma_K, sK, kv_head, key_row, barriers)
-                load_key_block(tma_atom_V, tma_V, sV, kv_head, key_row, barriers)
-                self.load_q(tma_atom_Q, tQgQ, tQsQ, barriers, mEntryQuery, start, end, topk, kv_head, q_loads)
+                load_key_blocks(kv_pipeline, kv_load, key_copies, item.kv_head, item.key_row)
+                kv_load.advance()
+                load_token_tile(
+                    q_pipeline, q_load, q_copies, items, item.start, item.end, self.num_kv_heads, item.kv_head
+                )
+                q_load.advance()
 
-            for tile in cutlass.range(num_tiles, unroll=1):
-                first = start + tile * TOKENS_PER_TILE
-                if tile > 0:
-                    # Every thread's wgmma of the previous tile has completed (wait_group 0),
-                    # so its Q stage may be overwritten, and the TMA has read the output tile.
-                    if warp == 0:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    cute.arch.barrier()
+            for tile in cutlass.range(item.num_tiles, unroll=1):
+                first = item.start + tile * TOKENS_PER_TILE
                 if warp == 0:
-                    if tile + 1 < num_tiles:
-                        self.load_q(
-                            tma_atom_Q, tQgQ, tQsQ, barriers, mEntryQuery, first + TOKENS_PER_TILE, end, topk,
-                            kv_head, q_loads + 1,
+                    if tile + 1 < item.num_tiles:
+                        load_token_tile(
+                            q_pipeline, q_load, q_copies, items, first + TOKENS_PER_TILE, item.end,
+                            self.num_kv_heads, item.kv_head,
                         )
-                stage = q_loads % self.q_stages
-                cute.arch.mbarrier_wait(barriers + 1 + stage, (q_loads // self.q_stages) % 2)
+                        q_load.advance()
+                q_pipeline.consumer_wait(q_read)
                 if tile == 0:
-                    cute.arch.mbarrier_wait(barriers, kv_loads % 2)
-                    if key_count < BLOCK_SIZE:
-                        zero_keys_past(sV, key_count, tidx)
+                    kv_pipeline.consumer_wait(kv_read)
+                    if item.key_count < BLOCK_SIZE:
+                        zero_keys_past(sV, item.key_count, tidx)
 
                 # This warp's token (warp w owns rows 16 w .. 16 w + 15 of the tile).
-                entry = first + warp
-                row_valid = entry < end
-                if not row_valid:
-                    entry = first
-                query = mEntryQuery[entry]
-                token = query // topk
-                slot = query - token * topk
-                last_key = mPosition[token] - first_key  # keys c <= last_key are visible
+                row_valid = first + warp < item.end
+                token, slot = items.token_and_slot(items.tile_entry(first, warp, item.end))
+                last_key = items.last_visible_key(token, item)
 
                 # S = Q K^T
                 warpgroup.fence()
                 mma_qk.set(warpgroup.Field.ACCUMULATE, False)
                 for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                    cute.gemm(mma_qk, acc_S, tSrQ[None, None, k, stage], tSrK[None, None, k, 0], acc_S)
+                    cute.gemm(mma_qk, acc_S, tSrQ[None, None, k, q_read.index], tSrK[None, None, k, 0], acc_S)
                     mma_qk.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
+                # Only Q K^T reads the Q stage: the next load may refill it.
+                q_pipeline.consumer_release(q_read)
+                q_read.advance()
 
-                # Softmax over the block, per row, in the log2 domain.
-                row_max = cute.make_rmem_tensor(rows_per_thread, Float32)
+                row_shift = cute.make_rmem_tensor(rows_per_thread, Float32)
                 row_sum = cute.make_rmem_tensor(rows_per_thread, Float32)
                 for r in cutlass.range_constexpr(rows_per_thread):
-                    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                        if cS_rc[r, c][1] > last_key:
-                            s_rc[r, c] = -Float32.inf
-                    best = s_rc[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-                    best = cute.arch.fmax(best, cute.arch.shuffle_sync_bfly(best, offset=1))
-                    best = cute.arch.fmax(best, cute.arch.shuffle_sync_bfly(best, offset=2))
-                    if best == -Float32.inf:
-                        best = Float32(0.0)
-                    shift = best * scale_log2
-                    probs = cute.math.exp2(s_rc[r, None].load() * scale_log2 - shift, fastmath=True)
-                    total = probs.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-                    total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
-                    s_rc[r, None].store(probs)
-                    row_max[r] = shift
-                    row_sum[r] = total
+                    hide_scores_past(s_rc, cS_rc, r, last_key)
+                    row_shift[r], row_sum[r] = block_softmax_row(s_rc, r, scale_log2)
                 rP.store(acc_S.load().to(self.dtype))
 
                 # O = P V
@@ -353,55 +305,40 @@ class Sm90ForwardKernel:
                     inverse = Float32(1.0) / row_sum[r]
                     for c in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
                         o_rc[r, c] = o_rc[r, c] * inverse
+                # The TMA has read the previous tile's output out of the one output tile.
+                if warp == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier()
                 tOsO.store(acc_O.load().to(self.dtype))
                 # The generic-proxy stores of every thread before the TMA reads the tile.
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier()
                 if warp == 0:
-                    self.store_partials(tma_atom_O, tOsO_tma, tOgO_tma, mEntryQuery, first, end, topk, kv_head)
+                    self.store_partials(tma_atom_O, tOsO_tma, tOgO_tma, items, first, item.end, item.kv_head)
                 if row_valid and lane % 4 == 0:
                     # Partials are [Tq, Hkv, topk, 16] rows: one (query, KV head) is contiguous.
-                    base = ((token * self.num_kv_heads + kv_head) * topk + slot) * HEADS_PER_KV
+                    base = ((token * self.num_kv_heads + item.kv_head) * topk + slot) * HEADS_PER_KV
                     for r in cutlass.range_constexpr(rows_per_thread):
                         head = cO_rc[r, 0][0] % HEADS_PER_KV
-                        mPartialLse[base + head] = row_max[r] + cute.math.log2(row_sum[r], fastmath=True)
-                q_loads += 1
-            kv_loads += 1
+                        mPartialLse[base + head] = row_shift[r] + cute.math.log2(row_sum[r], fastmath=True)
+            # Every warp's GEMMs of the item have completed: the next item may refill K and V.
+            kv_pipeline.consumer_release(kv_read)
+            kv_read.advance()
         # Shared memory must outlive the TMA's reads of the last output tile.
         if warp == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def load_q(
-        self, tma_atom: cute.CopyAtom, tQgQ: cute.Tensor, tQsQ: cute.Tensor, barriers, mEntryQuery: cute.Tensor,
-        first: Int32, end: Int32, topk: Int32, kv_head: Int32, load_index: Int32,
-    ):
-        """The Q tile of entries `first .. first + 3` into stage `load_index % 2`: one TMA per token
-        (its 16 heads of `kv_head`); entries at or past `end` reload the first token."""
-        stage = load_index % self.q_stages
-        barrier = barriers + 1 + stage
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.q_bytes)
-        for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
-            entry = first + slot
-            if entry >= end:
-                entry = first
-            token = mEntryQuery[entry] // topk
-            block = token * self.num_kv_heads + kv_head
-            cute.copy(tma_atom, tQgQ[None, block, 0], tQsQ[None, slot, 0, stage], tma_bar_ptr=barrier)
-
-    @cute.jit
     def store_partials(
-        self, tma_atom: cute.CopyAtom, tOsO: cute.Tensor, tOgO: cute.Tensor, mEntryQuery: cute.Tensor,
-        first: Int32, end: Int32, topk: Int32, kv_head: Int32,
+        self, tma_atom: cute.CopyAtom, tOsO: cute.Tensor, tOgO: cute.Tensor, items: ItemScheduler,
+        first: Int32, end: Int32, kv_head: Int32,
     ):
         """The output tile of entries `first .. first + 3` (those before `end`) to their partial
         rows: one TMA store per token, then one bulk group for the next tile to wait on."""
         for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
             entry = first + slot
             if entry < end:
-                query = mEntryQuery[entry]
-                token = query // topk
-                block = (token * self.num_kv_heads + kv_head) * topk + query - token * topk
+                token, query_slot = items.token_and_slot(entry)
+                block = (token * self.num_kv_heads + kv_head) * items.topk + query_slot
                 cute.copy(tma_atom, tOsO[None, slot, 0, 0], tOgO[None, block, 0])
         cute.arch.cp_async_bulk_commit_group()

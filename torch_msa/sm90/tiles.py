@@ -1,6 +1,6 @@
 """What the SM90 forward and backward kernels share about their tiles: wgmma accumulators seen as
 (rows, cols) or reused as a register A operand, the per-token TMA boxes of a 64-row operand
-tile, the TMA load of a key block and the zeroing of its keys past a document's end.
+tile, and the TMA loads of a key block and of a tile's token boxes.
 
 These are device code, so this module imports cutlass at the top; only the kernel modules
 (`forward_kernel.py`, `backward_kernel.py`) import it. The constants are `common.py`'s, the
@@ -12,7 +12,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
-from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS
+from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS, TOKENS_PER_TILE
 
 SWIZZLE_COLS = 64  # elements of one 128-byte swizzle row (16-bit types)
 
@@ -87,12 +87,29 @@ def load_key_block(
 
 
 @cute.jit
-def zero_keys_past(tile: cute.Tensor, key_count: Int32, tidx: Int32):
-    """Zero keys `key_count ..` of a (key, dim, 1) tile (another document's, or TMA fill), thread
-    `tidx < 128` taking key `tidx`, then make the stores visible to the tensor cores; every thread
-    of the CTA calls it (it ends with a CTA barrier)."""
-    if tidx < BLOCK_SIZE and tidx >= key_count:
-        for d in cutlass.range(HEAD_DIM, unroll_full=True):
-            tile[tidx, d, 0] = tile.element_type(0.0)
-    cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier()
+def load_token_tile(
+    load_pipeline, state, copies, items, first: Int32, end: Int32, num_kv_heads: cutlass.Constexpr[int],
+    kv_head: Int32,
+):
+    """Acquire stage `state.index` of `load_pipeline` and fill it with the tile of entries `first ..
+    first + 3` (`items.tile_entry`: slots past `end` repeat the first): for each `(atom, token
+    blocks, slots)` of `copies`, one TMA box per token, its 16 heads of `kv_head` (block `token *
+    num_kv_heads + kv_head` of the `[T * Hq / 16]` token blocks) into the slot's 16 rows. All of
+    warp 0 calls it: a TMA copy elects one lane of a converged warp."""
+    load_pipeline.producer_acquire(state)
+    barrier = load_pipeline.producer_get_barrier(state)
+    for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
+        block = items.token(items.tile_entry(first, slot, end)) * num_kv_heads + kv_head
+        for atom, blocks, slots in copies:
+            cute.copy(atom, blocks[None, block, 0], slots[None, slot, 0, state.index], tma_bar_ptr=barrier)
+
+
+@cute.jit
+def load_key_blocks(load_pipeline, state, copies, kv_head: Int32, key_row: Int32):
+    """Acquire stage `state.index` of `load_pipeline` and fill it with one key block per `(atom,
+    TMA view, tile)` of `copies` (K and V): keys `key_row .. key_row + 127` of `kv_head`. All of
+    warp 0 calls it."""
+    load_pipeline.producer_acquire(state)
+    barrier = load_pipeline.producer_get_barrier(state)
+    for atom, rows, tile in copies:
+        load_key_block(atom, rows, tile, kv_head, key_row, barrier)
