@@ -64,10 +64,13 @@ from .tile_scheduler import Item, ItemScheduler
 from .tiles import (
     accumulator_as_operand_a,
     accumulator_rows_cols,
+    key_block_tma,
     load_key_blocks,
     load_token_tile,
+    query_rows,
     token_box_layout,
-    token_slots,
+    token_rows_tma,
+    token_tile_partition,
 )
 
 THREADS = 256  # two MMA warpgroups
@@ -137,26 +140,13 @@ class Sm90BackwardKernel:
         sQ_layout = sm90_utils.make_smem_layout_b(row_major, sdp_tiler, dtype, TILE_STAGES)
         sdS_layout = sm90_utils.make_smem_layout_a(row_major, (TILE_ROWS, HEAD_DIM, BLOCK_SIZE), dtype, 1)
 
-        query_rows_layout = cute.make_layout((mQ.shape[0] * self.num_heads, HEAD_DIM), stride=(HEAD_DIM, 1))
-        kv_layout = cute.make_layout(
-            (mK.shape[0], HEAD_DIM, self.num_kv_heads), stride=(self.num_kv_heads * HEAD_DIM, 1, HEAD_DIM)
-        )
-        tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        sK_one = cute.select(sK_layout, mode=[0, 1])
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            tma_load, cute.make_tensor(mK.iterator, kv_layout), sK_one, (BLOCK_SIZE, HEAD_DIM)
-        )
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            tma_load, cute.make_tensor(mV.iterator, kv_layout), sK_one, (BLOCK_SIZE, HEAD_DIM)
+        ((tma_atom_K, tma_K), (tma_atom_V, tma_V)), self.kv_bytes = key_block_tma(
+            mK, mV, sK_layout, self.num_kv_heads
         )
         token_rows = token_box_layout(sQ_layout)
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            tma_load, cute.make_tensor(mQ.iterator, query_rows_layout), token_rows, (HEADS_PER_KV, HEAD_DIM)
-        )
-        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
-            tma_load, cute.make_tensor(mdO.iterator, query_rows_layout), token_rows, (HEADS_PER_KV, HEAD_DIM)
-        )
-        self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = token_rows_tma(tma_load, query_rows(mQ, self.num_heads), token_rows)
+        tma_atom_dO, tma_dO = token_rows_tma(tma_load, query_rows(mdO, self.num_heads), token_rows)
         self.tile_bytes = 2 * cute.size_in_bytes(dtype, cute.select(sQ_layout, mode=[0, 1]))
 
         @cute.struct
@@ -240,16 +230,8 @@ class Sm90BackwardKernel:
         cute.arch.barrier()
 
         # Q and dO: 16-row token blocks of the [Tq * Hq, 128] views into a tile's 4 token slots.
-        q_blocks = cute.flat_divide(tma_Q, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, Tq * Hq / 16, 1)
-        do_blocks = cute.flat_divide(tma_dO, (HEADS_PER_KV, HEAD_DIM))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(token_slots(sQ, TILE_STAGES), 0, 2),
-            cute.group_modes(q_blocks, 0, 2),
-        )
-        tdOsdO, tdOgdO = cpasync.tma_partition(
-            tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(token_slots(sdO, TILE_STAGES), 0, 2),
-            cute.group_modes(do_blocks, 0, 2),
-        )
+        tQsQ, tQgQ = token_tile_partition(tma_atom_Q, tma_Q, sQ, TILE_STAGES)
+        tdOsdO, tdOgdO = token_tile_partition(tma_atom_dO, tma_dO, sdO, TILE_STAGES)
         key_copies = ((tma_atom_K, tma_K, sK), (tma_atom_V, tma_V, sV))
         tile_copies = ((tma_atom_Q, tQgQ, tQsQ), (tma_atom_dO, tdOgdO, tdOsdO))
 

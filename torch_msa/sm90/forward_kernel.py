@@ -62,10 +62,13 @@ from .tile_scheduler import ItemScheduler
 from .tiles import (
     accumulator_as_operand_a,
     accumulator_rows_cols,
+    key_block_tma,
     load_key_blocks,
     load_token_tile,
+    query_rows,
     token_box_layout,
-    token_slots,
+    token_rows_tma,
+    token_tile_partition,
 )
 
 THREADS = 128  # one warpgroup
@@ -119,30 +122,15 @@ class Sm90ForwardKernel:
         # K and V are both (key, dim) tiles with dims contiguous; P V reads V transposed.
         sK_layout = sm90_utils.make_smem_layout_b(row_major, qk_tiler, dtype, 1)
 
-        # TMA views: q as [Tq * Hq, 128] rows (a token's 16 heads of one KV head are 16
-        # consecutive rows); K/V as (key, dim, kv head).
-        q_rows = cute.make_tensor(
-            mQ.iterator, cute.make_layout((mQ.shape[0] * self.num_heads, HEAD_DIM), stride=(HEAD_DIM, 1))
+        ((tma_atom_K, tma_K), (tma_atom_V, tma_V)), self.kv_bytes = key_block_tma(
+            mK, mV, sK_layout, self.num_kv_heads
         )
-        kv_layout = cute.make_layout(
-            (mK.shape[0], HEAD_DIM, self.num_kv_heads), stride=(self.num_kv_heads * HEAD_DIM, 1, HEAD_DIM)
-        )
-        k_view = cute.make_tensor(mK.iterator, kv_layout)
-        v_view = cute.make_tensor(mV.iterator, kv_layout)
-        tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        sK_one = cute.select(sK_layout, mode=[0, 1])
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, k_view, sK_one, (BLOCK_SIZE, HEAD_DIM))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, v_view, sK_one, (BLOCK_SIZE, HEAD_DIM))
         token_rows = token_box_layout(sQ_layout)
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, q_rows, token_rows, (HEADS_PER_KV, HEAD_DIM))
+        tma_atom_Q, tma_Q = token_rows_tma(cpasync.CopyBulkTensorTileG2SOp(), query_rows(mQ, self.num_heads), token_rows)
         # The partial outputs leave through a one-stage tile laid out like a Q stage, one
         # token's 16 rows per TMA store into its (query, KV head, slot) rows.
         sO_layout = sm90_utils.make_smem_layout_a(row_major, qk_tiler, dtype, 1)
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mPartialOut, token_rows, (HEADS_PER_KV, HEAD_DIM)
-        )
-
-        self.kv_bytes = 2 * cute.size_in_bytes(dtype, sK_one)
+        tma_atom_O, tma_O = token_rows_tma(cpasync.CopyBulkTensorTileS2GOp(), mPartialOut, token_rows)
         self.q_bytes = cute.size_in_bytes(dtype, cute.select(sQ_layout, mode=[0, 1]))
 
         @cute.struct
@@ -204,19 +192,11 @@ class Sm90ForwardKernel:
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
-        # Q: 16-row token blocks of the [Tq * Hq, 128] view into the 4 token slots of a tile.
-        q_slots = token_slots(sQ, self.q_stages)  # (16, 128, 4, 1, stage)
-        q_blocks = cute.flat_divide(tma_Q, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, Tq * Hq / 16, 1)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(q_slots, 0, 2), cute.group_modes(q_blocks, 0, 2)
-        )
-        # The partial outputs: the 4 token slots of the output tile into 16-row blocks of
-        # the partial rows (block (token * Hkv + kv head) * topk + slot).
-        o_slots = token_slots(sO, 1)  # (16, 128, 4, 1, 1)
-        o_blocks = cute.flat_divide(tma_O, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, partial rows / 16, 1)
-        tOsO_tma, tOgO_tma = cpasync.tma_partition(
-            tma_atom_O, 0, cute.make_layout(1), cute.group_modes(o_slots, 0, 2), cute.group_modes(o_blocks, 0, 2)
-        )
+        # Q: 16-row token blocks of the [Tq * Hq, 128] view into the 4 token slots of a tile;
+        # the partial outputs: the 4 token slots of the output tile into 16-row blocks of the
+        # partial rows (block (token * Hkv + kv head) * topk + slot).
+        tQsQ, tQgQ = token_tile_partition(tma_atom_Q, tma_Q, sQ, self.q_stages)
+        tOsO_tma, tOgO_tma = token_tile_partition(tma_atom_O, tma_O, sO, 1)
         key_copies = ((tma_atom_K, tma_K, sK), (tma_atom_V, tma_V, sV))
         q_copies = ((tma_atom_Q, tQgQ, tQsQ),)
 

@@ -113,3 +113,40 @@ def load_key_blocks(load_pipeline, state, copies, kv_head: Int32, key_row: Int32
     barrier = load_pipeline.producer_get_barrier(state)
     for atom, rows, tile in copies:
         load_key_block(atom, rows, tile, kv_head, key_row, barrier)
+
+
+def key_block_tma(mK: cute.Tensor, mV: cute.Tensor, key_tile_layout: cute.ComposedLayout, num_kv_heads: int):
+    """The TMA atoms and views of K and V `[Tk, Hkv, 128]` as `(key, dim, kv head)`, one 128 x 128
+    box per key block into one stage of `key_tile_layout`: `((atom_K, view_K), (atom_V, view_V))`
+    and the bytes both boxes write."""
+    layout = cute.make_layout((mK.shape[0], HEAD_DIM, num_kv_heads), stride=(num_kv_heads * HEAD_DIM, 1, HEAD_DIM))
+    stage = cute.select(key_tile_layout, mode=[0, 1])
+    atoms = tuple(
+        cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), cute.make_tensor(tensor.iterator, layout), stage, (BLOCK_SIZE, HEAD_DIM)
+        )
+        for tensor in (mK, mV)
+    )
+    return atoms, 2 * cute.size_in_bytes(mK.element_type, stage)
+
+
+def token_rows_tma(operation, rows: cute.Tensor, token_layout: cute.ComposedLayout):
+    """The TMA atom and view of `rows` (`[R, 128]`) moved by `operation` (a G2S load or S2G store) in
+    16 x 128 token boxes laid out as `token_layout` (`token_box_layout`)."""
+    return cpasync.make_tiled_tma_atom(operation, rows, token_layout, (HEADS_PER_KV, HEAD_DIM))
+
+
+def query_rows(mX: cute.Tensor, num_heads: int) -> cute.Tensor:
+    """A `[T, Hq, 128]` tensor as `[T * Hq, 128]` rows: a token's 16 heads of one KV head are 16
+    consecutive rows, one token box."""
+    return cute.make_tensor(mX.iterator, cute.make_layout((mX.shape[0] * num_heads, HEAD_DIM), stride=(HEAD_DIM, 1)))
+
+
+def token_tile_partition(atom: cute.CopyAtom, view: cute.Tensor, tile: cute.Tensor, stages: int):
+    """The TMA partition of a staged 64 x 128 tile's token slots (`token_slots`) against the 16-row
+    token blocks of `view` (from `token_rows_tma`): `(slots, blocks)`, indexed
+    `slots[None, slot, 0, stage]` and `blocks[None, block, 0]`."""
+    blocks = cute.flat_divide(view, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, R / 16, 1)
+    return cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(token_slots(tile, stages), 0, 2), cute.group_modes(blocks, 0, 2)
+    )
