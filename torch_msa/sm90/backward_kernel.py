@@ -43,9 +43,6 @@ Traffic per token (M3, bf16, top-16, long documents): its 64 entries read Q and 
 The five GEMMs of a tile do 10.5 MFLOP on 48 KiB of operands read (Q, dO) and 8 KiB reduced.
 Both warpgroups work on the same tile, so they pass its phases in lockstep, with two CTA barriers
 per tile. Measured speed, what bounds it and what is left to gain: docs/performance.md.
-
-This module imports cutlass at the top; the host module imports it only when it first compiles
-the kernel, after `require_cute_dsl()`.
 """
 
 import cutlass
@@ -56,6 +53,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..cute_dsl.compat import LayoutEnum, SmemAllocator
 from ..cute_dsl.ptx import bulk_reduce_add_f32, red_add_f32x2
+from .blocks_kernel import BlocksKernel
 from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, LOG2_E, TILE_ROWS, TOKENS_PER_TILE, ScheduleOperands
 from .mask import key_hidden, zero_keys_past
 from .pipeline import consumer_state, producer_state, tma_load_pipeline
@@ -80,14 +78,11 @@ KEYS_PER_WARPGROUP = BLOCK_SIZE // 2
 TILE_STAGES = 2
 
 
-class Sm90BackwardKernel:
+class Sm90BackwardKernel(BlocksKernel):
     """The SM90 backward blocks kernel; `__call__` is the `cute.jit` host function."""
 
-    acc_dtype = Float32
-
     def __init__(self, num_kv_heads: int, deterministic: bool):
-        self.num_kv_heads = num_kv_heads
-        self.num_heads = HEADS_PER_KV * num_kv_heads
+        super().__init__(num_kv_heads)
         self.deterministic = deterministic
 
     @cute.jit
@@ -102,19 +97,9 @@ class Sm90BackwardKernel:
         mdQ: cute.Tensor,  # fp32 [Tq, Hq, 128], added to
         mdK: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
         mdV: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
-        # The schedule, in `ScheduleOperands` order.
-        entry_query, item_bucket, item_start, item_end, bucket_head,
-        bucket_key_row, bucket_block, bucket_key_count, position, num_items,
-        topk: Int32,
-        scale_log2: Float32,
-        softmax_scale: Float32,
-        grid_size: Int32,
-        stream,
+        *schedule_and_scalars,  # `BlocksKernel`: the schedule, then topk, scale_log2, softmax_scale, grid_size, stream
     ):
-        schedule = ScheduleOperands(
-            entry_query, item_bucket, item_start, item_end, bucket_head,
-            bucket_key_row, bucket_block, bucket_key_count, position, num_items,
-        )
+        schedule, (topk, scale_log2, softmax_scale, grid_size, stream) = self.split_schedule(schedule_and_scalars)
         dtype = mQ.element_type
         self.dtype = dtype
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN

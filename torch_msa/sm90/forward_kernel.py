@@ -42,9 +42,6 @@ partial outputs are written and read back, 2 x 256 KiB, and their lse 2 x 4 KiB;
 written, 16 KiB; K and V of a block (64 KiB) are read once per item of up to 128 entries, 32 KiB
 per token. Total about 824 KiB = 0.84 MB per token, 60 % of it the partials. What that bounds
 on a given GPU, what was measured and what is left to gain: docs/performance.md.
-
-This module imports cutlass at the top; the host module imports it only when it first compiles
-the kernel, after `require_cute_dsl()`.
 """
 
 import cutlass
@@ -54,6 +51,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..cute_dsl.compat import LayoutEnum, SmemAllocator
+from .blocks_kernel import BlocksKernel
 from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS, TOKENS_PER_TILE, ScheduleOperands
 from .mask import hide_scores_past, zero_keys_past
 from .pipeline import consumer_state, producer_state, tma_load_pipeline
@@ -75,15 +73,10 @@ THREADS = 128  # one warpgroup
 CONSUMER_WARPS = THREADS // 32
 
 
-class Sm90ForwardKernel:
+class Sm90ForwardKernel(BlocksKernel):
     """The SM90 forward blocks kernel; `__call__` is the `cute.jit` host function."""
 
-    acc_dtype = Float32
     q_stages = 2
-
-    def __init__(self, num_kv_heads: int):
-        self.num_kv_heads = num_kv_heads
-        self.num_heads = HEADS_PER_KV * num_kv_heads
 
     @cute.jit
     def __call__(
@@ -93,18 +86,9 @@ class Sm90ForwardKernel:
         mV: cute.Tensor,  # [Tk, Hkv, 128]
         mPartialOut: cute.Tensor,  # [Tq * Hkv * topk * 16, 128]
         mPartialLse: cute.Tensor,  # fp32 [Tq * Hkv * topk * 16]
-        # The schedule, in `ScheduleOperands` order.
-        entry_query, item_bucket, item_start, item_end, bucket_head,
-        bucket_key_row, bucket_block, bucket_key_count, position, num_items,
-        topk: Int32,
-        scale_log2: Float32,
-        grid_size: Int32,
-        stream,
+        *schedule_and_scalars,  # `BlocksKernel`: the schedule, then topk, scale_log2, grid_size, stream
     ):
-        schedule = ScheduleOperands(
-            entry_query, item_bucket, item_start, item_end, bucket_head,
-            bucket_key_row, bucket_block, bucket_key_count, position, num_items,
-        )
+        schedule, (topk, scale_log2, grid_size, stream) = self.split_schedule(schedule_and_scalars)
         dtype = mQ.element_type
         self.dtype = dtype
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
