@@ -91,6 +91,13 @@ _BACKEND_FORMS = {name: _backend_form(name) for name in SCHEMAS}
 _NUM_ARGUMENTS = {name: len(_schema_arguments(name)[0]) for name in SCHEMAS}
 
 
+def backend_arguments(name: str, *args, **kwargs) -> list:
+    """`msa::name`'s arguments (positional in the schema's order, trailing ones optional, or by
+    name) in the form the checks and the backends take: the six document arguments as one
+    `Documents` where `cu_seqlens_q` stands."""
+    return _BACKEND_FORMS[name](args, kwargs)
+
+
 def _below_schema(name: str, function: Callable[..., object]) -> Callable[..., object]:
     """`function`, which takes the backends' form of `msa::name`'s arguments, as a kernel of the op."""
     convert = _BACKEND_FORMS[name]

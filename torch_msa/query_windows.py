@@ -14,9 +14,8 @@ each query's output and lse are those of one call over all queries. A problem th
 window is passed through unchanged, with its plan; windows build their own plans.
 """
 
-from collections.abc import Callable
-
 import dataclasses
+from collections.abc import Callable
 
 import torch
 

@@ -10,6 +10,7 @@ import torch
 
 import torch_msa
 import torch_msa.triton as triton_backend
+from tests.support.documents import Documents
 from torch_msa import __main__ as self_check
 from torch_msa import backends, cute_dsl, sm90, sm100, testing
 
@@ -275,7 +276,7 @@ def test_deterministic_mode_serves_the_deterministic_backward(monkeypatch):
     q, k = torch.zeros(1, 2, 64), torch.zeros(1, 1, 64)
     for enabled in (True, False):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda enabled=enabled: enabled)
-        triton_backend.backward(q, q, k, k, q, None, None, None, None, 1, 1, 64, 1.0)
+        triton_backend.backward(q, q, k, k, q, None, None, Documents(None, None, 1, 1), 64, 1.0)
     assert calls == ["deterministic", "atomic"]
 
 
@@ -313,5 +314,5 @@ def test_sm90_serves_deterministic_mode_with_its_deterministic_variant(monkeypat
     q, k = torch.zeros(1, 16, 128), torch.zeros(1, 1, 128)
     for enabled in (True, False):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda enabled=enabled: enabled)
-        sm90.backward(q, q, k, k, q, None, None, None, None, 1, 1, 128, 1.0)
+        sm90.backward(q, q, k, k, q, None, None, Documents(None, None, 1, 1), 128, 1.0)
     assert calls == ["deterministic", "atomic"]
