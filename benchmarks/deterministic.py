@@ -17,6 +17,7 @@ import torch
 
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.contract import M3
+from torch_msa.ops import backend_arguments
 from torch_msa.testing import pick_device
 
 from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_seqlens
@@ -80,7 +81,7 @@ def _sweep(backward_arguments, device, warmup, iters):
     from torch_msa.triton.launch import LaunchConfig
 
     def backward():
-        return backward_deterministic.backward(*backward_arguments)
+        return backward_deterministic.backward(*backend_arguments("backward", *backward_arguments))
 
     for stages, warps, block_n in SWEEP_QUERY_CONFIGS:
         config = LaunchConfig(num_stages=stages, num_warps=warps, block_n=block_n)

@@ -23,8 +23,9 @@ import torch
 
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.contract import M3
-from torch_msa.documents import locate_queries
+from torch_msa.documents import Documents, locate_queries
 from torch_msa.flops import attention_backward, attention_forward
+from torch_msa.ops import backend_arguments
 from torch_msa.schedule import bucket_key_count, entries_per_item, unpack
 from torch_msa.testing import cu_seqlens, random_block_indices
 
@@ -70,11 +71,11 @@ def main(argv=None) -> None:
     tiny_kv = torch.zeros(256, HKV, D, dtype=torch.bfloat16, device="cuda")
     blocks = random_block_indices(cu, cu, HKV, TOPK, BLOCK).cuda()
     began = time.perf_counter()
-    tiny_out, tiny_lse = forward_host.forward(tiny, tiny_kv, tiny_kv, blocks, cu, cu, 256, 256, BLOCK, SCALE)
+    tiny_out, tiny_lse = forward_host.forward(tiny, tiny_kv, tiny_kv, blocks, Documents(cu, cu, 256, 256), BLOCK, SCALE)
     torch.cuda.synchronize()
     print(f"forward first call (compile + launch): {time.perf_counter() - began:.1f} s", flush=True)
     began = time.perf_counter()
-    backward_host.backward(tiny, tiny, tiny_kv, tiny_kv, tiny_out, tiny_lse, blocks, cu, cu, 256, 256, BLOCK, SCALE)
+    backward_host.backward(tiny, tiny, tiny_kv, tiny_kv, tiny_out, tiny_lse, blocks, Documents(cu, cu, 256, 256), BLOCK, SCALE)
     torch.cuda.synchronize()
     print(f"backward first call (compile + launch): {time.perf_counter() - began:.1f} s", flush=True)
 
@@ -93,9 +94,9 @@ def main(argv=None) -> None:
         flops = attention_forward(HQ, D, pairs)
         inputs = (q, k, v, blocks, cu_q, cu_k, max(lengths), max(lengths), BLOCK, SCALE)
 
-        want_out, want_lse = triton_forward.forward(*inputs)
+        want_out, want_lse = triton_forward.forward(*backend_arguments("forward", *inputs))
         try:
-            out, lse = forward_host.forward(*inputs)
+            out, lse = forward_host.forward(*backend_arguments("forward", *inputs))
         except UnsupportedInputs as declined:
             print(f"{problem}: declined ({declined})", flush=True)
             continue
@@ -103,7 +104,8 @@ def main(argv=None) -> None:
         lse_error = (lse - want_lse).abs().max().item()
 
         def plan():
-            return plan_kernel.plan(blocks, cu_q, cu_k, num_tokens, BLOCK, entries_per_item(HQ, HKV))
+            return plan_kernel.plan(blocks, Documents(cu_q, cu_k, max(lengths), max(lengths)), num_tokens, BLOCK,
+                                    entries_per_item(HQ, HKV))
 
         schedule = unpack(plan(), blocks, num_tokens, len(lengths), BLOCK)
         key_count = bucket_key_count(schedule.bucket_key_row, cu_k, BLOCK)
@@ -111,8 +113,8 @@ def main(argv=None) -> None:
         partial_out = torch.empty(rows, D, dtype=q.dtype, device="cuda")
         partial_lse = torch.full((rows,), -math.inf, device="cuda")
         times = {
-            "triton": _milliseconds(lambda: triton_forward.forward(*inputs), args.iterations),
-            "sm90": _milliseconds(lambda: forward_host.forward(*inputs), args.iterations),
+            "triton": _milliseconds(lambda: triton_forward.forward(*backend_arguments("forward", *inputs)), args.iterations),
+            "sm90": _milliseconds(lambda: forward_host.forward(*backend_arguments("forward", *inputs)), args.iterations),
             "plan": _milliseconds(plan, args.iterations),
             "blocks": _milliseconds(
                 lambda: forward_host.launch_blocks(
@@ -144,9 +146,9 @@ def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, 
     q, k, v, blocks, cu_q, cu_k, max_q, max_k, _, _ = inputs
     grad_out = torch.randn_like(q)
     args = (grad_out, q, k, v, out, lse, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE, None, plan)
-    want = triton_backward.backward(*args)
+    want = triton_backward.backward(*backend_arguments("backward", *args))
     try:
-        got = backward_host.backward(*args)
+        got = backward_host.backward(*backend_arguments("backward", *args))
     except UnsupportedInputs as declined:
         print(f"{problem} backward: declined ({declined})", flush=True)
         return
@@ -157,16 +159,18 @@ def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, 
     dq_acc = torch.zeros(num_tokens, HQ, D, device="cuda")
     dk_acc, dv_acc = (torch.zeros(num_tokens, HKV, D, device="cuda") for _ in range(2))
     times = {
-        "triton": _milliseconds(lambda: triton_backward.backward(*args), iterations),
-        "sm90": _milliseconds(lambda: backward_host.backward(*args), iterations),
+        "triton": _milliseconds(lambda: triton_backward.backward(*backend_arguments("backward", *args)), iterations),
+        "sm90": _milliseconds(lambda: backward_host.backward(*backend_arguments("backward", *args)), iterations),
         "blocks": _milliseconds(
             lambda: backward_host.launch_blocks(
                 q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, TOPK, SCALE
             ),
             iterations,
         ),
-        "sm90 deterministic": _milliseconds(lambda: sm90_deterministic.backward(*args), iterations),
-        "triton deterministic": _milliseconds(lambda: triton_deterministic.backward(*args), iterations),
+        "sm90 deterministic": _milliseconds(lambda: sm90_deterministic.backward(*backend_arguments("backward", *args)),
+                                            iterations),
+        "triton deterministic": _milliseconds(lambda: triton_deterministic.backward(*backend_arguments("backward", *args)),
+                                              iterations),
     }
 
     def rate(name):

@@ -4,38 +4,37 @@
 without Python; `tests/core/test_schemas.py` pins both to the text below, so a change is deliberate.
 """
 
+from .documents import FRAGMENT_ARGUMENTS
+
 NAMESPACE = "msa"
 
-# Every op ends with the optional fragment description (`fragment_documents`, `fragment_starts`,
-# int32 [F] each; torch_msa/documents.py): query fragments of documents that share the documents'
-# keys, for context parallelism. Omitted, `cu_seqlens_q` and `cu_seqlens_k` delimit the same
-# documents and the queries are the causal suffix of the keys.
+# The documents (torch_msa/documents.py), after the op's own leading tensors.
+_DOCUMENTS = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k"
+# Every op ends with the optional fragment description (`FRAGMENT_ARGUMENTS`, int32 [F] each):
+# query fragments of documents that share the documents' keys, for context parallelism. Omitted,
+# `cu_seqlens_q` and `cu_seqlens_k` delimit the same documents and the queries are the causal
+# suffix of the keys.
+_FRAGMENTS = ", ".join(f"Tensor? {name}=None" for name in FRAGMENT_ARGUMENTS)
+
 SCHEMAS: dict[str, str] = {
     "select_blocks": (
-        "select_blocks(Tensor index_q, Tensor index_k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-        "SymInt max_seqlen_q, SymInt max_seqlen_k, int topk, int block_size, "
-        "Tensor? fragment_documents=None, Tensor? fragment_starts=None) -> Tensor"
+        f"select_blocks(Tensor index_q, Tensor index_k, {_DOCUMENTS}, int topk, int block_size, {_FRAGMENTS}) -> Tensor"
     ),
     # The key-to-query schedule of one layer's selection, built once per step and passed to
     # forward and backward as their trailing optional `plan` (layout: torch_msa/schedule.py).
     "plan": (
-        "plan(Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
-        "SymInt max_seqlen_k, SymInt num_keys, int block_size, int entries_per_item, "
-        "Tensor? fragment_documents=None, Tensor? fragment_starts=None) -> Tensor"
+        f"plan(Tensor block_indices, {_DOCUMENTS}, SymInt num_keys, int block_size, int entries_per_item, "
+        f"{_FRAGMENTS}) -> Tensor"
     ),
     "forward": (
-        "forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor cu_seqlens_q, "
-        "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, "
-        "float softmax_scale, Tensor? plan=None, Tensor? fragment_documents=None, "
-        "Tensor? fragment_starts=None) -> (Tensor, Tensor)"
+        f"forward(Tensor q, Tensor k, Tensor v, Tensor block_indices, {_DOCUMENTS}, int block_size, "
+        f"float softmax_scale, Tensor? plan=None, {_FRAGMENTS}) -> (Tensor, Tensor)"
     ),
     # `grad_lse` (trailing, optional) lets autograd fold the gradient of `lse` into dS instead
     # of dropping it: dS = P * (dP - delta + grad_lse).
     "backward": (
-        "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
-        "SymInt max_seqlen_k, int block_size, float softmax_scale, Tensor? grad_lse=None, "
-        "Tensor? plan=None, Tensor? fragment_documents=None, Tensor? fragment_starts=None) "
+        f"backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor block_indices, "
+        f"{_DOCUMENTS}, int block_size, float softmax_scale, Tensor? grad_lse=None, Tensor? plan=None, {_FRAGMENTS}) "
         "-> (Tensor, Tensor, Tensor)"
     ),
     # The index branch's KL distillation loss. `lse` omitted: the teacher's normaliser is computed
@@ -44,16 +43,13 @@ SCHEMAS: dict[str, str] = {
     # on it and the teacher's two index reductions `sum_J P_t index_k` [Tq, Hi, Di] and
     # `sum_(t, r) P_t index_q` [Tk, 1, Di]: the backward needs these, and neither q nor k.
     "indexer_kl": (
-        "indexer_kl(Tensor q, Tensor k, Tensor? lse, Tensor index_q, Tensor index_k, Tensor? block_indices, "
-        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, "
-        "float softmax_scale, float index_softmax_scale, Tensor? fragment_documents=None, "
-        "Tensor? fragment_starts=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+        f"indexer_kl(Tensor q, Tensor k, Tensor? lse, Tensor index_q, Tensor index_k, Tensor? block_indices, "
+        f"{_DOCUMENTS}, int block_size, float softmax_scale, float index_softmax_scale, {_FRAGMENTS}) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
     ),
     "indexer_kl_backward": (
         "indexer_kl_backward(Tensor grad_loss, Tensor index_q, Tensor index_k, Tensor index_lse, "
         "Tensor teacher_mass, Tensor teacher_index_keys, Tensor teacher_index_queries, Tensor? block_indices, "
-        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, "
-        "float index_softmax_scale, Tensor? fragment_documents=None, Tensor? fragment_starts=None) "
-        "-> (Tensor, Tensor)"
+        f"{_DOCUMENTS}, int block_size, float index_softmax_scale, {_FRAGMENTS}) -> (Tensor, Tensor)"
     ),
 }

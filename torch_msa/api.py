@@ -31,6 +31,7 @@ from . import ops as _ops  # noqa: F401  (registers torch.ops.msa.*)
 from . import validation
 from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK
 from .diagnostics import TorchMSAWarning
+from .documents import FRAGMENT_ARGUMENTS, Documents
 from .schedule import entries_per_item
 
 _Documents = tuple[torch.Tensor, torch.Tensor, int, int]
@@ -100,11 +101,10 @@ def _document_args(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, ma
 
 def _fragments(fragment_documents, fragment_starts, cu_seqlens_q) -> _Fragments:
     """The ops' two trailing fragment arguments, checked to come together with `cu_seqlens`."""
-    for name, x in (("fragment_documents", fragment_documents), ("fragment_starts", fragment_starts)):
+    for name, x in zip(FRAGMENT_ARGUMENTS, (fragment_documents, fragment_starts)):
         validation.check_optional_tensor(name, x, "int32 [F]")
     if (fragment_documents is None) != (fragment_starts is None):
-        missing = "fragment_starts" if fragment_starts is None else "fragment_documents"
-        other = "fragment_documents" if fragment_starts is None else "fragment_starts"
+        missing, other = FRAGMENT_ARGUMENTS if fragment_documents is None else reversed(FRAGMENT_ARGUMENTS)
         raise ValueError(f"{missing}: expected a tensor when {other} is given (or neither), got None")
     if fragment_documents is not None and cu_seqlens_q is None:
         raise ValueError("cu_seqlens_q: expected the fragments' [F + 1] boundaries when fragment_documents is given, "
@@ -632,8 +632,9 @@ def validate_inputs(
             argument with the expected and the actual value.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
-    docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
-    validation.check_attention(q, k, v, *docs, block_size, _scale(q, softmax_scale), *fragments)
+    documents = Documents(*_attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                    block_size, topk, softmax_scale), *fragments)
+    validation.check_attention(q, k, v, documents, block_size, _scale(q, softmax_scale))
     if block_indices is not None:
         validation.check_block_indices(block_indices, q, k)
     if (index_q is None) != (index_k is None):
@@ -641,13 +642,12 @@ def validate_inputs(
         raise ValueError(f"{missing}: expected a tensor when the other index input is given, got None")
     if index_q is not None:
         validation.check_index_inputs(index_q, index_k, q, k)
-        validation.check_select_blocks(index_q, index_k, *docs, topk, block_size, *fragments)
+        validation.check_select_blocks(index_q, index_k, documents, topk, block_size)
     validation.check_optional_tensor("plan", plan, "from build_plan")
     if plan is not None:
         if block_indices is None:
             raise ValueError("block_indices: expected the selection the plan was built for when plan is given, got None")
-        validation.check_plan(plan, block_indices, k.shape[0], docs[1].shape[0] - 1, block_size)
-    validation.check_values(docs[0], docs[1], q.shape[0], k.shape[0], docs[2], docs[3], block_indices, block_size,
-                            *fragments)
+        validation.check_plan(plan, block_indices, k.shape[0], documents.num_documents, block_size)
+    validation.check_values(documents, q.shape[0], k.shape[0], block_indices, block_size)
     if plan is not None:
-        validation.check_plan_values(plan, block_indices, docs[0], docs[1], k.shape[0], block_size, *fragments)
+        validation.check_plan_values(plan, block_indices, documents, k.shape[0], block_size)

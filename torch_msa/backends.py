@@ -49,8 +49,10 @@ class UnavailableError(ImportError):
 class Backend:
     """Op implementations sharing a name and a device gate.
 
-    `ops` maps op names (those of `OPS`) to callables with the op's
-    positional signature. `available(device)` is consulted lazily, so optional dependencies are
+    `ops` maps op names (those of `OPS`) to callables that take the op's arguments in the
+    schema's order with the six document arguments as one `torch_msa.documents.Documents` in
+    place of `cu_seqlens_q` (the form `torch_msa.reference` shows,
+                             op by op). `available(device)` is consulted lazily, so optional dependencies are
     imported only when a device first asks; `device_types=None` means any device.
     `unavailable_reason(device)` says why `available` is False (what is missing, what to
     install), for error messages. A backend with `opt_in_note` serves only when
@@ -216,9 +218,8 @@ def _ordered() -> list[Backend]:
 register_backend(
     Backend(
         name=REFERENCE,
-        ops={"select_blocks": reference.select_blocks, "plan": reference.plan, "forward": reference.forward,
-             "backward": reference.backward, "indexer_kl": reference_kl.indexer_kl,
-             "indexer_kl_backward": reference_kl.indexer_kl_backward},
+        # `reference_kl` holds the KL losses (`indexer_kl*`), `reference` the other ops.
+        ops={op: getattr(reference_kl if op.startswith("indexer_kl") else reference, op) for op in OPS},
         priority=0,
     )
 )

@@ -10,13 +10,23 @@ and its first query sits at the document-local position `fragment_starts[f]`, so
 sits at `fragment_starts[f] + i`. Several fragments may share one document's keys. The suffix
 rule is the case `fragment_documents = [0, 1, ..., B - 1]`, `fragment_starts[b] = Lk - Lq`.
 
+Below the op schemas (`torch_msa/_schemas.py`), the six document arguments travel as one
+`Documents` value, built once per op call by `torch_msa/ops.py`.
+
 Everything here is computed on the tensors' device with no host synchronisation, so it is safe
 inside CUDA-graph capture.
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
+
+FRAGMENT_ARGUMENTS = ("fragment_documents", "fragment_starts")
+"""The names of the optional fragment pair, the trailing arguments of every op."""
+
+DOCUMENT_ARGUMENTS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", *FRAGMENT_ARGUMENTS)
+"""The names of the ops' six document arguments, the fields of `Documents` in that order."""
 
 
 class QueryDocuments(NamedTuple):
@@ -29,6 +39,58 @@ class QueryDocuments(NamedTuple):
 
     key_start: torch.Tensor
     position: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """The documents of one op call: boundaries, their length bounds and the optional fragments.
+
+    `cu_seqlens_q` int32 `[B + 1]` (`[F + 1]` with fragments) and `cu_seqlens_k` int32 `[B + 1]`
+    delimit the packed queries and keys; `max_seqlen_q` / `max_seqlen_k` bound the documents'
+    (or fragments') query and key counts; `fragment_documents` and `fragment_starts`, int32 `[F]`
+    each or both None, describe query fragments (see the module docstring). The value holds the
+    op's arguments as given: the op's checks (`torch_msa/validation.py`) vouch for them.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    fragment_documents: torch.Tensor | None = None
+    fragment_starts: torch.Tensor | None = None
+
+    @property
+    def has_fragments(self) -> bool:
+        """Whether fragments are given (either of the pair; the checks require both or neither)."""
+        return self.fragment_documents is not None or self.fragment_starts is not None
+
+    @property
+    def fragments(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`(fragment_documents, fragment_starts)`."""
+        return self.fragment_documents, self.fragment_starts
+
+    @property
+    def num_documents(self) -> int:
+        """`B`, the documents of `cu_seqlens_k`."""
+        return self.cu_seqlens_k.shape[0] - 1
+
+    def as_arguments(self) -> dict:
+        """The six values by argument name (`DOCUMENT_ARGUMENTS`), as the ops take them."""
+        return {name: getattr(self, name) for name in DOCUMENT_ARGUMENTS}
+
+    def map_tensors(self, function) -> "Documents":
+        """The same documents with `function` applied to each tensor (`.cpu()`, `.contiguous()`)."""
+        fragments = (None if x is None else function(x) for x in self.fragments)
+        return Documents(function(self.cu_seqlens_q), function(self.cu_seqlens_k), self.max_seqlen_q,
+                         self.max_seqlen_k, *fragments)
+
+    def locate(self, num_queries: int, num_keys: int) -> QueryDocuments:
+        """`locate_queries` of these documents: every query row's key offset and causal position."""
+        return locate_queries(self.cu_seqlens_q, self.cu_seqlens_k, num_queries, num_keys, *self.fragments)
+
+    def token_fragments(self, num_queries: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_fragments` of these documents: every query as a one-token fragment."""
+        return token_fragments(self.cu_seqlens_q, self.cu_seqlens_k, num_queries, num_keys, *self.fragments)
 
 
 def locate_queries(

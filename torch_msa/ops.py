@@ -21,6 +21,7 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from . import backends, flops, validation
 from ._schemas import NAMESPACE, SCHEMAS
 from .contract import INDEX_DTYPE, compute_dtype
+from .documents import DOCUMENT_ARGUMENTS, Documents
 from .reference_kl import loss_dtype
 from .schedule import plan_numel
 
@@ -60,162 +61,163 @@ for _name in SCHEMAS:
     _define(_name)
 
 
-def _select_blocks_kernel(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
-                          fragment_documents=None, fragment_starts=None):
-    fragments = (fragment_documents, fragment_starts)
-    validation.check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
-                                   *fragments)
-    if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, index_q.shape[0], index_k.shape[0], max_seqlen_q, max_seqlen_k,
-                                None, None, *fragments)
-    return backends.call(
-        "select_blocks", index_q.device,
-        index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size, *fragments,
-    )
+def _schema_arguments(name: str) -> tuple[tuple[str, ...], tuple]:
+    """The names of `msa::name`'s arguments and their defaults (None where there is none)."""
+    arguments = torch._C.parse_schema(f"{NAMESPACE}::{SCHEMAS[name]}").arguments
+    return tuple(a.name for a in arguments), tuple(a.default_value if a.has_default_value() else None for a in arguments)
 
 
-def _plan_kernel(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
-                 entries_per_item, fragment_documents=None, fragment_starts=None):
-    fragments = (fragment_documents, fragment_starts)
-    args = (block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size, entries_per_item)
-    validation.check_plan_args(*args, *fragments)
-    if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, block_indices.shape[1], num_keys, max_seqlen_q, max_seqlen_k,
-                                block_indices, block_size, *fragments)
-    return backends.call("plan", block_indices.device, *args, *fragments)
+def _backend_form(name: str) -> Callable[..., list]:
+    """The converter of `msa::name`'s arguments (as the dispatcher passes them: trailing ones left
+    at their defaults may be absent) to the form the checks and the backends take: the schema's
+    order, with the six document arguments as one `Documents` where `cu_seqlens_q` stands."""
+    names, defaults = _schema_arguments(name)
+    at = {argument: i for i, argument in enumerate(names)}
+    documents_at = tuple(at[argument] for argument in DOCUMENT_ARGUMENTS)
+    first, after = documents_at[0], documents_at[3] + 1
+    if documents_at != (*range(first, after), len(names) - 2, len(names) - 1):
+        raise RuntimeError(f"{NAMESPACE}::{name}: expected the four document arguments together and the fragments last")
+
+    def convert(args, kwargs) -> list:
+        values = [*args, *defaults[len(args):]]
+        for argument, value in kwargs.items():
+            values[at[argument]] = value
+        return [*values[:first], Documents(*values[first:after], *values[-2:]), *values[after:-2]]
+
+    return convert
 
 
-def _check_plan(plan, block_indices, k, cu_seqlens_k, block_size):
-    validation.check_plan(plan, block_indices, k.shape[0], cu_seqlens_k.shape[0] - 1, block_size)
+_BACKEND_FORMS = {name: _backend_form(name) for name in SCHEMAS}
+_NUM_ARGUMENTS = {name: len(_schema_arguments(name)[0]) for name in SCHEMAS}
 
 
-def _check_values_with_plan(plan, block_indices, cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k,
-                            block_size, fragments):
-    validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
-                            block_indices, block_size, *fragments)
+def backend_arguments(name: str, *args, **kwargs) -> list:
+    """`msa::name`'s arguments (positional in the schema's order, trailing ones optional, or by
+    name) in the form the checks and the backends take: the six document arguments as one
+    `Documents` where `cu_seqlens_q` stands."""
+    return _BACKEND_FORMS[name](args, kwargs)
+
+
+def _below_schema(name: str, function: Callable[..., object]) -> Callable[..., object]:
+    """`function`, which takes the backends' form of `msa::name`'s arguments, as a kernel of the op."""
+    convert = _BACKEND_FORMS[name]
+    return lambda *args, **kwargs: function(*convert(args, kwargs))
+
+
+class _Kernels:
+    """Each op's kernel for every device, named after the op, in the form `_below_schema` gives:
+    it checks the metadata, in debug mode the values, then runs the backend the registry picks."""
+
+    @staticmethod
+    def select_blocks(index_q, index_k, documents, topk, block_size):
+        validation.check_select_blocks(index_q, index_k, documents, topk, block_size)
+        if validation.debug_enabled():
+            validation.check_values(documents, index_q.shape[0], index_k.shape[0])
+        return backends.call("select_blocks", index_q.device, index_q, index_k, documents, topk, block_size)
+
+    @staticmethod
+    def plan(block_indices, documents, num_keys, block_size, entries_per_item):
+        args = (block_indices, documents, num_keys, block_size, entries_per_item)
+        validation.check_plan_args(*args)
+        if validation.debug_enabled():
+            validation.check_values(documents, block_indices.shape[1], num_keys, block_indices, block_size)
+        return backends.call("plan", block_indices.device, *args)
+
+    @staticmethod
+    def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan):
+        args = (q, k, v, block_indices, documents, block_size, softmax_scale, plan)
+        validation.check_forward(*args)
+        if validation.debug_enabled():
+            _check_values_with_plan(plan, block_indices, documents, q, k, block_size)
+        return backends.call("forward", q.device, *args)
+
+    @staticmethod
+    def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse, plan):
+        args = (grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse, plan)
+        validation.check_backward(*args)
+        if validation.debug_enabled():
+            _check_values_with_plan(plan, block_indices, documents, q, k, block_size)
+        return backends.call("backward", q.device, *args)
+
+    @staticmethod
+    def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale,
+                   index_softmax_scale):
+        args = (q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale)
+        validation.check_indexer_kl(*args)
+        if validation.debug_enabled():
+            validation.check_values(documents, q.shape[0], k.shape[0], block_indices, block_size)
+        return backends.call("indexer_kl", q.device, *args)
+
+    @staticmethod
+    def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
+                            teacher_index_queries, block_indices, documents, block_size, index_softmax_scale):
+        args = (grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries,
+                block_indices, documents, block_size, index_softmax_scale)
+        validation.check_indexer_kl_backward(*args)
+        if validation.debug_enabled():
+            validation.check_values(documents, index_q.shape[0], index_k.shape[0], block_indices, block_size)
+        return backends.call("indexer_kl_backward", index_q.device, *args)
+
+
+def _check_values_with_plan(plan, block_indices, documents, q, k, block_size):
+    validation.check_values(documents, q.shape[0], k.shape[0], block_indices, block_size)
     if plan is not None:
-        validation.check_plan_values(plan, block_indices, cu_seqlens_q, cu_seqlens_k, k.shape[0], block_size, *fragments)
+        validation.check_plan_values(plan, block_indices, documents, k.shape[0], block_size)
 
 
-def _forward_kernel(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                    plan=None, fragment_documents=None, fragment_starts=None):
-    fragments = (fragment_documents, fragment_starts)
-    args = (q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale)
-    validation.check_forward(*args, *fragments)
-    _check_plan(plan, block_indices, k, cu_seqlens_k, block_size)
-    if validation.debug_enabled():
-        _check_values_with_plan(plan, block_indices, cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k,
-                                block_size, fragments)
-    return backends.call("forward", q.device, *args, plan, *fragments)
+class _Fakes:
+    """Each op's fake kernel, named after the op, in the form `_below_schema` gives: the metadata
+    checks, then contiguous outputs, exactly as every backend returns them."""
 
+    @staticmethod
+    def select_blocks(index_q, index_k, documents, topk, block_size):
+        validation.check_select_blocks(index_q, index_k, documents, topk, block_size)
+        return index_q.new_empty((index_q.shape[1], index_q.shape[0], topk), dtype=torch.int32)
 
-def _backward_kernel(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
-                     fragment_documents=None, fragment_starts=None):
-    fragments = (fragment_documents, fragment_starts)
-    args = (grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-            max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse)
-    validation.check_backward(*args, *fragments)
-    _check_plan(plan, block_indices, k, cu_seqlens_k, block_size)
-    if validation.debug_enabled():
-        _check_values_with_plan(plan, block_indices, cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k,
-                                block_size, fragments)
-    return backends.call("backward", q.device, *args, plan, *fragments)
+    @staticmethod
+    def plan(block_indices, documents, num_keys, block_size, entries_per_item):
+        validation.check_plan_args(block_indices, documents, num_keys, block_size, entries_per_item)
+        numel = plan_numel(block_indices.shape, num_keys, documents.num_documents, block_size, entries_per_item)
+        return block_indices.new_empty((numel,), dtype=INDEX_DTYPE)
 
+    @staticmethod
+    def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan):
+        validation.check_forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan)
+        return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype))
 
-def _indexer_kl_kernel(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-                       max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
-                       fragment_documents=None, fragment_starts=None):
-    args = (q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-            max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts)
-    validation.check_indexer_kl(*args)
-    if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, block_indices,
-                                block_size, fragment_documents, fragment_starts)
-    return backends.call("indexer_kl", q.device, *args)
+    @staticmethod
+    def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse, plan):
+        validation.check_backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale,
+                                  grad_lse, plan)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
+    @staticmethod
+    def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale,
+                   index_softmax_scale):
+        validation.check_indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale,
+                                    index_softmax_scale)
+        dtype = loss_dtype(index_q.dtype)
+        per_index_head = index_q.shape[:2]
+        return (q.new_empty((), dtype=dtype), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype)),
+                q.new_empty(per_index_head, dtype=dtype), q.new_empty(per_index_head, dtype=dtype),
+                q.new_empty(index_q.shape, dtype=dtype), q.new_empty((index_k.shape[0], 1, index_q.shape[2]), dtype=dtype))
 
-def _indexer_kl_backward_kernel(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
-                                teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k, block_size, index_softmax_scale, fragment_documents=None,
-                                fragment_starts=None):
-    args = (grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries,
-            block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, index_softmax_scale,
-            fragment_documents, fragment_starts)
-    validation.check_indexer_kl_backward(*args)
-    if validation.debug_enabled():
-        validation.check_values(cu_seqlens_q, cu_seqlens_k, index_q.shape[0], index_k.shape[0], max_seqlen_q, max_seqlen_k,
-                                block_indices, block_size, fragment_documents, fragment_starts)
-    return backends.call("indexer_kl_backward", index_q.device, *args)
-
-
-# Fake kernels: contiguous outputs, exactly as every backend returns them.
-def _select_blocks_fake(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
-                        fragment_documents=None, fragment_starts=None):
-    validation.check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
-                                   fragment_documents, fragment_starts)
-    return index_q.new_empty((index_q.shape[1], index_q.shape[0], topk), dtype=torch.int32)
-
-
-def _plan_fake(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
-               entries_per_item, fragment_documents=None, fragment_starts=None):
-    validation.check_plan_args(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
-                               entries_per_item, fragment_documents, fragment_starts)
-    numel = plan_numel(block_indices.shape, num_keys, cu_seqlens_k.shape[0] - 1, block_size, entries_per_item)
-    return block_indices.new_empty((numel,), dtype=INDEX_DTYPE)
-
-
-def _forward_fake(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                  plan=None, fragment_documents=None, fragment_starts=None):
-    validation.check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,
-                             softmax_scale, fragment_documents, fragment_starts)
-    _check_plan(plan, block_indices, k, cu_seqlens_k, block_size)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype))
-
-
-def _backward_fake(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
-                   fragment_documents=None, fragment_starts=None):
-    validation.check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-                              max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse,
-                              fragment_documents, fragment_starts)
-    _check_plan(plan, block_indices, k, cu_seqlens_k, block_size)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _indexer_kl_fake(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
-                     fragment_documents=None, fragment_starts=None):
-    validation.check_indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-                                max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
-                                fragment_documents, fragment_starts)
-    dtype = loss_dtype(index_q.dtype)
-    per_index_head = index_q.shape[:2]
-    return (q.new_empty((), dtype=dtype), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype)),
-            q.new_empty(per_index_head, dtype=dtype), q.new_empty(per_index_head, dtype=dtype),
-            q.new_empty(index_q.shape, dtype=dtype), q.new_empty((index_k.shape[0], 1, index_q.shape[2]), dtype=dtype))
-
-
-def _indexer_kl_backward_fake(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
-                              teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, block_size, index_softmax_scale, fragment_documents=None,
-                              fragment_starts=None):
-    validation.check_indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
-                                         teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k,
-                                         max_seqlen_q, max_seqlen_k, block_size, index_softmax_scale,
-                                         fragment_documents, fragment_starts)
-    return index_q.new_empty(index_q.shape), index_k.new_empty(index_k.shape)
+    @staticmethod
+    def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
+                            teacher_index_queries, block_indices, documents, block_size, index_softmax_scale):
+        validation.check_indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
+                                             teacher_index_queries, block_indices, documents, block_size,
+                                             index_softmax_scale)
+        return index_q.new_empty(index_q.shape), index_k.new_empty(index_k.shape)
 
 
 def _forward_setup_context(ctx, inputs, output):
-    # Trailing optional arguments the caller left out are absent from `inputs`.
-    (q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale, plan,
-     fragment_documents, fragment_starts) = [*inputs] + [None] * (13 - len(inputs))
+    q, k, v, block_indices, documents, block_size, softmax_scale, plan = _BACKEND_FORMS["forward"](inputs, {})
     out, lse = output
     # The plan travels with the saved tensors, so the backward reuses the forward's schedule.
-    ctx.save_for_backward(q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, plan,
-                          fragment_documents, fragment_starts)
-    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+    ctx.save_for_backward(q, k, v, out, lse, block_indices, documents.cu_seqlens_q, documents.cu_seqlens_k, plan,
+                          *documents.fragments)
+    ctx.max_seqlen_q, ctx.max_seqlen_k = documents.max_seqlen_q, documents.max_seqlen_k
     ctx.block_size, ctx.softmax_scale = block_size, softmax_scale
     # Unused outputs then arrive as None: a loss that ignores lse costs no zero-filled grad_lse.
     ctx.set_materialize_grads(False)
@@ -224,26 +226,24 @@ def _forward_setup_context(ctx, inputs, output):
 def _forward_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, plan, *fragments = ctx.saved_tensors
     if grad_out is None and grad_lse is None:
-        return (None,) * 13
+        return (None,) * _NUM_ARGUMENTS["forward"]
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.msa.backward(
         grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
         ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.softmax_scale, grad_lse, plan, *fragments,
     )
-    return (dq, dk, dv) + (None,) * 10
+    return (dq, dk, dv) + (None,) * (_NUM_ARGUMENTS["forward"] - 3)
 
 
 def _indexer_kl_setup_context(ctx, inputs, output):
-    # Trailing optional arguments the caller left out are absent from `inputs`.
-    padded = tuple(inputs) + (None,) * (15 - len(inputs))
-    (_, _, _, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-     max_seqlen_q, max_seqlen_k, block_size, _, index_softmax_scale, fragment_documents, fragment_starts) = padded
+    (_, _, _, index_q, index_k, block_indices, documents, block_size, _,
+     index_softmax_scale) = _BACKEND_FORMS["indexer_kl"](inputs, {})
     _, _, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries = output
     # The teacher's share of the gradient was reduced by the forward: q, k and lse are not kept.
     ctx.save_for_backward(index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries,
-                          block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts)
-    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+                          block_indices, documents.cu_seqlens_q, documents.cu_seqlens_k, *documents.fragments)
+    ctx.max_seqlen_q, ctx.max_seqlen_k = documents.max_seqlen_q, documents.max_seqlen_k
     ctx.block_size, ctx.index_softmax_scale = block_size, index_softmax_scale
     ctx.set_materialize_grads(False)
 
@@ -252,13 +252,13 @@ def _indexer_kl_backward(ctx, grad_loss, *unused_grads):
     """Gradients reach index_q and index_k only: the teacher (q, k, lse) is a constant of the loss,
     and the auxiliary outputs are not differentiable."""
     if grad_loss is None:
-        return (None,) * 15
+        return (None,) * _NUM_ARGUMENTS["indexer_kl"]
     *saved, fragment_documents, fragment_starts = ctx.saved_tensors
     d_index_q, d_index_k = torch.ops.msa.indexer_kl_backward(
         grad_loss, *saved, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.index_softmax_scale,
         fragment_documents, fragment_starts,
     )
-    return (None, None, None, d_index_q, d_index_k) + (None,) * 10
+    return (None, None, None, d_index_q, d_index_k) + (None,) * (_NUM_ARGUMENTS["indexer_kl"] - 5)
 
 
 def _no_double_backward(ctx, *grads):
@@ -307,41 +307,25 @@ def _no_grad_for_grad_modes(backward):
 # torch.func.grad / vjp / jacrev differentiate the ops level by level; the Function that
 # `torch.library.register_autograd` generates combines forward and ctx, which torch.func
 # rejects. Forward-mode AD has no formula: `jvp` raises instead of leaving a zero tangent.
-class _ForwardAutograd(torch.autograd.function._SingleLevelFunction):
-    forward = _below_autograd(torch.ops.msa.forward.default)
-    setup_context = _without_grad_modes(_forward_setup_context)
-    backward = _no_grad_for_grad_modes(_forward_backward)
-    jvp = _no_forward_ad("msa::forward")
+def _autograd_function(name: str, setup_context, backward) -> type:
+    op = getattr(torch.ops.msa, name).default
+    return type(f"_{name}_autograd", (torch.autograd.function._SingleLevelFunction,), {
+        "forward": _below_autograd(op),
+        "setup_context": _without_grad_modes(setup_context),
+        "backward": backward,
+        "jvp": _no_forward_ad(f"{NAMESPACE}::{name}"),
+    })
 
 
-class _BackwardAutograd(torch.autograd.function._SingleLevelFunction):
-    forward = _below_autograd(torch.ops.msa.backward.default)
-    setup_context = _without_grad_modes(_backward_setup_context)
-    backward = staticmethod(_no_double_backward)
-    jvp = _no_forward_ad("msa::backward")
-
-
-class _IndexerKLAutograd(torch.autograd.function._SingleLevelFunction):
-    forward = _below_autograd(torch.ops.msa.indexer_kl.default)
-    setup_context = _without_grad_modes(_indexer_kl_setup_context)
-    backward = _no_grad_for_grad_modes(_indexer_kl_backward)
-    jvp = _no_forward_ad("msa::indexer_kl")
-
-
-class _IndexerKLBackwardAutograd(torch.autograd.function._SingleLevelFunction):
-    forward = _below_autograd(torch.ops.msa.indexer_kl_backward.default)
-    setup_context = _without_grad_modes(_backward_setup_context)
-    backward = staticmethod(_no_double_backward)
-    jvp = _no_forward_ad("msa::indexer_kl_backward")
-
-
-# The differentiable ops' autograd Functions (select_blocks and plan return integers).
-_AUTOGRAD_FUNCTIONS = {
-    "forward": _ForwardAutograd,
-    "backward": _BackwardAutograd,
-    "indexer_kl": _IndexerKLAutograd,
-    "indexer_kl_backward": _IndexerKLBackwardAutograd,
+# The differentiable ops' `(setup_context, backward)`; the others (select_blocks, plan) return
+# integers. The backward ops themselves are not differentiable.
+_GRADIENTS = {
+    "forward": (_forward_setup_context, _no_grad_for_grad_modes(_forward_backward)),
+    "backward": (_backward_setup_context, staticmethod(_no_double_backward)),
+    "indexer_kl": (_indexer_kl_setup_context, _no_grad_for_grad_modes(_indexer_kl_backward)),
+    "indexer_kl_backward": (_backward_setup_context, staticmethod(_no_double_backward)),
 }
+_AUTOGRAD_FUNCTIONS = {name: _autograd_function(name, *_GRADIENTS[name]) for name in SCHEMAS if name in _GRADIENTS}
 
 
 def _differentiated(args) -> bool:
@@ -390,33 +374,24 @@ def _autocast_eligible(x: torch.Tensor, device_type: str) -> bool:
     return x.device.type == device_type and x.is_floating_point() and x.dtype != torch.float64
 
 
-# One row per op of `_schemas.SCHEMAS`: its kernel (every device), its fake kernel, and the
-# positions of the arguments autocast casts.
-_IMPLEMENTATIONS: dict[str, tuple[Callable[..., object], Callable[..., object], tuple[int, ...]]] = {
-    "select_blocks": (_select_blocks_kernel, _select_blocks_fake, ()),
-    "plan": (_plan_kernel, _plan_fake, ()),
-    "forward": (_forward_kernel, _forward_fake, (0, 1, 2)),
-    "backward": (_backward_kernel, _backward_fake, ()),
-    "indexer_kl": (_indexer_kl_kernel, _indexer_kl_fake, ()),
-    "indexer_kl_backward": (_indexer_kl_backward_kernel, _indexer_kl_backward_fake, ()),
-}
-if _IMPLEMENTATIONS.keys() != SCHEMAS.keys():
-    raise RuntimeError(f"torch_msa.ops: implementations {sorted(_IMPLEMENTATIONS)} do not match the schemas {sorted(SCHEMAS)}")
+# The positions of the arguments autocast casts, by op (none where absent).
+_AUTOCAST_ARGUMENTS = {"forward": (0, 1, 2)}
+for _table in (_GRADIENTS, _AUTOCAST_ARGUMENTS):
+    if not _table.keys() <= SCHEMAS.keys():
+        raise RuntimeError(f"torch_msa.ops: {sorted(_table)} names ops that have no schema ({sorted(SCHEMAS)})")
 
 
 def _register() -> None:
-    for name, (kernel, fake, _) in _IMPLEMENTATIONS.items():
+    for name in SCHEMAS:
         # With the C++ stub loaded, this replaces its "import torch_msa" kernel on the same key.
-        _library.impl(name, kernel, _DISPATCH_KEY)
-        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_library)
-    for name, function in _AUTOGRAD_FUNCTIONS.items():
+        _library.impl(name, _below_schema(name, getattr(_Kernels, name)), _DISPATCH_KEY)
+        torch.library.register_fake(f"{NAMESPACE}::{name}", _below_schema(name, getattr(_Fakes, name)), lib=_library)
         op = getattr(torch.ops.msa, name).default
-        _library.impl(name, _autograd_kernel(function, op), "Autograd", with_keyset=True)
-    for name, (_, _, cast_args) in _IMPLEMENTATIONS.items():
-        op = getattr(torch.ops.msa, name).default
+        if name in _AUTOGRAD_FUNCTIONS:
+            _library.impl(name, _autograd_kernel(_AUTOGRAD_FUNCTIONS[name], op), "Autograd", with_keyset=True)
         for device_type in _AUTOCAST_DEVICE_TYPES:
             key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-            _library.impl(name, _autocast_kernel(op, device_type, cast_args), key)
+            _library.impl(name, _autocast_kernel(op, device_type, _AUTOCAST_ARGUMENTS.get(name, ())), key)
     flops.register()
 
 

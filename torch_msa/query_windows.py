@@ -9,17 +9,18 @@ would set the memory of a step.
 `forward_in_windows` runs such a forward on consecutive windows of at most `window_queries(...)`
 queries, sized so that one window's partials fit `PARTIAL_BYTES` whatever the length. Every
 window reads all keys; its queries are passed as one-token fragments
-(`documents.token_fragments`) that place each of them exactly where the unwindowed call does, so
+(`Documents.token_fragments`) that place each of them exactly where the unwindowed call does, so
 each query's output and lse are those of one call over all queries. A problem that fits one
 window is passed through unchanged, with its plan; windows build their own plans.
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from .contract import compute_dtype
-from .documents import token_fragments
+from .documents import Documents
 
 PARTIAL_BYTES = 3 << 30
 """Memory the partial outputs of one window may take (3 GiB: 12098 queries of MiniMax-M3, so that
@@ -36,11 +37,10 @@ def window_queries(num_heads: int, topk: int, dim: int, dtype: torch.dtype, budg
     return max(1, budget // max(1, partial_bytes_per_query(num_heads, topk, dim, dtype)))
 
 
-def forward_in_windows(forward: Callable, q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       block_size, softmax_scale, plan=None, fragment_documents=None, fragment_starts=None,
-                       budget: int | None = None):
-    """`forward(...)` (the `msa::forward` contract) with its partials bounded by `budget` bytes
-    (`PARTIAL_BYTES` when None).
+def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Documents, block_size, softmax_scale,
+                       plan=None, budget: int | None = None):
+    """`forward(...)` (the `msa::forward` contract, in the backends' form) with its partials bounded
+    by `budget` bytes (`PARTIAL_BYTES` when None).
 
     Returns `out [Tq, Hq, D]` and `lse [Tq, Hq]` as `forward` does. No host synchronisation: the
     windows follow from shapes alone.
@@ -48,19 +48,19 @@ def forward_in_windows(forward: Callable, q, k, v, block_indices, cu_seqlens_q, 
     num_queries, num_heads, dim = q.shape
     window = window_queries(num_heads, block_indices.shape[-1], dim, q.dtype, PARTIAL_BYTES if budget is None else budget)
     if num_queries <= window:
-        return forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,
-                       softmax_scale, plan, fragment_documents, fragment_starts)
-    documents, starts = token_fragments(cu_seqlens_q, cu_seqlens_k, num_queries, k.shape[0], fragment_documents,
-                                        fragment_starts)
+        return forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan)
+    token_documents, token_starts = documents.token_fragments(num_queries, k.shape[0])
     boundaries = torch.arange(window + 1, dtype=torch.int32, device=q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
     for start in range(0, num_queries, window):
         stop = min(num_queries, start + window)
-        part_out, part_lse = forward(
-            q[start:stop], k, v, block_indices[:, start:stop].contiguous(), boundaries[: stop - start + 1], cu_seqlens_k,
-            1, max_seqlen_k, block_size, softmax_scale, None, documents[start:stop], starts[start:stop],
+        window_documents = dataclasses.replace(
+            documents, cu_seqlens_q=boundaries[: stop - start + 1], max_seqlen_q=1,
+            fragment_documents=token_documents[start:stop], fragment_starts=token_starts[start:stop],
         )
+        part_out, part_lse = forward(q[start:stop], k, v, block_indices[:, start:stop].contiguous(), window_documents,
+                                     block_size, softmax_scale, None)
         out[start:stop] = part_out
         lse[start:stop] = part_lse
     return out, lse

@@ -14,7 +14,7 @@ import math
 import torch
 
 from .contract import compute_dtype
-from .documents import QueryDocuments, locate_queries
+from .documents import Documents, QueryDocuments
 from .schedule import build_schedule, pack
 
 # Working-set budget of one query chunk. On CPU a small set keeps temporaries below glibc's
@@ -38,21 +38,17 @@ def _chunks(num_rows: int, bytes_per_row: int, device: torch.device):
 def select_blocks(
     index_q: torch.Tensor,
     index_k: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    documents: Documents,
     topk: int,
     block_size: int,
-    fragment_documents: torch.Tensor | None = None,
-    fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pick, per (index head, query), the blocks its main heads attend to.
 
     Args:
         index_q: `[Tq, Hi, Di]` index queries.
         index_k: `[Tk, 1, Di]` index keys, shared by all index heads.
-        max_seqlen_k: bounds the candidate blocks a query scores, `ceil(min(max_seqlen_k, Tk) / bs)`:
+        documents: the documents; their `max_seqlen_k` bounds the candidate blocks a query scores, `ceil(min(max_seqlen_k,
+                                                                                                             Tk) / bs)`:
             a generous bound (a fixed one that keeps compiled graphs static) costs nothing, since
             no document holds more than the `Tk` keys present.
 
@@ -67,8 +63,8 @@ def select_blocks(
     if num_queries == 0 or num_keys == 0:
         return result
     cdtype = compute_dtype(index_q.dtype)
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
-    num_blocks = max(1, math.ceil(min(max_seqlen_k, num_keys) / block_size))
+    docs = documents.locate(num_queries, num_keys)
+    num_blocks = max(1, math.ceil(min(documents.max_seqlen_k, num_keys) / block_size))
     keys = index_k.reshape(num_keys, index_dim)
     scale = index_dim**-0.5
     # Scores are built per (query chunk, key span): a span of whole blocks sized so that even a
@@ -146,19 +142,13 @@ class _KeyGather:
 
 def plan(
     block_indices: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    documents: Documents,
     num_keys: int,
     block_size: int,
     entries_per_item: int,
-    fragment_documents: torch.Tensor | None = None,
-    fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The plan (`torch_msa/schedule.py`) of `block_indices`: `build_schedule`'s tables, packed."""
-    return pack(build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
-                               fragment_documents, fragment_starts))
+    return pack(build_schedule(block_indices, documents, num_keys, block_size, entries_per_item))
 
 
 def _heads_first(x: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -195,15 +185,10 @@ def forward(
     k: torch.Tensor,
     v: torch.Tensor,
     block_indices: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    documents: Documents,
     block_size: int,
     softmax_scale: float,
     plan: torch.Tensor | None = None,
-    fragment_documents: torch.Tensor | None = None,
-    fragment_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention forward. Returns `out [Tq, Hq, D]` (q's dtype) and `lse [Tq, Hq]`
     (natural log; fp32, fp64 for fp64 inputs). A query whose key set is empty (only possible
@@ -216,7 +201,7 @@ def forward(
     lse = torch.full((num_queries, num_heads), -math.inf, dtype=cdtype, device=q.device)
     if num_queries == 0 or num_keys == 0:
         return out, lse
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
+    docs = documents.locate(num_queries, num_keys)
     k_flat, v_flat = k.reshape(-1, dim), v.reshape(-1, dim)
     keys_per_query = block_indices.shape[-1] * block_size
     row_bytes = _attention_row_bytes(num_heads, num_kv_heads, keys_per_query, dim, buffers=1)
@@ -240,16 +225,11 @@ def backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     block_indices: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    documents: Documents,
     block_size: int,
     softmax_scale: float,
     grad_lse: torch.Tensor | None = None,
     plan: torch.Tensor | None = None,
-    fragment_documents: torch.Tensor | None = None,
-    fragment_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention backward: `(dq, dk, dv)` in the inputs' dtype, accumulated in fp32.
 
@@ -265,7 +245,7 @@ def backward(
     dk_acc = torch.zeros(num_keys * num_kv_heads + 1, dim, dtype=cdtype, device=q.device)
     dv_acc = torch.zeros(num_keys * num_kv_heads + 1, dim, dtype=cdtype, device=q.device)
     if num_queries > 0 and num_keys > 0:
-        docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
+        docs = documents.locate(num_queries, num_keys)
         k_flat, v_flat = k.reshape(-1, dim), v.reshape(-1, dim)
         keys_per_query = block_indices.shape[-1] * block_size
         row_bytes = _attention_row_bytes(num_heads, num_kv_heads, keys_per_query, dim, buffers=3)

@@ -34,7 +34,7 @@ import math
 import torch
 
 from .contract import compute_dtype
-from .documents import QueryDocuments, locate_queries
+from .documents import Documents, QueryDocuments
 from .reference import _chunks, _finite_or_zero, _heads_first, _KeyGather, _tokens_first
 
 
@@ -81,11 +81,11 @@ _DENSE_SPAN_KEYS = 2048
 class _Problem:
     """The inputs of one loss evaluation and the per-chunk pieces both passes share."""
 
-    def __init__(self, q, k, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                 block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
+    def __init__(self, q, k, index_q, index_k, block_indices, documents: Documents, block_size, softmax_scale,
+                 index_softmax_scale):
         """`q` and `k` are None for the student alone (the backward): only index inputs are read."""
         self.q, self.k, self.index_q, self.index_k = q, k, index_q, index_k
-        self.block_indices, self.block_size, self.max_seqlen_k = block_indices, block_size, max_seqlen_k
+        self.block_indices, self.block_size = block_indices, block_size
         self.softmax_scale, self.index_softmax_scale = softmax_scale, index_softmax_scale
         self.num_queries, self.num_kv_heads, self.index_dim = index_q.shape
         self.num_keys = index_k.shape[0]
@@ -97,8 +97,7 @@ class _Problem:
             self.k_flat = k.reshape(-1, self.dim)
         else:
             self.num_heads, self.dim = 0, 0
-        self.docs = locate_queries(cu_seqlens_q, cu_seqlens_k, self.num_queries, self.num_keys,
-                                   fragment_documents, fragment_starts)
+        self.docs = documents.locate(self.num_queries, self.num_keys)
         self.index_keys = index_k.reshape(self.num_keys, self.index_dim)
         if block_indices is None:
             # Bytes one (query, key) pair of a shared span holds: scores and probabilities of the
@@ -196,15 +195,10 @@ def indexer_kl(
     index_q: torch.Tensor,
     index_k: torch.Tensor,
     block_indices: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    documents: Documents,
     block_size: int,
     softmax_scale: float,
     index_softmax_scale: float,
-    fragment_documents: torch.Tensor | None = None,
-    fragment_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss and what its backward needs.
 
@@ -221,8 +215,7 @@ def indexer_kl(
         `teacher_index_queries [Tk, 1, Di]` (`sum_((t, r): j in J) P_t[t, r, j] index_q[t, r]`). All
         but `teacher_lse` are fp32 (fp64 for fp64 index inputs).
     """
-    problem = _Problem(q, k, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                       block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts)
+    problem = _Problem(q, k, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale)
     out_dtype = loss_dtype(index_q.dtype)
     num_queries, num_index_heads, index_dim = index_q.shape
     index_lse = torch.full((num_queries, num_index_heads), -math.inf, dtype=out_dtype, device=q.device)
@@ -273,14 +266,9 @@ def indexer_kl_backward(
     teacher_index_keys: torch.Tensor,
     teacher_index_queries: torch.Tensor,
     block_indices: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    documents: Documents,
     block_size: int,
     index_softmax_scale: float,
-    fragment_documents: torch.Tensor | None = None,
-    fragment_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(d index_q [Tq, Hi, Di], d index_k [Tk, 1, Di])` in the index inputs' dtype, from the
     forward's `index_lse`, `teacher_mass` and teacher terms; only the student is recomputed.
@@ -289,8 +277,7 @@ def indexer_kl_backward(
     `d index_q[t, r] = c * (M * sum_J P_s[j] index_k[j] - teacher_index_keys[t, r])` and
     `d index_k[j] = c * (sum_((t, r): j in J) M P_s[t, r, j] index_q[t, r] - teacher_index_queries[j])`.
     """
-    problem = _Problem(None, None, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                       block_size, None, index_softmax_scale, fragment_documents, fragment_starts)
+    problem = _Problem(None, None, index_q, index_k, block_indices, documents, block_size, None, index_softmax_scale)
     num_queries, num_index_heads, index_dim = index_q.shape
     d_index_q = torch.zeros(index_q.shape, dtype=problem.dtype, device=index_q.device)
     d_index_k = torch.zeros((problem.num_keys, index_dim), dtype=problem.dtype, device=index_q.device)

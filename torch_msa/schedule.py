@@ -56,7 +56,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .documents import locate_queries
+from .documents import Documents
 
 
 class Schedule(NamedTuple):
@@ -143,13 +143,10 @@ def valid_entries(block_indices: torch.Tensor, position: torch.Tensor, block_siz
 
 def build_schedule(
     block_indices: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
+    documents: Documents,
     num_keys: int,
     block_size: int,
     entries_per_item: int,
-    fragment_documents: torch.Tensor | None = None,
-    fragment_starts: torch.Tensor | None = None,
 ) -> Schedule:
     """Build the KV-outer schedule of `block_indices` on its device, without a host sync.
 
@@ -161,21 +158,20 @@ def build_schedule(
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
-        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` (`cu_seqlens_q` `[F + 1]` with fragments).
+        documents: the documents (`torch_msa/documents.py`); fragments of one document share its
+            buckets, so each key block is still one bucket.
         num_keys: `Tk`, rows of the packed keys.
         block_size: keys per block.
         entries_per_item: the most entries one item holds (a multiple of the kernels' query
             tile keeps their tiles full).
-        fragment_documents, fragment_starts: int32 `[F]` each, or None (`torch_msa/documents.py`).
-            Fragments of one document share its buckets, so each key block is still one bucket.
     """
     num_kv_heads, num_queries, topk = block_indices.shape
     device = block_indices.device
-    num_docs = max(0, cu_seqlens_k.numel() - 1)
+    num_docs = max(0, documents.num_documents)
     num_entries = block_indices.numel()
     bucket_bound = max_buckets(num_kv_heads, num_keys, num_docs, block_size)
     item_bound = max_items(num_entries, bucket_bound, entries_per_item)
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
+    docs = documents.locate(num_queries, num_keys)
     valid = valid_entries(block_indices, docs.position, block_size)
 
     # One integer per bucket, `head * Tk + packed key row of the block`; invalid entries get a
@@ -303,34 +299,31 @@ def unpack(plan: torch.Tensor, block_indices: torch.Tensor, num_keys: int, num_d
 # ---------------------------------------------------------------------------------------------
 
 
-def plan_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
-                  fragment_documents=None, fragment_starts=None) -> Schedule:
+def plan_schedule(block_indices, documents: Documents, num_keys, block_size, entries_per_item) -> Schedule:
     """The schedule of a new plan with items of `entries_per_item` entries, built on the device by
     the Triton plan kernels (`torch_msa/triton/plan_kernel.py`); the arguments as `build_schedule`'s.
 
     Triton is imported here, on first use, so that importing torch_msa never imports it."""
     from .triton import plan_kernel
 
-    plan = plan_kernel.plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
-                            fragment_documents, fragment_starts)
-    return unpack(plan, block_indices, num_keys, cu_seqlens_k.numel() - 1, block_size)
+    plan = plan_kernel.plan(block_indices, documents, num_keys, block_size, entries_per_item)
+    return unpack(plan, block_indices, num_keys, documents.num_documents, block_size)
 
 
-def schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan=None,
-                 fragment_documents=None, fragment_starts=None) -> Schedule:
+def schedule_for(block_indices, documents: Documents, num_keys, block_size, num_heads, plan=None) -> Schedule:
     """The KV-outer schedule a kernel walks: `plan`'s, or (`None`) a new plan's (`plan_schedule`)
     with the items the public API builds (`entries_per_item(num_heads, Hkv)`).
 
     Args:
-        block_indices: int32 `[Hkv, Tq, topk]`; cu_seqlens_q, cu_seqlens_k, fragments: as for
-            `build_schedule`; num_keys: `Tk`; block_size: keys per block.
+        block_indices: int32 `[Hkv, Tq, topk]`; documents: as for `build_schedule`; num_keys:
+            `Tk`; block_size: keys per block.
         num_heads: the query heads `Hq` that size the items of a new plan.
         plan: from `msa::plan` for these arguments (any item size), or None.
     """
     if plan is None:
-        return plan_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size,
-                             entries_per_item(num_heads, block_indices.shape[0]), fragment_documents, fragment_starts)
-    return unpack(plan, block_indices, num_keys, cu_seqlens_k.numel() - 1, block_size)
+        return plan_schedule(block_indices, documents, num_keys, block_size,
+                             entries_per_item(num_heads, block_indices.shape[0]))
+    return unpack(plan, block_indices, num_keys, documents.num_documents, block_size)
 
 
 def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .contract import FLOAT_DTYPES, INDEX_DTYPE, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, compute_dtype
-from .documents import locate_queries
+from .documents import FRAGMENT_ARGUMENTS, Documents
 from .schedule import item_rows, length_error, unpack, valid_entries
 
 DEBUG_ENV = "TORCH_MSA_DEBUG"
@@ -128,22 +128,22 @@ def check_host_args(max_seqlen_q, max_seqlen_k, block_size, topk=None, softmax_s
         check_scale("softmax_scale", softmax_scale)
 
 
-def _documents(cu_seqlens_q, cu_seqlens_k, anchor_name, anchor, fragment_documents=None, fragment_starts=None) -> None:
+def _documents(documents: Documents, anchor_name, anchor) -> None:
+    cu_seqlens_q, cu_seqlens_k = documents.cu_seqlens_q, documents.cu_seqlens_k
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _tensor(name, cu, 1, "[B + 1]")
         _dtype(name, cu, (INDEX_DTYPE,), "int32")
         _same_device(name, cu, anchor_name, anchor)
         if cu.shape[0] < 1:
             raise ValueError(f"{name}: expected at least one boundary ([B + 1] with B >= 0), got shape {_shape(cu)}")
-    if fragment_documents is None and fragment_starts is None:
+    if not documents.has_fragments:
         if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
             raise ValueError(
                 f"cu_seqlens_k: expected {_concrete(cu_seqlens_q.shape[0])} boundaries (as many as cu_seqlens_q), "
                 f"got {_concrete(cu_seqlens_k.shape[0])}"
             )
         return
-    for name, x, other in (("fragment_documents", fragment_documents, "fragment_starts"),
-                           ("fragment_starts", fragment_starts, "fragment_documents")):
+    for name, x, other in zip(FRAGMENT_ARGUMENTS, documents.fragments, reversed(FRAGMENT_ARGUMENTS)):
         if x is None:
             raise ValueError(f"{name}: expected a tensor when {other} is given (or neither), got None")
         _tensor(name, x, 1, "[F] (one entry per query fragment of cu_seqlens_q)")
@@ -156,8 +156,7 @@ def _documents(cu_seqlens_q, cu_seqlens_k, anchor_name, anchor, fragment_documen
             )
 
 
-def check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
-                        fragment_documents=None, fragment_starts=None) -> None:
+def check_select_blocks(index_q, index_k, documents: Documents, topk, block_size) -> None:
     """Metadata checks of `msa::select_blocks` (no host sync)."""
     _float_tensor("index_q", index_q, "[Tq, Hi, Di]")
     _float_tensor("index_k", index_k, "[Tk, 1, Di]")
@@ -170,12 +169,11 @@ def check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen
     if index_k.dtype != index_q.dtype:
         raise TypeError(f"index_k: expected dtype {index_q.dtype} (the dtype of index_q), got {index_k.dtype}")
     _same_device("index_k", index_k, "index_q", index_q)
-    _documents(cu_seqlens_q, cu_seqlens_k, "index_q", index_q, fragment_documents, fragment_starts)
-    check_host_args(max_seqlen_q, max_seqlen_k, block_size, topk=topk)
+    _documents(documents, "index_q", index_q)
+    check_host_args(documents.max_seqlen_q, documents.max_seqlen_k, block_size, topk=topk)
 
 
-def check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                    fragment_documents=None, fragment_starts=None) -> None:
+def check_attention(q, k, v, documents: Documents, block_size, softmax_scale) -> None:
     """Metadata checks of `msa::forward` other than `block_indices` (no host sync)."""
     _float_tensor("q", q, "[Tq, Hq, D]")
     _float_tensor("k", k, "[Tk, Hkv, D]")
@@ -195,8 +193,8 @@ def check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
             f"k: expected a number of KV heads Hkv that divides Hq = {_concrete(num_heads)}, "
             f"got Hkv = {_concrete(num_kv_heads)}"
         )
-    _documents(cu_seqlens_q, cu_seqlens_k, "q", q, fragment_documents, fragment_starts)
-    check_host_args(max_seqlen_q, max_seqlen_k, block_size, softmax_scale=softmax_scale)
+    _documents(documents, "q", q)
+    check_host_args(documents.max_seqlen_q, documents.max_seqlen_k, block_size, softmax_scale=softmax_scale)
 
 
 def check_block_indices(block_indices, q, k, anchor: str = "q") -> None:
@@ -213,12 +211,11 @@ def check_block_indices(block_indices, q, k, anchor: str = "q") -> None:
         )
 
 
-def check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                  fragment_documents=None, fragment_starts=None) -> None:
+def check_forward(q, k, v, block_indices, documents: Documents, block_size, softmax_scale, plan=None) -> None:
     """Metadata checks of `msa::forward` (no host sync)."""
-    check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                    fragment_documents, fragment_starts)
+    check_attention(q, k, v, documents, block_size, softmax_scale)
     check_block_indices(block_indices, q, k)
+    check_plan(plan, block_indices, k.shape[0], documents.num_documents, block_size)
 
 
 def check_index_inputs(index_q, index_k, q, k) -> None:
@@ -246,12 +243,10 @@ def check_index_inputs(index_q, index_k, q, k) -> None:
         _same_device(name, x, "q", q)
 
 
-def check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None,
-                   fragment_documents=None, fragment_starts=None) -> None:
+def check_backward(grad_out, q, k, v, out, lse, block_indices, documents: Documents, block_size, softmax_scale,
+                   grad_lse=None, plan=None) -> None:
     """Metadata checks of `msa::backward` (no host sync)."""
-    check_forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                  fragment_documents, fragment_starts)
+    check_forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan)
     for name, x in (("grad_out", grad_out), ("out", out)):
         _float_tensor(name, x, "[Tq, Hq, D]")
         if list(x.shape) != list(q.shape):
@@ -270,15 +265,14 @@ def check_backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_
         _same_device(name, x, "q", q)
 
 
-def check_plan_args(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size,
-                    entries_per_item, fragment_documents=None, fragment_starts=None) -> None:
+def check_plan_args(block_indices, documents: Documents, num_keys, block_size, entries_per_item) -> None:
     """Metadata checks of `msa::plan` (no host sync)."""
     _tensor("block_indices", block_indices, 3, "[Hkv, Tq, topk]")
     _dtype("block_indices", block_indices, (INDEX_DTYPE,), "int32")
     if block_indices.shape[0] < 1 or block_indices.shape[2] < 1:
         raise ValueError(f"block_indices: expected shape [Hkv >= 1, Tq, topk >= 1], got {_shape(block_indices)}")
-    _documents(cu_seqlens_q, cu_seqlens_k, "block_indices", block_indices, fragment_documents, fragment_starts)
-    check_host_args(max_seqlen_q, max_seqlen_k, block_size)
+    _documents(documents, "block_indices", block_indices)
+    check_host_args(documents.max_seqlen_q, documents.max_seqlen_k, block_size)
     check_host_int("num_keys", num_keys, 0)
     check_host_int("entries_per_item", entries_per_item, 1)
 
@@ -308,8 +302,7 @@ def _first(mask: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in mask.nonzero()[0])
 
 
-def check_values(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, max_seqlen_q, max_seqlen_k,
-                 block_indices=None, block_size=None, fragment_documents=None, fragment_starts=None) -> None:
+def check_values(documents: Documents, num_queries, num_keys, block_indices=None, block_size=None) -> None:
     """Content checks (host sync): document boundaries and, if given, the block-id contract.
 
     Boundaries start at 0, never decrease, end at `Tq` / `Tk`; every document has `Lq <= Lk`
@@ -320,8 +313,8 @@ def check_values(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, max_seqlen_q
     """
     lengths = {}
     for name, cu, total, max_name, max_len in (
-        ("cu_seqlens_q", cu_seqlens_q, num_queries, "max_seqlen_q", max_seqlen_q),
-        ("cu_seqlens_k", cu_seqlens_k, num_keys, "max_seqlen_k", max_seqlen_k),
+        ("cu_seqlens_q", documents.cu_seqlens_q, num_queries, "max_seqlen_q", documents.max_seqlen_q),
+        ("cu_seqlens_k", documents.cu_seqlens_k, num_keys, "max_seqlen_k", documents.max_seqlen_k),
     ):
         bounds = cu.detach().to("cpu", torch.int64)
         if int(bounds[0]) != 0:
@@ -339,7 +332,7 @@ def check_values(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, max_seqlen_q
         if longest > int(max_len):
             raise ValueError(f"{max_name}: expected >= the longest document ({longest} tokens), got {int(max_len)}")
         lengths[name] = steps
-    if fragment_documents is None:
+    if documents.fragment_documents is None:
         too_long = lengths["cu_seqlens_q"] > lengths["cu_seqlens_k"]
         if too_long.any():
             (b,) = _first(too_long)
@@ -348,10 +341,9 @@ def check_values(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, max_seqlen_q
                 f"got document {b} with Lq = {int(lengths['cu_seqlens_q'][b])}, Lk = {int(lengths['cu_seqlens_k'][b])}"
             )
     else:
-        _check_fragments(fragment_documents, fragment_starts, lengths["cu_seqlens_q"], lengths["cu_seqlens_k"])
+        _check_fragments(*documents.fragments, lengths["cu_seqlens_q"], lengths["cu_seqlens_k"])
     if block_indices is not None:
-        _check_block_ids(block_indices, cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, block_size,
-                         fragment_documents, fragment_starts)
+        _check_block_ids(block_indices, documents, num_queries, num_keys, block_size)
 
 
 def _check_fragments(fragment_documents, fragment_starts, fragment_lengths, document_lengths) -> None:
@@ -377,11 +369,9 @@ def _check_fragments(fragment_documents, fragment_starts, fragment_lengths, docu
         )
 
 
-def _check_block_ids(block_indices, cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, block_size,
-                     fragment_documents=None, fragment_starts=None) -> None:
+def _check_block_ids(block_indices, documents: Documents, num_queries, num_keys, block_size) -> None:
     ids = block_indices.detach().to("cpu", torch.int64)
-    fragments = (None, None) if fragment_documents is None else (fragment_documents.cpu(), fragment_starts.cpu())
-    position = locate_queries(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), num_queries, num_keys, *fragments).position
+    position = documents.map_tensors(torch.Tensor.cpu).locate(num_queries, num_keys).position
     visible_blocks = (position // block_size + 1).view(1, -1, 1)
     where = "block_indices[{}, {}, {}]"
     if (ids < -1).any():
@@ -417,8 +407,7 @@ def _check_block_ids(block_indices, cu_seqlens_q, cu_seqlens_k, num_queries, num
         )
 
 
-def check_plan_values(plan, block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size,
-                      fragment_documents=None, fragment_starts=None) -> None:
+def check_plan_values(plan, block_indices, documents: Documents, num_keys, block_size) -> None:
     """Content checks of `plan` (host sync): it must be the plan of this selection and these
     documents, not a stale one of the same shapes.
 
@@ -426,12 +415,10 @@ def check_plan_values(plan, block_indices, cu_seqlens_q, cu_seqlens_k, num_keys,
     are exactly the valid entries of `block_indices` (each bucket's key block, KV head and first
     key row matching them), the set of (query, block) pairs the kernels will compute.
     """
-    num_docs = cu_seqlens_k.shape[0] - 1
-    schedule = unpack(plan.detach(), block_indices, num_keys, num_docs, block_size)
+    schedule = unpack(plan.detach(), block_indices, num_keys, documents.num_documents, block_size)
     num_kv_heads, num_queries, topk = block_indices.shape
     ids = block_indices.detach().to("cpu", torch.int64)
-    fragments = (None, None) if fragment_documents is None else (fragment_documents.cpu(), fragment_starts.cpu())
-    docs = locate_queries(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), num_queries, num_keys, *fragments)
+    docs = documents.map_tensors(torch.Tensor.cpu).locate(num_queries, num_keys)
     table = {name: getattr(schedule, name).detach().to("cpu", torch.int64) for name in schedule._fields}
     stale = "a plan built for other arguments: rebuild it with torch_msa.build_plan for these"
     wrong = (table["position"] != docs.position).nonzero()
@@ -473,19 +460,16 @@ def _lse_like(name: str, x, q) -> None:
     _same_device(name, x, "q", q)
 
 
-def check_indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, block_size, softmax_scale, index_softmax_scale,
-                     fragment_documents=None, fragment_starts=None) -> None:
+def check_indexer_kl(q, k, lse, index_q, index_k, block_indices, documents: Documents, block_size, softmax_scale,
+                     index_softmax_scale) -> None:
     """Metadata checks of `msa::indexer_kl` (no host sync); `lse` / `block_indices` may be None."""
     # k stands in for v: the loss reads no values. Without block_indices the support is dense.
-    check_attention(q, k, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-                    fragment_documents, fragment_starts)
+    check_attention(q, k, k, documents, block_size, softmax_scale)
     if block_indices is not None:
         check_block_indices(block_indices, q, k)
     if lse is not None:
         _lse_like("lse", lse, q)
-    check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, block_size,
-                        fragment_documents, fragment_starts)
+    check_select_blocks(index_q, index_k, documents, None, block_size)
     if list(index_q.shape[:2]) != [q.shape[0], k.shape[1]]:
         raise ValueError(
             f"index_q: expected [Tq, Hi] = [{q.shape[0]}, {k.shape[1]}] (one index head per KV head), "
@@ -498,13 +482,11 @@ def check_indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, c
 
 
 def check_indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
-                              teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, block_size, index_softmax_scale, fragment_documents=None,
-                              fragment_starts=None) -> None:
+                              teacher_index_queries, block_indices, documents: Documents, block_size,
+                              index_softmax_scale) -> None:
     """Metadata checks of `msa::indexer_kl_backward` (no host sync): the index inputs and what
     `msa::indexer_kl` returned for them."""
-    check_select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, block_size,
-                        fragment_documents, fragment_starts)
+    check_select_blocks(index_q, index_k, documents, None, block_size)
     if block_indices is not None:
         # One index head per KV head: index_q gives both Tq and Hkv.
         check_block_indices(block_indices, index_q, index_q, "index_q")

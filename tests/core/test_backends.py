@@ -10,6 +10,7 @@ import torch
 
 import torch_msa
 import torch_msa.triton as triton_backend
+from tests.support.documents import Documents, backend_arguments
 from torch_msa import __main__ as self_check
 from torch_msa import backends, cute_dsl, sm90, sm100, testing
 
@@ -234,10 +235,10 @@ def test_a_cuda_call_served_by_the_reference_warns_once_naming_why(fake_cuda):
     device = fake_cuda(triton=False)
     with pytest.warns(UserWarning, match="msa::forward on cuda:0 runs on the reference backend, the slow path: "
                                          "sm90: cannot find triton; .*; triton: triton is not installed"):
-        backends.call("forward", device, *_cpu_inputs())
+        backends.call("forward", device, *backend_arguments("forward", *_cpu_inputs()))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        backends.call("forward", device, *_cpu_inputs())
+        backends.call("forward", device, *backend_arguments("forward", *_cpu_inputs()))
 
 
 def test_a_cuda_fallback_to_the_reference_says_it_is_the_slow_path(fake_cuda, stand_in):
@@ -249,7 +250,7 @@ def test_a_cuda_fallback_to_the_reference_says_it_is_the_slow_path(fake_cuda, st
     stand_in(torch_msa.Backend("picky_cuda", {"forward": picky_forward}, priority=5, device_types=("cuda",)))
     with pytest.warns(UserWarning, match="'picky_cuda' does not serve these msa::forward inputs \\(only D = 128\\); "
                                          "falling back to 'reference' \\(the slow path\\)"):
-        backends.call("forward", device, *_cpu_inputs())
+        backends.call("forward", device, *backend_arguments("forward", *_cpu_inputs()))
 
 
 def test_inputs_a_forced_backend_declines_fall_back_with_a_warning(stand_in, monkeypatch):
@@ -275,7 +276,7 @@ def test_deterministic_mode_serves_the_deterministic_backward(monkeypatch):
     q, k = torch.zeros(1, 2, 64), torch.zeros(1, 1, 64)
     for enabled in (True, False):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda enabled=enabled: enabled)
-        triton_backend.backward(q, q, k, k, q, None, None, None, None, 1, 1, 64, 1.0)
+        triton_backend.backward(q, q, k, k, q, None, None, Documents(None, None, 1, 1), 64, 1.0)
     assert calls == ["deterministic", "atomic"]
 
 
@@ -313,5 +314,5 @@ def test_sm90_serves_deterministic_mode_with_its_deterministic_variant(monkeypat
     q, k = torch.zeros(1, 16, 128), torch.zeros(1, 1, 128)
     for enabled in (True, False):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda enabled=enabled: enabled)
-        sm90.backward(q, q, k, k, q, None, None, None, None, 1, 1, 128, 1.0)
+        sm90.backward(q, q, k, k, q, None, None, Documents(None, None, 1, 1), 128, 1.0)
     assert calls == ["deterministic", "atomic"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torch_msa
+from tests.support.documents import Documents
 from tests.support.schedule_oracle import build_schedule_python
 from torch_msa import testing
 from torch_msa.documents import locate_queries
@@ -142,8 +143,8 @@ def test_schedule_of_fragments_equals_the_python_build(entries_per_item):
     frag = testing.fragments(LENGTHS, PIECES)
     block_indices = testing.random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, KV_HEADS, TOPK, BLOCK,
                                                  None, *frag.tensors)
-    schedule = build_schedule(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, sum(LENGTHS), BLOCK,
-                              entries_per_item, *frag.tensors)
+    schedule = build_schedule(block_indices, Documents(*frag.op_args, *frag.tensors), sum(LENGTHS), BLOCK,
+                              entries_per_item)
     expected = build_schedule_python(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, sum(LENGTHS), BLOCK,
                                      entries_per_item, *frag.tensors)
     num_buckets = int(schedule.num_buckets)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.support.documents import Documents, backend_arguments
 from torch_msa import query_windows, reference, testing
 from torch_msa.documents import locate_queries, token_fragments
 
@@ -31,16 +32,17 @@ class _Recorder:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, q, *args):
-        self.calls.append((q.shape[0], args[9]))
-        return reference.forward(q, *args)
+    def __call__(self, q, k, v, block_indices, documents, block_size, softmax_scale, plan):
+        self.calls.append((q.shape[0], plan))
+        return reference.forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan)
 
 
 def _windowed(problem, window, plan=None, fragments=(None, None)):
     q, k, v, block_indices, cu_q, cu_k, max_q, max_k = problem
     recorder = _Recorder()
-    out, lse = query_windows.forward_in_windows(recorder, q, k, v, block_indices, cu_q, cu_k, max_q, max_k, BLOCK,
-                                                DIM**-0.5, plan, *fragments, budget=_budget(window))
+    out, lse = query_windows.forward_in_windows(recorder, q, k, v, block_indices,
+                                                Documents(cu_q, cu_k, max_q, max_k, *fragments), BLOCK, DIM**-0.5, plan,
+                                                budget=_budget(window))
     return out, lse, recorder.calls
 
 
@@ -55,7 +57,7 @@ def _assert_same(actual, expected):
 def test_windows_equal_one_call(window, lengths):
     problem = _problem(*lengths)
     q, k, v, block_indices, cu_q, cu_k, max_q, max_k = problem
-    expected = reference.forward(q, k, v, block_indices, cu_q, cu_k, max_q, max_k, BLOCK, DIM**-0.5)
+    expected = reference.forward(q, k, v, block_indices, Documents(cu_q, cu_k, max_q, max_k), BLOCK, DIM**-0.5)
     out, lse, calls = _windowed(problem, window)
     _assert_same((out, lse), expected)
     assert all(queries <= window for queries, _ in calls)
@@ -79,7 +81,8 @@ def test_windows_of_fragments_equal_one_call():
     block_indices = testing.random_block_indices(frags.cu_seqlens_q, frags.cu_seqlens_k, KV_HEADS, TOPK, BLOCK,
                                                  generator, *frags.tensors)
     problem = (q, k, v, block_indices, *frags.op_args)
-    expected = reference.forward(q, k, v, block_indices, *frags.op_args, BLOCK, DIM**-0.5, None, *frags.tensors)
+    expected = reference.forward(*backend_arguments("forward", q, k, v, block_indices, *frags.op_args, BLOCK, DIM**-0.5, None,
+                                                    *frags.tensors))
     out, lse, calls = _windowed(problem, window=9, fragments=frags.tensors)
     _assert_same((out, lse), expected)
     assert len(calls) == 7
@@ -90,7 +93,7 @@ def test_windows_keep_the_rule_for_malformed_documents():
     problem[4] = torch.tensor([0, 40, 25], dtype=torch.int32)  # decreasing boundaries
     problem[3] = torch.full_like(problem[3], 1)
     q, k, v, block_indices, cu_q, cu_k, max_q, max_k = problem
-    expected = reference.forward(q, k, v, block_indices, cu_q, cu_k, max_q, max_k, BLOCK, DIM**-0.5)
+    expected = reference.forward(q, k, v, block_indices, Documents(cu_q, cu_k, max_q, max_k), BLOCK, DIM**-0.5)
     out, lse, _ = _windowed(problem, window=8)
     _assert_same((out, lse), expected)
 

@@ -5,6 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_msa
+from tests.support.documents import documents_of
 from tests.support.schedule_oracle import build_schedule_python
 from torch_msa import testing
 from torch_msa.schedule import bucket_key_count, build_schedule, max_buckets, plan_numel, unpack
@@ -18,7 +19,7 @@ LAYOUTS = {
 
 
 def _check(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item):
-    schedule = build_schedule(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item)
+    schedule = build_schedule(block_indices, documents_of(cu_q, cu_k), num_keys, block_size, entries_per_item)
     expected = build_schedule_python(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item)
     assert all(t.dtype == torch.int32 for t in schedule)
     num_buckets, num_items = int(schedule.num_buckets), int(schedule.num_items)
@@ -58,7 +59,7 @@ def test_skewed_selection_spreads_the_shared_block_over_items():
     cu_q, cu_k = testing.cu_seqlens([1000], [1000])
     block_indices = testing.skewed_block_indices(cu_q, cu_k, 2, 4, 64)
     _check(block_indices, cu_q, cu_k, 1000, 64, 16)
-    schedule = build_schedule(block_indices, cu_q, cu_k, 1000, 64, 16)
+    schedule = build_schedule(block_indices, documents_of(cu_q, cu_k), 1000, 64, 16)
     sizes = (schedule.item_end - schedule.item_start)[: int(schedule.num_items)]
     assert int(sizes.max()) == 16, "block 0, read by every query, is split into items of 16 entries"
 
@@ -85,7 +86,7 @@ def test_build_schedule_stays_a_few_host_launches():
     cu_q, cu_k = testing.cu_seqlens([300, 200], [300, 200])
     block_indices = testing.random_block_indices(cu_q, cu_k, 4, 16, 64)
     with CountCalls():
-        build_schedule(block_indices, cu_q, cu_k, 500, 64, 128)
+        build_schedule(block_indices, documents_of(cu_q, cu_k), 500, 64, 128)
     assert CountCalls.calls <= 112
 
 
@@ -93,7 +94,7 @@ def test_plan_op_packs_the_schedule_and_splits_back():
     cu_q, cu_k = testing.cu_seqlens([40, 0, 1, 90], [140, 5, 1, 90])
     block_indices = testing.random_block_indices(cu_q, cu_k, 2, 4, 64)
     plan = torch.ops.msa.plan(block_indices, cu_q, cu_k, 90, 140, 236, 64, 8)
-    expected = build_schedule(block_indices, cu_q, cu_k, 236, 64, 8)
+    expected = build_schedule(block_indices, documents_of(cu_q, cu_k), 236, 64, 8)
     assert plan.dtype == torch.int32 and plan.numel() == plan_numel(block_indices.shape, 236, 4, 64, 8)
     for got, want in zip(unpack(plan, block_indices, 236, 4, 64), expected, strict=True):
         assert torch.equal(got, want)
@@ -177,7 +178,7 @@ def test_triton_plan_build_stays_a_few_host_calls(monkeypatch):
     cu_q, cu_k = testing.cu_seqlens([300, 200], [300, 200])
     block_indices = testing.random_block_indices(cu_q, cu_k, 4, 16, 64)
     with CountOps() as counted:
-        plan_kernel.plan(block_indices, cu_q, cu_k, 500, 64, 128)
+        plan_kernel.plan(block_indices, documents_of(cu_q, cu_k), 500, 64, 128)
     assert len(launches) == 4
     assert len(counted.calls) <= 8, counted.calls
 

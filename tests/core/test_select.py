@@ -5,6 +5,7 @@ import torch
 
 import torch_msa
 from tests.support import dense
+from tests.support.documents import Documents
 from torch_msa.testing import cu_seqlens
 
 LAYOUTS = {
@@ -129,6 +130,6 @@ def test_triton_selection_stays_a_few_host_calls(monkeypatch):
     cu_q, cu_k = cu_seqlens([300, 200])
     iq, ik = torch.randn(500, 4, 128), torch.randn(500, 1, 128)
     with CountOps() as counted:
-        select_kernel.select_blocks(iq, ik, cu_q, cu_k, 300, 300, 16, 128)
+        select_kernel.select_blocks(iq, ik, Documents(cu_q, cu_k, 300, 300), 16, 128)
     assert launches == ["locate", "select"]
     assert [str(op) for op in counted.calls] == ["aten.full.default", *["aten.empty.memory_format"] * 2], counted.calls

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from tests.support.documents import backend_arguments
 from tests.support.terminal import FakeTerminal, screen
 from torch_msa import __main__ as selfcheck
 
@@ -192,11 +193,11 @@ def _reference_flops(seqlen: int) -> dict[str, int]:
     block_indices = random_block_indices(cu_q, cu_k, kv_heads, topk, block_size)
     counts = {}
     for name, call in (
-        ("select", lambda: reference.select_blocks(torch.randn(seqlen, kv_heads, 32), torch.randn(seqlen, 1, 32),
-                                                   *docs, topk, block_size)),
-        ("forward", lambda: reference.forward(q, k, v, block_indices, *docs, block_size, 0.125)),
-        ("backward", lambda: reference.backward(q, q, k, v, q, torch.zeros(seqlen, heads), block_indices, *docs,
-                                                block_size, 0.125)),
+        ("select", lambda: reference.select_blocks(*backend_arguments("select_blocks", torch.randn(seqlen, kv_heads, 32),
+                                                                      torch.randn(seqlen, 1, 32), *docs, topk, block_size))),
+        ("forward", lambda: reference.forward(*backend_arguments("forward", q, k, v, block_indices, *docs, block_size, 0.125))),
+        ("backward", lambda: reference.backward(*backend_arguments("backward", q, q, k, v, q, torch.zeros(seqlen, heads),
+                                                                   block_indices, *docs, block_size, 0.125))),
     ):
         with FlopCounterMode(display=False) as counter:
             call()

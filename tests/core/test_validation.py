@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import torch_msa
+from tests.support.documents import Documents, documents_of
 from torch_msa.testing import cu_seqlens, random_block_indices
 
 T = 150
@@ -371,19 +372,19 @@ def test_the_plan_check_accepts_every_plan_msa_plan_builds(device):
         cu_q, cu_k = cu_seqlens(q_lens, k_lens, device)
         ids = random_block_indices(cu_q.cpu(), cu_k.cpu(), 2, 3, 64, generator).to(device)
         plan = torch_msa.build_plan(ids, cu_q, cu_k, num_keys=sum(k_lens), num_heads=4, block_size=64)
-        check_plan_values(plan, ids, cu_q, cu_k, sum(k_lens), 64)
+        check_plan_values(plan, ids, documents_of(cu_q, cu_k), sum(k_lens), 64)
         # Another random selection keeps as many blocks per row: only the entries tell them apart.
         other = random_block_indices(cu_q.cpu(), cu_k.cpu(), 2, 3, 64, generator).to(device)
         assert (other >= 0).sum() == (ids >= 0).sum() and not torch.equal(other, ids)
         with pytest.raises(ValueError, match="plan: expected the entries of this block_indices; the plan's entry"):
-            check_plan_values(plan, other, cu_q, cu_k, sum(k_lens), 64)
+            check_plan_values(plan, other, documents_of(cu_q, cu_k), sum(k_lens), 64)
     pieces = fragments([150, 90], [(1, 10, 40), (0, 0, 64), (0, 100, 50)], device)
     ids = random_block_indices(pieces.cu_seqlens_q.cpu(), pieces.cu_seqlens_k.cpu(), 2, 3, 64, generator,
                                *(x.cpu() for x in pieces.tensors)).to(device)
     plan = torch_msa.build_plan(ids, pieces.cu_seqlens_q, pieces.cu_seqlens_k, pieces.max_seqlen_q, pieces.max_seqlen_k,
                                 num_keys=240, num_heads=4, block_size=64, fragment_documents=pieces.fragment_documents,
                                 fragment_starts=pieces.fragment_starts)
-    check_plan_values(plan, ids, pieces.cu_seqlens_q, pieces.cu_seqlens_k, 240, 64, *pieces.tensors)
+    check_plan_values(plan, ids, Documents(*pieces.op_args, *pieces.tensors), 240, 64)
 
 
 def test_the_cpu_selection_costs_the_keys_present_not_max_seqlen_k():
@@ -401,7 +402,7 @@ def test_the_cpu_selection_costs_the_keys_present_not_max_seqlen_k():
             ids = torch_msa.select_blocks(index_q, index_k, max_seqlen_k=max_seqlen_k, topk=4, block_size=64)
         docs = torch.tensor([0, 200], dtype=torch.int32)
         with FlopCounterMode(display=False) as real:
-            reference.select_blocks(index_q, index_k, docs, docs, 200, max_seqlen_k, 4, 64)
+            reference.select_blocks(index_q, index_k, Documents(docs, docs, 200, max_seqlen_k), 4, 64)
         return ids, nominal.get_total_flops(), real.get_total_flops()
 
     exact, exact_nominal, exact_real = select(200)

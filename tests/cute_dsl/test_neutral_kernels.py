@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.support.cute_dsl import deprecated_dsl_use_is_an_error, forbid_python_conversions, requires_cute
+from tests.support.documents import backend_arguments, documents_of
 from tests.support.schedule_oracle import build_schedule_python
 from torch_msa import reference
 from torch_msa.cute_dsl.task_tables import (
@@ -58,7 +59,7 @@ def tables_torch(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size
     """`build_tasks` in torch ops, on any device."""
     num_docs = cu_seqlens_k.numel() - 1
     rows = workspace_rows(num_keys, num_docs)
-    schedule = build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, TASK_ROWS)
+    schedule = build_schedule(block_indices, documents_of(cu_seqlens_q, cu_seqlens_k), num_keys, block_size, TASK_ROWS)
     aligned_starts = doc_aligned_starts(cu_seqlens_k, num_keys, rows)
     # Clamped boundaries, B + 1 >= 1 of them, so the gathers below stay in range without documents.
     key_starts = cu_seqlens_k.long().clamp(0, num_keys)
@@ -405,11 +406,9 @@ def check_consumer_against_reference(pipeline, layout, heads, dim, block_size, t
     max_q, max_k = max(map(int, cu_q.diff())), max(map(int, cu_k.diff()))
     scale = dim**-0.5
     docs = (cu_q, cu_k, max_q, max_k)
-    out, lse = reference.forward(q, k, v, block_indices, *docs, block_size, scale)
-    want = reference.backward(
-        grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse, block_indices, *docs, block_size,
-        scale, grad_lse,
-    )
+    out, lse = reference.forward(*backend_arguments("forward", q, k, v, block_indices, *docs, block_size, scale))
+    want = reference.backward(*backend_arguments("backward", grad_out.float(), q.float(), k.float(), v.float(), out.float(),
+                                                 lse, block_indices, *docs, block_size, scale, grad_lse))
 
     tables = pipeline.build_tasks(block_indices, cu_q, cu_k, num_keys, block_size)
     k_ws, v_ws = pipeline.align_kv(k, v, cu_k, tables)

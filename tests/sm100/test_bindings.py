@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import torch_msa
+from tests.support.documents import Documents, backend_arguments
 from torch_msa import backends, cute_dsl, reference, sm100, testing
 from torch_msa.backends import UnavailableError, UnsupportedInputs
 from torch_msa.sm100 import bindings
@@ -567,11 +568,11 @@ def test_inputs_outside_the_official_configuration_are_declined_before_any_work(
     cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32)
     documents = (cu_seqlens, cu_seqlens, tokens, tokens, shape["block_size"], 0.1)
     with pytest.raises(UnsupportedInputs, match="serves only the official MSA configuration") as caught:
-        sm100.forward(q, k, k, block_indices, *documents)
+        sm100.forward(*backend_arguments("forward", q, k, k, block_indices, *documents))
     assert got in str(caught.value)
     lse = torch.zeros(tokens, shape["num_q_heads"])
     with pytest.raises(UnsupportedInputs, match=got):
-        sm100.backward(q, q, k, k, q, lse, block_indices, *documents)
+        sm100.backward(*backend_arguments("backward", q, q, k, k, q, lse, block_indices, *documents))
 
 
 def test_deterministic_backward_is_declined_because_of_atomics(no_launch, monkeypatch):
@@ -579,7 +580,7 @@ def test_deterministic_backward_is_declined_because_of_atomics(no_launch, monkey
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     lse = torch.zeros(q.shape[:2])
     with pytest.raises(UnsupportedInputs, match="fp32 atomics"):
-        sm100.backward(q, q, k, v, q, lse, block_indices, cu_q, cu_k, 5, 5, 128, 0.1)
+        sm100.backward(q, q, k, v, q, lse, block_indices, Documents(cu_q, cu_k, 5, 5), 128, 0.1)
 
 
 def test_forward_is_declined_during_graph_capture(no_launch, monkeypatch):
@@ -587,7 +588,7 @@ def test_forward_is_declined_during_graph_capture(no_launch, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(UnsupportedInputs, match="CUDA-graph capture"):
-        sm100.forward(q, k, v, block_indices, cu_q, cu_k, 5, 5, 128, 0.1)
+        sm100.forward(q, k, v, block_indices, Documents(cu_q, cu_k, 5, 5), 128, 0.1)
 
 
 def test_forward_sends_only_self_attention_packs(official, monkeypatch):
@@ -597,10 +598,10 @@ def test_forward_sends_only_self_attention_packs(official, monkeypatch):
     cu_q, cu_k = testing.cu_seqlens([100, 100], [50, 150])
     block_indices = testing.random_block_indices(cu_q, cu_k, 4, 16, 128)
     with pytest.raises(UnsupportedInputs, match="self-attention packs"):
-        sm100.forward(q, k, v, block_indices, cu_q, cu_k, 100, 150, 128, 0.1)
+        sm100.forward(q, k, v, block_indices, Documents(cu_q, cu_k, 100, 150), 128, 0.1)
     with pytest.raises(UnsupportedInputs, match="Tq=200, Tk=150"):
-        sm100.forward(q, k[:150], v[:150], block_indices, *testing.cu_seqlens([100, 100], [50, 100]), 100, 100,
-                      128, 0.1)
+        sm100.forward(q, k[:150], v[:150], block_indices,
+                      Documents(*testing.cu_seqlens([100, 100], [50, 100]), 100, 100), 128, 0.1)
     assert calls == []
 
 
@@ -615,7 +616,8 @@ def test_unsupported_inputs_fall_back_to_the_reference_with_a_warning(monkeypatc
     with pytest.warns(UserWarning,
                       match="backend 'sm100' does not serve these msa::forward inputs .*falling back to 'reference'"):
         out = torch_msa.sparse_attention(q, k, v, block_indices, block_size=64)
-    expected, _ = reference.forward(q, k, v, block_indices, *testing.cu_seqlens([70]), 70, 70, 64, 64**-0.5)
+    expected, _ = reference.forward(*backend_arguments("forward", q, k, v, block_indices, *testing.cu_seqlens([70]), 70, 70,
+                                                       64, 64**-0.5))
     torch.testing.assert_close(out, expected)
 
 
@@ -642,8 +644,8 @@ def test_canonical_block_indices_keep_exactly_the_set_the_reference_reads():
     q = torch.randn(tokens, 4, 64, dtype=torch.float64)
     k, v = torch.randn(2, tokens, 2, 64, dtype=torch.float64)
     documents = (cu_q, cu_k, max(lengths), max(lengths), block_size, 0.125)
-    from_raw = reference.forward(q, k, v, raw, *documents)
-    from_canonical = reference.forward(q, k, v, canonical, *documents)
+    from_raw = reference.forward(*backend_arguments("forward", q, k, v, raw, *documents))
+    from_canonical = reference.forward(*backend_arguments("forward", q, k, v, canonical, *documents))
     for raw_result, canonical_result in zip(from_raw, from_canonical):
         torch.testing.assert_close(raw_result, canonical_result)
 
@@ -673,7 +675,7 @@ def test_forward_calls_the_official_pair_as_nemo_does_and_returns_its_lse(offici
 
     monkeypatch.setattr(official.sparse, "build_k2q_csr", build_k2q_csr)
     monkeypatch.setattr(official.sparse, "sparse_atten_func", sparse_atten_func)
-    out, lse = sm100.forward(q, k, v, block_indices, cu_q, cu_k, 256, 256, 128, 0.088)
+    out, lse = sm100.forward(q, k, v, block_indices, Documents(cu_q, cu_k, 256, 256), 128, 0.088)
     assert out is official_out and lse is official_lse
 
     (support, csr_cu_q, csr_cu_k, block), csr_kwargs = calls["csr"]
@@ -703,7 +705,7 @@ def test_backward_calls_run_backward_with_the_documented_signature(official, mon
         return gradients
 
     monkeypatch.setattr(official.backward, "run_backward", run_backward)
-    got = sm100.backward(grad_out, q, k, v, q, lse, block_indices, cu_q, cu_k, 130, 130, 128, 0.088, grad_lse)
+    got = sm100.backward(grad_out, q, k, v, q, lse, block_indices, Documents(cu_q, cu_k, 130, 130), 128, 0.088, grad_lse)
     assert got is gradients
     (args,) = received
     assert len(args) == 13
@@ -712,16 +714,16 @@ def test_backward_calls_run_backward_with_the_documented_signature(official, mon
     assert torch.equal(args[6], _python_canonical(block_indices, [t for n in lengths for t in range(n)], 128))
     assert torch.equal(args[7], cu_q) and torch.equal(args[8], cu_k)
     assert args[9:12] == (130, 130, 0.088) and torch.equal(args[12], grad_lse)
-    sm100.backward(grad_out, q, k, v, q, lse, block_indices, cu_q, cu_k, 130, 130, 128, 0.088)
+    sm100.backward(grad_out, q, k, v, q, lse, block_indices, Documents(cu_q, cu_k, 130, 130), 128, 0.088)
     assert received[-1][12] is None
 
 
 def test_empty_packs_return_without_launching(no_launch):
     q, k, v, block_indices, cu_q, cu_k = _m3_inputs([0])
-    out, lse = sm100.forward(q, k, v, block_indices, cu_q, cu_k, 0, 0, 128, 0.1)
+    out, lse = sm100.forward(q, k, v, block_indices, Documents(cu_q, cu_k, 0, 0), 128, 0.1)
     assert out.shape == (0, 64, 128) and out.dtype == torch.bfloat16
     assert lse.shape == (0, 64) and lse.dtype == torch.float32
-    dq, dk, dv = sm100.backward(q, q, k, v, q, lse, block_indices, cu_q, cu_k, 0, 0, 128, 0.1)
+    dq, dk, dv = sm100.backward(q, q, k, v, q, lse, block_indices, Documents(cu_q, cu_k, 0, 0), 128, 0.1)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 

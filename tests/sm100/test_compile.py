@@ -23,6 +23,7 @@ from tests.support.cute_dsl import (
     requires_cute,
     skip_without_nvdisasm,
 )
+from tests.support.documents import backend_arguments
 from torch_msa import reference
 from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
 
@@ -195,10 +196,9 @@ def test_run_backward_matches_reference_on_sm100(selection):
     grad_lse = torch.randn(num_queries, 64, generator=generator).cuda()
     docs = (cu_q, cu_k, max(q_lens), max(k_lens))
     scale = 128**-0.5
-    out, lse = reference.forward(q, k, v, block_indices, *docs, 128, scale)
-    want = reference.backward(
-        grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse, block_indices, *docs, 128, scale, grad_lse
-    )
+    out, lse = reference.forward(*backend_arguments("forward", q, k, v, block_indices, *docs, 128, scale))
+    want = reference.backward(*backend_arguments("backward", grad_out.float(), q.float(), k.float(), v.float(), out.float(),
+                                                 lse, block_indices, *docs, 128, scale, grad_lse))
     got = run_backward(q, k, v, grad_out, out, lse, block_indices, *docs, scale, grad_lse)
     for name, got_grad, want_grad in zip(("dq", "dk", "dv"), got, want):
         assert got_grad.dtype == torch.bfloat16 and got_grad.shape == want_grad.shape, name

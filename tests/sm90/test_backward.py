@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from tests.support.documents import Documents, backend_arguments, documents_of
 from tests.support.sm90 import (
     BLOCK,
     HKV,
@@ -36,7 +37,7 @@ def _problem(q_lens, k_lens, dtype=torch.bfloat16, selection="random", seed=0, w
     and `grad_lse` (or None); `out` and `lse` from the reference forward."""
     generator = torch.Generator().manual_seed(seed)
     q, k, v, blocks, cu_q, cu_k, max_q, max_k = random_problem(q_lens, k_lens, dtype, selection, generator=generator)
-    out, lse = reference.forward(q.float(), k.float(), v.float(), blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE)
+    out, lse = reference.forward(q.float(), k.float(), v.float(), blocks, Documents(cu_q, cu_k, max_q, max_k), BLOCK, SCALE)
     grad_out = torch.randn(q.shape, generator=generator).to("cuda", dtype)
     grad_lse = torch.randn(q.shape[:2], generator=generator).cuda() if with_grad_lse else None
     return (grad_out, q, k, v, out.to(dtype), lse, blocks, cu_q, cu_k, max_q, max_k), grad_lse
@@ -45,13 +46,13 @@ def _problem(q_lens, k_lens, dtype=torch.bfloat16, selection="random", seed=0, w
 def _sm90(args, grad_lse=None, plan=None, *fragment_tensors):
     from torch_msa.sm90.backward_host import backward
 
-    return backward(*args, BLOCK, SCALE, grad_lse, plan, *fragment_tensors)
+    return backward(*backend_arguments("backward", *args, BLOCK, SCALE, grad_lse, plan, *fragment_tensors))
 
 
 def _reference(args, grad_lse=None, *fragment_tensors):
     grad_out, q, k, v, out, lse, *rest = args
-    grads = reference.backward(grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse, *rest, BLOCK,
-                               SCALE, grad_lse, None, *fragment_tensors)
+    grads = reference.backward(*backend_arguments("backward", grad_out.float(), q.float(), k.float(), v.float(), out.float(),
+                                                  lse, *rest, BLOCK, SCALE, grad_lse, None, *fragment_tensors))
     return tuple(g.to(q.dtype) for g in grads)
 
 
@@ -113,7 +114,7 @@ def test_given_plans_of_any_item_size(entries):
     from torch_msa.triton import plan_kernel
 
     args, _ = _problem([1000, 1500], [1000, 1500], seed=7)
-    plan = plan_kernel.plan(args[6], args[7], args[8], args[2].shape[0], BLOCK, entries)
+    plan = plan_kernel.plan(args[6], documents_of(args[7], args[8]), args[2].shape[0], BLOCK, entries)
     _check(_sm90(args, None, plan), _reference(args))
 
 
@@ -129,8 +130,8 @@ def test_fragments_match_reference():
     q, k, v, grad_out = tensor(tq, HQ, D), tensor(tk, HKV, D), tensor(tk, HKV, D), tensor(tq, HQ, D)
     blocks = random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, HKV, TOPK, BLOCK, generator,
                                   *frag.tensors).cuda()
-    out, lse = reference.forward(q.float(), k.float(), v.float(), blocks, *frag.op_args, BLOCK, SCALE, None,
-                                 *frag.tensors)
+    out, lse = reference.forward(*backend_arguments("forward", q.float(), k.float(), v.float(), blocks, *frag.op_args, BLOCK,
+                                                    SCALE, None, *frag.tensors))
     args = (grad_out, q, k, v, out.to(q.dtype), lse, blocks, *frag.op_args)
     _check(_sm90(args, None, None, *frag.tensors), _reference(args, None, *frag.tensors))
 
@@ -147,9 +148,9 @@ def test_long_document_matches_triton():
     blocks = random_block_indices(cu, cu, HKV, TOPK, BLOCK, generator=generator).cuda()
     from torch_msa.triton.forward_kernel import forward as triton_forward
 
-    out, lse = triton_forward(q, k, v, blocks, cu, cu, n, n, BLOCK, SCALE)
+    out, lse = triton_forward(q, k, v, blocks, Documents(cu, cu, n, n), BLOCK, SCALE)
     args = (grad_out, q, k, v, out, lse, blocks, cu, cu, n, n)
-    _check(_sm90(args), triton_backward(*args, BLOCK, SCALE))
+    _check(_sm90(args), triton_backward(*backend_arguments("backward", *args, BLOCK, SCALE)))
 
 
 def test_cuda_graph_replay_matches_eager():

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from tests.support.documents import Documents, backend_arguments, documents_of
 from tests.support.sm90 import (
     BLOCK,
     HKV,
@@ -53,7 +54,7 @@ def _check(got, want, rows=None):
 
 
 def _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k):
-    out, lse = reference.forward(q.float(), k.float(), v.float(), blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE)
+    out, lse = reference.forward(q.float(), k.float(), v.float(), blocks, Documents(cu_q, cu_k, max_q, max_k), BLOCK, SCALE)
     return out.to(q.dtype), lse
 
 
@@ -133,7 +134,7 @@ def test_long_document_past_32_bit_element_offsets():
     from torch_msa.triton.forward_kernel import forward as triton_forward
 
     inputs = _inputs([32768], [32768], torch.bfloat16, seed=6)
-    _check(_sm90(*inputs), triton_forward(*inputs, BLOCK, SCALE))
+    _check(_sm90(*inputs), triton_forward(*backend_arguments("forward", *inputs, BLOCK, SCALE)))
 
 
 def test_query_windows_bound_the_partials_and_equal_one_call(monkeypatch):
@@ -150,7 +151,7 @@ def test_query_windows_bound_the_partials_and_equal_one_call(monkeypatch):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    got = sm90.forward(*inputs, BLOCK, SCALE)
+    got = sm90.forward(*backend_arguments("forward", *inputs, BLOCK, SCALE))
     torch.cuda.synchronize()
     above_inputs = torch.cuda.max_memory_allocated() - before
     torch.testing.assert_close(got[0], one_call[0], atol=0, rtol=0)
@@ -168,7 +169,7 @@ def test_given_plans_of_any_item_size(entries):
     from torch_msa.triton import plan_kernel
 
     q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([1000, 1500], [1000, 1500], torch.bfloat16, seed=7)
-    plan = None if entries is None else plan_kernel.plan(blocks, cu_q, cu_k, k.shape[0], BLOCK, entries)
+    plan = None if entries is None else plan_kernel.plan(blocks, documents_of(cu_q, cu_k), k.shape[0], BLOCK, entries)
     got = forward(q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE, plan)
     _check(got, _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k))
 
@@ -189,8 +190,9 @@ def test_fragments_match_reference():
     blocks = random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, HKV, TOPK, BLOCK, generator,
                                   *frag.tensors).cuda()
     args = (blocks, *frag.op_args, BLOCK, SCALE)
-    got = forward(q, k, v, *args, None, *frag.tensors)
-    want_out, want_lse = reference.forward(q.float(), k.float(), v.float(), *args, None, *frag.tensors)
+    got = forward(*backend_arguments("forward", q, k, v, *args, None, *frag.tensors))
+    want_out, want_lse = reference.forward(*backend_arguments("forward", q.float(), k.float(), v.float(), *args, None,
+                                                              *frag.tensors))
     _check(got, (want_out.to(q.dtype), want_lse))
 
 

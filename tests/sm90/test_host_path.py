@@ -17,6 +17,7 @@ import torch
 
 from tests.core.test_schedule import CountOps
 from tests.support.cute_dsl import forbid_python_conversions, requires_cute
+from tests.support.documents import backend_arguments, documents_of
 from torch_msa import testing
 from torch_msa.cute_dsl.cute_io import row_alignment
 from torch_msa.schedule import bucket_key_count, build_schedule, entries_per_item, pack, unpack
@@ -115,7 +116,7 @@ def recorded(monkeypatch):
 def _inputs(key_count):
     cu_q, cu_k = testing.cu_seqlens([TOKENS], [TOKENS])
     block_indices = testing.random_block_indices(cu_q, cu_k, KV_HEADS, TOPK, BLOCK)
-    plan = pack(build_schedule(block_indices, cu_q, cu_k, TOKENS, BLOCK, entries_per_item(HEADS, KV_HEADS)))
+    plan = pack(build_schedule(block_indices, documents_of(cu_q, cu_k), TOKENS, BLOCK, entries_per_item(HEADS, KV_HEADS)))
     schedule = unpack(plan, block_indices, TOKENS, 1, BLOCK)
     # The key counts are computed here, so that the stand-in stage adds no ATen call to the count.
     key_count[schedule.bucket_key_row.data_ptr()] = bucket_key_count(schedule.bucket_key_row, cu_k, BLOCK)
@@ -139,11 +140,11 @@ def test_forward_with_a_plan_launches_its_tensors_unconverted_after_five_aten_ca
 
     q, k, v, block_indices, cu_q, cu_k, plan, schedule = _inputs(recorded.key_count)
     args = (q, k, v, block_indices, cu_q, cu_k, TOKENS, TOKENS, BLOCK, DIM**-0.5, plan)
-    forward_host.forward(*args)  # the first call compiles
+    forward_host.forward(*backend_arguments("forward", *args))  # the first call compiles
     (kernel,) = recorded.kernels
     assert "--enable-tvm-ffi" in kernel.options
     with CountOps() as counted:
-        forward_host.forward(*args)
+        forward_host.forward(*backend_arguments("forward", *args))
     assert len(kernel.calls) == 2 and recorded.stages == ["bucket_key_count", "combine"] * 2
     call = kernel.calls[-1]
     assert call[0] is q and call[1] is k and call[2] is v
@@ -166,10 +167,10 @@ def test_backward_with_a_plan_launches_its_tensors_unconverted_after_a_few_aten_
     grad_out, out = torch.randn(2, *q.shape).to(torch.bfloat16).unbind(0)
     lse = torch.randn(TOKENS, HEADS)
     args = (grad_out, q, k, v, out, lse, block_indices, cu_q, cu_k, TOKENS, TOKENS, BLOCK, DIM**-0.5, None, plan)
-    backward_host.backward(*args)
+    backward_host.backward(*backend_arguments("backward", *args))
     (kernel,) = recorded.kernels
     with CountOps() as counted:
-        dq, dk, dv = backward_host.backward(*args)
+        dq, dk, dv = backward_host.backward(*backend_arguments("backward", *args))
     assert len(kernel.calls) == 2 and recorded.stages == ["compute_delta", "bucket_key_count"] * 2
     call = kernel.calls[-1]
     assert call[0] is q and call[3] is grad_out and call[4] is lse

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import torch_msa
+from tests.support.documents import backend_arguments
 from torch_msa import backends, reference
 from torch_msa.schedule import entries_per_item
 from torch_msa.testing import cu_seqlens, fragments, random_block_indices, skewed_block_indices
@@ -83,7 +84,7 @@ def test_selection_matches_reference(layout):
     inputs = _inputs(layout)
     args = (inputs["index_q"], inputs["index_k"], *inputs["docs"], 16, 128)
     got = torch.ops.msa.select_blocks(*args)
-    want = reference.select_blocks(*args)
+    want = reference.select_blocks(*backend_arguments("select_blocks", *args))
     # Valid ids form a prefix and the contract fixes their count and the local block exactly.
     assert torch.equal((got >= 0).sum(-1), (want >= 0).sum(-1))
     same_set = (got.sort(-1).values == want.sort(-1).values).all(-1)
@@ -98,13 +99,13 @@ def test_attention_matches_reference(layout, kind):
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     args = (block_indices, *inputs["docs"], 128, 128**-0.5)
     out, lse = torch.ops.msa.forward(q, k, v, *args)
-    out_ref, lse_ref = reference.forward(q, k, v, *args)
+    out_ref, lse_ref = reference.forward(*backend_arguments("forward", q, k, v, *args))
     assert _relative_error(out, out_ref) < 1e-2
     assert (lse - lse_ref).abs().max().item() < 1e-3
     grad_out = torch.randn_like(q)
     grad_lse = torch.randn_like(lse)
     got = torch.ops.msa.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse)
-    want = reference.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse)
+    want = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse))
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         error = _relative_error(g, w)
         assert error < 1e-2, f"{name}: relative error {error:.3g}"
@@ -119,7 +120,7 @@ def test_out_of_contract_ids_read_nothing_out_of_bounds():
     args = (block_indices, *inputs["docs"], 128, 128**-0.5)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     out, lse = torch.ops.msa.forward(q, k, v, *args)
-    out_ref, lse_ref = reference.forward(q, k, v, *args)
+    out_ref, lse_ref = reference.forward(*backend_arguments("forward", q, k, v, *args))
     torch.cuda.synchronize()
     assert _relative_error(out, out_ref) < 1e-2 and (lse - lse_ref).abs().max().item() < 1e-3
 
@@ -270,7 +271,7 @@ def test_plan_equals_the_reference_build(layout, kind):
     num_keys = inputs["k"].shape[0]
     for items in (8, entries_per_item(64, 4)):
         args = (block_indices, *inputs["docs"], num_keys, 128, items)
-        assert torch.equal(torch.ops.msa.plan(*args), reference.plan(*args))
+        assert torch.equal(torch.ops.msa.plan(*args), reference.plan(*backend_arguments("plan", *args)))
 
 
 def test_sparse_attention_with_a_shared_plan_matches_reference():
@@ -279,7 +280,8 @@ def test_sparse_attention_with_a_shared_plan_matches_reference():
     block_indices = _selections("pack", inputs, "index")
     plan = torch_msa.build_plan(block_indices, *inputs["docs"], num_keys=k.shape[0], num_heads=64)
     outs = [torch_msa.sparse_attention(q, k, v, block_indices, *inputs["docs"], plan=plan) for _ in range(2)]
-    want = reference.forward(q.detach(), k.detach(), v.detach(), block_indices, *inputs["docs"], 128, 128**-0.5)[0]
+    want = reference.forward(*backend_arguments("forward", q.detach(), k.detach(), v.detach(), block_indices, *inputs["docs"],
+                                                128, 128**-0.5))[0]
     for out in outs:
         assert _relative_error(out, want) < 1e-2
     sum(out.float().square().sum() for out in outs).backward()
@@ -291,7 +293,7 @@ def _backward_inputs(layout, kind):
     block_indices = _selections(layout, inputs, kind)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     args = (block_indices, *inputs["docs"], 128, 128**-0.5)
-    out, lse = reference.forward(q, k, v, *args)
+    out, lse = reference.forward(*backend_arguments("forward", q, k, v, *args))
     generator = torch.Generator(device="cuda").manual_seed(1)
     grad_out = torch.randn(q.shape, generator=generator, device="cuda", dtype=q.dtype)
     grad_lse = torch.randn(lse.shape, generator=generator, device="cuda")
@@ -300,7 +302,7 @@ def _backward_inputs(layout, kind):
 
 def _assert_matches_reference(got, args):
     # The reference runs outside deterministic mode: its cuBLAS GEMMs would need CUBLAS_WORKSPACE_CONFIG.
-    for name, g, w in zip(("dq", "dk", "dv"), got, reference.backward(*args)):
+    for name, g, w in zip(("dq", "dk", "dv"), got, reference.backward(*backend_arguments("backward", *args))):
         error = _relative_error(g, w)
         assert error < 1e-2, f"{name}: relative error {error:.3g}"
 
@@ -364,17 +366,19 @@ def test_fragments_match_reference_at_m3_shapes(kind):
     index_q, index_k = tensor(tq, 4, 128), tensor(tk, 1, 128)
     select_args = (index_q, index_k, *frag.op_args, 16, 128, *frag.tensors)
     selected = torch.ops.msa.select_blocks(*select_args)
-    same_set = (selected.sort(-1).values == reference.select_blocks(*select_args).sort(-1).values).all(-1)
+    same_set = (selected.sort(-1).values == reference.select_blocks(*backend_arguments("select_blocks",
+                                                                                       *select_args)).sort(-1).values).all(-1)
     assert same_set.float().mean() > 0.999, f"only {same_set.float().mean():.4%} of rows agree"
     block_indices = selected if kind == "index" else random_block_indices(
         frag.cu_seqlens_q, frag.cu_seqlens_k, 4, 16, 128, None, *frag.tensors)
     args = (block_indices, *frag.op_args, 128, 128**-0.5)
     out, lse = torch.ops.msa.forward(q, k, v, *args, None, *frag.tensors)
-    out_ref, lse_ref = reference.forward(q, k, v, *args, None, *frag.tensors)
+    out_ref, lse_ref = reference.forward(*backend_arguments("forward", q, k, v, *args, None, *frag.tensors))
     assert _relative_error(out, out_ref) < 1e-2
     assert (lse - lse_ref).abs().max().item() < 1e-3
     grad_out, grad_lse = torch.randn_like(q), torch.randn_like(lse)
-    want = reference.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse, None, *frag.tensors)
+    want = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse, None,
+                                                 *frag.tensors))
     for mode in (contextlib.nullcontext, _deterministic_mode):
         with mode():
             got = torch.ops.msa.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse, None, *frag.tensors)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torch_msa
+from tests.support.documents import backend_arguments
 from torch_msa import reference_kl
 from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
 
@@ -63,8 +64,8 @@ def test_m3_sparse_loss_and_gradients_match_reference(layout, selection):
     from torch_msa.triton import kl_kernel
 
     args = _problem(layout, selection)
-    got = kl_kernel.indexer_kl(*args)
-    want = reference_kl.indexer_kl(*args)
+    got = kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
+    want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args))
     torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=1e-5)
     assert torch.equal(got[1], want[1])
     names = ("index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
@@ -76,8 +77,9 @@ def test_m3_sparse_loss_and_gradients_match_reference(layout, selection):
     q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, max_q, max_k, block_size, _, index_scale = args
     backward_args = (torch.tensor(1.0, device="cuda"), index_q, index_k, *want[2:], block_indices, cu_q, cu_k,
                      max_q, max_k, block_size, index_scale)
-    for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backward_args),
-                          reference_kl.indexer_kl_backward(*backward_args)):
+    for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backend_arguments("indexer_kl_backward",
+                                                                                                       *backward_args)),
+                          reference_kl.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert _relative_error(a, b) < 1e-2, (name, _relative_error(a, b))
 
@@ -92,7 +94,7 @@ def test_deterministic_mode_declines_to_the_reference():
     torch.use_deterministic_algorithms(True)
     try:
         with pytest.raises(torch_msa.UnsupportedInputs, match="deterministic"):
-            kl_kernel.indexer_kl(*args)
+            kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
         index_q = args[3].clone().requires_grad_()
         grads = []
         for _ in range(2):
@@ -116,8 +118,9 @@ def test_training_step_through_the_public_api():
     assert kl.dtype == torch.float32 and torch.isfinite(kl) and kl > 0
     for x in (q, k, v, index_q, index_k):
         assert x.grad is not None and torch.isfinite(x.grad).all()
-    want = reference_kl.indexer_kl(q.detach(), k.detach(), lse.detach(), index_q.detach(), index_k.detach(),
-                                   block_indices, *docs, BLOCK, DIM**-0.5, INDEX_DIM**-0.5)[0]
+    want = reference_kl.indexer_kl(*backend_arguments(
+        "indexer_kl", q.detach(), k.detach(), lse.detach(), index_q.detach(), index_k.detach(), block_indices, *docs,
+        BLOCK, DIM**-0.5, INDEX_DIM**-0.5))[0]
     torch.testing.assert_close(kl.detach(), want, rtol=2e-3, atol=1e-5)
 
 
@@ -130,7 +133,7 @@ def test_dense_warm_up_is_served_by_the_triton_kernels():
         warnings.simplefilter("error")  # a fallback to the reference would warn
         loss = torch_msa.indexer_kl_loss_dense(q, k, index_q, index_k, *docs)
         loss.backward()
-    want = reference_kl.indexer_kl(q, k, None, index_q.detach(), index_k.detach(), None, *docs, BLOCK, DIM**-0.5,
-                                   INDEX_DIM**-0.5)[0]
+    want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", q, k, None, index_q.detach(), index_k.detach(), None,
+                                                      *docs, BLOCK, DIM**-0.5, INDEX_DIM**-0.5))[0]
     torch.testing.assert_close(loss.detach(), want, rtol=2e-3, atol=1e-5)
     assert torch.isfinite(index_q.grad).all() and torch.isfinite(index_k.grad).all()

@@ -9,6 +9,7 @@ are compared by relative Frobenius error (about 1e-3 from that rounding, O(1) fo
 import pytest
 import torch
 
+from tests.support.documents import Documents, backend_arguments
 from torch_msa import reference_kl
 from torch_msa.testing import cu_seqlens
 
@@ -50,10 +51,11 @@ def test_m3_dense_loss_and_gradients_match_reference(layout, with_lse):
     q, k, index_q, index_k, docs = _problem(layout)
     lse = None
     if with_lse:  # the exact lse, shifted so that the teacher's mass is not 1
-        lse = reference_kl.indexer_kl(q, k, None, index_q, index_k, None, *docs, 128, *SCALES)[1]
+        lse = reference_kl.indexer_kl(*backend_arguments("indexer_kl", q, k, None, index_q, index_k, None, *docs, 128,
+                                                         *SCALES))[1]
         lse = lse + 0.1 * torch.randn_like(lse)
-    got = kl_dense_kernel.indexer_kl_dense(q, k, lse, index_q, index_k, *docs, *SCALES)
-    want = reference_kl.indexer_kl(q, k, lse, index_q, index_k, None, *docs, 128, *SCALES)
+    got = kl_dense_kernel.indexer_kl_dense(q, k, lse, index_q, index_k, Documents(*docs), *SCALES)
+    want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", q, k, lse, index_q, index_k, None, *docs, 128, *SCALES))
     torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=1e-5)
     names = ("teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
     for name, a, b in zip(names, got[1:], want[1:], strict=True):
@@ -63,8 +65,9 @@ def test_m3_dense_loss_and_gradients_match_reference(layout, with_lse):
 
     # Each backward from its own forward's outputs.
     grad_loss = torch.tensor(1.0, device="cuda")
-    expected = reference_kl.indexer_kl_backward(grad_loss, index_q, index_k, *want[2:], None, *docs, 128, SCALES[1])
-    actual = kl_dense_kernel.indexer_kl_dense_backward(grad_loss, index_q, index_k, *got[2:], *docs, SCALES[1])
+    expected = reference_kl.indexer_kl_backward(*backend_arguments("indexer_kl_backward", grad_loss, index_q, index_k,
+                                                                   *want[2:], None, *docs, 128, SCALES[1]))
+    actual = kl_dense_kernel.indexer_kl_dense_backward(grad_loss, index_q, index_k, *got[2:], Documents(*docs), SCALES[1])
     for name, a, b in zip(("d index_q", "d index_k"), actual, expected):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert _relative_error(a, b) < 1e-2, (name, _relative_error(a, b))
@@ -87,9 +90,10 @@ def test_m3_dense_kernels_at_32k_add_memory_linear_in_tokens():
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    loss, _, *saved = kl_dense_kernel.indexer_kl_dense(q, k, None, index_q, index_k, cu, cu, tokens, tokens, *SCALES)
+    documents = Documents(cu, cu, tokens, tokens)
+    loss, _, *saved = kl_dense_kernel.indexer_kl_dense(q, k, None, index_q, index_k, documents, *SCALES)
     grads = kl_dense_kernel.indexer_kl_dense_backward(torch.tensor(1.0, device="cuda"), index_q, index_k, *saved,
-                                                      cu, cu, tokens, tokens, SCALES[1])
+                                                      documents, SCALES[1])
     torch.cuda.synchronize()
     added = torch.cuda.max_memory_allocated() - before
     # fp32 per token: teacher lse (Hq), student lse, mass and weighted (Hi each), teacher index

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..documents import Documents
 from ..schedule import build_schedule, max_key_blocks
 from . import require_cute_dsl
 from .cute_io import aligned_operand, check_index_tensor, compile_kernel, cutlass_dtype, fake_rows, launcher
@@ -124,7 +125,9 @@ def build_tasks(
 
     num_docs = cu_seqlens_k.numel() - 1
     rows = workspace_rows(num_keys, num_docs)
-    schedule = build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, TASK_ROWS)
+    # The schedule reads no length bound: the token counts are valid ones.
+    documents = Documents(cu_seqlens_q, cu_seqlens_k, block_indices.shape[1], num_keys)
+    schedule = build_schedule(block_indices, documents, num_keys, block_size, TASK_ROWS)
     aligned_starts = doc_aligned_starts(cu_seqlens_k, num_keys, rows)
     max_tasks = schedule.item_bucket.numel()
     device = block_indices.device

@@ -83,10 +83,10 @@ def _extras_installed() -> bool:
     return all(importable(name) for name in _REQUIRED_MODULES)
 
 
-def _decline_fragments(fragment_documents) -> None:
+def _decline_fragments(documents) -> None:
     """Raise `UnsupportedInputs` for query fragments: the official forward and the backward's task
     build take each document's queries as the causal suffix of its keys."""
-    if fragment_documents is not None:
+    if documents.has_fragments:
         raise UnsupportedInputs("query fragments (fragment_documents given): the SM100 kernels serve one causal "
                                 "suffix of queries per document")
 
@@ -153,8 +153,7 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            plan=None, fragment_documents=None, fragment_starts=None):
+def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
     """`msa::forward` through the official flat forward: `(out [Tq, 64, 128] bf16, lse [Tq, 64] fp32)`.
 
     The official forward builds its own key-to-query CSR, so `plan` is not read.
@@ -164,7 +163,7 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             documents with fewer queries than keys, or for query fragments; nothing has been
             launched.
     """
-    _decline_fragments(fragment_documents)
+    _decline_fragments(documents)
     _require_official_configuration(q, k, v, block_indices, block_size)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise UnsupportedInputs(
@@ -179,11 +178,11 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             "the SM100 backend sends only self-attention packs (Tq == Tk, cu_seqlens_q == cu_seqlens_k) to the "
             f"official forward; got Tq={num_queries}, Tk={k.shape[0]}"
         )
-    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    cu_seqlens_q, cu_seqlens_k = documents.cu_seqlens_q.contiguous(), documents.cu_seqlens_k.contiguous()
     key_rows = _self_attention_key_rows(cu_seqlens_q, cu_seqlens_k)
     launchers = bindings.kernels()
     support = canonical_block_indices(block_indices, cu_seqlens_q, cu_seqlens_k, k.shape[0], BLOCK_SIZE)
-    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    max_seqlen_q, max_seqlen_k = int(documents.max_seqlen_q), int(documents.max_seqlen_k)
     # The official CSR builder carries no device guard: bind both launches to the tensors' device.
     with torch.cuda.device(q.device):
         row_ptr, q_indices, schedule = launchers.build_k2q_csr(
@@ -225,9 +224,8 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out, lse
 
 
-def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
-             fragment_documents=None, fragment_starts=None):
+def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,
+             plan=None):
     """`msa::backward` through our CuTe DSL `run_backward`: `(dq, dk, dv)` in bfloat16.
 
     Its tasks hold 8 queries each (`task_tables.TASK_ROWS`), a finer split than the plans the public
@@ -241,7 +239,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
             accumulated with atomics), outside the official configuration, or for query
             fragments; nothing launched.
     """
-    _decline_fragments(fragment_documents)
+    _decline_fragments(documents)
     if torch.are_deterministic_algorithms_enabled():
         raise UnsupportedInputs(
             "the SM100 backward adds dQ, dK and dV with fp32 atomics, so it is not deterministic, and "
@@ -251,7 +249,8 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     if q.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     launchers = bindings.kernels()
-    support = canonical_block_indices(block_indices, cu_seqlens_q, cu_seqlens_k, k.shape[0], BLOCK_SIZE)
+    support = canonical_block_indices(block_indices, documents.cu_seqlens_q, documents.cu_seqlens_k, k.shape[0],
+                                      BLOCK_SIZE)
     with torch.cuda.device(q.device):
         return launchers.run_backward(
             q.contiguous(),
@@ -261,10 +260,10 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
             out.contiguous(),
             lse.contiguous(),
             support,
-            cu_seqlens_q.contiguous(),
-            cu_seqlens_k.contiguous(),
-            int(max_seqlen_q),
-            int(max_seqlen_k),
+            documents.cu_seqlens_q.contiguous(),
+            documents.cu_seqlens_k.contiguous(),
+            int(documents.max_seqlen_q),
+            int(documents.max_seqlen_k),
             float(softmax_scale),
             None if grad_lse is None else grad_lse.contiguous(),
         )

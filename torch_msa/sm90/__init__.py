@@ -67,19 +67,14 @@ def unavailable_reason(device: torch.device) -> str | None:
                                      f"install the CuTe DSL: {INSTALL_COMMAND}")
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            plan=None, fragment_documents=None, fragment_starts=None):
+def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
     """`msa::forward` through the SM90 kernel; see `torch_msa.sm90.forward_host.forward`."""
     module = importlib.import_module(f"{__name__}.forward_host")
     with torch.cuda.device(q.device):
-        return forward_in_windows(
-            module.forward, q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,
-            softmax_scale, plan, fragment_documents, fragment_starts,
-        )
+        return forward_in_windows(module.forward, q, k, v, block_indices, documents, block_size, softmax_scale, plan)
 
 
-def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             block_size, softmax_scale, grad_lse=None, plan=None, fragment_documents=None, fragment_starts=None):
+def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None, plan=None):
     """`msa::backward` through the SM90 kernel (`torch_msa.sm90.backward_host.backward`), or, under
     `torch.use_deterministic_algorithms(True)`, through its bitwise-reproducible variant
     (`torch_msa.sm90.backward_deterministic.backward`): the kernel adds dQ, dK and dV with atomics,
@@ -88,9 +83,8 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     deterministic = torch.are_deterministic_algorithms_enabled()
     module = importlib.import_module(f"{__name__}.{'backward_deterministic' if deterministic else 'backward_host'}")
     with torch.cuda.device(q.device):
-        return module.backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k, block_size, softmax_scale, grad_lse, plan, fragment_documents,
-                               fragment_starts)
+        return module.backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale,
+                               grad_lse, plan)
 
 
 BACKEND = Backend(

@@ -19,9 +19,8 @@ from .backward_host import check_inputs, launch_blocks
 from .common import BLOCK_SIZE
 
 
-def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
-             fragment_documents=None, fragment_starts=None):
+def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,
+             plan=None):
     """`backward_host.backward`, bitwise reproducible: same contract and `UnsupportedInputs`. A
     given `plan` is not read (the workspace is laid out by the items of the deterministic
     schedule, `torch_msa.triton.stages.key_workspace`)."""
@@ -43,18 +42,16 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     lse = lse.contiguous()
     block_indices = block_indices.contiguous()
     delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
-    workspace = stages.key_workspace(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, dim,
-                                     fragment_documents, fragment_starts)
+    workspace = stages.key_workspace(block_indices, documents, num_keys, block_size, num_heads, dim)
     shape_key = (device, q.dtype, dim, block_size, num_heads // num_kv_heads, topk)
 
     stages.compute_delta(grad_out, out, grad_lse, delta, shape_key)
     # TMA reads whole 16-byte aligned rows; the Triton stages take any unit-stride rows.
     aligned = [aligned_operand(x) for x in (q, k, v, grad_out)]
-    key_count = stages.bucket_key_count(workspace.schedule.bucket_key_row, cu_seqlens_k, BLOCK_SIZE)
+    key_count = stages.bucket_key_count(workspace.schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)
     unused_dq = torch.empty((1, *q.shape[1:]), dtype=torch.float32, device=device)  # the variant adds no dQ
     launch_blocks(*aligned, lse, delta, unused_dq, workspace.dk_part, workspace.dv_part, workspace.schedule,
                   key_count, topk, softmax_scale, deterministic=True)
     stages.reduce_key_workspace(workspace, dk, dv, topk, block_size, shape_key)
-    stages.query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, cu_seqlens_q, cu_seqlens_k, block_size,
-                    softmax_scale, shape_key, fragment_documents, fragment_starts)
+    stages.query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, documents, block_size, softmax_scale, shape_key)
     return dq, dk, dv

@@ -58,9 +58,8 @@ def check_inputs(grad_out, q, k, v, block_size) -> None:
     check_query_rows(q.shape[0], q.shape[1])
 
 
-def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
-             fragment_documents=None, fragment_starts=None):
+def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,
+             plan=None):
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype.
 
     Shapes: `grad_out`, `q`, `out` `[Tq, Hq, D]`; `k`, `v` `[Tk, Hkv, D]`; `lse`, `grad_lse`
@@ -71,7 +70,6 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     Raises:
         UnsupportedInputs: outside the served configuration (`check_inputs`).
     """
-    del max_seqlen_q, max_seqlen_k
     check_inputs(grad_out, q, k, v, block_size)
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
@@ -97,9 +95,8 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
         lse = lse.contiguous()
         delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
         compute_delta(grad_out, out, grad_lse, delta, (device, q.dtype, dim, block_size, HEADS_PER_KV, topk))
-        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, BLOCK_SIZE, num_heads, plan,
-                                fragment_documents, fragment_starts)
-        key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k, BLOCK_SIZE)
+        schedule = schedule_for(block_indices, documents, num_keys, BLOCK_SIZE, num_heads, plan)
+        key_count = bucket_key_count(schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)
         launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk, softmax_scale)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 

@@ -55,8 +55,7 @@ def check_rows(num_queries: int, num_kv_heads: int, topk: int) -> None:
         )
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            plan=None, fragment_documents=None, fragment_starts=None):
+def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
     """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
 
     Walks `plan`'s items (any item size), or, without one, those of a new plan with the public
@@ -67,7 +66,6 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         UnsupportedInputs: outside the served configuration (see `check_served`) or beyond
             32-bit row indices (`check_rows`).
     """
-    del max_seqlen_q, max_seqlen_k
     check_served(q, k, v, block_size)
     check_rows(q.shape[0], k.shape[1], block_indices.shape[-1])
     require_cute_dsl()
@@ -83,9 +81,8 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return out.zero_(), lse.fill_(-math.inf)
     # TMA reads whole 16-byte aligned rows.
     q, k, v = (aligned_operand(x) for x in (q, k, v))
-    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, BLOCK_SIZE, num_heads, plan,
-                            fragment_documents, fragment_starts)
-    key_count = bucket_key_count(schedule.bucket_key_row, cu_seqlens_k, BLOCK_SIZE)
+    schedule = schedule_for(block_indices, documents, num_keys, BLOCK_SIZE, num_heads, plan)
+    key_count = bucket_key_count(schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)
     rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
     partial_out = torch.empty((rows, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((rows,), -math.inf, dtype=torch.float32, device=q.device)

@@ -87,74 +87,49 @@ def _kernels(module: str):
     return importlib.import_module(f"{__name__}.{module}")
 
 
-def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
-                  fragment_documents=None, fragment_starts=None):
+def select_blocks(index_q, index_k, documents, topk, block_size):
     check_dtype_and_group("index_q", index_q.dtype)
-    return _kernels("select_kernel").select_blocks(
-        index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
-        fragment_documents, fragment_starts,
-    )
+    return _kernels("select_kernel").select_blocks(index_q, index_k, documents, topk, block_size)
 
 
-def plan(block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_keys, block_size, entries_per_item,
-         fragment_documents=None, fragment_starts=None):
-    return _kernels("plan_kernel").plan(
-        block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
-        fragment_documents, fragment_starts,
-    )
+def plan(block_indices, documents, num_keys, block_size, entries_per_item):
+    return _kernels("plan_kernel").plan(block_indices, documents, num_keys, block_size, entries_per_item)
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            plan=None, fragment_documents=None, fragment_starts=None):
+def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
     check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
-    return forward_in_windows(
-        _kernels("forward_kernel").forward, q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, block_size, softmax_scale, plan, fragment_documents, fragment_starts,
-    )
+    return forward_in_windows(_kernels("forward_kernel").forward, q, k, v, block_indices, documents, block_size,
+                              softmax_scale, plan)
 
 
-def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
-             fragment_documents=None, fragment_starts=None):
+def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,
+             plan=None):
     check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
     # Decided per call, like torch's own kernels: the flag may change between steps.
     module = "backward_deterministic" if torch.are_deterministic_algorithms_enabled() else "backward_kernel"
-    return _kernels(module).backward(
-        grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse, plan, fragment_documents, fragment_starts,
-    )
+    return _kernels(module).backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale,
+                                     grad_lse, plan)
 
 
-def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
+def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale):
     check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
     check_dtype_and_group("index_q", index_q.dtype)
     if block_indices is None:
-        return _kernels("kl_dense_kernel").indexer_kl_dense(
-            q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, index_softmax_scale, fragment_documents, fragment_starts,
-        )
-    return _kernels("kl_kernel").indexer_kl(
-        q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts,
-    )
+        return _kernels("kl_dense_kernel").indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale,
+                                                            index_softmax_scale)
+    return _kernels("kl_kernel").indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size,
+                                            softmax_scale, index_softmax_scale)
 
 
 def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
-                        teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                        block_size, index_softmax_scale, fragment_documents=None, fragment_starts=None):
+                        teacher_index_queries, block_indices, documents, block_size, index_softmax_scale):
     check_dtype_and_group("index_q", index_q.dtype)
+    teacher = (index_lse, teacher_mass, teacher_index_keys, teacher_index_queries)
     if block_indices is None:
-        return _kernels("kl_dense_kernel").indexer_kl_dense_backward(
-            grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries,
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, index_softmax_scale,
-            fragment_documents, fragment_starts,
-        )
-    return _kernels("kl_kernel").indexer_kl_backward(
-        grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries, block_indices,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, index_softmax_scale,
-        fragment_documents, fragment_starts,
-    )
+        return _kernels("kl_dense_kernel").indexer_kl_dense_backward(grad_loss, index_q, index_k, *teacher, documents,
+                                                                     index_softmax_scale)
+    return _kernels("kl_kernel").indexer_kl_backward(grad_loss, index_q, index_k, *teacher, block_indices, documents,
+                                                     block_size, index_softmax_scale)
 
 
 BACKEND = Backend(

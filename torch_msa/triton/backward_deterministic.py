@@ -15,9 +15,8 @@ from . import stages
 from .backward_kernel import DETERMINISTIC_BLOCKS_CONFIGS, launch_blocks
 
 
-def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
-             fragment_documents=None, fragment_starts=None):
+def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,
+             plan=None):
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype,
     bitwise reproducible. A given `plan` is not read: the key pass and the reduction need items of
     exactly `backward_deterministic_kernel.ITEM_TILES` tiles (the workspace is laid out by item),
@@ -39,8 +38,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     lse = lse.contiguous()
     block_indices = block_indices.contiguous()
     delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
-    workspace = stages.key_workspace(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, dim,
-                                     fragment_documents, fragment_starts)
+    workspace = stages.key_workspace(block_indices, documents, num_keys, block_size, num_heads, dim)
     shape_key = (device, q.dtype, dim, block_size, num_heads // num_kv_heads, topk)
 
     stages.compute_delta(grad_out, out, grad_lse, delta, shape_key)
@@ -48,6 +46,5 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
                   workspace.schedule, topk, block_size, softmax_scale, DETERMINISTIC_BLOCKS_CONFIGS,
                   "msa_bwd_blocks_kernel (deterministic)", shape_key, deterministic=True)
     stages.reduce_key_workspace(workspace, dk, dv, topk, block_size, shape_key)
-    stages.query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, cu_seqlens_q, cu_seqlens_k, block_size,
-                    softmax_scale, shape_key, fragment_documents, fragment_starts)
+    stages.query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, documents, block_size, softmax_scale, shape_key)
     return dq, dk, dv

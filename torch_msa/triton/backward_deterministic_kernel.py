@@ -72,20 +72,18 @@ class KeyWorkspace(NamedTuple):
     dv_part: torch.Tensor
 
 
-def key_workspace(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, head_dim,
-                  fragment_documents=None, fragment_starts=None) -> KeyWorkspace:
+def key_workspace(block_indices, documents, num_keys, block_size, num_heads, head_dim) -> KeyWorkspace:
     """The schedule of a deterministic backward (items of `ITEM_TILES` query tiles) and its empty
     workspace, on the device of `block_indices`.
 
     Args:
-        block_indices: int32 `[Hkv, Tq, topk]`; cu_seqlens_q, cu_seqlens_k, fragments: as for
+        block_indices: int32 `[Hkv, Tq, topk]`; documents: as for
             `torch_msa.schedule.build_schedule`; num_keys: `Tk`; block_size: keys per block.
         num_heads: `Hq`, which with `Hkv` sizes the query tiles; head_dim: `D`.
     """
     device = block_indices.device
     entries_per_item = tile_shape(num_heads, block_indices.shape[0])[0] * ITEM_TILES
-    schedule = plan_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
-                             fragment_documents, fragment_starts)
+    schedule = plan_schedule(block_indices, documents, num_keys, block_size, entries_per_item)
     num_buckets = schedule.bucket_head.numel()
     bucket_first_item = torch.searchsorted(
         schedule.item_bucket, torch.arange(num_buckets, device=device, dtype=torch.int32), out_int32=True
@@ -226,8 +224,8 @@ def reduce_key_workspace(workspace: KeyWorkspace, dk, dv, topk, block_size, shap
     launch("msa_bwd_key_reduce_kernel", shape_key, KEY_REDUCE_CONFIGS, launch_key_reduce)
 
 
-def query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, cu_seqlens_q, cu_seqlens_k, block_size, softmax_scale,
-             shape_key, fragment_documents=None, fragment_starts=None) -> None:
+def query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, documents, block_size, softmax_scale,
+             shape_key) -> None:
     """dQ, query-outer: every row of `dq` written by the one program that owns it.
 
     Args:
@@ -236,7 +234,7 @@ def query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, cu_seqlens_q, cu_
             `compute_delta`.
         dq: `[Tq, Hq, D]` in q's dtype, unit stride in D; written.
         block_indices: int32 `[Hkv, Tq, topk]`, contiguous.
-        cu_seqlens_q, cu_seqlens_k, fragments: the documents, as for the op.
+        documents: the documents (`torch_msa/documents.py`).
         block_size: keys per block; softmax_scale: the scale of `q k^T`.
         shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
     """
@@ -244,7 +242,7 @@ def query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, cu_seqlens_q, cu_
     num_keys, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     topk = block_indices.shape[-1]
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
+    docs = locate_queries(documents.cu_seqlens_q, documents.cu_seqlens_k, num_queries, num_keys, *documents.fragments)
     precision = dot_precision(q.dtype)
 
     def launch_query(config):

@@ -151,9 +151,8 @@ def msa_bwd_blocks_kernel(
         tl.atomic_add(dv_acc + kv_rows, dv, mask=key_ok[:, None], sem="relaxed")
 
 
-def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_size, softmax_scale, grad_lse=None, plan=None,
-             fragment_documents=None, fragment_starts=None):
+def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,
+             plan=None):
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype.
     `plan` (from `msa::plan`, any item size) spares building the schedule."""
     if torch.are_deterministic_algorithms_enabled():
@@ -169,8 +168,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
         q, k, v, grad_out, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad_out, out))
         lse = lse.contiguous()
         delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=q.device)
-        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan,
-                                fragment_documents, fragment_starts)
+        schedule = schedule_for(block_indices, documents, num_keys, block_size, num_heads, plan)
         shape_key = (q.device, q.dtype, dim, block_size, group, topk)
         compute_delta(grad_out, out, grad_lse, delta, shape_key)
         launch_blocks(q, k, v, grad_out, lse, delta, (dq_acc, dk_acc, dv_acc), schedule, topk, block_size,

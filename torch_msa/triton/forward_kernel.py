@@ -125,8 +125,7 @@ def msa_fwd_combine_kernel(
     tl.store(lse + token * NUM_KV_HEADS * GROUP + query_head, natural, mask=head_ok)
 
 
-def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
-            plan=None, fragment_documents=None, fragment_starts=None):
+def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
     """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
     `plan` (from `msa::plan`, any item size) spares building the schedule."""
     num_queries, num_heads, dim = q.shape
@@ -140,8 +139,7 @@ def forward(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if num_keys == 0:
         return out.zero_(), lse.fill_(-math.inf)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, plan,
-                            fragment_documents, fragment_starts)
+    schedule = schedule_for(block_indices, documents, num_keys, block_size, num_heads, plan)
     partial_out = torch.empty((num_queries * num_kv_heads * topk * group, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((num_queries * num_kv_heads * topk * group,), -math.inf, dtype=torch.float32,
                              device=q.device)

@@ -347,8 +347,7 @@ def _tiles_per_doc(max_seqlen: int, num_rows: int, tile: int) -> int:
     return triton.cdiv(max(1, min(max_seqlen, num_rows)), tile)
 
 
-def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
+def indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale, index_softmax_scale):
     """The dense-support KL loss and what its backward needs.
 
     Args:
@@ -357,9 +356,8 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, ma
             compute it here.
         index_q: `[Tq, Hi, Di]` with `Hi == Hkv`; index_k: `[Tk, 1, Di]` (Di a power of two in
             [16, 256]).
-        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]`; queries are the causal suffix of the keys,
-            or, with `fragment_documents` / `fragment_starts` (int32 `[F]`), `cu_seqlens_q`
-            `[F + 1]` delimits query fragments (`torch_msa/documents.py`).
+        documents: the documents (`torch_msa/documents.py`): queries are the causal suffix of
+            the keys, or, with fragments, `cu_seqlens_q` `[F + 1]` delimits query fragments.
 
     Returns:
         `loss` (0-D), `teacher_lse [Tq, Hq]` (the lse used), `index_lse [Tq, Hi]` (the student's
@@ -385,14 +383,14 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, ma
     mass = torch.zeros_like(weighted)
     teacher_index_keys = torch.zeros((num_queries, num_kv_heads, index_dim), dtype=f32, device=device)
     teacher_index_queries = torch.zeros((num_keys, 1, index_dim), dtype=f32, device=device)
-    num_docs = cu_seqlens_q.numel() - 1
+    num_docs = documents.cu_seqlens_q.numel() - 1
     outputs = (teacher_lse, index_lse, mass, teacher_index_keys, teacher_index_queries)
     if num_queries == 0 or num_keys == 0 or num_docs < 1:
         return (torch.zeros((), dtype=f32, device=device), *outputs)
 
     q, k, index_q, index_k = (_rows_contiguous(x) for x in (q, k, index_q, index_k))
-    cu_seqlens_q = cu_seqlens_q.contiguous()
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
+    cu_seqlens_q, max_seqlen_q = documents.cu_seqlens_q.contiguous(), documents.max_seqlen_q
+    docs = locate_queries(cu_seqlens_q, documents.cu_seqlens_k, num_queries, num_keys, *documents.fragments)
     group = num_heads // num_kv_heads
     qk_scale, index_scale = softmax_scale * LOG2_E.value, index_softmax_scale * LOG2_E.value
     precision, index_precision = dot_precision(q.dtype), dot_precision(index_q.dtype)
@@ -431,8 +429,7 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, ma
 
 
 def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
-                              teacher_index_queries, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              index_softmax_scale, fragment_documents=None, fragment_starts=None):
+                              teacher_index_queries, documents, index_softmax_scale):
     """`(d index_q [Tq, Hi, Di], d index_k [Tk, 1, Di])` in the index inputs' dtype, from the
     forward's `index_lse`, `teacher_mass`, `teacher_index_keys` and `teacher_index_queries`:
 
@@ -442,8 +439,7 @@ def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
     with `c = grad_loss * index_softmax_scale / (Tq * Hi)`. Deterministic (no atomics). Query
     fragments are declined: the key-gradient kernel walks each document's queries as one run.
     """
-    del fragment_starts
-    if fragment_documents is not None:
+    if documents.has_fragments:
         raise UnsupportedInputs("query fragments (fragment_documents given): the Triton dense KL backward walks each "
                                 "document's queries as one causal suffix")
     check_dtype_and_group("index_q", index_q.dtype)
@@ -454,14 +450,16 @@ def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
     device = index_q.device
     d_index_q = torch.zeros(index_q.shape, dtype=index_q.dtype, device=device)
     d_index_k = torch.zeros((num_keys, 1, index_dim), dtype=index_k.dtype, device=device)
-    num_docs = cu_seqlens_q.numel() - 1
+    num_docs = documents.cu_seqlens_q.numel() - 1
     if num_queries == 0 or num_keys == 0 or num_docs < 1:
         return d_index_q, d_index_k
 
     index_q, index_k = _rows_contiguous(index_q), _rows_contiguous(index_k)
     index_lse, teacher_mass, teacher_index_keys, teacher_index_queries = (
         x.float().contiguous() for x in (index_lse, teacher_mass, teacher_index_keys, teacher_index_queries))
-    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    documents = documents.map_tensors(torch.Tensor.contiguous)
+    cu_seqlens_q, cu_seqlens_k = documents.cu_seqlens_q, documents.cu_seqlens_k
+    max_seqlen_q, max_seqlen_k = documents.max_seqlen_q, documents.max_seqlen_k
     docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
     coefficient = (grad_loss.float() * (index_softmax_scale / (num_queries * num_kv_heads))).reshape(1)
     index_scale = index_softmax_scale * LOG2_E.value

@@ -252,8 +252,7 @@ def _schedule_tables(schedule) -> tuple:
             schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position)
 
 
-def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
+def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale):
     """Same contract as `torch_msa.reference_kl.indexer_kl` (sparse support, `lse` given)."""
     check_inputs(lse is not None, index_q)
     num_queries, num_heads, dim = q.shape
@@ -269,8 +268,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
     teacher_index_queries = torch.zeros((num_keys, 1, index_dim), dtype=torch.float32, device=q.device)
     if num_queries > 0 and num_keys > 0:
         q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
-        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_heads, None,
-                                fragment_documents, fragment_starts)
+        schedule = schedule_for(block_indices, documents, num_keys, block_size, num_heads)
 
         def launch_forward(config):
             tokens, heads_per_pass = kl_tile_shape(num_heads, num_kv_heads, config.rows)
@@ -299,8 +297,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
 
 
 def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
-                        teacher_index_queries, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                        block_size, index_softmax_scale, fragment_documents=None, fragment_starts=None):
+                        teacher_index_queries, block_indices, documents, block_size, index_softmax_scale):
     """Same contract as `torch_msa.reference_kl.indexer_kl_backward` (sparse support)."""
     check_inputs(True, index_q)
     num_queries, num_index_heads, index_dim = index_q.shape
@@ -312,8 +309,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
     if num_queries > 0 and num_keys > 0:
         index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
         # One row per entry: the student has one head per index head.
-        schedule = schedule_for(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, num_index_heads,
-                                None, fragment_documents, fragment_starts)
+        schedule = schedule_for(block_indices, documents, num_keys, block_size, num_index_heads)
         student_lse, mass = index_lse.float().contiguous(), teacher_mass.float().contiguous()
 
         def launch_backward(config):

@@ -168,33 +168,28 @@ def msa_plan_item_tables_kernel(
     tl.store(num_items + item, tl.load(item_ptr + bucket_bound - 1) + tl.zeros((BLOCK,), tl.int32), mask=item == 0)
 
 
-def plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
-         fragment_documents=None, fragment_starts=None) -> torch.Tensor:
+def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> torch.Tensor:
     """`msa::plan`: the plan of `block_indices` (see `torch_msa/schedule.py`), the tables of `build_schedule`.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
-        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` (`cu_seqlens_q` `[F + 1]` with fragments), on
-            the same device.
+        documents: the documents (`torch_msa/documents.py`), on the same device.
         num_keys: `Tk`; block_size: keys per block; entries_per_item: the most entries per item.
-        fragment_documents, fragment_starts: int32 `[F]` each, or None (`torch_msa/documents.py`).
 
     Returns:
         int32 `[plan_numel(...)]` on the device of `block_indices`.
     """
     num_kv_heads, num_queries, topk = block_indices.shape
-    num_segments = cu_seqlens_q.numel() - 1
-    num_docs = cu_seqlens_k.numel() - 1
+    num_segments = documents.cu_seqlens_q.numel() - 1
+    num_docs = documents.num_documents
     num_entries = block_indices.numel()
-    # The kernels read the boundaries as dense arrays (block_indices through its strides).
-    cu_seqlens_q, cu_seqlens_k = (cu if cu.is_contiguous() else cu.contiguous() for cu in (cu_seqlens_q, cu_seqlens_k))
-    fragments = fragment_documents is not None
-    if fragments:
-        fragment_documents, fragment_starts = fragment_documents.contiguous(), fragment_starts.contiguous()
     if num_entries == 0:
         # Nothing to sort: the reference's few calls on empty tensors.
-        return pack(build_schedule(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entries_per_item,
-                                   fragment_documents, fragment_starts))
+        return pack(build_schedule(block_indices, documents, num_keys, block_size, entries_per_item))
+    # The kernels read the boundaries as dense arrays (block_indices through its strides).
+    documents = documents.map_tensors(torch.Tensor.contiguous)
+    cu_seqlens_q, cu_seqlens_k = documents.cu_seqlens_q, documents.cu_seqlens_k
+    fragments = documents.has_fragments
     device = block_indices.device
     bucket_bound = max_buckets(num_kv_heads, num_keys, num_docs, block_size)
     item_bound = max_items(num_entries, bucket_bound, entries_per_item)
@@ -216,7 +211,7 @@ def plan(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, entrie
     tokens = max(1, _SLOT_TILE // topk_p2)
     msa_plan_entry_keys_kernel[(triton.cdiv(num_queries, tokens), num_kv_heads)](
         block_indices, cu_seqlens_q, cu_seqlens_k,
-        fragment_documents if fragments else cu_seqlens_q, fragment_starts if fragments else cu_seqlens_q,
+        documents.fragment_documents if fragments else cu_seqlens_q, documents.fragment_starts if fragments else cu_seqlens_q,
         bucket_key, position,
         num_queries, num_keys, num_segments, num_docs, binary_search_steps(num_segments), block_size, key_stride, past_all,
         *strides,

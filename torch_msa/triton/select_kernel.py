@@ -112,8 +112,7 @@ def msa_select_kernel(
     )
 
 
-def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk, block_size,
-                  fragment_documents=None, fragment_starts=None):
+def select_blocks(index_q, index_k, documents, topk, block_size):
     """Same contract as `torch_msa.reference.select_blocks`: int32 `[Hi, Tq, topk]`.
 
     The non-local blocks are returned in descending score order (lower id first on ties).
@@ -121,18 +120,18 @@ def select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     num_queries, num_heads, index_dim = index_q.shape
     num_keys = index_k.shape[0]
     block_indices = torch.full((num_heads, num_queries, topk), -1, dtype=torch.int32, device=index_q.device)
-    num_docs = cu_seqlens_q.numel() - 1
+    num_docs = documents.cu_seqlens_q.numel() - 1
     if num_queries == 0 or num_keys == 0 or num_docs < 1:
         return block_indices
     index_q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
     index_k = index_k if index_k.stride(-1) == 1 else index_k.contiguous()
-    cu_seqlens_q = cu_seqlens_q.contiguous()  # the kernel reads the boundaries densely
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents, fragment_starts)
+    cu_seqlens_q = documents.cu_seqlens_q.contiguous()  # the kernel reads the boundaries densely
+    docs = locate_queries(cu_seqlens_q, documents.cu_seqlens_k, num_queries, num_keys, *documents.fragments)
     heads_p2 = triton.next_power_of_2(num_heads)
 
     def launch_select(config):
         tokens = max(1, config.rows // heads_p2)
-        tiles_per_doc = triton.cdiv(max(1, min(max_seqlen_q, num_queries)), tokens)
+        tiles_per_doc = triton.cdiv(max(1, min(documents.max_seqlen_q, num_queries)), tokens)
         msa_select_kernel[(num_docs * tiles_per_doc,)](
             index_q, index_k, cu_seqlens_q, docs.key_start, docs.position, block_indices,
             num_queries, num_keys, num_docs, tiles_per_doc,

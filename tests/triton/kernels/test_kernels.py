@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.support import dense
+from tests.support.documents import Documents, backend_arguments, documents_of
 from torch_msa import reference, testing
 from torch_msa.schedule import build_schedule, pack
 from torch_msa.triton import (
@@ -70,8 +71,8 @@ def test_forward_and_backward_match_reference(case):
     k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
     v = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
-    out_ref, lse_ref = reference.forward(q, k, v, *args)
-    out, lse = forward_kernel.forward(q, k, v, *args)
+    out_ref, lse_ref = reference.forward(*backend_arguments("forward", q, k, v, *args))
+    out, lse = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args))
     tolerance = TOLERANCE[dtype]
     _close(out, out_ref, tolerance, "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
@@ -79,8 +80,8 @@ def test_forward_and_backward_match_reference(case):
 
     grad_out = torch.randn_like(q)
     grad_lse = torch.randn(num_queries, num_heads, device=DEVICE)
-    expected = reference.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse)
-    actual = backward_kernel.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse)
+    expected = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse))
+    actual = backward_kernel.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse))
     for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
         assert got.dtype == want.dtype and got.shape == want.shape
         _close(got, want, 4 * tolerance, name)
@@ -93,10 +94,10 @@ def test_backward_without_grad_lse_matches_reference():
     q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, 0.3)
-    out, lse = reference.forward(q, k, v, *args)
+    out, lse = reference.forward(*backend_arguments("forward", q, k, v, *args))
     grad_out = torch.randn_like(q)
-    for got, want in zip(backward_kernel.backward(grad_out, q, k, v, out, lse, *args),
-                         reference.backward(grad_out, q, k, v, out, lse, *args)):
+    for got, want in zip(backward_kernel.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args)),
+                         reference.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args))):
         _close(got, want, 1e-4, "gradient")
 
 
@@ -115,17 +116,18 @@ def test_deterministic_backward_matches_reference_and_repeats_bitwise(case, monk
     block_indices = _junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
     entries_per_item = common.tile_shape(num_heads, num_kv_heads,
                                          backward_kernel.DETERMINISTIC_BLOCKS_CONFIGS[0].rows)[0]
-    bucket_sizes = build_schedule(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item).bucket_ptr.diff()
+    bucket_sizes = build_schedule(block_indices, documents_of(cu_q, cu_k), num_keys, block_size,
+                                  entries_per_item).bucket_ptr.diff()
     assert (bucket_sizes > entries_per_item).any(), "no bucket is split over several items"
     q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
-    out, lse = reference.forward(q, k, v, *args)
+    out, lse = reference.forward(*backend_arguments("forward", q, k, v, *args))
     grad_out = torch.randn_like(q)
     grad_lse = torch.randn(num_queries, num_heads, device=DEVICE)
-    expected = reference.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
-    first = backward_deterministic.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
-    second = backward_deterministic.backward(grad_out, q, k, v, out, lse, *args, grad_lse)
+    expected = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args, grad_lse))
+    first = backward_deterministic.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args, grad_lse))
+    second = backward_deterministic.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args, grad_lse))
     for name, got, again, want in zip(("dq", "dk", "dv"), first, second, expected):
         assert got.dtype == want.dtype and got.shape == want.shape
         _close(got, want, 4 * TOLERANCE[dtype], name)
@@ -141,10 +143,10 @@ def test_deterministic_backward_of_a_skewed_selection_without_grad_lse(monkeypat
     q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=torch.float16)
     k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=torch.float16) for _ in range(2))
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, 0.3)
-    out, lse = reference.forward(q, k, v, *args)
+    out, lse = reference.forward(*backend_arguments("forward", q, k, v, *args))
     grad_out = torch.randn_like(q)
-    expected = reference.backward(grad_out, q, k, v, out, lse, *args)
-    grads = backward_deterministic.backward(grad_out, q, k, v, out, lse, *args)
+    expected = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args))
+    grads = backward_deterministic.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args))
     for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
         _close(got, want, 4 * TOLERANCE[torch.float16], name)
 
@@ -164,9 +166,9 @@ def test_selection_matches_reference(case, dtype):
     index_q = torch.randn(num_queries, num_heads, index_dim, device=DEVICE, dtype=dtype)
     index_k = torch.randn(num_keys, 1, index_dim, device=DEVICE, dtype=dtype)
     args = (index_q, index_k, cu_q, cu_k, max_q, max_k, topk, block_size)
-    chosen = select_kernel.select_blocks(*args)
+    chosen = select_kernel.select_blocks(*backend_arguments("select_blocks", *args))
     dense.check_selection(chosen.cpu(), index_q.cpu(), index_k.cpu(), cu_q.cpu(), cu_k.cpu(), topk, block_size)
-    assert torch.equal(chosen, reference.select_blocks(*args))
+    assert torch.equal(chosen, reference.select_blocks(*backend_arguments("select_blocks", *args)))
 
 
 def test_selection_reads_strided_boundaries():
@@ -177,8 +179,8 @@ def test_selection_reads_strided_boundaries():
     index_k = torch.randn(num_keys, 1, index_dim, device=DEVICE)
     strided_q, strided_k = (torch.stack((cu, -cu), 1)[:, 0] for cu in (cu_q, cu_k))
     assert strided_q.stride(0) == 2
-    expected = select_kernel.select_blocks(index_q, index_k, cu_q, cu_k, max_q, max_k, topk, block_size)
-    got = select_kernel.select_blocks(index_q, index_k, strided_q, strided_k, max_q, max_k, topk, block_size)
+    expected = select_kernel.select_blocks(index_q, index_k, Documents(cu_q, cu_k, max_q, max_k), topk, block_size)
+    got = select_kernel.select_blocks(index_q, index_k, Documents(strided_q, strided_k, max_q, max_k), topk, block_size)
     assert torch.equal(got, expected)
 
 
@@ -188,7 +190,8 @@ def test_selection_ties_prefer_the_lower_block():
     index_q = torch.randint(-1, 2, (num_queries, 2, 16), device=DEVICE).float()
     index_k = torch.randint(-1, 2, (num_keys, 1, 16), device=DEVICE).float()
     args = (index_q, index_k, cu_q, cu_k, max_q, max_k, 3, 64)
-    assert torch.equal(select_kernel.select_blocks(*args), reference.select_blocks(*args))
+    assert torch.equal(select_kernel.select_blocks(*backend_arguments("select_blocks", *args)),
+                       reference.select_blocks(*backend_arguments("select_blocks", *args)))
 
 
 # Three documents whose key ends are not block-aligned: the last block of document 0 holds the
@@ -244,10 +247,10 @@ def test_a_non_finite_document_changes_no_other_document(poisoned):
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
 
     def run(x):
-        out, lse = forward_kernel.forward(x["q"], x["k"], x["v"], *args)
+        out, lse = forward_kernel.forward(*backend_arguments("forward", x["q"], x["k"], x["v"], *args))
         backward_args = (x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args, x["grad_lse"])
-        grads = backward_kernel.backward(*backward_args)
-        deterministic = backward_deterministic.backward(*backward_args)
+        grads = backward_kernel.backward(*backend_arguments("backward", *backward_args))
+        deterministic = backward_deterministic.backward(*backend_arguments("backward", *backward_args))
         return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads)),
                 **dict(zip(("deterministic dq", "deterministic dk", "deterministic dv"), deterministic))}
 
@@ -270,7 +273,7 @@ def test_a_non_finite_document_changes_no_other_documents_selection(poisoned):
     dirty = dict(clean, **{poisoned: _poison(clean[poisoned], rows)})
 
     def run(x):
-        return select_kernel.select_blocks(x["index_q"], x["index_k"], cu_q, cu_k, max_q, max_k, 3, 64)
+        return select_kernel.select_blocks(x["index_q"], x["index_k"], Documents(cu_q, cu_k, max_q, max_k), 3, 64)
 
     want, got = run(clean), run(dirty)
     for doc, rows in enumerate(_doc_rows(cu_q)):
@@ -292,14 +295,14 @@ def test_plan_build_equals_reference_tables(case, entries_per_item):
     q_lens, k_lens, num_kv_heads, block_size, topk = PLAN_CASES[case]
     cu_q, cu_k, _, num_keys, _, _ = _layout(q_lens, k_lens)
     block_indices = _junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
-    expected = pack(build_schedule(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item))
-    got = plan_kernel.plan(block_indices, cu_q, cu_k, num_keys, block_size, entries_per_item)
+    expected = pack(build_schedule(block_indices, documents_of(cu_q, cu_k), num_keys, block_size, entries_per_item))
+    got = plan_kernel.plan(block_indices, documents_of(cu_q, cu_k), num_keys, block_size, entries_per_item)
     assert torch.equal(got, expected)
     # Strided selections and boundaries are read through their strides.
     strided = block_indices.transpose(0, 1).contiguous().transpose(0, 1)
     cu_q_strided, cu_k_strided = (torch.stack((cu, -cu), 1)[:, 0] for cu in (cu_q, cu_k))
     assert torch.equal(
-        plan_kernel.plan(strided, cu_q_strided, cu_k_strided, num_keys, block_size, entries_per_item), expected)
+        plan_kernel.plan(strided, documents_of(cu_q_strided, cu_k_strided), num_keys, block_size, entries_per_item), expected)
 
 
 def test_plan_build_equals_reference_on_malformed_documents():
@@ -316,8 +319,8 @@ def test_plan_build_equals_reference_on_malformed_documents():
         cu_q = torch.tensor(q_bounds, dtype=torch.int32, device=DEVICE)
         cu_k = torch.tensor(k_bounds, dtype=torch.int32, device=DEVICE)
         block_indices = torch.randint(-2, 5, (2, max(131, q_bounds[-1]), 4), dtype=torch.int32, device=DEVICE)
-        expected = pack(build_schedule(block_indices, cu_q, cu_k, num_keys, 64, 8))
-        assert torch.equal(plan_kernel.plan(block_indices, cu_q, cu_k, num_keys, 64, 8), expected), q_bounds
+        expected = pack(build_schedule(block_indices, documents_of(cu_q, cu_k), num_keys, 64, 8))
+        assert torch.equal(plan_kernel.plan(block_indices, documents_of(cu_q, cu_k), num_keys, 64, 8), expected), q_bounds
 
 
 def test_forward_and_backward_read_a_given_plan():
@@ -330,13 +333,13 @@ def test_forward_and_backward_read_a_given_plan():
     k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
     v = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
-    plan = plan_kernel.plan(block_indices, cu_q, cu_k, num_keys, block_size, 8)
-    out_ref, lse_ref = reference.forward(q, k, v, *args)
-    out, _ = forward_kernel.forward(q, k, v, *args, plan)
+    plan = plan_kernel.plan(block_indices, documents_of(cu_q, cu_k), num_keys, block_size, 8)
+    out_ref, lse_ref = reference.forward(*backend_arguments("forward", q, k, v, *args))
+    out, _ = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args, plan))
     _close(out, out_ref, TOLERANCE[dtype], "out")
     grad_out = torch.randn_like(q)
-    expected = reference.backward(grad_out, q, k, v, out_ref, lse_ref, *args)
-    actual = backward_kernel.backward(grad_out, q, k, v, out_ref, lse_ref, *args, None, plan)
+    expected = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args))
+    actual = backward_kernel.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, None, plan))
     for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
         _close(got, want, 4 * TOLERANCE[dtype], name)
 
@@ -354,34 +357,35 @@ def test_fragments_match_reference():
     index_q = torch.randn(num_queries, num_kv_heads, 32, device=DEVICE, dtype=dtype)
     index_k = torch.randn(num_keys, 1, 32, device=DEVICE, dtype=dtype)
     select_args = (index_q, index_k, *frag.op_args, topk, block_size, *fragments)
-    assert torch.equal(select_kernel.select_blocks(*select_args), reference.select_blocks(*select_args))
+    assert torch.equal(select_kernel.select_blocks(*backend_arguments("select_blocks", *select_args)),
+                       reference.select_blocks(*backend_arguments("select_blocks", *select_args)))
 
     block_indices = testing.random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, num_kv_heads, topk, block_size,
                                                  None, *fragments)
     block_indices[-1, ::3, 0] = 10_000
     for entries_per_item in (1, 16):
-        expected = pack(build_schedule(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size,
-                                       entries_per_item, *fragments))
-        got = plan_kernel.plan(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size,
-                                     entries_per_item, *fragments)
+        documents = Documents(*frag.op_args, *fragments)
+        expected = pack(build_schedule(block_indices, documents, num_keys, block_size, entries_per_item))
+        got = plan_kernel.plan(block_indices, documents, num_keys, block_size, entries_per_item)
         assert torch.equal(got, expected)
-    unknown = (torch.tensor([3, 0, 2, 0, 7, 0], dtype=torch.int32, device=DEVICE), fragments[1])
-    assert torch.equal(
-        plan_kernel.plan(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size, 8, *unknown),
-        pack(build_schedule(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, num_keys, block_size, 8, *unknown)))
+    unknown = Documents(*frag.op_args, torch.tensor([3, 0, 2, 0, 7, 0], dtype=torch.int32, device=DEVICE), fragments[1])
+    assert torch.equal(plan_kernel.plan(block_indices, unknown, num_keys, block_size, 8),
+                       pack(build_schedule(block_indices, unknown, num_keys, block_size, 8)))
 
     q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
     args = (block_indices, *frag.op_args, block_size, dim**-0.5)
-    out_ref, lse_ref = reference.forward(q, k, v, *args, None, *fragments)
-    out, lse = forward_kernel.forward(q, k, v, *args, None, *fragments)
+    out_ref, lse_ref = reference.forward(*backend_arguments("forward", q, k, v, *args, None, *fragments))
+    out, lse = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args, None, *fragments))
     _close(out, out_ref, TOLERANCE[dtype], "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))  # a junk local slot leaves a query no key
     _close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[dtype], "lse")
     grad_out = torch.randn_like(q)
-    expected = reference.backward(grad_out, q, k, v, out_ref, lse_ref, *args, None, None, *fragments)
+    expected = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, None, None,
+                                                     *fragments))
     for module in (backward_kernel, backward_deterministic):
-        actual = module.backward(grad_out, q, k, v, out_ref, lse_ref, *args, None, None, *fragments)
+        actual = module.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, None, None,
+                                                    *fragments))
         for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
             _close(got, want, 4 * TOLERANCE[dtype], f"{module.__name__} {name}")
 
@@ -398,10 +402,10 @@ def test_forward_in_query_windows_equals_one_call(monkeypatch):
     q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
-    expected = forward_kernel.forward(q, k, v, *args)
+    expected = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args))
     monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 17 * query_windows.partial_bytes_per_query(num_heads, topk, dim,
                                                                                                    dtype))
-    out, lse = triton_backend.forward(q, k, v, *args)
+    out, lse = triton_backend.forward(*backend_arguments("forward", q, k, v, *args))
     # Each window groups other queries into a program's tile, so only the rounding may differ.
     _close(out, expected[0], 1e-5, "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(expected[1]))

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from tests.support.documents import Documents, backend_arguments
 from torch_msa import reference_kl, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.triton import kl_dense_kernel
@@ -112,7 +113,7 @@ def test_dense_loss_and_gradients_match_float64(case, with_lse):
         lse = oracle(q, k, None, index_q.double(), index_k.double(), q_lens, k_lens, *scales)[1].float()
         lse = lse + 0.3 * torch.randn(lse.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
-    got = kl_dense_kernel.indexer_kl_dense(q, k, lse, index_q, index_k, *docs, *scales)
+    got = kl_dense_kernel.indexer_kl_dense(q, k, lse, index_q, index_k, Documents(*docs), *scales)
     leaf_q = index_q.double().requires_grad_()
     leaf_k = index_k.double().requires_grad_()
     want = oracle(q, k, lse, leaf_q, leaf_k, q_lens, k_lens, *scales)
@@ -125,7 +126,7 @@ def test_dense_loss_and_gradients_match_float64(case, with_lse):
         assert torch.equal(got[1], lse)
 
     # The outputs the reference has agree with it too.
-    expected = reference_kl.indexer_kl(q, k, lse, index_q, index_k, None, *docs, 128, *scales)
+    expected = reference_kl.indexer_kl(*backend_arguments("indexer_kl", q, k, lse, index_q, index_k, None, *docs, 128, *scales))
     for name, a, b in zip(names, got, expected):
         _close(a, b, tolerance, f"{name} vs reference")
 
@@ -133,7 +134,7 @@ def test_dense_loss_and_gradients_match_float64(case, with_lse):
     d_index_q, d_index_k = torch.autograd.grad(want[0] * 1.7, (leaf_q, leaf_k))
     _, _, index_lse, mass, teacher_keys, teacher_queries = got
     grads = kl_dense_kernel.indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, mass, teacher_keys,
-                                                      teacher_queries, *docs, scales[1])
+                                                      teacher_queries, Documents(*docs), scales[1])
     for name, a, b in zip(("d index_q", "d index_k"), grads, (d_index_q, d_index_k)):
         assert a.dtype == dtype and a.shape == b.shape, name
         _close(a, b, 4 * tolerance, name)
@@ -151,7 +152,7 @@ def test_kernels_decline_what_they_do_not_serve(monkeypatch):
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
     with pytest.raises(UnsupportedInputs, match="deterministic"):
-        kl_dense_kernel.indexer_kl_dense(q, k, None, index_q, torch.zeros(4, 1, 16, device=DEVICE), cu, cu, 4, 4,
+        kl_dense_kernel.indexer_kl_dense(q, k, None, index_q, torch.zeros(4, 1, 16, device=DEVICE), Documents(cu, cu, 4, 4),
                                          0.125, 0.25)
 
 
@@ -170,10 +171,10 @@ def test_a_non_finite_document_changes_no_other_documents_outputs_or_gradients(p
     dirty[poisoned][51:90:2] = float("inf")
 
     def run(x):
-        loss, *outputs = kl_dense_kernel.indexer_kl_dense(x["q"], x["k"], None, x["index_q"], x["index_k"], *docs,
-                                                          64**-0.5, 16**-0.5)
+        loss, *outputs = kl_dense_kernel.indexer_kl_dense(x["q"], x["k"], None, x["index_q"], x["index_k"],
+                                                          Documents(*docs), 64**-0.5, 16**-0.5)
         grads = kl_dense_kernel.indexer_kl_dense_backward(torch.tensor(1.0, device=DEVICE), x["index_q"],
-                                                          x["index_k"], *outputs[1:], *docs, 16**-0.5)
+                                                          x["index_k"], *outputs[1:], Documents(*docs), 16**-0.5)
         return (*outputs, *grads)
 
     names = ("teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries",
@@ -194,11 +195,11 @@ def test_fragments_forward_matches_reference_and_backward_declines():
     k = torch.randn(num_keys, 2, 64, device=DEVICE)
     index_q, index_k = torch.randn(num_queries, 2, 16, device=DEVICE), torch.randn(num_keys, 1, 16, device=DEVICE)
     args = (q, k, None, index_q, index_k)
-    got = kl_dense_kernel.indexer_kl_dense(*args, *frag.op_args, 0.125, 0.25, *frag.tensors)
-    want = reference_kl.indexer_kl(*args, None, *frag.op_args, 64, 0.125, 0.25, *frag.tensors)
+    got = kl_dense_kernel.indexer_kl_dense(*args, Documents(*frag.op_args, *frag.tensors), 0.125, 0.25)
+    want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args, None, *frag.op_args, 64, 0.125, 0.25, *frag.tensors))
     names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
     for name, actual, expected in zip(names, got, want):
         _close(actual, expected, 2e-4, name)
     with pytest.raises(UnsupportedInputs, match="query fragments"):
         kl_dense_kernel.indexer_kl_dense_backward(torch.ones((), device=DEVICE), index_q, index_k, *got[2:],
-                                                  *frag.op_args, 0.25, *frag.tensors)
+                                                  Documents(*frag.op_args, *frag.tensors), 0.25)

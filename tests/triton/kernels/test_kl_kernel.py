@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from tests.support.documents import backend_arguments
 from torch_msa import reference, reference_kl, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.triton import kl_kernel
@@ -45,10 +46,10 @@ def test_kl_forward_and_backward_match_reference(case):
     index_k = torch.randn(num_keys, 1, index_dim, device=DEVICE, dtype=dtype)
     docs = (cu_q, cu_k, max(q_lens), max(k_lens))
     scales = (dim**-0.5, index_dim**-0.5)
-    _, lse = reference.forward(q, k, v, block_indices, *docs, block_size, scales[0])
+    _, lse = reference.forward(*backend_arguments("forward", q, k, v, block_indices, *docs, block_size, scales[0]))
     args = (q, k, lse, index_q, index_k, block_indices, *docs, block_size, *scales)
-    expected = reference_kl.indexer_kl(*args)
-    got = kl_kernel.indexer_kl(*args)
+    expected = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args))
+    got = kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
     tolerance = 2e-5 if dtype == torch.float32 else 3e-3
     names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
     assert len(got) == len(names)
@@ -62,8 +63,9 @@ def test_kl_forward_and_backward_match_reference(case):
 
     grad_loss = torch.tensor(1.7, device=DEVICE)
     backward_args = (grad_loss, index_q, index_k, *expected[2:], block_indices, *docs, block_size, scales[1])
-    for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backward_args),
-                          reference_kl.indexer_kl_backward(*backward_args)):
+    for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backend_arguments("indexer_kl_backward",
+                                                                                                       *backward_args)),
+                          reference_kl.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         # Both sides start from the same index_lse and teacher terms: the gradients differ by
         # little more than their final rounding to the index dtype.
@@ -116,11 +118,13 @@ def test_a_non_finite_document_changes_no_other_documents_index_gradients(poison
 
     def outputs(x):
         """The forward's per-query and per-key outputs, then the index gradients."""
-        _, lse = reference.forward(x["q"], x["k"], x["k"], block_indices, *docs, block_size, scales[0])
+        _, lse = reference.forward(*backend_arguments("forward", x["q"], x["k"], x["k"], block_indices, *docs, block_size,
+                                                      scales[0]))
         args = (x["q"], x["k"], lse, x["index_q"], x["index_k"], block_indices, *docs, block_size, *scales)
-        _, _, *kept = kl_kernel.indexer_kl(*args)
-        gradients = kl_kernel.indexer_kl_backward(torch.tensor(1.0, device=DEVICE), x["index_q"], x["index_k"],
-                                                  *kept, block_indices, *docs, block_size, scales[1])
+        _, _, *kept = kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
+        gradients = kl_kernel.indexer_kl_backward(*backend_arguments(
+            "indexer_kl_backward", torch.tensor(1.0, device=DEVICE), x["index_q"], x["index_k"], *kept, block_indices,
+            *docs, block_size, scales[1]))
         return (*kept, *gradients)
 
     names = ("index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries", "d index_q", "d index_k")
@@ -149,10 +153,11 @@ def test_fragments_match_reference():
     index_q = torch.randn(num_queries, num_kv_heads, index_dim, device=DEVICE)
     index_k = torch.randn(num_keys, 1, index_dim, device=DEVICE)
     scales = (dim**-0.5, index_dim**-0.5)
-    _, lse = reference.forward(q, k, k, block_indices, *frag.op_args, block_size, scales[0], None, *fragments)
+    _, lse = reference.forward(*backend_arguments("forward", q, k, k, block_indices, *frag.op_args, block_size, scales[0],
+                                                  None, *fragments))
     args = (q, k, lse, index_q, index_k, block_indices, *frag.op_args, block_size, *scales, *fragments)
-    expected = reference_kl.indexer_kl(*args)
-    got = kl_kernel.indexer_kl(*args)
+    expected = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args))
+    got = kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
     assert expected[0] > 0 and expected[4].abs().sum() > 0
     names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
     for name, a, b in zip(names, got, expected, strict=True):
@@ -160,7 +165,8 @@ def test_fragments_match_reference():
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * scale, msg=lambda m, name=name: f"{name}: {m}")
     backward_args = (torch.tensor(1.3, device=DEVICE), index_q, index_k, *expected[2:], block_indices, *frag.op_args,
                      block_size, scales[1], *fragments)
-    for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backward_args),
-                          reference_kl.indexer_kl_backward(*backward_args)):
+    for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backend_arguments("indexer_kl_backward",
+                                                                                                       *backward_args)),
+                          reference_kl.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item(),
                                    msg=lambda m, name=name: f"{name}: {m}")
