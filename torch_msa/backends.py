@@ -51,9 +51,9 @@ class Backend:
 
     `ops` maps op names (those of `OPS`) to callables that take the op's arguments in the
     schema's order with the six document arguments as one `torch_msa.documents.Documents` in
-    place of `cu_seqlens_q` (the form `torch_msa.reference` shows,
-                             op by op). `available(device)` is consulted lazily, so optional dependencies are
-    imported only when a device first asks; `device_types=None` means any device.
+    place of `cu_seqlens_q` (the form `torch_msa.reference` shows, op by op).
+    `available(device)` is consulted lazily, so optional dependencies are imported only when a
+    device first asks; `device_types=None` means any device.
     `unavailable_reason(device)` says why `available` is False (what is missing, what to
     install), for error messages. A backend with `opt_in_note` serves only when
     `TORCH_MSA_BACKEND` names it; `opt_in_note(device)` is the note printed once when default

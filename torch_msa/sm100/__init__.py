@@ -96,10 +96,12 @@ def _require_official_configuration(q, k, v, block_indices, block_size) -> None:
     actual = (q.shape[1], k.shape[1], q.shape[2], block_size, block_indices.shape[2])
     dtypes = {q.dtype, k.dtype, v.dtype}
     if actual != expected or dtypes != {DTYPE}:
+        names = ("Hq", "Hkv", "D", "block_size", "topk")
         raise UnsupportedInputs(
-            "the SM100 backend serves only the official MSA configuration (Hq=64, Hkv=4, D=128, block_size=128, "
-            f"topk=16, bfloat16); got Hq={actual[0]}, Hkv={actual[1]}, D={actual[2]}, block_size={actual[3]}, "
-            f"topk={actual[4]}, {'/'.join(sorted(str(dtype) for dtype in dtypes))}"
+            "the SM100 backend serves only the official MSA configuration "
+            f"({', '.join(f'{n}={e}' for n, e in zip(names, expected))}, {DTYPE}); "
+            f"got {', '.join(f'{n}={a}' for n, a in zip(names, actual))}, "
+            f"{'/'.join(sorted(str(dtype) for dtype in dtypes))}"
         )
 
 

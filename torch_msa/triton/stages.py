@@ -22,7 +22,9 @@ Backward (`dS = P (dP - delta)` needs `delta` first; the key pass is each backen
 * `key_workspace` (a `KeyWorkspace`): the schedule of a deterministic backward and the per-item
   dK/dV slots its key pass stores into;
 * `reduce_key_workspace`: the slots summed per key in a fixed (item) order, into dK/dV;
-* `query_dq`: dQ, query-outer, every element with one owner.
+* `query_dq`: dQ, query-outer, every element with one owner;
+* `deterministic_begin` and `deterministic_finish` (`deterministic_stages.py`): all of those but the
+  key pass, in order, around a backend's own key pass.
 
 The Triton deterministic backward is delta, the Triton key pass, the reduction and dQ
 (`backward_deterministic.py`); the SM90 one is the same with the SM90 key pass
@@ -34,8 +36,11 @@ Importing this module imports triton.
 
 from .backward_deterministic_kernel import KeyWorkspace, key_workspace, query_dq, reduce_key_workspace
 from .backward_kernel import compute_delta
+from .deterministic_stages import DeterministicBackward
+from .deterministic_stages import begin as deterministic_begin
+from .deterministic_stages import finish as deterministic_finish
 from .forward_kernel import combine
 from .plan_kernel import bucket_key_count
 
-__all__ = ["KeyWorkspace", "bucket_key_count", "combine", "compute_delta", "key_workspace", "query_dq",
-           "reduce_key_workspace"]
+__all__ = ["DeterministicBackward", "KeyWorkspace", "bucket_key_count", "combine", "compute_delta",
+           "deterministic_begin", "deterministic_finish", "key_workspace", "query_dq", "reduce_key_workspace"]
