@@ -12,6 +12,8 @@
   module (checks, launch, compile cache) whose kernel classes are in `preprocess_kernel`,
   `task_tables_kernel`, `postprocess_kernel`. They compile for sm_90a and sm_100a alike.
 * `ptx`: inline-PTX reductions the kernel modules share.
+* `token_tiles`: the token boxes and slots by which the SM90 and SM100 kernels load a query-side
+  operand tile one token at a time.
 * `compat`: the CuTe DSL names that moved inside the served version range
   (`CUTE_DSL_REQUIREMENT`); the kernel modules import them from there.
 

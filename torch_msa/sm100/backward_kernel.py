@@ -63,6 +63,7 @@ from cutlass import Boolean, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
+from ..cute_dsl import token_tiles
 from ..cute_dsl.compat import SmemAllocator
 from ..cute_dsl.ptx import red_add_f32x4
 from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, NUM_KV_HEADS, NUM_Q_HEADS, TILE, TOKENS_PER_TASK
@@ -478,8 +479,8 @@ class Sm100BackwardKernel:
         )
         # Q/dO: 16-row token blocks of the [Tq * 64, 128] views into the 8 token slots of a
         # (128 x 128) tile; the tiles are viewed as plain (row, col, stage) to cut them.
-        tQsQ, tQgQ = self._token_partition(tma_atom_Q, tma_Q, sQ, self.q_stages)
-        tdOsdO, tdOgdO = self._token_partition(tma_atom_dO, tma_dO, sdO, self.do_stages)
+        tQsQ, tQgQ = token_tiles.token_tile_partition(tma_atom_Q, tma_Q, sQ, TILE, self.q_stages)
+        tdOsdO, tdOgdO = token_tiles.token_tile_partition(tma_atom_dO, tma_dO, sdO, TILE, self.do_stages)
 
         kv_pipe, q_pipe, do_pipe = pipes["kv"], pipes["q"], pipes["do"]
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -530,22 +531,6 @@ class Sm100BackwardKernel:
                 token = first_token
             block = token * (NUM_Q_HEADS // HEADS_PER_KV) + kv_head
             cute.copy(tma_atom, source_blocks[None, block, 0], slots[None, slot], tma_bar_ptr=barrier)
-
-    @cute.jit
-    def _token_partition(
-        self, tma_atom: cute.CopyAtom, tma_rows: cute.Tensor, tile: cute.Tensor, stages: cutlass.Constexpr
-    ):
-        """TMA views of 16-row token blocks: `(smem [box, slot, 1, stage], gmem [box, block, 1])`."""
-        # The colexicographic index of an MMA operand tile ((128,16),1,(4,2),stage) is
-        # row + 128 col + 16384 stage, so this composition is the plain (row, col, stage) view.
-        plain = cute.composition(
-            tile, cute.make_layout((TILE, HEAD_DIM, stages), stride=(1, TILE, TILE * HEAD_DIM))
-        )
-        slots = cute.flat_divide(plain, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, 8, 1, stage)
-        blocks = cute.flat_divide(tma_rows, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, Tq * 4, 1)
-        return cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1), cute.group_modes(slots, 0, 2), cute.group_modes(blocks, 0, 2)
-        )
 
     @cute.jit
     def gather_scalars(

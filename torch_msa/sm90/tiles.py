@@ -12,6 +12,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
+from ..cute_dsl import token_tiles
 from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS, TOKENS_PER_TILE
 
 SWIZZLE_COLS = 64  # elements of one 128-byte swizzle row (16-bit types)
@@ -59,17 +60,6 @@ def token_box_layout(tile_layout: cute.ComposedLayout) -> cute.ComposedLayout:
             ((8, 2), (SWIZZLE_COLS, 2)), stride=((SWIZZLE_COLS, 8 * SWIZZLE_COLS), (1, TILE_ROWS * SWIZZLE_COLS))
         ),
     )
-
-
-def token_slots(tile: cute.Tensor, stages: int) -> cute.Tensor:
-    """A staged 64 x 128 tile as `(16, 128, 4, 1, stage)`: the 16-row slots of its four tokens.
-
-    The colexicographic index of the tile ((8, 8), (64, 2), stage) is row + 64 col + 8192 stage,
-    so this composition is its plain (row, col, stage) view."""
-    plain = cute.composition(
-        tile, cute.make_layout((TILE_ROWS, HEAD_DIM, stages), stride=(1, TILE_ROWS, TILE_ROWS * HEAD_DIM))
-    )
-    return cute.flat_divide(plain, (HEADS_PER_KV, HEAD_DIM))
 
 
 @cute.jit
@@ -130,6 +120,11 @@ def key_block_tma(mK: cute.Tensor, mV: cute.Tensor, key_tile_layout: cute.Compos
     return atoms, 2 * cute.size_in_bytes(mK.element_type, stage)
 
 
+def token_tile_partition(atom: cute.CopyAtom, view: cute.Tensor, tile: cute.Tensor, stages: int):
+    """`torch_msa.cute_dsl.token_tiles.token_tile_partition` of a staged 64-row tile."""
+    return token_tiles.token_tile_partition(atom, view, tile, TILE_ROWS, stages)
+
+
 def token_rows_tma(operation, rows: cute.Tensor, token_layout: cute.ComposedLayout):
     """The TMA atom and view of `rows` (`[R, 128]`) moved by `operation` (a G2S load or S2G store) in
     16 x 128 token boxes laid out as `token_layout` (`token_box_layout`)."""
@@ -140,13 +135,3 @@ def query_rows(mX: cute.Tensor, num_heads: int) -> cute.Tensor:
     """A `[T, Hq, 128]` tensor as `[T * Hq, 128]` rows: a token's 16 heads of one KV head are 16
     consecutive rows, one token box."""
     return cute.make_tensor(mX.iterator, cute.make_layout((mX.shape[0] * num_heads, HEAD_DIM), stride=(HEAD_DIM, 1)))
-
-
-def token_tile_partition(atom: cute.CopyAtom, view: cute.Tensor, tile: cute.Tensor, stages: int):
-    """The TMA partition of a staged 64 x 128 tile's token slots (`token_slots`) against the 16-row
-    token blocks of `view` (from `token_rows_tma`): `(slots, blocks)`, indexed
-    `slots[None, slot, 0, stage]` and `blocks[None, block, 0]`."""
-    blocks = cute.flat_divide(view, (HEADS_PER_KV, HEAD_DIM))  # (16, 128, R / 16, 1)
-    return cpasync.tma_partition(
-        atom, 0, cute.make_layout(1), cute.group_modes(token_slots(tile, stages), 0, 2), cute.group_modes(blocks, 0, 2)
-    )
