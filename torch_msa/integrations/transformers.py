@@ -663,10 +663,10 @@ def index_losses(model: PreTrainedModel) -> list[torch.Tensor]:
         model: a model switched with `use_torch_msa(model, index_loss=...)`.
 
     Returns:
-        One 0-D fp32 tensor per sparse layer, in layer order, as `torch_msa.indexer_kl_loss`
-        (`index_loss="sparse"`) or `torch_msa.indexer_kl_loss_dense` (`"dense"`) returns it;
-        differentiable in the indexer's parameters (and, with `detach_index_inputs=False`, the
-        trunk's).
+        One 0-D tensor per sparse layer (fp32; fp64 for an fp64 model), in layer order, as
+        `torch_msa.indexer_kl_loss` (`index_loss="sparse"`) or `torch_msa.indexer_kl_loss_dense`
+        (`"dense"`) returns it; differentiable in the indexers' parameters (and, with
+        `detach_index_inputs=False`, the trunk's).
 
     Raises:
         ValueError: `model` was not switched with an `index_loss`, or a sparse layer has no KL
