@@ -98,8 +98,9 @@ def test_m3_index_losses_bf16_against_fp32(support):
     only the indexer gets its gradients."""
     from torch_msa.integrations.transformers import index_losses, use_torch_msa
 
-    fp32 = use_torch_msa(_model(), index_loss=support)
-    bf16 = use_torch_msa(copy.deepcopy(fp32).to(torch.bfloat16), index_loss=support)
+    reference = _model()
+    bf16 = use_torch_msa(copy.deepcopy(reference).to(torch.bfloat16), index_loss=support)
+    fp32 = use_torch_msa(reference, index_loss=support)
     ids = torch.randint(1, VOCAB, (2, SEQLEN), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
     mask = torch.ones(2, SEQLEN, dtype=torch.long, device="cuda")
     mask[1, 3000:] = 0

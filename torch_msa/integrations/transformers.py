@@ -53,7 +53,7 @@ weights (`output_attentions=True` warns once and returns None for these layers).
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast, get_args
 
 import torch
 
@@ -80,9 +80,15 @@ from ..padding import padded_cu_seqlens
 ATTENTION_NAME = "torch_msa"
 """The name under which the attention function is registered (`config._attn_implementation`)."""
 
+IndexLossSupport = Literal["sparse", "dense"]
+"""`use_torch_msa`'s `index_loss` values: the KL on the selected blocks, or the dense warm-up's."""
+INDEX_LOSS_SUPPORTS: tuple[str, ...] = get_args(IndexLossSupport)
+"""The same values as a tuple, for checks and messages."""
+
 __all__ = [
     "ATTENTION_NAME",
     "INDEX_LOSS_SUPPORTS",
+    "IndexLossSupport",
     "PACKED_KWARGS",
     "PendingSelection",
     "TorchMSAIndexer",
@@ -106,15 +112,15 @@ class PendingSelection:
         index_k: `[B, 1, Sk, Di]` index keys after the norm and RoPE (with the cached history).
         topk: blocks kept per query, the local one included.
         block_size: keys per block.
-        index_loss: the KL the attention function computes for the indexer (`use_torch_msa`'s
-            `index_loss`: `"sparse"`, `"dense"`), or None for none.
+        index_loss_support: the KL the attention function computes for the indexer
+            (`use_torch_msa`'s `index_loss`: `"sparse"`, `"dense"`), or None for none.
     """
 
     index_q: torch.Tensor
     index_k: torch.Tensor
     topk: int
     block_size: int
-    index_loss: str | None = None
+    index_loss_support: IndexLossSupport | None = None
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The index inputs over the packed rows: `index_q [B * Sq, H_idx, Di]`, `index_k [B * Sk, 1, Di]`."""
@@ -175,7 +181,7 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
             text model resets it at the start of each forward); read it with `index_losses`.
     """
 
-    index_loss_support: str | None = None
+    index_loss_support: IndexLossSupport | None = None
     detach_index_inputs: bool = True
     index_loss: torch.Tensor | None = None
 
@@ -429,7 +435,7 @@ def attention_forward(
             packed rows.
         block_indices: HF's int64 `[B, H_idx, Sq, topk]` (`-1` padded, ids relative to the row
             start), a `PendingSelection` from `TorchMSAIndexer`, or None for a full-attention
-            layer (which runs SDPA). A `PendingSelection` with an `index_loss` has its KL stored
+            layer (which runs SDPA). A `PendingSelection` with an `index_loss_support` has its KL stored
             in `module.indexer.index_loss`: `"sparse"` on the selection and lse of this
             attention (`torch_msa.indexer_kl_loss`), `"dense"` on every visible key
             (`torch_msa.indexer_kl_loss_dense`), the layer then attending densely (SDPA, as a
@@ -462,11 +468,11 @@ def attention_forward(
     student = None  # the packed index inputs, when the indexer asks for its KL
     if isinstance(block_indices, PendingSelection):
         block_size = block_indices.block_size
-        if block_indices.index_loss == "dense":  # the warm-up: dense attention, the KL on every visible key
+        if block_indices.index_loss_support == "dense":  # the warm-up: dense attention, the KL on every visible key
             cast(TorchMSAIndexer, module.indexer).index_loss = api.indexer_kl_loss_dense(
                 q, k, *block_indices.packed(), *documents, block_size=block_size, softmax_scale=scaling)
             return _full_attention(module, query, key, value, attention_mask, dropout, scaling, packed, **kwargs)
-        if block_indices.index_loss == "sparse":
+        if block_indices.index_loss_support == "sparse":
             student = block_indices.packed()
         blocks = block_indices.select(*documents)
     elif packed is not None:
@@ -561,13 +567,11 @@ _PACKING_HOOK = "_torch_msa_packing_hook"
 _INDEX_LOSS_HOOK = "_torch_msa_index_loss_hook"
 """The text model's attribute holding the forward pre-hook that resets its indexers' KL (registered once)."""
 
-INDEX_LOSS_SUPPORTS = ("sparse", "dense")
-"""`use_torch_msa`'s `index_loss` values: the KL on the selected blocks, or the dense warm-up's."""
-
 
 def _reset_index_losses(module, args, kwargs):
     """Forward pre-hook of the text model (`use_torch_msa`): each forward starts without KL losses."""
-    for indexer in module.modules():
+    for layer in module.layers:
+        indexer = getattr(layer.self_attn, "indexer", None)
         if isinstance(indexer, TorchMSAIndexer):
             indexer.index_loss = None
 
@@ -585,7 +589,8 @@ def _check_index_loss_args(index_loss, detach_index_inputs) -> None:
                          "expected True (the default) with index_loss=None, got False")
 
 
-def use_torch_msa(model: _Model, *, index_loss: str | None = None, detach_index_inputs: bool = True) -> _Model:
+def use_torch_msa(model: _Model, *, index_loss: IndexLossSupport | None = None,
+                  detach_index_inputs: bool = True) -> _Model:
     """Switch a HF MiniMax-M3 model to torch_msa, in place: `MiniMaxM3VLForCausalLM`, `MiniMaxM3VLTextModel`,
     or the vision-language `MiniMaxM3SparseForConditionalGeneration` / `MiniMaxM3VLModel` (only the text
     model switches; the vision tower keeps its attention).
