@@ -56,7 +56,7 @@ class AttentionOutput(NamedTuple):
 
 
 class MSAAttentionOutput(NamedTuple):
-    """What `msa_attention(...)` returns with `return_lse` and/or `return_block_indices`.
+    """What `msa_attention(...)` returns with `return_lse`, `return_block_indices` and/or `index_loss`.
 
     A field whose flag was not set is None. Read the fields by name (`result.lse`): fields may be
     added after the existing ones, so the tuple's length and positional unpacking are not part of
@@ -68,11 +68,15 @@ class MSAAttentionOutput(NamedTuple):
         block_indices: with `return_block_indices`, the int32 `[Hkv, Tq, topk]` selection the
             attention used (head-major; valid ids first, `-1` after), the input of
             `indexer_kl_loss`; otherwise None.
+        kl: with `index_loss`, the index branch's KL loss on this call's own selection and lse
+            (a 0-D tensor as `indexer_kl_loss` returns it, differentiable in `index_q` and
+            `index_k` only); otherwise None.
     """
 
     out: torch.Tensor
     lse: torch.Tensor | None = None
     block_indices: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
 
 
 # torch.export.save and AOTInductor packages serialise a program's output structure; a named
@@ -346,7 +350,7 @@ def _warn_index_inputs_get_no_gradient(index_q, index_k) -> None:
         warnings.warn(
             "torch_msa.msa_attention: index_q / index_k require grad, but the block selection is not "
             "differentiable and they get no gradient from the attention. Train the index branch with "
-            "torch_msa.indexer_kl_loss (pass return_lse=True, return_block_indices=True to get its inputs), "
+            "msa_attention(..., index_loss=True) (its kl field), torch_msa.indexer_kl_loss, "
             "or torch_msa.indexer_kl_loss_dense for the dense warm-up; see the README, 'Training the index branch'.",
             category=TorchMSAWarning, stacklevel=3,
         )
@@ -358,7 +362,7 @@ def msa_attention(
     cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
-    return_lse: Literal[False] = ..., return_block_indices: Literal[False] = ...,
+    return_lse: Literal[False] = ..., return_block_indices: Literal[False] = ..., index_loss: Literal[False] = ...,
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
@@ -369,7 +373,7 @@ def msa_attention(
     cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
-    return_lse: Literal[True], return_block_indices: bool = ...,
+    return_lse: Literal[True], return_block_indices: bool = ..., index_loss: bool = ...,
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
 ) -> MSAAttentionOutput: ...
 
@@ -380,7 +384,7 @@ def msa_attention(
     cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
-    return_lse: bool = ..., return_block_indices: Literal[True],
+    return_lse: bool = ..., return_block_indices: Literal[True], index_loss: bool = ...,
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
 ) -> MSAAttentionOutput: ...
 
@@ -391,7 +395,18 @@ def msa_attention(
     cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
-    return_lse: bool = ..., return_block_indices: bool = ...,
+    return_lse: bool = ..., return_block_indices: bool = ..., index_loss: Literal[True],
+    fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+) -> MSAAttentionOutput: ...
+
+
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: bool = ..., return_block_indices: bool = ..., index_loss: bool = ...,
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
 ) -> torch.Tensor | MSAAttentionOutput: ...
 
@@ -412,14 +427,20 @@ def msa_attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     return_block_indices: bool = False,
+    index_loss: bool = False,
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor | MSAAttentionOutput:
     """MiniMax Sparse Attention: `select_blocks` (no gradient) then `sparse_attention`.
 
-    `index_q` and `index_k` receive no gradient here (a one-time warning says so when they
-    require grad): the index branch is trained with `indexer_kl_loss`, whose inputs
-    `return_lse` and `return_block_indices` give without recomputing the selection.
+    The selection gives `index_q` and `index_k` no gradient. With `index_loss=True` the result's
+    `kl` field is the index branch's KL loss (`indexer_kl_loss`, spec section 6) on this call's
+    own selection and lse, so `(task_loss + kl_coeff * result.kl).backward()` trains both
+    branches: the teacher (`q`, `k`, the lse) is detached, so the KL's gradients reach `index_q`
+    and `index_k` only, and the attention's reach `q`, `k`, `v` only. Without it, index inputs
+    that require grad get a one-time warning. The student's scale is `Di ** -0.5`; for another
+    scale, another lse or another selection, call `indexer_kl_loss` on `return_lse` and
+    `return_block_indices`.
 
     Args:
         q: `[Tq, Hq, D]` queries, bf16/fp16/fp32/fp64, `D` 64 or 128.
@@ -434,16 +455,19 @@ def msa_attention(
         softmax_scale: defaults to `D ** -0.5`.
         return_lse: return the log-sum-exp too (one flag, flash-attn 4's name; docs/api.md).
         return_block_indices: return the selection too.
+        index_loss: return the KL loss of the index branch too (a bool).
         fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
 
     Returns:
-        Without either flag, `out [Tq, Hq, D]` in q's dtype. With either, an
-        `MSAAttentionOutput(out, lse, block_indices)` whose fields not asked for are None:
+        Without a flag, `out [Tq, Hq, D]` in q's dtype. With any, an
+        `MSAAttentionOutput(out, lse, block_indices, kl)` whose fields not asked for are None:
         `lse [Tq, Hq]` as in `sparse_attention`, `block_indices` int32 `[Hkv, Tq, topk]`
-        (head-major) as in `select_blocks`.
+        (head-major) as in `select_blocks`, `kl` a 0-D tensor as `indexer_kl_loss` returns it
+        (fp32, fp64 for fp64 index inputs; 0 when `Tq == 0`).
 
     Raises:
-        TypeError: an argument of the wrong type or dtype; the message names it.
+        TypeError: an argument of the wrong type or dtype (`index_loss` not a bool included); the
+            message names it.
         ValueError: a shape, head count, head dim, index head count, `topk`, `block_size` or host
             int outside the contract, index inputs whose rows or device do not match q and k, or a
             `cu_seqlens` / fragment argument without its partner; the message names it.
@@ -453,13 +477,21 @@ def msa_attention(
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
     validation.check_index_inputs(index_q, index_k, q, k)
-    _warn_index_inputs_get_no_gradient(index_q, index_k)
+    if not isinstance(index_loss, bool):  # HF's use_torch_msa spells its index_loss as a string
+        raise TypeError(f"index_loss: expected a bool, got {type(index_loss).__name__} {index_loss!r}")
+    if not index_loss:
+        _warn_index_inputs_get_no_gradient(index_q, index_k)
     block_indices = torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size, *fragments)
     plan = _plan_for(q, k, block_indices, docs, block_size, fragments)
-    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan, *fragments)
-    if not (return_lse or return_block_indices):
+    scale = _scale(q, softmax_scale)
+    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, scale, plan, *fragments)
+    if not (return_lse or return_block_indices or index_loss):
         return out
-    return MSAAttentionOutput(out, lse if return_lse else None, block_indices if return_block_indices else None)
+    kl = None
+    if index_loss:
+        kl, *_ = torch.ops.msa.indexer_kl(q.detach(), k.detach(), lse.detach(), index_q, index_k, block_indices, *docs,
+                                          block_size, scale, _index_scale(index_q, None), *fragments)
+    return MSAAttentionOutput(out, lse if return_lse else None, block_indices if return_block_indices else None, kl)
 
 
 def _index_scale(index_q, index_softmax_scale) -> float:

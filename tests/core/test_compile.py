@@ -67,6 +67,35 @@ def test_named_output_fields_trace_in_one_graph():
     assert counter.frame_count == 1
 
 
+def _loss_with_index_loss(q, k, v, index_q, index_k, cu_q, cu_k, max_q, max_k):
+    attn = torch_msa.msa_attention(q, k, v, index_q, index_k, cu_q, cu_k, max_q, max_k, topk=2, block_size=64,
+                                   index_loss=True)
+    return (attn.out.float() ** 2).sum() + 0.5 * attn.kl
+
+
+def test_index_loss_traces_in_one_graph_with_the_same_gradients():
+    """msa_attention(..., index_loss=True): select, attention and KL in one fullgraph graph; the
+    task loss and the KL reach q, k, v and the index inputs as eagerly."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_loss_with_index_loss, backend=counter, fullgraph=True, dynamic=True)
+    for q_lens, k_lens in PACKS[:2]:
+        inputs = _inputs(q_lens, k_lens)
+        inputs[3].requires_grad_()
+        inputs[4].requires_grad_()
+        results = []
+        for fn in (compiled, _loss_with_index_loss):
+            leaves = [x.detach().clone().requires_grad_() for x in inputs[:5]]
+            loss = fn(*leaves, *inputs[5:])
+            results.append([loss.detach(), *torch.autograd.grad(loss, leaves)])
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert results[1][4].abs().sum() > 0 and results[1][5].abs().sum() > 0  # the index inputs' gradients
+    assert counter.frame_count == 1
+    targets = " ".join(str(node.target) for node in counter.graphs[0].graph.nodes if node.op == "call_function")
+    assert "msa.indexer_kl" in targets
+
+
 def test_a_compiled_function_returns_the_named_tuple():
     def attention(q, k, v, index_q, index_k):
         return torch_msa.msa_attention(q, k, v, index_q, index_k, topk=2, block_size=64, return_lse=True)

@@ -32,7 +32,7 @@ class AttentionWithIndexLoss(torch.nn.Module):
 class AttentionReturningTheNamedTuple(torch.nn.Module):
     def forward(self, q, k, v, index_q, index_k):
         return torch_msa.msa_attention(q, k, v, index_q, index_k, topk=TOPK, block_size=BLOCK_SIZE, return_lse=True,
-                                       return_block_indices=True)
+                                       return_block_indices=True, index_loss=True)
 
 
 def _inputs(tokens: int, seed: int = 0):
@@ -165,5 +165,5 @@ return [v6]""")
         x = _inputs(300, seed=3)
         got, want = loaded(*x), AttentionReturningTheNamedTuple()(*x)
         self.assertIs(type(got), torch_msa.MSAAttentionOutput)
-        for field in ("out", "lse", "block_indices"):
+        for field in ("out", "lse", "block_indices", "kl"):
             torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=0, atol=0)

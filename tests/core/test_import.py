@@ -45,4 +45,4 @@ def test_public_names_resolve():
     assert {"AttentionOutput", "MSAAttentionOutput"} <= set(torch_msa.__all__)
     # Named fields are the contract; these are their names and order.
     assert torch_msa.AttentionOutput._fields == ("out", "lse")
-    assert torch_msa.MSAAttentionOutput._fields[:3] == ("out", "lse", "block_indices")
+    assert torch_msa.MSAAttentionOutput._fields[:4] == ("out", "lse", "block_indices", "kl")

@@ -310,6 +310,72 @@ def test_msa_attention_returns_what_the_loss_needs_and_warns_once(monkeypatch):
     assert only_lse.block_indices is None and torch.equal(only_lse.lse, lse) and torch.equal(only_lse.out, out)
 
 
+def test_msa_attention_index_loss_is_the_kl_of_its_own_selection_and_lse(monkeypatch):
+    q, k, v, index_q, index_k, _, docs = _problem(**CASE)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    monkeypatch.setattr(api, "_warned_untrained_index", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the index inputs get a gradient: no warning
+        attn = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True)
+    assert attn.lse is None and attn.block_indices is None
+    assert attn.kl.dim() == 0 and attn.kl.dtype == torch.float32 and attn.kl.item() > 0
+    with torch.no_grad():
+        full = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, topk=2, block_size=BLOCK,
+                                       return_lse=True, return_block_indices=True)
+    assert torch.equal(attn.out, full.out)
+    expected = torch_msa.indexer_kl_loss(q, k, full.lse, index_q, index_k, full.block_indices, *docs, block_size=BLOCK)
+    assert torch.equal(attn.kl, expected)
+    got = torch.autograd.grad(attn.kl, (index_q, index_k), retain_graph=True)
+    want = torch.autograd.grad(expected, (index_q, index_k))
+    for a, b in zip(got, want):
+        assert a.abs().sum() > 0 and torch.equal(a, b)
+
+    # The teacher is detached: the KL adds nothing to q, k, v, and the task loss nothing to the index inputs.
+    task = attn.out.square().mean()
+    (task + 0.5 * attn.kl).backward()
+    attention_grads = [x.grad.clone() for x in (q, k, v)]
+    index_grads = [index_q.grad.clone(), index_k.grad.clone()]
+    for x in (q, k, v, index_q, index_k):
+        x.grad = None
+    again = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True)
+    again.out.square().mean().backward(retain_graph=True)
+    assert index_q.grad is None and index_k.grad is None
+    for a, b in zip(attention_grads, (q.grad, k.grad, v.grad)):
+        assert torch.equal(a, b)
+    for x in (q, k, v):
+        x.grad = None
+    (0.5 * again.kl).backward()
+    assert q.grad is None and k.grad is None and v.grad is None
+    for a, b in zip(index_grads, (index_q.grad, index_k.grad)):
+        assert torch.equal(a, b)
+
+
+def test_msa_attention_index_loss_with_the_other_fields_and_without_queries():
+    q, k, v, index_q, index_k, _, docs = _problem(**CASE)
+    attn = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, return_lse=True,
+                                   return_block_indices=True, index_loss=True)
+    expected = torch_msa.indexer_kl_loss(q, k, attn.lse, index_q, index_k, attn.block_indices, *docs, block_size=BLOCK)
+    assert torch.equal(attn.kl, expected)
+    without_kl = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, topk=2, block_size=BLOCK,
+                                         return_lse=True)
+    assert without_kl.kl is None
+
+    q, k, v, index_q, index_k, _, docs = _problem((0,), (9,), 4, 2, 64, 16, 2, dtype=torch.float64)
+    empty = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True)
+    assert empty.kl.item() == 0.0 and empty.kl.dtype == torch.float64
+
+
+def test_msa_attention_index_loss_bad_input_names_the_argument():
+    q, k, v, index_q, index_k, _, docs = _problem(**CASE)
+    with pytest.raises(TypeError, match="index_loss: expected a bool, got str 'dense'"):
+        torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss="dense")
+    with pytest.raises(TypeError, match=r"index_q: expected a torch.Tensor \[Tq, Hi, Di\], got NoneType"):
+        torch_msa.msa_attention(q, k, v, None, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'block_indices'"):  # its own selection only
+        torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True,
+                                block_indices=torch.zeros(2, q.shape[0], 2, dtype=torch.int32))
+
+
 def test_compiled_select_attention_loss_and_backward_match_eager():
     q, k, v, index_q, index_k, _, docs = _problem(**CASE)
     q, k, v = (x.requires_grad_() for x in (q, k, v))

@@ -89,3 +89,29 @@ def test_m3_selection_bf16_matches_hf_as_sets():
     same = (theirs_sorted == ours_sorted).all(-1).float().mean().item()
     # Both score in fp32 from the same bf16 index inputs; only near-ties may order differently.
     assert same >= 0.999, same
+
+
+@pytest.mark.parametrize("support", ["sparse", "dense"])
+def test_m3_index_losses_bf16_against_fp32(support):
+    """`use_torch_msa(model, index_loss=...)` on the GPU kernels: the bf16 model's KL is the fp32
+    model's within bf16 rounding (the sparse one on a selection that may differ at near-ties), and
+    only the indexer gets its gradients."""
+    from torch_msa.integrations.transformers import index_losses, use_torch_msa
+
+    reference = _model()
+    bf16 = use_torch_msa(copy.deepcopy(reference).to(torch.bfloat16), index_loss=support)
+    fp32 = use_torch_msa(reference, index_loss=support)
+    ids = torch.randint(1, VOCAB, (2, SEQLEN), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    mask = torch.ones(2, SEQLEN, dtype=torch.long, device="cuda")
+    mask[1, 3000:] = 0
+    kls = {}
+    for name, model in (("fp32", fp32), ("bf16", bf16)):
+        model(ids * mask, attention_mask=mask)
+        (kl,) = index_losses(model)
+        assert kl.dtype == torch.float32 and torch.isfinite(kl) and kl.item() > 0, (name, kl)
+        kl.backward()
+        kls[name] = kl.item()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert grads and all(".indexer." in n for n in grads), sorted(grads)
+        assert all(torch.isfinite(g).all() and g.any() for g in grads.values())
+    assert abs(kls["bf16"] - kls["fp32"]) <= 0.05 * kls["fp32"], kls

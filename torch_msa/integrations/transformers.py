@@ -37,6 +37,13 @@ forward. HF's indexer (`attn_implementation="torch_msa"` alone) refuses packed k
 Switching back: after `use_torch_msa`, `set_attn_implementation` to another implementation
 makes the patched indexers HF's again.
 
+Training the indexer: `use_torch_msa(model, index_loss="sparse")` (or `"dense"` for the dense
+warm-up) makes every sparse layer compute the index branch's KL loss on each forward, and
+`index_losses(model)` returns them, one per sparse layer, for the training loop to add
+(`loss + kl_coeff * sum(index_losses(model))`). The indexer reads detached hidden states, so the
+KL trains the index projections and norms and gives the trunk no gradient
+(`detach_index_inputs=False` lets it through).
+
 Supported: training, prefill and decoding from a `DynamicCache` (`generate`; padded batches
 left-padded, as `generate` wants them; not from a static cache), with no mask, a 2-D padding
 mask or a 4-D causal padding mask, and packed rows in training and prefill. Not supported:
@@ -46,7 +53,7 @@ weights (`output_attentions=True` warns once and returns None for these layers).
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast, get_args
 
 import torch
 
@@ -73,12 +80,20 @@ from ..padding import padded_cu_seqlens
 ATTENTION_NAME = "torch_msa"
 """The name under which the attention function is registered (`config._attn_implementation`)."""
 
+IndexLossSupport = Literal["sparse", "dense"]
+"""`use_torch_msa`'s `index_loss` values: the KL on the selected blocks, or the dense warm-up's."""
+INDEX_LOSS_SUPPORTS: tuple[str, ...] = get_args(IndexLossSupport)
+"""The same values as a tuple, for checks and messages."""
+
 __all__ = [
     "ATTENTION_NAME",
+    "INDEX_LOSS_SUPPORTS",
+    "IndexLossSupport",
     "PACKED_KWARGS",
     "PendingSelection",
     "TorchMSAIndexer",
     "attention_forward",
+    "index_losses",
     "packed_kwargs_from_position_ids",
     "padding_mask",
     "use_torch_msa",
@@ -97,12 +112,22 @@ class PendingSelection:
         index_k: `[B, 1, Sk, Di]` index keys after the norm and RoPE (with the cached history).
         topk: blocks kept per query, the local one included.
         block_size: keys per block.
+        index_loss_support: the KL the attention function computes for the indexer
+            (`use_torch_msa`'s `index_loss`: `"sparse"`, `"dense"`), or None for none.
     """
 
     index_q: torch.Tensor
     index_k: torch.Tensor
     topk: int
     block_size: int
+    index_loss_support: IndexLossSupport | None = None
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index inputs over the packed rows: `index_q [B * Sq, H_idx, Di]`, `index_k [B * Sk, 1, Di]`."""
+        batch, heads, q_len, dim = self.index_q.shape
+        index_q = self.index_q.transpose(1, 2).reshape(batch * q_len, heads, dim)
+        index_k = self.index_k.transpose(1, 2).reshape(batch * self.index_k.shape[2], 1, dim)
+        return index_q, index_k
 
     def select(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                max_seqlen_k: int) -> torch.Tensor:
@@ -117,10 +142,7 @@ class PendingSelection:
             int32 `[H_idx, B * Sq, topk]` block ids (torch_msa's head-major layout), on the index
             inputs' device.
         """
-        batch, heads, q_len, dim = self.index_q.shape
-        index_q = self.index_q.transpose(1, 2).reshape(batch * q_len, heads, dim)
-        index_k = self.index_k.transpose(1, 2).reshape(batch * self.index_k.shape[2], 1, dim)
-        return api.select_blocks(index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        return api.select_blocks(*self.packed(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  topk=self.topk, block_size=self.block_size)
 
     def block_indices(self, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,7 +173,17 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
     swaps the class of existing indexers in place, so weights and state-dict keys are unchanged.
     Under any other attention implementation (`model.set_attn_implementation("eager")`, say) it
     is HF's indexer again, so the switch is reversible.
+
+    Attributes (set by `use_torch_msa`):
+        index_loss_support: `"sparse"`, `"dense"` or None: the KL its layer computes.
+        detach_index_inputs: whether it reads the hidden states detached from the trunk.
+        index_loss: the KL of its layer's latest forward (a 0-D tensor), None before one (the
+            text model resets it at the start of each forward); read it with `index_losses`.
     """
+
+    index_loss_support: IndexLossSupport | None = None
+    detach_index_inputs: bool = True
+    index_loss: torch.Tensor | None = None
 
     def forward(self, hidden_states, position_embeddings, past_key_values, position_ids) -> PendingSelection | torch.Tensor:
         """HF's indexer's projections, norms and RoPE, with the selection left to the attention.
@@ -172,6 +204,8 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
         if self.config._attn_implementation != ATTENTION_NAME:
             # The model was switched to another attention implementation: HF's own selection.
             return super().forward(hidden_states, position_embeddings, past_key_values, position_ids)
+        if self.detach_index_inputs:  # the index branch's gradients (its KL) stay out of the trunk
+            hidden_states = hidden_states.detach()
         batch, q_len, _ = hidden_states.shape
         index_q = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
         index_k = self.k_norm(self.k_proj(hidden_states).view(batch, q_len, 1, self.head_dim)).transpose(1, 2)
@@ -185,7 +219,7 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
                 raise ValueError("past_key_values: torch_msa decodes from a DynamicCache; got a static cache "
                                  f"({type(layer).__name__})")
             index_k = layer.update_index(index_k)
-        return PendingSelection(index_q, index_k, self.topk_blocks, self.block_size)
+        return PendingSelection(index_q, index_k, self.topk_blocks, self.block_size, self.index_loss_support)
 
 
 def _real_keys_of_4d(attention_mask: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
@@ -401,7 +435,11 @@ def attention_forward(
             packed rows.
         block_indices: HF's int64 `[B, H_idx, Sq, topk]` (`-1` padded, ids relative to the row
             start), a `PendingSelection` from `TorchMSAIndexer`, or None for a full-attention
-            layer (which runs SDPA).
+            layer (which runs SDPA). A `PendingSelection` with an `index_loss_support` has its KL stored
+            in `module.indexer.index_loss`: `"sparse"` on the selection and lse of this
+            attention (`torch_msa.indexer_kl_loss`), `"dense"` on every visible key
+            (`torch_msa.indexer_kl_loss_dense`), the layer then attending densely (SDPA, as a
+            full-attention layer) as the warm-up's teacher.
         kwargs: HF's packed-row arguments (`PACKED_KWARGS`: `cu_seq_lens_q/k` over the `B * S`
             flattened slots, `max_length_q/k`), if any, make each packed document a document of
             its own in both kinds of layer; the rest goes to SDPA in full-attention layers.
@@ -425,8 +463,17 @@ def attention_forward(
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     documents = _documents(attention_mask, batch, q_len, k_len, query.device) if packed is None else packed
+    q = query.transpose(1, 2).reshape(batch * q_len, q_heads, head_dim)
+    k = key.transpose(1, 2).reshape(batch * k_len, kv_heads, head_dim)
+    student = None  # the packed index inputs, when the indexer asks for its KL
     if isinstance(block_indices, PendingSelection):
         block_size = block_indices.block_size
+        if block_indices.index_loss_support == "dense":  # the warm-up: dense attention, the KL on every visible key
+            cast(TorchMSAIndexer, module.indexer).index_loss = api.indexer_kl_loss_dense(
+                q, k, *block_indices.packed(), *documents, block_size=block_size, softmax_scale=scaling)
+            return _full_attention(module, query, key, value, attention_mask, dropout, scaling, packed, **kwargs)
+        if block_indices.index_loss_support == "sparse":
+            student = block_indices.packed()
         blocks = block_indices.select(*documents)
     elif packed is not None:
         raise ValueError(
@@ -440,10 +487,12 @@ def attention_forward(
             raise ValueError(f"block_indices: expected [{batch}, {kv_heads}, {q_len}, topk] (HF's layout), got {got}")
         block_size = cast(MiniMaxM3VLIndexer, module.indexer).block_size
         blocks = _hf_block_indices(block_indices, attention_mask, q_len, k_len)
-    q = query.transpose(1, 2).reshape(batch * q_len, q_heads, head_dim)
-    k = key.transpose(1, 2).reshape(batch * k_len, kv_heads, head_dim)
     v = value.transpose(1, 2).reshape(batch * k_len, kv_heads, head_dim)
-    out = api.sparse_attention(q, k, v, blocks, *documents, block_size=block_size, softmax_scale=scaling)
+    out, lse = api.sparse_attention(q, k, v, blocks, *documents, block_size=block_size, softmax_scale=scaling,
+                                    return_lse=True)
+    if student is not None:  # the teacher (q, k, lse) is a constant of the KL: its gradients reach the indexer only
+        cast(TorchMSAIndexer, module.indexer).index_loss = api.indexer_kl_loss(
+            q, k, lse, *student, blocks, *documents, block_size=block_size, softmax_scale=scaling)
     return out.view(batch, q_len, q_heads, head_dim), None
 
 
@@ -515,9 +564,33 @@ _Model = TypeVar("_Model", bound=PreTrainedModel)
 
 _PACKING_HOOK = "_torch_msa_packing_hook"
 """The text model's attribute holding `use_torch_msa`'s forward pre-hook (registered once)."""
+_INDEX_LOSS_HOOK = "_torch_msa_index_loss_hook"
+"""The text model's attribute holding the forward pre-hook that resets its indexers' KL (registered once)."""
 
 
-def use_torch_msa(model: _Model) -> _Model:
+def _reset_index_losses(module, args, kwargs):
+    """Forward pre-hook of the text model (`use_torch_msa`): each forward starts without KL losses."""
+    for layer in module.layers:
+        indexer = getattr(layer.self_attn, "indexer", None)
+        if isinstance(indexer, TorchMSAIndexer):
+            indexer.index_loss = None
+
+
+def _check_index_loss_args(index_loss, detach_index_inputs) -> None:
+    if index_loss is not None and not isinstance(index_loss, str):
+        raise TypeError(f"index_loss: expected None or one of {INDEX_LOSS_SUPPORTS}, "
+                        f"got {type(index_loss).__name__} {index_loss!r}")
+    if index_loss is not None and index_loss not in INDEX_LOSS_SUPPORTS:
+        raise ValueError(f"index_loss: expected None or one of {INDEX_LOSS_SUPPORTS}, got {index_loss!r}")
+    if not isinstance(detach_index_inputs, bool):
+        raise TypeError(f"detach_index_inputs: expected a bool, got {type(detach_index_inputs).__name__}")
+    if index_loss is None and not detach_index_inputs:
+        raise ValueError("detach_index_inputs: only an index loss sends gradients through the indexer's inputs; "
+                         "expected True (the default) with index_loss=None, got False")
+
+
+def use_torch_msa(model: _Model, *, index_loss: IndexLossSupport | None = None,
+                  detach_index_inputs: bool = True) -> _Model:
     """Switch a HF MiniMax-M3 model to torch_msa, in place: `MiniMaxM3VLForCausalLM`, `MiniMaxM3VLTextModel`,
     or the vision-language `MiniMaxM3SparseForConditionalGeneration` / `MiniMaxM3VLModel` (only the text
     model switches; the vision tower keeps its attention).
@@ -529,18 +602,36 @@ def use_torch_msa(model: _Model) -> _Model:
     host sync per forward). `model.set_attn_implementation(...)` with another implementation
     switches back to HF's indexer and attention.
 
+    With `index_loss`, every forward of a sparse layer computes the index branch's KL loss (spec
+    section 6), which `index_losses(model)` returns: `"sparse"` on the blocks the layer selected
+    (`torch_msa.indexer_kl_loss` on the attention's own lse), `"dense"` for the dense warm-up on
+    every visible key (`torch_msa.indexer_kl_loss_dense`), the sparse layers then attending densely
+    (SDPA with an `S x S` mask, as full-attention layers) so that the logits are the dense model's.
+    The KL's teacher is a constant; with `detach_index_inputs` the indexer reads the hidden states
+    detached, so the KL's gradients reach the index projections and norms only, not the trunk.
+    The mean runs over every query slot, a padded batch's padding slots too (each row's padding is
+    a document of its own); packed rows give the mean over real tokens. Call `use_torch_msa`
+    again to change `index_loss` (`None` stops computing the KL).
+
     Args:
         model: a HF MiniMax-M3 model with sparse layers.
+        index_loss: None, `"sparse"` or `"dense"` (`INDEX_LOSS_SUPPORTS`).
+        detach_index_inputs: the indexer reads detached hidden states (the default, as in the
+            MSA paper); False lets the KL's gradients into the trunk too (only with an
+            `index_loss`).
 
     Returns:
         `model` itself, switched.
 
     Raises:
+        TypeError: `index_loss` not None or a string, `detach_index_inputs` not a bool.
         ValueError: naming the config field torch_msa cannot serve (`head_dim`,
             `index_block_size`, `index_topk_blocks`, `index_local_blocks`, `index_n_heads`,
-            `num_attention_heads`), or `model` when it has no MiniMax-M3 sparse layers, before
-            anything is changed.
+            `num_attention_heads`), `model` when it has no MiniMax-M3 sparse layers, `index_loss`
+            outside `INDEX_LOSS_SUPPORTS`, or `detach_index_inputs=False` without an
+            `index_loss`, before anything is changed.
     """
+    _check_index_loss_args(index_loss, detach_index_inputs)
     register()
     indexers = [m for m in model.modules() if isinstance(m, MiniMaxM3VLIndexer)]
     if not indexers:
@@ -550,15 +641,52 @@ def use_torch_msa(model: _Model) -> _Model:
         _check_indexer_config(indexer)
     for indexer in indexers:
         indexer.__class__ = TorchMSAIndexer
+        patched = cast(TorchMSAIndexer, indexer)
+        patched.index_loss_support, patched.detach_index_inputs, patched.index_loss = index_loss, detach_index_inputs, None
     for text_model in (m for m in model.modules() if isinstance(m, MiniMaxM3VLTextModel)):
         if not hasattr(text_model, _PACKING_HOOK):
             setattr(text_model, _PACKING_HOOK, text_model.register_forward_pre_hook(
                 _read_packed_position_ids, with_kwargs=True))
+        if not hasattr(text_model, _INDEX_LOSS_HOOK):
+            setattr(text_model, _INDEX_LOSS_HOOK, text_model.register_forward_pre_hook(
+                _reset_index_losses, with_kwargs=True))
     if hasattr(model.config, "text_config"):
         model.set_attn_implementation({"text_config": ATTENTION_NAME})
     else:
         model.set_attn_implementation(ATTENTION_NAME)
     return model
+
+
+def index_losses(model: PreTrainedModel) -> list[torch.Tensor]:
+    """The KL losses of the sparse layers' index branches from the model's latest forward.
+
+    The training loop adds them to its loss: `(loss + kl_coeff * sum(index_losses(model))).backward()`.
+    Each forward of the text model replaces them (a recomputation under gradient checkpointing
+    stores equal values).
+
+    Args:
+        model: a model switched with `use_torch_msa(model, index_loss=...)`.
+
+    Returns:
+        One 0-D tensor per sparse layer (fp32; fp64 for an fp64 model), in layer order, as
+        `torch_msa.indexer_kl_loss` (`index_loss="sparse"`) or `torch_msa.indexer_kl_loss_dense`
+        (`"dense"`) returns it; differentiable in the indexers' parameters (and, with
+        `detach_index_inputs=False`, the trunk's).
+
+    Raises:
+        ValueError: `model` was not switched with an `index_loss`, or a sparse layer has no KL
+            from the latest forward (none yet, or it ran under another attention implementation).
+    """
+    indexers = [m for m in model.modules() if isinstance(m, TorchMSAIndexer)]
+    if not indexers or any(indexer.index_loss_support is None for indexer in indexers):
+        raise ValueError(f"model: expected a model switched with use_torch_msa(model, index_loss=...) with one of "
+                         f"{INDEX_LOSS_SUPPORTS}, got {type(model).__name__} without an index loss")
+    losses = [indexer.index_loss for indexer in indexers]
+    missing = [indexer.layer_idx for indexer, loss in zip(indexers, losses) if loss is None]
+    if missing:
+        raise ValueError(f"model: expected the KL of every sparse layer from the latest forward, got none for layers "
+                         f"{missing}: run a forward under attn_implementation={ATTENTION_NAME!r} first")
+    return cast(list[torch.Tensor], losses)
 
 
 register()
