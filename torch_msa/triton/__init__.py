@@ -10,7 +10,9 @@ backward only the student) and `kl_dense_kernel.py` (the same loss on the dense 
 the warm-up stage, query-tile-outer like a flash forward). No kernel module imports another: what
 they share is in `common.py` (and `launch.py`, the launch configurations that fit the device).
 `backward_deterministic.py` composes the backward that serves under
-`torch.use_deterministic_algorithms(True)` from the stages of two of them, and `stages.py` is
+`torch.use_deterministic_algorithms(True)` from the stages of two of them, `kl_deterministic.py`
+the sparse KL loss of that mode from `kl_kernel.py`'s kernels and the fixed-order reduction of
+`backward_deterministic_kernel.py`, and `stages.py` is
 the interface through which other backends (SM90) compose those stages with their own kernels.
 The forward and the default backward read the plan they are given, or build one; a forward whose
 partials would pass `query_windows.PARTIAL_BYTES` runs over windows of queries
@@ -125,6 +127,11 @@ def backward(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlen
     )
 
 
+def _sparse_kl_module() -> str:
+    # Decided per call, like the backward's kernels.
+    return "kl_deterministic" if torch.are_deterministic_algorithms_enabled() else "kl_kernel"
+
+
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                block_size, softmax_scale, index_softmax_scale, fragment_documents=None, fragment_starts=None):
     check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
@@ -134,7 +141,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
             q, k, lse, index_q, index_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, index_softmax_scale, fragment_documents, fragment_starts,
         )
-    return _kernels("kl_kernel").indexer_kl(
+    return _kernels(_sparse_kl_module()).indexer_kl(
         q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         block_size, softmax_scale, index_softmax_scale, fragment_documents, fragment_starts,
     )
@@ -150,7 +157,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, index_softmax_scale,
             fragment_documents, fragment_starts,
         )
-    return _kernels("kl_kernel").indexer_kl_backward(
+    return _kernels(_sparse_kl_module()).indexer_kl_backward(
         grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys, teacher_index_queries, block_indices,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, index_softmax_scale,
         fragment_documents, fragment_starts,
