@@ -58,6 +58,16 @@ FORWARD_ITEM_FACTOR = 4
 """The forward's entries per item, in multiples of those of the public API's plans."""
 
 
+def forward_entries_per_item(num_heads: int, num_kv_heads: int) -> int:
+    """Entries per item of the forward's schedule."""
+    return FORWARD_ITEM_FACTOR * entries_per_item(num_heads, num_kv_heads)
+
+
+def backward_entries_per_item(num_index_heads: int) -> int:
+    """Entries per item of the backward's schedule: one row per entry, as the default backward's."""
+    return entries_per_item(num_index_heads, num_index_heads)
+
+
 def _workspaces(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, items_of, index_dim,
                 fragment_documents, fragment_starts):
     """The schedule of items of `items_of` entries, its buckets' first items, and the zeroed
@@ -94,7 +104,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
     partials = forward_partials(num_index_heads, num_queries, topk, device)
     if num_queries > 0 and num_keys > 0 and topk > 0:
         q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
-        items_of = FORWARD_ITEM_FACTOR * entries_per_item(num_heads, num_kv_heads)
+        items_of = forward_entries_per_item(num_heads, num_kv_heads)
         schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
             block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, items_of, index_dim,
             fragment_documents, fragment_starts)
@@ -125,7 +135,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
     d_index_k = teacher_index_queries.float() * -coefficient
     if num_queries > 0 and num_keys > 0 and topk > 0:
         index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
-        items_of = entries_per_item(num_index_heads, num_index_heads)
+        items_of = backward_entries_per_item(num_index_heads)
         schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
             block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, items_of, index_dim,
             fragment_documents, fragment_starts)
