@@ -5,9 +5,9 @@ Triton's own compiler (and the ptxas it ships) at the M3 configuration (bf16, Hq
 D=128, block 128, topk 16, Hi=4, Di=128), walking its launch configurations in the order the
 backend tries them at run time (`torch_msa/triton/launch.py`). One of them must fit the
 architecture's limit of shared memory per block, and on sm_90 the tuned first one must. The
-one exception is pinned too: the KL forward (the block's keys and index keys, the latter in two
-operand layouts, plus the per-item key sums) fits none of the 99 KB architectures, where the
-loss runs on the reference.
+one exception is pinned too: the KL forward, default and deterministic (the block's keys and
+index keys, the latter in two operand layouts, plus the per-item key sums), fits none of the
+99 KB architectures, where the loss runs on the reference.
 
 The launch-time fallback itself (a configuration refused with `OutOfResources`, then the next,
 then the reference) is tested without compiling anything.
@@ -96,6 +96,13 @@ def _deterministic_key_reduce(config):
     return backward_deterministic_kernel.msa_bwd_key_reduce_kernel, types, constants
 
 
+def _kl_key_reduce(config):
+    """The reduction as the deterministic KL kernels launch it: one fp32 workspace into fp32 per-head sums."""
+    fn, types, constants = _deterministic_key_reduce(config)
+    types |= dict.fromkeys(("dk", "dv"), "*fp32")
+    return fn, types, constants | {"DIM": M3["index_dim"], "PAIR": False}
+
+
 def _deterministic_query(config):
     types = dict.fromkeys(("q", "k", "v", "grad_out", "dq"), "*bf16") | dict.fromkeys(("lse", "delta"), "*fp32")
     types |= {"block_indices": "*i32", "key_start": "*i64", "position": "*i64", "softmax_scale": "fp32",
@@ -135,6 +142,14 @@ def _kl_backward(config):
     constants = dict(NUM_KV_HEADS=M3["index_heads"], TOKENS=config.rows, TOPK=M3["topk"], BLOCK=M3["block_size"],
                      INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32", SPLIT=True)
     return kl_kernel.msa_kl_bwd_kernel, types, constants
+
+
+def _deterministic(kernel_spec):
+    def deterministic_spec(config):
+        fn, types, constants = kernel_spec(config)
+        return fn, types, constants | {"DETERMINISTIC": True}
+
+    return deterministic_spec
 
 
 DOCUMENT_TABLES = {"key_start": "*i64", "position": "*i64", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
@@ -188,6 +203,9 @@ KERNELS = {
                                      kl_dense_kernel.KEY_GRAD_CONFIGS),
     "msa_kl_fwd_kernel": (_kl_forward, kl_kernel.FORWARD_CONFIGS),
     "msa_kl_bwd_kernel": (_kl_backward, kl_kernel.BACKWARD_CONFIGS),
+    "msa_kl_fwd_kernel (deterministic)": (_deterministic(_kl_forward), kl_kernel.FORWARD_CONFIGS),
+    "msa_kl_bwd_kernel (deterministic)": (_deterministic(_kl_backward), kl_kernel.BACKWARD_CONFIGS),
+    "msa_bwd_key_reduce_kernel (one workspace)": (_kl_key_reduce, backward_deterministic_kernel.KEY_REDUCE_CONFIGS),
 }
 
 
@@ -209,7 +227,8 @@ def _shared_memory(kernel, config, capability):
 
 
 # (kernel, target) pairs no configuration fits: launch() declines there and the registry runs the reference.
-UNSERVED = {("msa_kl_fwd_kernel", target) for target in ("sm_86", "sm_89", "sm_120")}
+UNSERVED = {(kernel, target) for kernel in ("msa_kl_fwd_kernel", "msa_kl_fwd_kernel (deterministic)")
+            for target in ("sm_86", "sm_89", "sm_120")}
 
 
 @pytest.mark.slow
