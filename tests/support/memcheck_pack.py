@@ -4,7 +4,7 @@
 
 M3 heads, bf16; documents of 300, 0, 1, 1500, 129 tokens and one with Lq < Lk; 30% of the block
 ids replaced by random values in [-2^30, 2^30), repeats and ids far past every document. Runs the
-selection, the plan, the forward and both backwards and the KL loss (each default and deterministic);
+selection, the plan, the forward, the backward and the KL loss (the last two default and deterministic);
 then the same ops on query fragments of these documents with junk fragment fields (a document id
 out of range, a start past its document, a negative start).
 """

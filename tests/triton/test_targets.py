@@ -131,7 +131,7 @@ def _kl_forward(config):
     types |= {"qk_scale": "fp32", "index_scale": "fp32"}
     constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, HEADS_PER_PASS=heads_per_pass, TOKENS=tokens,
                      TOPK=M3["topk"], BLOCK=M3["block_size"], DIM=M3["dim"], INDEX_DIM=M3["index_dim"],
-                     PRECISION="tf32", INDEX_PRECISION="tf32", SPLIT=True)
+                     PRECISION="tf32", INDEX_PRECISION="tf32", SPLIT=True, DETERMINISTIC=False)
     return kl_kernel.msa_kl_fwd_kernel, types, constants
 
 
@@ -140,7 +140,7 @@ def _kl_backward(config):
     types |= dict.fromkeys(("index_lse", "teacher_mass", "coefficient", "d_index_q", "d_index_k"), "*fp32")
     types |= {"index_scale": "fp32"}
     constants = dict(NUM_KV_HEADS=M3["index_heads"], TOKENS=config.rows, TOPK=M3["topk"], BLOCK=M3["block_size"],
-                     INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32", SPLIT=True)
+                     INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32", SPLIT=True, DETERMINISTIC=False)
     return kl_kernel.msa_kl_bwd_kernel, types, constants
 
 
@@ -169,8 +169,17 @@ def _kl_dense_loss(config):
     types |= {"qk_scale": "fp32", "index_scale": "fp32"}
     constants = dict(NUM_HEADS=M3["num_heads"], NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, TOKENS=config.rows,
                      BLOCK_N=config.block_n, DIM=M3["dim"], INDEX_DIM=M3["index_dim"], PRECISION="tf32",
-                     INDEX_PRECISION="tf32")
+                     INDEX_PRECISION="tf32", SPLIT=True, DETERMINISTIC=False)
     return kl_dense_kernel.msa_kl_dense_loss_kernel, types, constants
+
+
+def _kl_dense_teacher_queries(config):
+    types = dict.fromkeys(("q", "k", "index_q"), "*bf16") | DOCUMENT_TABLES
+    types |= {"teacher_lse": "*fp32", "teacher_index_queries": "*fp32", "qk_scale": "fp32"}
+    constants = dict(NUM_HEADS=M3["num_heads"], NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, TOKENS=config.rows,
+                     BLOCK_N=config.block_n, DIM=M3["dim"], INDEX_DIM=M3["index_dim"], PRECISION="tf32",
+                     INDEX_PRECISION="tf32", SPLIT=True)
+    return kl_dense_kernel.msa_kl_dense_teacher_queries_kernel, types, constants
 
 
 def _kl_dense_grad(kernel):
@@ -197,6 +206,8 @@ KERNELS = {
     "msa_select_kernel": (_select, select_kernel.CONFIGS),
     "msa_kl_dense_teacher_lse_kernel": (_kl_dense_teacher_lse, kl_dense_kernel.TEACHER_LSE_CONFIGS),
     "msa_kl_dense_loss_kernel": (_kl_dense_loss, kl_dense_kernel.LOSS_CONFIGS),
+    "msa_kl_dense_loss_kernel (deterministic)": (_deterministic(_kl_dense_loss), kl_dense_kernel.LOSS_CONFIGS),
+    "msa_kl_dense_teacher_queries_kernel": (_kl_dense_teacher_queries, kl_dense_kernel.TEACHER_QUERIES_CONFIGS),
     "msa_kl_dense_query_grad_kernel": (_kl_dense_grad(kl_dense_kernel.msa_kl_dense_query_grad_kernel),
                                        kl_dense_kernel.QUERY_GRAD_CONFIGS),
     "msa_kl_dense_key_grad_kernel": (_kl_dense_grad(kl_dense_kernel.msa_kl_dense_key_grad_kernel),
