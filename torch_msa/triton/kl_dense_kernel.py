@@ -21,6 +21,10 @@ no value of another document is ever loaded):
   online lse, `A = sum P_t (log P_t - u)`, `M` and the teacher's index keys
   `sum_J P_t index_k`. The teacher's index queries `sum_(t, r) P_t index_q[t, r]` are a reduction
   over queries: each program adds its `[key tile, Di]` share with fp32 atomics.
+* `msa_kl_dense_teacher_queries_kernel` (only under `torch.use_deterministic_algorithms(True)`,
+  where the loss kernel skips those atomics): programs over key tiles, walking all KV heads and
+  the queries that see the tile as the key-gradient kernel below does, recompute the teacher's
+  probabilities of the tile and reduce them into its teacher's index queries in registers.
 * `msa_kl_dense_query_grad_kernel` (query tiles) and `msa_kl_dense_key_grad_kernel` (key tiles,
   all index heads and the queries that see them, reduced in registers): the backward reads only
   the student, so it is two index-GEMM passes and needs no atomics.
@@ -35,8 +39,11 @@ atomics add `Hi Di T^2 / (2 TOKENS)` fp32 values (about 4 G at 32K with 64-token
 as contiguous `[key tile, Di]` rows: an eighth of what a flash-attention backward of the same
 length adds when it accumulates dQ with atomics (`Hq D T^2 / (2 BLOCK_N)`, 34 G). They make
 `teacher_index_queries` order-dependent in its last bits, so under
-`torch.use_deterministic_algorithms(True)` the forward declines and the registry falls back to
-the reference.
+`torch.use_deterministic_algorithms(True)` the forward pays for that key-outer pass instead
+(`msa_kl_dense_teacher_queries_kernel`: one more teacher pass, no atomics, no more memory) and
+every output has a fixed summation order. It then declines query fragments (the key pass walks
+each document's queries as one causal suffix, like the key-gradient kernel), which the reference
+serves.
 
 Memory: `O(T (Hq + Hi Di))` fp32 outputs; no buffer grows with `T x T`.
 
