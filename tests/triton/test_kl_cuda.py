@@ -150,6 +150,31 @@ def test_deterministic_mode_serves_triton_bitwise(layout, monkeypatch, determini
         assert _relative_error(a, b) < 1e-3, (name, _relative_error(a, b))
 
 
+def test_deterministic_query_windows_match_one_window(monkeypatch, deterministic_algorithms):
+    """A budget of 1000 queries' partials splits the pack (6253 queries) into windows: the
+    outputs and gradients stay those of one window, up to fp32 rounding."""
+    from torch_msa import query_windows
+    from torch_msa.triton import kl_deterministic
+
+    args = _problem("pack", "index")
+    q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, max_q, max_k, block_size, _, index_scale = args
+    one_window = kl_deterministic.indexer_kl(*args)
+    backward_args = (torch.tensor(1.0, device="cuda"), index_q, index_k, *one_window[2:], block_indices, cu_q, cu_k,
+                     max_q, max_k, block_size, index_scale)
+    one_window_grads = kl_deterministic.indexer_kl_backward(*backward_args)
+    per_query = kl_deterministic.partial_bytes_per_query(
+        KV_HEADS, TOPK, INDEX_DIM, BLOCK, kl_deterministic.forward_entries_per_item(HEADS, KV_HEADS))
+    monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 1000 * per_query)
+    windows = kl_deterministic.indexer_kl(*args)
+    torch.testing.assert_close(windows[0], one_window[0], rtol=1e-5, atol=1e-7)
+    for a, b in zip(windows[2:], one_window[2:], strict=True):
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        assert _relative_error(a.nan_to_num(neginf=0), b.nan_to_num(neginf=0)) < 1e-5
+    for name, a, b in zip(("d index_q", "d index_k"), kl_deterministic.indexer_kl_backward(*backward_args),
+                          one_window_grads, strict=True):
+        assert _relative_error(a, b) < 1e-3, (name, _relative_error(a, b))
+
+
 @pytest.mark.parametrize("selection", ["random", "skewed"])
 def test_m3_deterministic_loss_and_gradients_match_reference(selection, deterministic_algorithms):
     """The deterministic kernels at M3 shapes, on a suffix pack, against the reference (the

@@ -26,22 +26,24 @@ Items: the forward's hold `FORWARD_ITEM_FACTOR` times the entries of the public 
 items hold four times its tiles, to bound the workspace; the backward's hold what the default
 backward's do (`entries_per_item(Hi, Hi)`).
 
-Memory: fp32 state per query token, for `Tq = Tk = T` tokens in `B` documents, with `E` entries
-per item and `max_items = ceil(Hi T topk / E) + max_buckets` (`torch_msa/schedule.py`):
-
-* entry rows: `4 Hi topk Di` bytes (32 KiB at M3: Hi 4, topk 16, Di 128);
-* item rows: `4 Di block_size max_items` bytes in all, about `4 Di (Hi topk block_size / E + Hi)`
-  per token plus `4 Di block_size Hi B` (10 KiB per token at M3 in the forward, `E = 512`; 4 KiB
-  in the backward, `E = 2048`);
-* per-head key sums: `4 Hi Di` bytes (2 KiB at M3).
-
-All of it grows linearly with the tokens; nothing is `T x T`. The default kernels' outputs and
+Memory: fp32 state, with `E` entries per item. Per query: entry rows of `4 Hi topk Di` bytes
+and item rows of about `4 Di Hi topk block_size / E` (`partial_bytes_per_query`: 40 KiB at M3,
+Hi 4, topk 16, Di 128, block 128, in the forward's `E = 512`; 34 KiB in the backward's
+`E = 2048`). These are bounded: a call whose queries would pass `query_windows.PARTIAL_BYTES`
+runs over consecutive windows of queries that fit it, each window's queries passed as one-token
+fragments that place them where one call would (`documents.token_fragments`, as the attention
+forward's windows do, `torch_msa/query_windows.py`), and its per-key sums added to the others'
+in window order. Per window and key: the items' share of `max_buckets` (`torch_msa/schedule.py`),
+`4 Di Hi (1 + block_size B / Tk)` bytes of item rows for `B` documents, and `4 Hi Di` bytes of
+per-head key sums (2 KiB each at M3). Nothing is `T x T`. The default kernels' outputs and
 precision are unchanged: the same tiles compute the same sums, which are only added in another
 (fixed) order.
 """
 
 import torch
 
+from .. import query_windows
+from ..documents import token_fragments
 from ..reference_kl import loss_dtype
 from ..schedule import entries_per_item
 from .backward_deterministic_kernel import item_schedule, reduce_item_rows
@@ -66,6 +68,30 @@ def forward_entries_per_item(num_heads: int, num_kv_heads: int) -> int:
 def backward_entries_per_item(num_index_heads: int) -> int:
     """Entries per item of the backward's schedule: one row per entry, as the default backward's."""
     return entries_per_item(num_index_heads, num_index_heads)
+
+
+def partial_bytes_per_query(num_index_heads: int, topk: int, index_dim: int, block_size: int, items_of: int) -> int:
+    """Bytes of entry rows and item rows one query adds to a window with items of `items_of` entries."""
+    entries = num_index_heads * topk
+    return 4 * index_dim * (entries + -(-entries * block_size // items_of))
+
+
+def _query_windows(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, per_query, fragment_documents,
+                   fragment_starts):
+    """`(start, stop, cu_seqlens_q, fragment_documents, fragment_starts)` of each window of queries
+    whose partials fit `query_windows.PARTIAL_BYTES`: the call's own documents when one window
+    holds every query, else one-token fragments over `arange(stop - start + 1)`. The windows
+    follow from shapes alone (no host synchronisation)."""
+    window = max(1, query_windows.PARTIAL_BYTES // max(1, per_query))
+    if num_queries <= window:
+        yield 0, num_queries, cu_seqlens_q, fragment_documents, fragment_starts
+        return
+    documents, starts = token_fragments(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, fragment_documents,
+                                        fragment_starts)
+    boundaries = torch.arange(window + 1, dtype=torch.int32, device=cu_seqlens_q.device)
+    for start in range(0, num_queries, window):
+        stop = min(num_queries, start + window)
+        yield start, stop, boundaries[: stop - start + 1], documents[start:stop], starts[start:stop]
 
 
 def _workspaces(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, items_of, index_dim,
@@ -102,20 +128,29 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seql
     device = q.device
     lse = lse.contiguous()
     partials = forward_partials(num_index_heads, num_queries, topk, device)
+    teacher_index_keys = torch.zeros((num_queries, num_index_heads, index_dim), dtype=torch.float32, device=device)
+    teacher_index_queries = torch.zeros((num_keys, 1, index_dim), dtype=torch.float32, device=device)
     if num_queries > 0 and num_keys > 0 and topk > 0:
         q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
         items_of = forward_entries_per_item(num_heads, num_kv_heads)
-        schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
-            block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, items_of, index_dim,
-            fragment_documents, fragment_starts)
-        launch_forward(q, k, lse, index_q, index_k, partials, (entry_rows, item_rows), schedule, topk, block_size,
-                       softmax_scale, index_softmax_scale, deterministic=True)
-        teacher_index_keys = entry_rows.sum(2)
-        teacher_index_queries = _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys, num_index_heads,
-                                          topk, block_size)
-    else:
-        teacher_index_keys = torch.zeros((num_queries, num_index_heads, index_dim), dtype=torch.float32, device=device)
-        teacher_index_queries = torch.zeros((num_keys, 1, index_dim), dtype=torch.float32, device=device)
+        per_query = partial_bytes_per_query(num_index_heads, topk, index_dim, block_size, items_of)
+        for start, stop, cu_q, documents, starts in _query_windows(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys,
+                                                                   per_query, fragment_documents, fragment_starts):
+            whole = stop - start == num_queries
+            window_partials = partials if whole else forward_partials(num_index_heads, stop - start, topk, device)
+            schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
+                block_indices[:, start:stop].contiguous(), cu_q, cu_seqlens_k, num_keys, block_size, items_of,
+                index_dim, documents, starts)
+            launch_forward(q[start:stop], k, lse[start:stop], index_q[start:stop], index_k, window_partials,
+                           (entry_rows, item_rows), schedule, topk, block_size, softmax_scale, index_softmax_scale,
+                           deterministic=True)
+            if not whole:
+                for full, part in zip(partials, window_partials, strict=True):
+                    full[:, start:stop] = part
+            teacher_index_keys[start:stop] = entry_rows.sum(2)
+            # Windows in turn: a fixed order.
+            teacher_index_queries += _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys,
+                                               num_index_heads, topk, block_size)
     loss, index_lse, mass = finish_forward(partials, loss_dtype(index_q.dtype))
     return loss, lse.clone(), index_lse, mass, teacher_index_keys, teacher_index_queries
 
@@ -135,14 +170,19 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
     d_index_k = teacher_index_queries.float() * -coefficient
     if num_queries > 0 and num_keys > 0 and topk > 0:
         index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
+        student_lse, mass = index_lse.float().contiguous(), teacher_mass.float().contiguous()
         items_of = backward_entries_per_item(num_index_heads)
-        schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
-            block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, items_of, index_dim,
-            fragment_documents, fragment_starts)
-        launch_backward(index_q, index_k, index_lse.float().contiguous(), teacher_mass.float().contiguous(),
-                        coefficient, (entry_rows, item_rows), schedule, topk, block_size, index_softmax_scale,
-                        deterministic=True)
-        d_index_q = d_index_q + entry_rows.sum(2)
-        d_index_k = d_index_k + _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys, num_index_heads,
-                                          topk, block_size)
+        per_query = partial_bytes_per_query(num_index_heads, topk, index_dim, block_size, items_of)
+        for start, stop, cu_q, documents, starts in _query_windows(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys,
+                                                                   per_query, fragment_documents, fragment_starts):
+            schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
+                block_indices[:, start:stop].contiguous(), cu_q, cu_seqlens_k, num_keys, block_size, items_of,
+                index_dim, documents, starts)
+            launch_backward(index_q[start:stop], index_k, student_lse[start:stop], mass[start:stop], coefficient,
+                            (entry_rows, item_rows), schedule, topk, block_size, index_softmax_scale,
+                            deterministic=True)
+            d_index_q[start:stop] += entry_rows.sum(2)
+            # Windows in turn: a fixed order.
+            d_index_k += _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys, num_index_heads, topk,
+                                   block_size)
     return d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)

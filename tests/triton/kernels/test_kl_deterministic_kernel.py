@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torch_msa.triton as triton_backend
-from torch_msa import reference, reference_kl, testing
+from torch_msa import query_windows, reference, reference_kl, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.triton import kl_deterministic, kl_kernel
 
@@ -153,6 +153,58 @@ def test_fragments_match_reference(small_items):
     backward_args = _backward_args(args, expected, grad_loss=1.3)
     _assert_backward_close(kl_deterministic.indexer_kl_backward(*backward_args),
                            reference_kl.indexer_kl_backward(*backward_args), 1e-4)
+
+
+@pytest.mark.parametrize("fragmented", [False, True], ids=["pack", "fragments"])
+def test_query_windows_match_reference(fragmented, monkeypatch):
+    """A budget of 37 queries' partials: the forward and the backward run over windows whose
+    boundaries fall inside documents (and fragments), and still match the reference."""
+    num_heads, num_kv_heads, dim, index_dim, block_size, topk = 4, 2, 64, 32, 64, 3
+    per_query = kl_deterministic.partial_bytes_per_query(
+        num_kv_heads, topk, index_dim, block_size, kl_deterministic.forward_entries_per_item(num_heads, num_kv_heads))
+    monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 37 * per_query)
+    if fragmented:
+        frag = testing.fragments((150, 0, 1, 90), ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40)), DEVICE)
+        cu_q, cu_k, fragments = frag.cu_seqlens_q, frag.cu_seqlens_k, frag.tensors
+        docs = frag.op_args
+    else:
+        cu_q, cu_k = testing.cu_seqlens([60, 0, 1, 70], [80, 0, 1, 70], DEVICE)
+        fragments = ()
+        docs = (cu_q, cu_k, 70, 80)
+    num_queries, num_keys = int(cu_q[-1]), int(cu_k[-1])
+    assert num_queries > 2 * 37
+    block_indices = testing.random_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size, None, *fragments)
+    block_indices[-1, ::3, 0] = 10_000
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE)
+    k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE)
+    index_q = torch.randn(num_queries, num_kv_heads, index_dim, device=DEVICE)
+    index_k = torch.randn(num_keys, 1, index_dim, device=DEVICE)
+    scales = (dim**-0.5, index_dim**-0.5)
+    _, lse = reference.forward(q, k, k, block_indices, *docs, block_size, scales[0], None, *fragments)
+    args = (q, k, lse, index_q, index_k, block_indices, *docs, block_size, *scales, *fragments)
+    launches = []
+
+    def counted(name):
+        launch = getattr(kl_deterministic, name)
+
+        def call(*call_args, **options):
+            launches.append(name)
+            return launch(*call_args, **options)
+
+        return call
+
+    for name in ("launch_forward", "launch_backward"):
+        monkeypatch.setattr(kl_deterministic, name, counted(name))
+    expected = reference_kl.indexer_kl(*args)
+    got = kl_deterministic.indexer_kl(*args)
+    assert launches.count("launch_forward") == -(-num_queries // 37)
+    _assert_forward_close(got, expected, 2e-5)
+    for name, a, b in zip(FORWARD_NAMES, got, kl_deterministic.indexer_kl(*args), strict=True):
+        assert torch.equal(a, b), name
+    backward_args = _backward_args(args, expected)
+    _assert_backward_close(kl_deterministic.indexer_kl_backward(*backward_args),
+                           reference_kl.indexer_kl_backward(*backward_args), 1e-4)
+    assert launches.count("launch_backward") > 1
 
 
 def test_empty_inputs_give_zero_loss_and_gradients():
