@@ -151,7 +151,7 @@ def test_deterministic_mode_serves_triton_bitwise(layout, monkeypatch, determini
 
 
 def test_deterministic_query_windows_match_one_window(monkeypatch, deterministic_algorithms):
-    """A budget of 1000 queries' partials splits the pack (6253 queries) into windows: the
+    """A budget of 1000 queries' partials splits the pack (6256 queries) into windows: the
     outputs and gradients stay those of one window, up to fp32 rounding."""
     from torch_msa import query_windows
     from torch_msa.triton import kl_deterministic
