@@ -104,7 +104,8 @@ def test_m3_dense_kernels_at_32k_add_memory_linear_in_tokens():
 def test_m3_deterministic_dense_forward_is_bitwise_and_close_to_the_default(layout):
     """Under deterministic algorithms the dense forward takes its teacher's index queries from the
     key-tile-outer kernel: two calls agree bitwise, and every output is the default forward's up
-    to fp32 rounding."""
+    to rounding (that kernel recomputes the teacher with transposed GEMMs, whose fp32 sums round
+    apart, and splits those probabilities into two bf16 halves, about 16 bits, like the default)."""
     from torch_msa.triton import kl_dense_kernel
 
     q, k, index_q, index_k, docs = _problem(layout)
@@ -121,4 +122,4 @@ def test_m3_deterministic_dense_forward_is_bitwise_and_close_to_the_default(layo
     for name, a, b in zip(names, runs[0], default, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(torch.isinf(a), torch.isinf(b)), name
-        assert _relative_error(a.nan_to_num(neginf=0), b.nan_to_num(neginf=0)) < 1e-5, name
+        assert _relative_error(a.nan_to_num(neginf=0), b.nan_to_num(neginf=0)) < 1e-4, name
