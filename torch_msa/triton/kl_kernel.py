@@ -197,7 +197,7 @@ def msa_kl_fwd_kernel(
 ):
     """`DETERMINISTIC`: the teacher's index reductions are stored, not added: `teacher_index_keys`
     is then the per-entry rows `[Tq, Hi, topk, Di]` and `teacher_index_queries` the per-item rows
-    `[max_items * BLOCK, Di]` (`_store_sums`)."""
+    `[max_items * BLOCK, Di]` (`_add_query_sums`, `_add_key_sums`)."""
     item = tl.program_id(0)
     start = tl.load(item_start + item)
     end = tl.load(item_end + item)
@@ -304,6 +304,7 @@ class ForwardPartials(NamedTuple):
 
 
 def forward_partials(num_index_heads: int, num_queries: int, topk: int, device) -> ForwardPartials:
+    """The forward's partials at their initial values, on `device`."""
     shape = (num_index_heads, num_queries, topk)
     return ForwardPartials(torch.full(shape, -math.inf, dtype=torch.float32, device=device),
                            *(torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(3)))
