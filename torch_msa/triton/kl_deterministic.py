@@ -11,7 +11,7 @@ items), and reduce what they store like the deterministic attention backward
 * Per (query, index head) sums (`teacher_index_keys` in the forward, the student's half of
   `d index_q` in the backward): each entry `(query, index head, slot)` is one row of one tile of
   one item, which stores it in its own row of `[Tq, Hi, topk, Di]` (rows of entries the schedule
-  drops stay zero); a torch sum over the slots, deterministic like every torch reduction, gives
+  drops stay zero); a torch sum over the slots (torch's reductions have a fixed order) gives
   `[Tq, Hi, Di]`.
 * Per key sums (`teacher_index_queries`, the student's half of `d index_k`): each item keeps its
   block's sums in registers and stores them in its own rows of a workspace, rows
@@ -35,9 +35,10 @@ fragments that place them where one call would (`documents.token_fragments`, as 
 forward's windows do, `torch_msa/query_windows.py`), and its per-key sums added to the others'
 in window order. Per window and key: the items' share of `max_buckets` (`torch_msa/schedule.py`),
 `4 Di Hi (1 + block_size B / Tk)` bytes of item rows for `B` documents, and `4 Hi Di` bytes of
-per-head key sums (2 KiB each at M3). Nothing is `T x T`. The default kernels' outputs and
-precision are unchanged: the same tiles compute the same sums, which are only added in another
-(fixed) order.
+per-head key sums (2 KiB each at M3). Nothing is `T x T`.
+
+Precision is the default kernels': the same tiles compute the same sums, only added in another,
+fixed, order.
 """
 
 import torch
