@@ -5,6 +5,9 @@ extra the `sm90` kernel by default and its deterministic variant under
 `torch.use_deterministic_algorithms(True)`, elsewhere the Triton backend's atomic and
 deterministic kernels) at M3 shapes on the benchmark's inputs, and prints per length the two medians, their effective
 TF/s and the deterministic backward's share of the default one's speed (the target is >= 50%).
+`--kl` also times the index branch's sparse KL loss on the same inputs (`indexer_kl_loss` on the
+forward's lse and the selection, then its gradients to the index inputs) with and without
+deterministic algorithms (the Triton backend's atomic and deterministic KL kernels on CUDA).
 `--profile` adds the device time of each kernel of one call of each (torch.profiler);
 `--sweep` times the deterministic backward once per candidate launch configuration of its dQ
 kernel, tried first in place of the tuned list (for retuning on a new device).
@@ -15,6 +18,7 @@ import contextlib
 
 import torch
 
+import torch_msa
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.contract import M3
 from torch_msa.ops import backend_arguments
@@ -93,6 +97,19 @@ def _sweep(backward_arguments, device, warmup, iters):
         print(f"          dQ kernel stages={stages} warps={warps} block_n={block_n:<4} {ms}")
 
 
+def _kl_step(inputs, lse):
+    """One step of the sparse KL loss: the loss and its gradients to the index inputs."""
+    index_q = inputs.index_q.detach().requires_grad_()
+    index_k = inputs.index_k.detach().requires_grad_()
+
+    def step():
+        loss = torch_msa.indexer_kl_loss(inputs.q, inputs.k, lse, index_q, index_k, inputs.block_indices,
+                                         *inputs.document_args, block_size=M3.block_size)
+        return torch.autograd.grad(loss, (index_q, index_k))
+
+    return step
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.deterministic", description=__doc__.split("\n")[0])
     parser.add_argument("--seqlens", nargs="+", default=list(DEFAULT_SEQLENS), metavar="T",
@@ -101,6 +118,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--kl", action="store_true", help="also time the sparse KL loss's forward and backward")
     parser.add_argument("--profile", action="store_true", help="print each kernel's device time of one call")
     parser.add_argument("--sweep", action="store_true",
                         help="time the deterministic backward with each candidate configuration of its dQ kernel")
@@ -141,6 +159,15 @@ def main(argv=None) -> list[dict]:
         for deterministic, name in ((False, "default"), (True, "deterministic")):
             for kernel, ms in kernels.get(deterministic, []):
                 print(f"          {name:>13} {ms:9.3f} ms  {kernel[:100]}")
+        if args.kl:
+            kl_step, kl_times = _kl_step(inputs, lse), {}
+            for deterministic in (False, True):
+                with deterministic_algorithms(deterministic):
+                    kl_times[deterministic] = measure(kl_step, device, args.warmup, args.iters).median_ms
+            row.update(kl_default_ms=kl_times[False], kl_deterministic_ms=kl_times[True],
+                       kl_speed_share=kl_times[False] / kl_times[True])
+            print(f"{'KL loss':>7} {kl_times[False]:>11.3f} {'':>6} {kl_times[True]:>17.3f} {'':>6} "
+                  f"{row['kl_speed_share']:>11.0%}")
         if args.sweep:
             _sweep(backward_arguments, device, args.warmup, args.iters)
         del inputs, out, lse, backward_arguments

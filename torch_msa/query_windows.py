@@ -37,6 +37,25 @@ def window_queries(num_heads: int, topk: int, dim: int, dtype: torch.dtype, budg
     return max(1, budget // max(1, partial_bytes_per_query(num_heads, topk, dim, dtype)))
 
 
+def query_windows(documents: Documents, num_queries: int, num_keys: int, window: int):
+    """The windows of at most `window` consecutive queries: `(start, stop, documents)` each, the
+    window's documents placing its queries where the call's do. One window holding every query
+    keeps the call's own documents; otherwise each window's queries are one-token fragments
+    (`Documents.token_fragments`) over `arange(stop - start + 1)`. The windows follow from shapes
+    alone (no host synchronisation)."""
+    if num_queries <= window:
+        yield 0, num_queries, documents
+        return
+    token_documents, token_starts = documents.token_fragments(num_queries, num_keys)
+    boundaries = torch.arange(window + 1, dtype=torch.int32, device=documents.cu_seqlens_q.device)
+    for start in range(0, num_queries, window):
+        stop = min(num_queries, start + window)
+        yield start, stop, dataclasses.replace(
+            documents, cu_seqlens_q=boundaries[: stop - start + 1], max_seqlen_q=1,
+            fragment_documents=token_documents[start:stop], fragment_starts=token_starts[start:stop],
+        )
+
+
 def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Documents, block_size, softmax_scale,
                        plan=None, budget: int | None = None):
     """`forward(...)` (the `msa::forward` contract, in the backends' form) with its partials bounded
@@ -49,19 +68,11 @@ def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Doc
     window = window_queries(num_heads, block_indices.shape[-1], dim, q.dtype, PARTIAL_BYTES if budget is None else budget)
     if num_queries <= window:
         return forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan)
-    token_documents, token_starts = documents.token_fragments(num_queries, k.shape[0])
-    boundaries = torch.arange(window + 1, dtype=torch.int32, device=q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
-    for start in range(0, num_queries, window):
-        stop = min(num_queries, start + window)
-        window_documents = dataclasses.replace(
-            documents, cu_seqlens_q=boundaries[: stop - start + 1], max_seqlen_q=1,
-            fragment_documents=token_documents[start:stop], fragment_starts=token_starts[start:stop],
-        )
+    for start, stop, window_documents in query_windows(documents, num_queries, k.shape[0], window):
         part_out, part_lse = forward(q[start:stop], k, v, block_indices[:, start:stop].contiguous(), window_documents,
                                      block_size, softmax_scale, None)
         out[start:stop] = part_out
         lse[start:stop] = part_lse
     return out, lse
-

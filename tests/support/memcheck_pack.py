@@ -4,7 +4,7 @@
 
 M3 heads, bf16; documents of 300, 0, 1, 1500, 129 tokens and one with Lq < Lk; 30% of the block
 ids replaced by random values in [-2^30, 2^30), repeats and ids far past every document. Runs the
-selection, the plan, the forward and both backwards (default and deterministic) and the KL loss;
+selection, the plan, the forward, the backward and the KL loss (the last two default and deterministic);
 then the same ops on query fragments of these documents with junk fragment fields (a document id
 out of range, a start past its document, a negative start).
 """
@@ -37,8 +37,11 @@ for deterministic in (False, True):
     (out.float().square().sum() + lse.sum()).backward()
 torch.use_deterministic_algorithms(False)
 attn = torch_msa.msa_attention(q, k, v, iq, ik, *docs, return_lse=True, return_block_indices=True)
-loss = torch_msa.indexer_kl_loss(q.detach(), k.detach(), attn.lse.detach(), iq, ik, bi, *docs)
-loss.backward()
+for deterministic in (False, True):
+    torch.use_deterministic_algorithms(deterministic)
+    loss = torch_msa.indexer_kl_loss(q.detach(), k.detach(), attn.lse.detach(), iq, ik, bi, *docs)
+    loss.backward()
+torch.use_deterministic_algorithms(False)
 
 # Fragments: the first three of the pack's queries in three fragments whose fields are junk, then
 # the rest as well-formed fragments of the documents 3 and 5.
@@ -55,8 +58,11 @@ for deterministic in (False, True):
     (out.float().square().sum() + lse.sum()).backward()
 torch.use_deterministic_algorithms(False)
 out, lse = torch_msa.sparse_attention(q, k, v, sel, *frag_args, return_lse=True, **fragments)
-loss = torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse.detach(), iq, ik, sel, *frag_args, **fragments)
-loss.backward()
+for deterministic in (False, True):
+    torch.use_deterministic_algorithms(deterministic)
+    loss = torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse.detach(), iq, ik, sel, *frag_args, **fragments)
+    loss.backward()
+torch.use_deterministic_algorithms(False)
 torch.cuda.synchronize()
 print("sanitize run done:", {op: torch_msa.resolve(op, q.device).name for op in torch_msa.backends.OPS},
       "loss", float(loss), "selected", tuple(sel.shape))

@@ -84,25 +84,120 @@ def test_m3_sparse_loss_and_gradients_match_reference(layout, selection):
         assert _relative_error(a, b) < 1e-2, (name, _relative_error(a, b))
 
 
-def test_deterministic_mode_declines_to_the_reference():
-    """Both Triton KL kernels add with atomics (the forward's teacher terms too): under
-    deterministic algorithms the registry runs the reference, and twice gives equal bits."""
-    from torch_msa.triton import kl_kernel
-
-    args = _problem("suffix-pack", "random")
-    deterministic = torch.are_deterministic_algorithms_enabled()
+@pytest.fixture
+def deterministic_algorithms():
+    previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        with pytest.raises(torch_msa.UnsupportedInputs, match="deterministic"):
-            kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
-        index_q = args[3].clone().requires_grad_()
-        grads = []
-        for _ in range(2):
-            loss = torch_msa.indexer_kl_loss(*args[:3], index_q, *args[4:10], block_size=BLOCK)
-            grads.append(torch.autograd.grad(loss, index_q)[0])
-        assert torch.equal(grads[0], grads[1])
+        yield
     finally:
-        torch.use_deterministic_algorithms(deterministic)
+        torch.use_deterministic_algorithms(previous)
+
+
+@pytest.mark.parametrize("layout", ["4K", "pack"])
+def test_deterministic_mode_serves_triton_bitwise(layout, monkeypatch, deterministic_algorithms):
+    """Under deterministic algorithms the default kernels decline (atomics) and the backend runs
+    the deterministic ones, with no fallback to the reference: two training steps of the loss
+    agree bitwise and stay close to the default kernels."""
+    from torch_msa import backends
+    from torch_msa.triton import kl_deterministic, kl_kernel
+
+    args = _problem(layout, "index")
+    with pytest.raises(torch_msa.UnsupportedInputs, match="deterministic"):
+        kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
+    served = {"indexer_kl": 0, "indexer_kl_backward": 0}
+
+    def counted(name):
+        function = getattr(kl_deterministic, name)
+
+        def call(*call_args):
+            served[name] += 1
+            return function(*call_args)
+
+        return call
+
+    for name in served:
+        monkeypatch.setattr(kl_deterministic, name, counted(name))
+    monkeypatch.setattr(backends, "_warned", set())  # a fallback warns once per process
+    steps = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the reference would warn
+        for _ in range(2):
+            index_q, index_k = args[3].clone().requires_grad_(), args[4].clone().requires_grad_()
+            loss = torch_msa.indexer_kl_loss(*args[:3], index_q, index_k, *args[5:10], block_size=BLOCK)
+            steps.append((loss.detach(), *torch.autograd.grad(loss, (index_q, index_k))))
+    assert served == {"indexer_kl": 2, "indexer_kl_backward": 2}
+    for name, a, b in zip(("loss", "d index_q", "d index_k"), *steps, strict=True):
+        assert torch.equal(a, b), name
+    forward = [kl_deterministic.indexer_kl(*backend_arguments("indexer_kl", *args)) for _ in range(2)]
+    for a, b in zip(*forward, strict=True):
+        assert torch.equal(a, b)
+
+    torch.use_deterministic_algorithms(False)
+    default = kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
+    torch.testing.assert_close(forward[0][0], default[0], rtol=1e-5, atol=1e-7)
+    names = ("index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
+    for name, a, b in zip(names, forward[0][2:], default[2:], strict=True):
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), name
+        assert _relative_error(a.nan_to_num(neginf=0), b.nan_to_num(neginf=0)) < 1e-5, name
+    q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, max_q, max_k, block_size, _, index_scale = args
+    backward_args = (torch.tensor(1.0, device="cuda"), index_q, index_k, *default[2:], block_indices, cu_q, cu_k,
+                     max_q, max_k, block_size, index_scale)
+    want = kl_kernel.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))
+    torch.use_deterministic_algorithms(True)
+    got = kl_deterministic.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))
+    for name, a, b in zip(("d index_q", "d index_k"), got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        # bf16 outputs: the fp32 sums differ in their last bits, a few elements round apart.
+        assert _relative_error(a, b) < 1e-3, (name, _relative_error(a, b))
+
+
+def test_deterministic_query_windows_match_one_window(monkeypatch, deterministic_algorithms):
+    """A budget of 1000 queries' partials splits the pack (6256 queries) into windows: the
+    outputs and gradients stay those of one window, up to fp32 rounding."""
+    from torch_msa import query_windows
+    from torch_msa.triton import kl_deterministic
+
+    args = _problem("pack", "index")
+    q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, max_q, max_k, block_size, _, index_scale = args
+    one_window = kl_deterministic.indexer_kl(*backend_arguments("indexer_kl", *args))
+    backward_args = (torch.tensor(1.0, device="cuda"), index_q, index_k, *one_window[2:], block_indices, cu_q, cu_k,
+                     max_q, max_k, block_size, index_scale)
+    one_window_grads = kl_deterministic.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))
+    per_query = kl_deterministic.partial_bytes_per_query(
+        KV_HEADS, TOPK, INDEX_DIM, BLOCK, kl_deterministic.forward_entries_per_item(HEADS, KV_HEADS))
+    monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 1000 * per_query)
+    windows = kl_deterministic.indexer_kl(*backend_arguments("indexer_kl", *args))
+    torch.testing.assert_close(windows[0], one_window[0], rtol=1e-5, atol=1e-7)
+    for a, b in zip(windows[2:], one_window[2:], strict=True):
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        assert _relative_error(a.nan_to_num(neginf=0), b.nan_to_num(neginf=0)) < 1e-5
+    windows_grads = kl_deterministic.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))
+    for name, a, b in zip(("d index_q", "d index_k"), windows_grads, one_window_grads, strict=True):
+        assert _relative_error(a, b) < 1e-3, (name, _relative_error(a, b))
+
+
+@pytest.mark.parametrize("selection", ["random", "skewed"])
+def test_m3_deterministic_loss_and_gradients_match_reference(selection, deterministic_algorithms):
+    """The deterministic kernels at M3 shapes, on a suffix pack, against the reference (the
+    skewed selection splits block 0 over many items)."""
+    from torch_msa.triton import kl_deterministic
+
+    args = _problem("suffix-pack", selection)
+    got = kl_deterministic.indexer_kl(*backend_arguments("indexer_kl", *args))
+    want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args))
+    torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=1e-5)
+    names = ("index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
+    for name, a, b in zip(names, got[2:], want[2:], strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert _relative_error(a.nan_to_num(neginf=0), b.nan_to_num(neginf=0)) < 1e-3, name
+    q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, max_q, max_k, block_size, _, index_scale = args
+    backward_args = (torch.tensor(1.0, device="cuda"), index_q, index_k, *want[2:], block_indices, cu_q, cu_k,
+                     max_q, max_k, block_size, index_scale)
+    backend_form = backend_arguments("indexer_kl_backward", *backward_args)
+    for name, a, b in zip(("d index_q", "d index_k"), kl_deterministic.indexer_kl_backward(*backend_form),
+                          reference_kl.indexer_kl_backward(*backend_form), strict=True):
+        assert _relative_error(a, b) < 1e-2, (name, _relative_error(a, b))
 
 
 def test_training_step_through_the_public_api():

@@ -102,3 +102,28 @@ def test_m3_dense_kernels_at_32k_add_memory_linear_in_tokens():
     assert added <= 2 * per_token * tokens, (added, per_token * tokens)
     assert torch.isfinite(loss) and loss > 0
     assert all(g.isfinite().all() for g in grads)
+
+
+@pytest.mark.parametrize("layout", ["pack", "suffix-pack"])
+def test_m3_deterministic_dense_forward_is_bitwise_and_close_to_the_default(layout):
+    """Under deterministic algorithms the dense forward takes its teacher's index queries from the
+    key-tile-outer kernel: two calls agree bitwise, and every output is the default forward's up
+    to rounding (that kernel recomputes the teacher with transposed GEMMs, whose fp32 sums round
+    apart, and splits those probabilities into two bf16 halves, about 16 bits, like the default)."""
+    from torch_msa.triton import kl_dense_kernel
+
+    q, k, index_q, index_k, docs = _problem(layout)
+    default = kl_dense_kernel.indexer_kl_dense(q, k, None, index_q, index_k, Documents(*docs), *SCALES)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [kl_dense_kernel.indexer_kl_dense(q, k, None, index_q, index_k, Documents(*docs), *SCALES) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
+    for name, a, b in zip(names, *runs, strict=True):
+        assert torch.equal(a, b), name
+    for name, a, b in zip(names, runs[0], default, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), name
+        assert _relative_error(a.nan_to_num(neginf=0), b.nan_to_num(neginf=0)) < 1e-4, name

@@ -5,9 +5,9 @@ Triton's own compiler (and the ptxas it ships) at the M3 configuration (bf16, Hq
 D=128, block 128, topk 16, Hi=4, Di=128), walking its launch configurations in the order the
 backend tries them at run time (`torch_msa/triton/launch.py`). One of them must fit the
 architecture's limit of shared memory per block, and on sm_90 the tuned first one must. The
-one exception is pinned too: the KL forward (the block's keys and index keys, the latter in two
-operand layouts, plus the per-item key sums) fits none of the 99 KB architectures, where the
-loss runs on the reference.
+one exception is pinned too: the KL forward, default and deterministic (the block's keys and
+index keys, the latter in two operand layouts, plus the per-item key sums), fits none of the
+99 KB architectures, where the loss runs on the reference.
 
 The launch-time fallback itself (a configuration refused with `OutOfResources`, then the next,
 then the reference) is tested without compiling anything.
@@ -96,6 +96,13 @@ def _deterministic_key_reduce(config):
     return backward_deterministic_kernel.msa_bwd_key_reduce_kernel, types, constants
 
 
+def _kl_key_reduce(config):
+    """The reduction as the deterministic KL kernels launch it: one fp32 workspace into fp32 per-head sums."""
+    fn, types, constants = _deterministic_key_reduce(config)
+    types |= dict.fromkeys(("dk", "dv"), "*fp32")
+    return fn, types, constants | {"DIM": M3["index_dim"], "PAIR": False}
+
+
 def _deterministic_query(config):
     types = dict.fromkeys(("q", "k", "v", "grad_out", "dq"), "*bf16") | dict.fromkeys(("lse", "delta"), "*fp32")
     types |= {"block_indices": "*i32", "key_start": "*i64", "position": "*i64", "softmax_scale": "fp32",
@@ -124,7 +131,7 @@ def _kl_forward(config):
     types |= {"qk_scale": "fp32", "index_scale": "fp32"}
     constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, HEADS_PER_PASS=heads_per_pass, TOKENS=tokens,
                      TOPK=M3["topk"], BLOCK=M3["block_size"], DIM=M3["dim"], INDEX_DIM=M3["index_dim"],
-                     PRECISION="tf32", INDEX_PRECISION="tf32", SPLIT=True)
+                     PRECISION="tf32", INDEX_PRECISION="tf32", SPLIT=True, DETERMINISTIC=False)
     return kl_kernel.msa_kl_fwd_kernel, types, constants
 
 
@@ -133,8 +140,16 @@ def _kl_backward(config):
     types |= dict.fromkeys(("index_lse", "teacher_mass", "coefficient", "d_index_q", "d_index_k"), "*fp32")
     types |= {"index_scale": "fp32"}
     constants = dict(NUM_KV_HEADS=M3["index_heads"], TOKENS=config.rows, TOPK=M3["topk"], BLOCK=M3["block_size"],
-                     INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32", SPLIT=True)
+                     INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32", SPLIT=True, DETERMINISTIC=False)
     return kl_kernel.msa_kl_bwd_kernel, types, constants
+
+
+def _deterministic(kernel_spec):
+    def deterministic_spec(config):
+        fn, types, constants = kernel_spec(config)
+        return fn, types, constants | {"DETERMINISTIC": True}
+
+    return deterministic_spec
 
 
 DOCUMENT_TABLES = {"key_start": "*i64", "position": "*i64", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
@@ -154,8 +169,17 @@ def _kl_dense_loss(config):
     types |= {"qk_scale": "fp32", "index_scale": "fp32"}
     constants = dict(NUM_HEADS=M3["num_heads"], NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, TOKENS=config.rows,
                      BLOCK_N=config.block_n, DIM=M3["dim"], INDEX_DIM=M3["index_dim"], PRECISION="tf32",
-                     INDEX_PRECISION="tf32")
+                     INDEX_PRECISION="tf32", SPLIT=True, DETERMINISTIC=False)
     return kl_dense_kernel.msa_kl_dense_loss_kernel, types, constants
+
+
+def _kl_dense_teacher_queries(config):
+    types = dict.fromkeys(("q", "k", "index_q"), "*bf16") | DOCUMENT_TABLES
+    types |= {"teacher_lse": "*fp32", "teacher_index_queries": "*fp32", "qk_scale": "fp32"}
+    constants = dict(NUM_HEADS=M3["num_heads"], NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, TOKENS=config.rows,
+                     BLOCK_N=config.block_n, DIM=M3["dim"], INDEX_DIM=M3["index_dim"], PRECISION="tf32",
+                     INDEX_PRECISION="tf32", SPLIT=True)
+    return kl_dense_kernel.msa_kl_dense_teacher_queries_kernel, types, constants
 
 
 def _kl_dense_grad(kernel):
@@ -182,12 +206,17 @@ KERNELS = {
     "msa_select_kernel": (_select, select_kernel.CONFIGS),
     "msa_kl_dense_teacher_lse_kernel": (_kl_dense_teacher_lse, kl_dense_kernel.TEACHER_LSE_CONFIGS),
     "msa_kl_dense_loss_kernel": (_kl_dense_loss, kl_dense_kernel.LOSS_CONFIGS),
+    "msa_kl_dense_loss_kernel (deterministic)": (_deterministic(_kl_dense_loss), kl_dense_kernel.LOSS_CONFIGS),
+    "msa_kl_dense_teacher_queries_kernel": (_kl_dense_teacher_queries, kl_dense_kernel.TEACHER_QUERIES_CONFIGS),
     "msa_kl_dense_query_grad_kernel": (_kl_dense_grad(kl_dense_kernel.msa_kl_dense_query_grad_kernel),
                                        kl_dense_kernel.QUERY_GRAD_CONFIGS),
     "msa_kl_dense_key_grad_kernel": (_kl_dense_grad(kl_dense_kernel.msa_kl_dense_key_grad_kernel),
                                      kl_dense_kernel.KEY_GRAD_CONFIGS),
     "msa_kl_fwd_kernel": (_kl_forward, kl_kernel.FORWARD_CONFIGS),
     "msa_kl_bwd_kernel": (_kl_backward, kl_kernel.BACKWARD_CONFIGS),
+    "msa_kl_fwd_kernel (deterministic)": (_deterministic(_kl_forward), kl_kernel.FORWARD_CONFIGS),
+    "msa_kl_bwd_kernel (deterministic)": (_deterministic(_kl_backward), kl_kernel.BACKWARD_CONFIGS),
+    "msa_bwd_key_reduce_kernel (one workspace)": (_kl_key_reduce, backward_deterministic_kernel.KEY_REDUCE_CONFIGS),
 }
 
 
@@ -209,7 +238,8 @@ def _shared_memory(kernel, config, capability):
 
 
 # (kernel, target) pairs no configuration fits: launch() declines there and the registry runs the reference.
-UNSERVED = {("msa_kl_fwd_kernel", target) for target in ("sm_86", "sm_89", "sm_120")}
+UNSERVED = {(kernel, target) for kernel in ("msa_kl_fwd_kernel", "msa_kl_fwd_kernel (deterministic)")
+            for target in ("sm_86", "sm_89", "sm_120")}
 
 
 @pytest.mark.slow

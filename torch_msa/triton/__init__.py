@@ -10,7 +10,9 @@ backward only the student) and `kl_dense_kernel.py` (the same loss on the dense 
 the warm-up stage, query-tile-outer like a flash forward). No kernel module imports another: what
 they share is in `common.py` (and `launch.py`, the launch configurations that fit the device).
 `backward_deterministic.py` composes the backward that serves under
-`torch.use_deterministic_algorithms(True)` from the stages of two of them, and `stages.py` is
+`torch.use_deterministic_algorithms(True)` from the stages of two of them, `kl_deterministic.py`
+the sparse KL loss of that mode from `kl_kernel.py`'s kernels and the fixed-order reduction of
+`backward_deterministic_kernel.py`, and `stages.py` is
 the interface through which other backends (SM90) compose those stages with their own kernels.
 The forward and the default backward read the plan they are given, or build one; a forward whose
 partials would pass `query_windows.PARTIAL_BYTES` runs over windows of queries
@@ -111,13 +113,18 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
                                      grad_lse, plan)
 
 
+def _sparse_kl_module() -> str:
+    # Decided per call, like the backward's kernels.
+    return "kl_deterministic" if torch.are_deterministic_algorithms_enabled() else "kl_kernel"
+
+
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale):
     check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
     check_dtype_and_group("index_q", index_q.dtype)
     if block_indices is None:
         return _kernels("kl_dense_kernel").indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale,
                                                             index_softmax_scale)
-    return _kernels("kl_kernel").indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size,
+    return _kernels(_sparse_kl_module()).indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size,
                                             softmax_scale, index_softmax_scale)
 
 
@@ -128,7 +135,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
     if block_indices is None:
         return _kernels("kl_dense_kernel").indexer_kl_dense_backward(grad_loss, index_q, index_k, *teacher, documents,
                                                                      index_softmax_scale)
-    return _kernels("kl_kernel").indexer_kl_backward(grad_loss, index_q, index_k, *teacher, block_indices, documents,
+    return _kernels(_sparse_kl_module()).indexer_kl_backward(grad_loss, index_q, index_k, *teacher, block_indices, documents,
                                                      block_size, index_softmax_scale)
 
 

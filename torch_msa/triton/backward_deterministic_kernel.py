@@ -14,7 +14,9 @@ Triton backend, `torch_msa/sm90/backward_deterministic.py` for the SM90 backend)
 3. `reduce_key_workspace` (`msa_bwd_key_reduce_kernel`): one program per (bucket, key slice) sums
    the workspace slots of the bucket's items in item order (a block many queries chose is split
    over several items) and writes dK/dV of those keys in the inputs' dtype. Each (KV head, key)
-   belongs to one bucket, the one of its document's block, so the writes never overlap.
+   belongs to one bucket, the one of its document's block, so the writes never overlap. The
+   same reduction of per-item rows (`item_schedule`, `reduce_item_rows`, one workspace or two)
+   serves the deterministic KL kernels' per-key sums (`kl_deterministic.py`).
 4. `query_dq` (`msa_bwd_dq_kernel`): query-outer dQ. One program owns one query and KV head, so
    all `G` rows of dQ it writes are its own: it walks the query's `topk` slots in order, loads
    each selected key block and recomputes `P = exp(S - lse)`, `dP = dO V^T` and
@@ -72,6 +74,19 @@ class KeyWorkspace(NamedTuple):
     dv_part: torch.Tensor
 
 
+def item_schedule(block_indices, documents, num_keys, block_size, entries_per_item) -> tuple[Schedule, torch.Tensor]:
+    """A new schedule with items of `entries_per_item` entries (`torch_msa.schedule.plan_schedule`)
+    and the first item of each of its buckets, int32 `[max_buckets]` (a bucket's items are
+    consecutive): what a fixed-order reduction of per-item rows (`reduce_item_rows`) walks."""
+    schedule = plan_schedule(block_indices, documents, num_keys, block_size, entries_per_item)
+    num_buckets = schedule.bucket_head.numel()
+    bucket_first_item = torch.searchsorted(
+        schedule.item_bucket, torch.arange(num_buckets, device=block_indices.device, dtype=torch.int32),
+        out_int32=True,
+    )
+    return schedule, bucket_first_item
+
+
 def key_workspace(block_indices, documents, num_keys, block_size, num_heads, head_dim) -> KeyWorkspace:
     """The schedule of a deterministic backward (items of `ITEM_TILES` query tiles) and its empty
     workspace, on the device of `block_indices`.
@@ -83,11 +98,7 @@ def key_workspace(block_indices, documents, num_keys, block_size, num_heads, hea
     """
     device = block_indices.device
     entries_per_item = tile_shape(num_heads, block_indices.shape[0])[0] * ITEM_TILES
-    schedule = plan_schedule(block_indices, documents, num_keys, block_size, entries_per_item)
-    num_buckets = schedule.bucket_head.numel()
-    bucket_first_item = torch.searchsorted(
-        schedule.item_bucket, torch.arange(num_buckets, device=device, dtype=torch.int32), out_int32=True
-    )
+    schedule, bucket_first_item = item_schedule(block_indices, documents, num_keys, block_size, entries_per_item)
     rows = schedule.item_start.numel() * block_size
     dk_part = torch.empty((rows, head_dim), dtype=torch.float32, device=device)
     dv_part = torch.empty((rows, head_dim), dtype=torch.float32, device=device)
@@ -100,8 +111,10 @@ def msa_bwd_key_reduce_kernel(
     entry_query, item_end, bucket_ptr, bucket_first_item, bucket_head, bucket_key_row, bucket_block, position,
     num_keys, entries_per_item,
     stride_dk_token, stride_dk_head, stride_dv_token, stride_dv_head,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DIM: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DIM: tl.constexpr, PAIR: tl.constexpr = True,
 ):
+    """`PAIR`: two workspaces (`dk_part`, `dv_part`) into two outputs; without it only `dk_part`
+    into `dk` (`dv_part` and `dv` are not read)."""
     bucket = tl.program_id(0)
     bucket_start = tl.load(bucket_ptr + bucket)
     count = tl.load(bucket_ptr + bucket + 1) - bucket_start
@@ -126,11 +139,13 @@ def msa_bwd_key_reduce_kernel(
         written |= item_wrote
         part = (item * BLOCK + slice_start + offsets)[:, None] * DIM + dims[None, :]
         dk_sum += tl.load(dk_part + part, mask=item_wrote[:, None], other=0.0)
-        dv_sum += tl.load(dv_part + part, mask=item_wrote[:, None], other=0.0)
+        if PAIR:
+            dv_sum += tl.load(dv_part + part, mask=item_wrote[:, None], other=0.0)
     tl.store(dk + key_row[:, None] * stride_dk_token + kv_head * stride_dk_head + dims[None, :],
              dk_sum.to(dk.dtype.element_ty), mask=written[:, None])
-    tl.store(dv + key_row[:, None] * stride_dv_token + kv_head * stride_dv_head + dims[None, :],
-             dv_sum.to(dv.dtype.element_ty), mask=written[:, None])
+    if PAIR:
+        tl.store(dv + key_row[:, None] * stride_dv_token + kv_head * stride_dv_head + dims[None, :],
+                 dv_sum.to(dv.dtype.element_ty), mask=written[:, None])
 
 
 @triton.jit
@@ -195,6 +210,41 @@ def msa_bwd_dq_kernel(
              (dq_t * softmax_scale).to(dq.dtype.element_ty), mask=head_ok[None, :])
 
 
+def reduce_item_rows(schedule: Schedule, entries_per_item: int, bucket_first_item: torch.Tensor, parts, outputs,
+                     topk, block_size, shape_key) -> None:
+    """Sum each bucket's item rows of one or two workspaces, in item order, into the bucket's keys.
+
+    Args:
+        schedule, entries_per_item, bucket_first_item: from `item_schedule`.
+        parts: one or two fp32 workspaces `[max_items * block_size, W]`, contiguous; item `i`
+            wrote its block's key `c` in row `i * block_size + c`, for every key up to the item's
+            horizon (`common.item_horizon`) inside the packed keys. No other row is read.
+        outputs: as many `[Tk, H, W]` tensors (H the schedule's heads), unit stride in W; the
+            rows `(key, bucket head)` some item wrote are written (rounded to their dtype), the
+            others left as they are.
+        topk: slots per query of the `block_indices` the schedule was built from.
+        block_size: keys per block.
+        shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
+    """
+    pair = len(parts) == 2
+    first, second = outputs[0], outputs[-1]
+    num_keys, _, width = first.shape
+
+    def launch_key_reduce(config):
+        block_n = min(config.block_n, block_size)
+        msa_bwd_key_reduce_kernel[(schedule.bucket_head.numel(), block_size // block_n)](
+            parts[0], parts[-1], first, second,
+            schedule.entry_query, schedule.item_end, schedule.bucket_ptr, bucket_first_item,
+            schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
+            num_keys, entries_per_item,
+            first.stride(0), first.stride(1), second.stride(0), second.stride(1),
+            TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=width, PAIR=pair,
+            **config.options,
+        )
+
+    launch("msa_bwd_key_reduce_kernel", (*shape_key, pair), KEY_REDUCE_CONFIGS, launch_key_reduce)
+
+
 def reduce_key_workspace(workspace: KeyWorkspace, dk, dv, topk, block_size, shape_key) -> None:
     """Sum each bucket's item slots of `workspace`, in item order, into the bucket's keys of `dk`, `dv`.
 
@@ -206,22 +256,8 @@ def reduce_key_workspace(workspace: KeyWorkspace, dk, dv, topk, block_size, shap
         block_size: keys per block.
         shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
     """
-    schedule = workspace.schedule
-    num_keys, _, dim = dk.shape
-
-    def launch_key_reduce(config):
-        block_n = min(config.block_n, block_size)
-        msa_bwd_key_reduce_kernel[(schedule.bucket_head.numel(), block_size // block_n)](
-            workspace.dk_part, workspace.dv_part, dk, dv,
-            schedule.entry_query, schedule.item_end, schedule.bucket_ptr, workspace.bucket_first_item,
-            schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-            num_keys, workspace.entries_per_item,
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            TOPK=topk, BLOCK=block_size, BLOCK_N=block_n, DIM=dim,
-            **config.options,
-        )
-
-    launch("msa_bwd_key_reduce_kernel", shape_key, KEY_REDUCE_CONFIGS, launch_key_reduce)
+    reduce_item_rows(workspace.schedule, workspace.entries_per_item, workspace.bucket_first_item,
+                     (workspace.dk_part, workspace.dv_part), (dk, dv), topk, block_size, shape_key)
 
 
 def query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, documents, block_size, softmax_scale,

@@ -21,6 +21,10 @@ no value of another document is ever loaded):
   online lse, `A = sum P_t (log P_t - u)`, `M` and the teacher's index keys
   `sum_J P_t index_k`. The teacher's index queries `sum_(t, r) P_t index_q[t, r]` are a reduction
   over queries: each program adds its `[key tile, Di]` share with fp32 atomics.
+* `msa_kl_dense_teacher_queries_kernel` (only under `torch.use_deterministic_algorithms(True)`,
+  where the loss kernel skips those atomics): programs over key tiles, walking all KV heads and
+  the queries that see the tile as the key-gradient kernel below does, recompute the teacher's
+  probabilities of the tile and reduce them into its teacher's index queries in registers.
 * `msa_kl_dense_query_grad_kernel` (query tiles) and `msa_kl_dense_key_grad_kernel` (key tiles,
   all index heads and the queries that see them, reduced in registers): the backward reads only
   the student, so it is two index-GEMM passes and needs no atomics.
@@ -35,8 +39,11 @@ atomics add `Hi Di T^2 / (2 TOKENS)` fp32 values (about 4 G at 32K with 64-token
 as contiguous `[key tile, Di]` rows: an eighth of what a flash-attention backward of the same
 length adds when it accumulates dQ with atomics (`Hq D T^2 / (2 BLOCK_N)`, 34 G). They make
 `teacher_index_queries` order-dependent in its last bits, so under
-`torch.use_deterministic_algorithms(True)` the forward declines and the registry falls back to
-the reference.
+`torch.use_deterministic_algorithms(True)` the forward pays for that key-outer pass instead
+(`msa_kl_dense_teacher_queries_kernel`: one more teacher pass, no atomics, no more memory) and
+every output has a fixed summation order. It then declines query fragments (the key pass walks
+each document's queries as one causal suffix, like the key-gradient kernel), which the reference
+serves.
 
 Memory: `O(T (Hq + Hi Di))` fp32 outputs; no buffer grows with `T x T`.
 
@@ -69,6 +76,8 @@ QUERY_GRAD_CONFIGS = (LaunchConfig(rows=128, block_n=64, num_stages=3, num_warps
                       LaunchConfig(rows=64, block_n=32, num_stages=1, num_warps=4))
 KEY_GRAD_CONFIGS = (LaunchConfig(rows=64, block_n=64, num_stages=2, num_warps=8),
                     LaunchConfig(rows=32, block_n=32, num_stages=1, num_warps=4))
+TEACHER_QUERIES_CONFIGS = (LaunchConfig(rows=64, block_n=64, num_stages=2, num_warps=8),
+                           LaunchConfig(rows=32, block_n=32, num_stages=1, num_warps=4))
 
 
 def _check_dim(name: str, dim: int) -> None:
@@ -174,8 +183,10 @@ def msa_kl_dense_loss_kernel(
     stride_iq_token, stride_iq_head, stride_ik_token,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_N: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DETERMINISTIC: tl.constexpr = False,
 ):
+    """`DETERMINISTIC`: `teacher_index_queries` is not touched (`msa_kl_dense_teacher_queries_kernel`
+    computes it without atomics)."""
     kv_head = tl.program_id(1)
     start, end = _tile_start(cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS)
     if (start >= end) | (start < 0):
@@ -226,10 +237,11 @@ def msa_kl_dense_loss_kernel(
         total_mass += tl.sum(teacher, axis=1)
 
         index_keys_acc = weighted_dot(teacher, index_keys, index_keys_acc, SPLIT, INDEX_PRECISION)
-        index_queries_share = weighted_dot(tl.trans(teacher), index_queries,
-                                           tl.zeros((BLOCK_N, INDEX_DIM), tl.float32), SPLIT, INDEX_PRECISION)
-        tl.atomic_add(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :], index_queries_share,
-                      mask=key_ok[:, None], sem="relaxed")
+        if not DETERMINISTIC:
+            index_queries_share = weighted_dot(tl.trans(teacher), index_queries,
+                                               tl.zeros((BLOCK_N, INDEX_DIM), tl.float32), SPLIT, INDEX_PRECISION)
+            tl.atomic_add(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :],
+                          index_queries_share, mask=key_ok[:, None], sem="relaxed")
 
     pair = token * NUM_KV_HEADS + kv_head
     student_lse = tl.where(student_sum > 0.0,
@@ -240,6 +252,94 @@ def msa_kl_dense_loss_kernel(
     tl.store(mass + pair, total_mass, mask=real)
     tl.store(teacher_index_keys + pair[:, None] * INDEX_DIM + index_dims[None, :], index_keys_acc,
              mask=real[:, None])
+
+
+@triton.jit
+def _key_tile(cu_seqlens_k, num_keys, num_docs, BLOCK_N: tl.constexpr):
+    """`(doc, doc_key_start, doc_key_end, first_pos)` of a key-tile-outer program's tile: its
+    document, the document's packed key rows and the tile's first key position. The tile is
+    empty when `doc_key_start + first_pos >= doc_key_end` (or the start is negative)."""
+    pid = tl.program_id(0)
+    doc = pid % num_docs
+    doc_key_start = tl.load(cu_seqlens_k + doc)
+    doc_key_end = tl.minimum(tl.load(cu_seqlens_k + doc + 1), num_keys)
+    first_pos = (pid // num_docs) * BLOCK_N  # the first tiles of a document are seen by most queries
+    return doc, doc_key_start, doc_key_end, first_pos
+
+
+@triton.jit
+def _key_tile_rows(doc, doc_key_start, doc_key_end, first_pos, cu_seqlens_q, cu_seqlens_k, num_queries,
+                   BLOCK_N: tl.constexpr):
+    """A non-empty key tile's key positions, packed rows (int64; rows past the document repeat
+    its first), which are real (`key_ok`), and the run `[first_query, query_end)` of its
+    document's queries that may see it (the document's queries are its keys' causal suffix)."""
+    key_pos = first_pos + tl.arange(0, BLOCK_N)
+    key_row = (doc_key_start + key_pos).to(tl.int64)
+    key_ok = key_row < doc_key_end
+    key_row = tl.where(key_ok, key_row, doc_key_start)
+    doc_query_start = tl.load(cu_seqlens_q + doc)
+    doc_query_end = tl.load(cu_seqlens_q + doc + 1)
+    query_end = tl.minimum(doc_query_end, num_queries)
+    # Local query t sits at position (Lk - Lq) + t: start at the first that sees this tile (the
+    # masks decide; this only skips queries that see none of it).
+    doc_keys = tl.load(cu_seqlens_k + doc + 1) - doc_key_start
+    unseeing = tl.maximum(0, first_pos - doc_keys + (doc_query_end - doc_query_start))
+    first_query = tl.maximum(doc_query_start + unseeing, 0)
+    return key_pos, key_row, key_ok, first_query, query_end
+
+
+@triton.jit
+def _seeing_queries(key_start, position, doc_key_start, first, query_end, TOKENS: tl.constexpr):
+    """`TOKENS` queries of a key tile's run from `first`: rows (int64; padded rows repeat
+    `first`), which are real, and their key positions (`-1`: a padded row, or a row of another
+    document under malformed boundaries, sees no key)."""
+    token = first + tl.arange(0, TOKENS)
+    real = token < query_end
+    token = tl.where(real, token, first).to(tl.int64)
+    same = tl.load(key_start + token) == doc_key_start
+    return token, real, tl.where(real & same, tl.load(position + token), -1)
+
+
+@triton.jit
+def msa_kl_dense_teacher_queries_kernel(
+    q, k, teacher_lse, index_q, key_start, position, cu_seqlens_q, cu_seqlens_k, teacher_index_queries,
+    num_queries, num_keys, num_docs, qk_scale,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_iq_token, stride_iq_head,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
+    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """`teacher_index_queries` of one key tile, with no atomics: the tile's teacher probabilities
+    recomputed for every KV head and every query that sees the tile, reduced in registers."""
+    doc, doc_key_start, doc_key_end, first_pos = _key_tile(cu_seqlens_k, num_keys, num_docs, BLOCK_N)
+    if (doc_key_start + first_pos >= doc_key_end) | (doc_key_start < 0):
+        return
+    key_pos, key_row, key_ok, first_query, query_end = _key_tile_rows(
+        doc, doc_key_start, doc_key_end, first_pos, cu_seqlens_q, cu_seqlens_k, num_queries, BLOCK_N)
+    dims = tl.arange(0, DIM)
+    index_dims = tl.arange(0, INDEX_DIM)
+    acc = tl.zeros((BLOCK_N, INDEX_DIM), tl.float32)
+    for kv_head in range(0, NUM_KV_HEADS):
+        keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
+                       mask=key_ok[:, None], other=0.0)
+        for first in range(first_query, query_end, TOKENS):
+            token, real, pos = _seeing_queries(key_start, position, doc_key_start, first, query_end, TOKENS)
+            index_queries = tl.load(
+                index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + index_dims[None, :],
+                mask=real[:, None], other=0.0)
+            # Transposed (`[keys, queries]`), the loss kernel's teacher: the group's heads in turn.
+            teacher = tl.zeros((BLOCK_N, TOKENS), tl.float32)
+            for group_head in tl.range(0, GROUP):
+                head = kv_head * GROUP + group_head
+                queries = tl.load(q + token[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
+                                  mask=real[:, None], other=0.0)
+                shift = _finite_or_zero(tl.load(teacher_lse + token * NUM_HEADS + head, mask=real, other=0.0) * LOG2_E)
+                scores = tl.dot(keys, tl.trans(queries), input_precision=PRECISION) * qk_scale
+                teacher += tl.exp2(scores - shift[None, :])
+            visible = (key_pos[:, None] <= pos[None, :]) & key_ok[:, None]
+            teacher = tl.where(visible, teacher * (1.0 / GROUP), 0.0)
+            acc = weighted_dot(teacher, index_queries, acc, SPLIT, INDEX_PRECISION)
+    tl.store(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :], acc, mask=key_ok[:, None])
 
 
 @triton.jit
@@ -290,37 +390,18 @@ def msa_kl_dense_key_grad_kernel(
     NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_DIM: tl.constexpr,
     INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    doc = pid % num_docs
-    doc_key_start = tl.load(cu_seqlens_k + doc)
-    doc_key_end = tl.minimum(tl.load(cu_seqlens_k + doc + 1), num_keys)
-    first_pos = (pid // num_docs) * BLOCK_N  # the first tiles of a document are seen by most queries
+    doc, doc_key_start, doc_key_end, first_pos = _key_tile(cu_seqlens_k, num_keys, num_docs, BLOCK_N)
     if (doc_key_start + first_pos >= doc_key_end) | (doc_key_start < 0):
         return
-    key_pos = first_pos + tl.arange(0, BLOCK_N)
-    key_row = (doc_key_start + key_pos).to(tl.int64)
-    key_ok = key_row < doc_key_end
-    key_row = tl.where(key_ok, key_row, doc_key_start)
+    key_pos, key_row, key_ok, first_query, query_end = _key_tile_rows(
+        doc, doc_key_start, doc_key_end, first_pos, cu_seqlens_q, cu_seqlens_k, num_queries, BLOCK_N)
     index_dims = tl.arange(0, INDEX_DIM)
     index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + index_dims[None, :],
                          mask=key_ok[:, None], other=0.0)
-    doc_query_start = tl.load(cu_seqlens_q + doc)
-    doc_query_end = tl.load(cu_seqlens_q + doc + 1)
-    query_end = tl.minimum(doc_query_end, num_queries)
-    # Local query t sits at position (Lk - Lq) + t: start at the first that sees this tile (the
-    # masks below decide; this only skips queries that see none of it).
-    doc_keys = tl.load(cu_seqlens_k + doc + 1) - doc_key_start
-    unseeing = tl.maximum(0, first_pos - doc_keys + (doc_query_end - doc_query_start))
-    first_query = tl.maximum(doc_query_start + unseeing, 0)
-    tokens = tl.arange(0, TOKENS)
     acc = tl.zeros((BLOCK_N, INDEX_DIM), tl.float32)
     for kv_head in range(0, NUM_KV_HEADS):
         for first in range(first_query, query_end, TOKENS):
-            token = first + tokens
-            real = token < query_end
-            token = tl.where(real, token, first).to(tl.int64)
-            same = tl.load(key_start + token) == doc_key_start
-            pos = tl.where(real & same, tl.load(position + token), -1)
+            token, real, pos = _seeing_queries(key_start, position, doc_key_start, first, query_end, TOKENS)
             pair = token * NUM_KV_HEADS + kv_head
             index_queries = tl.load(
                 index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + index_dims[None, :],
@@ -366,9 +447,11 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale, inde
         [Tk, 1, Di]` (`sum_(t, r): j in J P_t index_q[t, r]`), all fp32.
     """
     check_inputs(q, k, index_q)
-    if torch.are_deterministic_algorithms_enabled():
-        raise UnsupportedInputs("deterministic algorithms were requested and the Triton dense KL forward adds "
-                                "the teacher's index queries with atomics")
+    # Decided per call, like the backward's kernels.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if deterministic and documents.has_fragments:
+        raise UnsupportedInputs("query fragments under deterministic algorithms: the Triton dense KL forward's key "
+                                "pass walks each document's queries as one causal suffix")
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     index_dim = index_q.shape[-1]
@@ -389,8 +472,9 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale, inde
         return (torch.zeros((), dtype=f32, device=device), *outputs)
 
     q, k, index_q, index_k = (_rows_contiguous(x) for x in (q, k, index_q, index_k))
-    cu_seqlens_q, max_seqlen_q = documents.cu_seqlens_q.contiguous(), documents.max_seqlen_q
-    docs = locate_queries(cu_seqlens_q, documents.cu_seqlens_k, num_queries, num_keys, *documents.fragments)
+    cu_seqlens_q, cu_seqlens_k = documents.cu_seqlens_q.contiguous(), documents.cu_seqlens_k.contiguous()
+    max_seqlen_q, max_seqlen_k = documents.max_seqlen_q, documents.max_seqlen_k
+    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, *documents.fragments)
     group = num_heads // num_kv_heads
     qk_scale, index_scale = softmax_scale * LOG2_E.value, index_softmax_scale * LOG2_E.value
     precision, index_precision = dot_precision(q.dtype), dot_precision(index_q.dtype)
@@ -418,11 +502,27 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale, inde
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), index_q.stride(0), index_q.stride(1), index_k.stride(0),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, TOKENS=config.rows, BLOCK_N=config.block_n,
             DIM=dim, INDEX_DIM=index_dim, PRECISION=precision, INDEX_PRECISION=index_precision,
+            SPLIT=split_weights(index_q.dtype), DETERMINISTIC=deterministic,
+            **config.options,
+        )
+
+    def launch_teacher_queries(config):
+        tiles = _tiles_per_doc(max_seqlen_k, num_keys, config.block_n)
+        msa_kl_dense_teacher_queries_kernel[(num_docs * tiles,)](
+            q, k, teacher_lse, index_q, docs.key_start, docs.position, cu_seqlens_q, cu_seqlens_k,
+            teacher_index_queries, num_queries, num_keys, num_docs, qk_scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), index_q.stride(0), index_q.stride(1),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, TOKENS=config.rows, BLOCK_N=config.block_n,
+            DIM=dim, INDEX_DIM=index_dim, PRECISION=precision, INDEX_PRECISION=index_precision,
             SPLIT=split_weights(index_q.dtype),
             **config.options,
         )
 
-    launch("msa_kl_dense_loss_kernel", shape_key, LOSS_CONFIGS, launch_loss)
+    if deterministic:
+        launch("msa_kl_dense_loss_kernel (deterministic)", shape_key, LOSS_CONFIGS, launch_loss)
+        launch("msa_kl_dense_teacher_queries_kernel", shape_key, TEACHER_QUERIES_CONFIGS, launch_teacher_queries)
+    else:
+        launch("msa_kl_dense_loss_kernel", shape_key, LOSS_CONFIGS, launch_loss)
     divergence = weighted + torch.where(mass > 0, mass * index_lse.masked_fill(torch.isinf(index_lse), 0), 0)
     loss = divergence.sum() / (num_queries * num_kv_heads)
     return (loss, *outputs)

@@ -28,11 +28,14 @@ two halves of that dtype (`high + low`), so each sum keeps about 16 bits of its 
 their difference, the gradient, loses nothing to the rounding of one of them.
 
 Both kernels add with atomics, so their sums are order-dependent in the last bits: under
-`torch.use_deterministic_algorithms(True)` both decline (the forward's teacher terms are atomic
-sums too) and the registry falls back to the reference.
+`torch.use_deterministic_algorithms(True)` `indexer_kl` and `indexer_kl_backward` here decline
+and the backend serves `kl_deterministic.py` instead, which runs the same kernels with
+`DETERMINISTIC`: every sum is stored, each entry's in its own row and each item's per-key sums
+in the item's own rows, and then reduced in a fixed order.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -56,6 +59,11 @@ def check_inputs(lse_present: bool, index_q) -> None:
     index_dim = index_q.shape[-1]
     if index_dim < 16 or index_dim > 256 or index_dim & (index_dim - 1):
         raise UnsupportedInputs(f"index head dim {index_dim} (the Triton KL kernels take a power of two in [16, 256])")
+
+
+def check_atomics_allowed() -> None:
+    """Decline under `torch.use_deterministic_algorithms(True)`: the default kernels add with
+    atomics (`kl_deterministic.py` serves that mode)."""
     if torch.are_deterministic_algorithms_enabled():
         raise UnsupportedInputs("deterministic algorithms were requested and the Triton KL kernels add with atomics")
 
@@ -146,6 +154,37 @@ def _teacher_tile(
 
 
 @triton.jit
+def _add_query_sums(out, query_sums, query, token_ok, kv_head, NUM_KV_HEADS: tl.constexpr, TOPK: tl.constexpr,
+                    INDEX_DIM: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    """A tile's per-entry sums `[TOKENS, Di]` into `out`: added to its (query, index head) rows
+    `[Tq, Hi, Di]` with atomics, or (`DETERMINISTIC`) stored in its entry rows `[Tq, Hi, topk, Di]`,
+    each written by this one tile."""
+    pair = (query // TOPK).to(tl.int64) * NUM_KV_HEADS + kv_head
+    index_dims = tl.arange(0, INDEX_DIM)
+    if DETERMINISTIC:
+        entry = pair * TOPK + query % TOPK
+        tl.store(out + entry[:, None] * INDEX_DIM + index_dims[None, :], query_sums, mask=token_ok[:, None])
+    else:
+        tl.atomic_add(out + pair[:, None] * INDEX_DIM + index_dims[None, :], query_sums, mask=token_ok[:, None],
+                      sem="relaxed")
+
+
+@triton.jit
+def _add_key_sums(out, key_sums, item, key_row, key_ok, BLOCK: tl.constexpr, INDEX_DIM: tl.constexpr,
+                  DETERMINISTIC: tl.constexpr):
+    """An item's per-key sums `[BLOCK, Di]` into `out`: added to its keys' rows `[Tk, 1, Di]` with
+    atomics, or (`DETERMINISTIC`) stored in the item's own rows `item * BLOCK + c` of a workspace
+    (`backward_deterministic_kernel.reduce_item_rows` reads them); only the `key_ok` keys."""
+    index_dims = tl.arange(0, INDEX_DIM)
+    if DETERMINISTIC:
+        rows = item.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out + rows[:, None] * INDEX_DIM + index_dims[None, :], key_sums, mask=key_ok[:, None])
+    else:
+        tl.atomic_add(out + key_row[:, None] * INDEX_DIM + index_dims[None, :], key_sums, mask=key_ok[:, None],
+                      sem="relaxed")
+
+
+@triton.jit
 def msa_kl_fwd_kernel(
     q, k, lse, index_q, index_k, part_max, part_sum, part_weighted, part_mass, teacher_index_keys,
     teacher_index_queries,
@@ -154,8 +193,11 @@ def msa_kl_fwd_kernel(
     stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_iq_token, stride_iq_head, stride_ik_token,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PASS: tl.constexpr, TOKENS: tl.constexpr,
     TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DETERMINISTIC: tl.constexpr = False,
 ):
+    """`DETERMINISTIC`: the teacher's index reductions are stored, not added: `teacher_index_keys`
+    is then the per-entry rows `[Tq, Hi, topk, Di]` and `teacher_index_queries` the per-item rows
+    `[max_items * BLOCK, Di]` (`_add_query_sums`, `_add_key_sums`)."""
     item = tl.program_id(0)
     start = tl.load(item_start + item)
     end = tl.load(item_end + item)
@@ -167,7 +209,6 @@ def msa_kl_fwd_kernel(
     )
     k_block = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + tl.arange(0, DIM)[None, :],
                       mask=key_ok[:, None], other=0.0)
-    index_dims = tl.arange(0, INDEX_DIM)
     key_sums = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
 
     for first in range(start, end, TOKENS):
@@ -198,12 +239,10 @@ def msa_kl_fwd_kernel(
         # rows of `teacher` and of the operands, so nothing of another document is read.
         query_sums = weighted_dot(teacher, index_keys, tl.zeros((TOKENS, INDEX_DIM), tl.float32), SPLIT,
                                    INDEX_PRECISION)
-        pair = (query // TOPK).to(tl.int64) * NUM_KV_HEADS + kv_head
-        tl.atomic_add(teacher_index_keys + pair[:, None] * INDEX_DIM + index_dims[None, :], query_sums,
-                      mask=token_ok[:, None], sem="relaxed")
+        _add_query_sums(teacher_index_keys, query_sums, query, token_ok, kv_head, NUM_KV_HEADS, TOPK, INDEX_DIM,
+                        DETERMINISTIC)
         key_sums = weighted_dot(tl.trans(teacher), index_queries, key_sums, SPLIT, INDEX_PRECISION)
-    tl.atomic_add(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :], key_sums,
-                  mask=key_ok[:, None], sem="relaxed")
+    _add_key_sums(teacher_index_queries, key_sums, item, key_row, key_ok, BLOCK, INDEX_DIM, DETERMINISTIC)
 
 
 @triton.jit
@@ -212,8 +251,10 @@ def msa_kl_bwd_kernel(
     entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
     num_keys, index_scale, stride_iq_token, stride_iq_head, stride_ik_token,
     NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
-    INDEX_DIM: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    INDEX_DIM: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DETERMINISTIC: tl.constexpr = False,
 ):
+    """`DETERMINISTIC`: the student's reductions are stored, not added, as in `msa_kl_fwd_kernel`:
+    `d_index_q` is then the per-entry rows and `d_index_k` the per-item rows."""
     item = tl.program_id(0)
     start = tl.load(item_start + item)
     end = tl.load(item_end + item)
@@ -223,7 +264,6 @@ def msa_kl_bwd_kernel(
         index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
         num_keys, stride_ik_token, TOPK, BLOCK, INDEX_DIM,
     )
-    index_dims = tl.arange(0, INDEX_DIM)
     scale = tl.load(coefficient)
     key_sums = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
 
@@ -240,11 +280,10 @@ def msa_kl_bwd_kernel(
         student = tl.where(logits != float("-inf"), mass[:, None] * tl.exp2(logits - student_lse[:, None]), 0.0)
         query_sums = weighted_dot(student, index_keys, tl.zeros((TOKENS, INDEX_DIM), tl.float32), SPLIT,
                                    INDEX_PRECISION)
-        tl.atomic_add(d_index_q + pair[:, None] * INDEX_DIM + index_dims[None, :], query_sums * scale,
-                      mask=token_ok[:, None], sem="relaxed")
+        _add_query_sums(d_index_q, query_sums * scale, query, token_ok, kv_head, NUM_KV_HEADS, TOPK, INDEX_DIM,
+                        DETERMINISTIC)
         key_sums = weighted_dot(tl.trans(student), index_queries, key_sums, SPLIT, INDEX_PRECISION)
-    tl.atomic_add(d_index_k + key_row[:, None] * INDEX_DIM + index_dims[None, :], key_sums * scale,
-                  mask=key_ok[:, None], sem="relaxed")
+    _add_key_sums(d_index_k, key_sums * scale, item, key_row, key_ok, BLOCK, INDEX_DIM, DETERMINISTIC)
 
 
 def _schedule_tables(schedule) -> tuple:
@@ -252,75 +291,143 @@ def _schedule_tables(schedule) -> tuple:
             schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position)
 
 
+class ForwardPartials(NamedTuple):
+    """The per-entry partials of the forward, fp32 `[Hi, Tq, topk]` each (laid out like
+    `block_indices`): the student's running max (log2 domain) and sum of `exp2` of its logits,
+    `A` and `M` over the entry's block. Entries the schedule drops keep their initial values,
+    which add nothing (max `-inf`, the rest 0)."""
+
+    max: torch.Tensor
+    sum: torch.Tensor
+    weighted: torch.Tensor
+    mass: torch.Tensor
+
+
+def forward_partials(num_index_heads: int, num_queries: int, topk: int, device) -> ForwardPartials:
+    """The forward's partials at their initial values, on `device`."""
+    shape = (num_index_heads, num_queries, topk)
+    return ForwardPartials(torch.full(shape, -math.inf, dtype=torch.float32, device=device),
+                           *(torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(3)))
+
+
+def launch_forward(q, k, lse, index_q, index_k, partials: ForwardPartials, teacher_sums, schedule, topk, block_size,
+                   softmax_scale, index_softmax_scale, deterministic: bool) -> None:
+    """`msa_kl_fwd_kernel` over every item of `schedule`.
+
+    Args:
+        q, k, index_q, index_k: unit stride in the head dim; lse: fp32 `[Tq, Hq]`, contiguous.
+        partials: filled for every entry of the schedule.
+        teacher_sums: `(teacher_index_keys, teacher_index_queries)`: fp32 `[Tq, Hi, Di]` and
+            `[Tk, 1, Di]` accumulators (zeros) that the kernel adds to, or with `deterministic`
+            the per-entry rows `[Tq, Hi, topk, Di]` and the per-item rows
+            `[max_items * block_size, Di]` it stores into.
+    """
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    index_dim = index_q.shape[-1]
+
+    def launch_config(config):
+        tokens, heads_per_pass = kl_tile_shape(num_heads, num_kv_heads, config.rows)
+        msa_kl_fwd_kernel[(schedule.item_start.numel(),)](
+            q, k, lse, index_q, index_k, *partials, *teacher_sums, *_schedule_tables(schedule),
+            num_queries, num_keys, softmax_scale * LOG2_E.value, index_softmax_scale * LOG2_E.value,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), index_q.stride(0), index_q.stride(1),
+            index_k.stride(0),
+            NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEADS_PER_PASS=heads_per_pass,
+            TOKENS=tokens, TOPK=topk, BLOCK=block_size, DIM=dim, INDEX_DIM=index_dim,
+            PRECISION=dot_precision(q.dtype), INDEX_PRECISION=dot_precision(index_q.dtype),
+            SPLIT=split_weights(index_q.dtype), DETERMINISTIC=deterministic, **config.options,
+        )
+
+    shape_key = (q.device, q.dtype, index_q.dtype, dim, index_dim, block_size, num_heads // num_kv_heads)
+    name = "msa_kl_fwd_kernel (deterministic)" if deterministic else "msa_kl_fwd_kernel"
+    launch(name, shape_key, FORWARD_CONFIGS, launch_config)
+
+
+def finish_forward(partials: ForwardPartials, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(loss, index_lse [Tq, Hi], teacher_mass [Tq, Hi])` in `dtype` from the partials: the
+    `topk` partials of each (query, index head) combined by torch reductions, which are
+    deterministic."""
+    num_index_heads, num_queries, _ = partials.max.shape
+    used = partials.sum > 0
+    slot_lse = torch.where(used, (partials.max + torch.where(used, partials.sum, 1).log2()) * math.log(2), -math.inf)
+    index_lse = torch.logsumexp(slot_lse, -1)  # [Hi, Tq]
+    mass = partials.mass.sum(-1)
+    divergence = partials.weighted.sum(-1) + torch.where(mass > 0, mass * index_lse.masked_fill(mass <= 0, 0), 0)
+    loss = divergence.sum() / max(1, num_queries * num_index_heads)
+    return loss.to(dtype), index_lse.t().to(dtype).contiguous(), mass.t().to(dtype).contiguous()
+
+
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale):
     """Same contract as `torch_msa.reference_kl.indexer_kl` (sparse support, `lse` given)."""
     check_inputs(lse is not None, index_q)
+    check_atomics_allowed()
     num_queries, num_heads, dim = q.shape
-    num_keys, num_kv_heads, _ = k.shape
+    num_keys = k.shape[0]
     num_index_heads, index_dim = index_q.shape[1:]
     topk = block_indices.shape[-1]
-    dtype = loss_dtype(index_q.dtype)
     lse = lse.contiguous()
-    shape = (num_index_heads, num_queries, topk)
-    part_max = torch.full(shape, -math.inf, dtype=torch.float32, device=q.device)
-    part_sum, part_weighted, part_mass = (torch.zeros(shape, dtype=torch.float32, device=q.device) for _ in range(3))
+    partials = forward_partials(num_index_heads, num_queries, topk, q.device)
     teacher_index_keys = torch.zeros((num_queries, num_index_heads, index_dim), dtype=torch.float32, device=q.device)
     teacher_index_queries = torch.zeros((num_keys, 1, index_dim), dtype=torch.float32, device=q.device)
     if num_queries > 0 and num_keys > 0:
         q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
         schedule = schedule_for(block_indices, documents, num_keys, block_size, num_heads)
+        launch_forward(q, k, lse, index_q, index_k, partials, (teacher_index_keys, teacher_index_queries), schedule,
+                       topk, block_size, softmax_scale, index_softmax_scale, deterministic=False)
+    loss, index_lse, mass = finish_forward(partials, loss_dtype(index_q.dtype))
+    return loss, lse.clone(), index_lse, mass, teacher_index_keys, teacher_index_queries
 
-        def launch_forward(config):
-            tokens, heads_per_pass = kl_tile_shape(num_heads, num_kv_heads, config.rows)
-            msa_kl_fwd_kernel[(schedule.item_start.numel(),)](
-                q, k, lse, index_q, index_k, part_max, part_sum, part_weighted, part_mass,
-                teacher_index_keys, teacher_index_queries, *_schedule_tables(schedule),
-                num_queries, num_keys, softmax_scale * LOG2_E.value, index_softmax_scale * LOG2_E.value,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), index_q.stride(0), index_q.stride(1),
-                index_k.stride(0),
-                NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEADS_PER_PASS=heads_per_pass,
-                TOKENS=tokens, TOPK=topk, BLOCK=block_size, DIM=dim, INDEX_DIM=index_dim,
-                PRECISION=dot_precision(q.dtype), INDEX_PRECISION=dot_precision(index_q.dtype),
-                SPLIT=split_weights(index_q.dtype), **config.options,
-            )
 
-        shape_key = (q.device, q.dtype, index_q.dtype, dim, index_dim, block_size, num_heads // num_kv_heads)
-        launch("msa_kl_fwd_kernel", shape_key, FORWARD_CONFIGS, launch_forward)
-    used = part_sum > 0
-    slot_lse = torch.where(used, (part_max + torch.where(used, part_sum, 1).log2()) * math.log(2), -math.inf)
-    index_lse = torch.logsumexp(slot_lse, -1)  # [Hi, Tq]
-    mass = part_mass.sum(-1)
-    divergence = part_weighted.sum(-1) + torch.where(mass > 0, mass * index_lse.masked_fill(mass <= 0, 0), 0)
-    loss = divergence.sum() / max(1, num_queries * num_index_heads)
-    return (loss.to(dtype), lse.clone(), index_lse.t().to(dtype).contiguous(), mass.t().to(dtype).contiguous(),
-            teacher_index_keys, teacher_index_queries)
+def backward_coefficient(grad_loss, index_softmax_scale: float, num_queries: int, num_index_heads: int) -> torch.Tensor:
+    """`c = grad_loss * index_scale / (Tq * Hi)`, fp32 `[1]`: `d = c * (student - teacher)`."""
+    return (grad_loss.float() * (index_softmax_scale / max(1, num_queries * num_index_heads))).reshape(1)
+
+
+def launch_backward(index_q, index_k, index_lse, teacher_mass, coefficient, student_sums, schedule, topk, block_size,
+                    index_softmax_scale, deterministic: bool) -> None:
+    """`msa_kl_bwd_kernel` over every item of `schedule`.
+
+    Args:
+        index_q, index_k: unit stride in the index dim; index_lse, teacher_mass: fp32 `[Tq, Hi]`,
+            contiguous; coefficient: from `backward_coefficient`.
+        student_sums: `(d_index_q, d_index_k)`: fp32 `[Tq, Hi, Di]` and `[Tk, 1, Di]` that the
+            kernel adds `c` times the student's reductions to, or with `deterministic` the
+            per-entry rows `[Tq, Hi, topk, Di]` and the per-item rows `[max_items * block_size, Di]`
+            it stores them into.
+    """
+    num_index_heads, index_dim = index_q.shape[1:]
+
+    def launch_config(config):
+        msa_kl_bwd_kernel[(schedule.item_start.numel(),)](
+            index_q, index_k, index_lse, teacher_mass, coefficient, *student_sums, *_schedule_tables(schedule),
+            index_k.shape[0], index_softmax_scale * LOG2_E.value, index_q.stride(0), index_q.stride(1),
+            index_k.stride(0),
+            NUM_KV_HEADS=num_index_heads, TOKENS=config.rows, TOPK=topk, BLOCK=block_size,
+            INDEX_DIM=index_dim, INDEX_PRECISION=dot_precision(index_q.dtype), SPLIT=split_weights(index_q.dtype),
+            DETERMINISTIC=deterministic, **config.options,
+        )
+
+    name = "msa_kl_bwd_kernel (deterministic)" if deterministic else "msa_kl_bwd_kernel"
+    launch(name, (index_q.device, index_q.dtype, index_dim, block_size), BACKWARD_CONFIGS, launch_config)
 
 
 def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
                         teacher_index_queries, block_indices, documents, block_size, index_softmax_scale):
     """Same contract as `torch_msa.reference_kl.indexer_kl_backward` (sparse support)."""
     check_inputs(True, index_q)
-    num_queries, num_index_heads, index_dim = index_q.shape
+    check_atomics_allowed()
+    num_queries, num_index_heads, _ = index_q.shape
     num_keys = index_k.shape[0]
+    coefficient = backward_coefficient(grad_loss, index_softmax_scale, num_queries, num_index_heads)
     # d = c * (student - teacher): the buffers start at the teacher's half, the kernel adds the student's.
-    coefficient = (grad_loss.float() * (index_softmax_scale / max(1, num_queries * num_index_heads))).reshape(1)
     d_index_q = (teacher_index_keys.float() * -coefficient).contiguous()
     d_index_k = (teacher_index_queries.float() * -coefficient).contiguous()
     if num_queries > 0 and num_keys > 0:
         index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
         # One row per entry: the student has one head per index head.
         schedule = schedule_for(block_indices, documents, num_keys, block_size, num_index_heads)
-        student_lse, mass = index_lse.float().contiguous(), teacher_mass.float().contiguous()
-
-        def launch_backward(config):
-            msa_kl_bwd_kernel[(schedule.item_start.numel(),)](
-                index_q, index_k, student_lse, mass, coefficient, d_index_q, d_index_k, *_schedule_tables(schedule),
-                num_keys, index_softmax_scale * LOG2_E.value, index_q.stride(0), index_q.stride(1), index_k.stride(0),
-                NUM_KV_HEADS=num_index_heads, TOKENS=config.rows, TOPK=block_indices.shape[-1], BLOCK=block_size,
-                INDEX_DIM=index_dim, INDEX_PRECISION=dot_precision(index_q.dtype), SPLIT=split_weights(index_q.dtype),
-                **config.options,
-            )
-
-        launch("msa_kl_bwd_kernel", (index_q.device, index_q.dtype, index_dim, block_size), BACKWARD_CONFIGS,
-               launch_backward)
+        launch_backward(index_q, index_k, index_lse.float().contiguous(), teacher_mass.float().contiguous(),
+                        coefficient, (d_index_q, d_index_k), schedule, block_indices.shape[-1], block_size,
+                        index_softmax_scale, deterministic=False)
     return d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)

@@ -151,16 +151,54 @@ def test_kernels_decline_what_they_do_not_serve(monkeypatch):
         kl_dense_kernel.check_inputs(q.double(), k.double(), index_q)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(UnsupportedInputs, match="deterministic"):
-        kl_dense_kernel.indexer_kl_dense(q, k, None, index_q, torch.zeros(4, 1, 16, device=DEVICE), Documents(cu, cu, 4, 4),
-                                         0.125, 0.25)
+    fragments = (torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(UnsupportedInputs, match="query fragments under deterministic algorithms"):
+        kl_dense_kernel.indexer_kl_dense(q, k, None, index_q, torch.zeros(4, 1, 16, device=DEVICE),
+                                         Documents(cu, cu, 4, 4, *fragments), 0.125, 0.25)
 
 
+@pytest.fixture
+def deterministic_algorithms():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+@pytest.mark.parametrize("with_lse", [False, True], ids=["lse-computed", "lse-given"])
+@pytest.mark.parametrize("case", ["pack-empty-1-token-suffix", "long-suffix-fp16-d16", "group3-d128-strided"])
+def test_deterministic_dense_forward_matches_float64_and_repeats_bitwise(case, with_lse, deterministic_algorithms):
+    """Under deterministic algorithms the teacher's index queries come from the key-tile-outer
+    kernel, without atomics: every output as accurate as the default forward's, and equal bits
+    on a second call."""
+    q_lens, k_lens, num_heads, num_kv_heads, dim, index_dim, dtype, strided = CASES[case]
+    q, k, index_q, index_k = _inputs(q_lens, k_lens, num_heads, num_kv_heads, dim, index_dim, dtype, strided)
+    cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens, DEVICE)
+    docs = (cu_q, cu_k, max(q_lens), max(k_lens))
+    scales = (dim**-0.5, index_dim**-0.5)
+    want = oracle(q, k, None, index_q.double(), index_k.double(), q_lens, k_lens, *scales)
+    lse = want[1].float() if with_lse else None
+    got = kl_dense_kernel.indexer_kl_dense(q, k, lse, index_q, index_k, Documents(*docs), *scales)
+    tolerance = 2e-5 if dtype == torch.float32 else 3e-3
+    names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
+    assert want[5].abs().sum() > 0
+    for name, a, b in zip(names, got, want, strict=True):
+        _close(a, b.detach(), tolerance, name)
+    for name, a, b in zip(names, got, kl_dense_kernel.indexer_kl_dense(q, k, lse, index_q, index_k, Documents(*docs), *scales),
+                          strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("poisoned", ["q", "k", "index_q", "index_k"])
-def test_a_non_finite_document_changes_no_other_documents_outputs_or_gradients(poisoned):
+def test_a_non_finite_document_changes_no_other_documents_outputs_or_gradients(poisoned, deterministic, request):
     """NaN/Inf in document 1 of three (50, 40 and 30 tokens, so documents end inside every key
     tile) leaves every per-query and per-key output and gradient of documents 0 and 2 finite and
-    equal to a clean run's."""
+    equal to a clean run's, with the default forward and the deterministic one."""
+    if deterministic:
+        request.getfixturevalue("deterministic_algorithms")
     lengths = [50, 40, 30]
     cu_q, cu_k = testing.cu_seqlens(lengths, lengths, DEVICE)
     docs = (cu_q, cu_k, max(lengths), max(lengths))

@@ -1,4 +1,5 @@
-"""The Triton KL kernels (`torch_msa/triton/kl_kernel.py`) against the reference at small shapes.
+"""The Triton KL kernels (`torch_msa/triton/kl_kernel.py`) against the reference at small shapes
+(their deterministic variant: `test_kl_deterministic_kernel.py`).
 
 Run natively on a CUDA host, or on CPU under the Triton interpreter by
 `tests/triton/test_interpret.py`; fp32 and fp16 only (the interpreter's bf16 `tl.dot` is wrong,
@@ -13,7 +14,7 @@ import torch
 from tests.support.documents import backend_arguments
 from torch_msa import reference, reference_kl, testing
 from torch_msa.backends import UnsupportedInputs
-from torch_msa.triton import kl_kernel
+from torch_msa.triton import kl_deterministic, kl_kernel
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETING else "cuda"
@@ -85,17 +86,18 @@ def test_kl_kernels_decline_what_they_do_not_serve():
     torch.use_deterministic_algorithms(True)
     try:
         with pytest.raises(UnsupportedInputs, match="deterministic"):
-            kl_kernel.check_inputs(True, index_q)
+            kl_kernel.check_atomics_allowed()
     finally:
         torch.use_deterministic_algorithms(deterministic)
 
 
+@pytest.mark.parametrize("module", [kl_kernel, kl_deterministic], ids=["default", "deterministic"])
 @pytest.mark.parametrize("poisoned", ["q", "k", "index_q", "index_k"])
-def test_a_non_finite_document_changes_no_other_documents_index_gradients(poisoned):
+def test_a_non_finite_document_changes_no_other_documents_index_gradients(poisoned, module):
     """Documents end mid-block (key blocks of 64 over documents of 50, 40 and 30 tokens), so an
     item's block holds the next document's keys; NaN/Inf in document 1 must leave the forward's
     per-query and per-key outputs and the index gradients of documents 0 and 2 finite and equal
-    to a clean run's."""
+    to a clean run's, with the default kernels and with the deterministic ones."""
     lengths = [50, 40, 30]
     cu_q, cu_k = testing.cu_seqlens(lengths, lengths, DEVICE)
     num_tokens, num_heads, num_kv_heads, dim, index_dim, block_size, topk = sum(lengths), 2, 1, 64, 16, 64, 2
@@ -121,8 +123,8 @@ def test_a_non_finite_document_changes_no_other_documents_index_gradients(poison
         _, lse = reference.forward(*backend_arguments("forward", x["q"], x["k"], x["k"], block_indices, *docs, block_size,
                                                       scales[0]))
         args = (x["q"], x["k"], lse, x["index_q"], x["index_k"], block_indices, *docs, block_size, *scales)
-        _, _, *kept = kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
-        gradients = kl_kernel.indexer_kl_backward(*backend_arguments(
+        _, _, *kept = module.indexer_kl(*backend_arguments("indexer_kl", *args))
+        gradients = module.indexer_kl_backward(*backend_arguments(
             "indexer_kl_backward", torch.tensor(1.0, device=DEVICE), x["index_q"], x["index_k"], *kept, block_indices,
             *docs, block_size, scales[1]))
         return (*kept, *gradients)

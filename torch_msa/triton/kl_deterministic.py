@@ -1,0 +1,169 @@
+"""`msa::indexer_kl` and `msa::indexer_kl_backward` on the sparse support in Triton, deterministic:
+every sum has a fixed order, so two runs on the same inputs agree bitwise. The backend serves
+these under `torch.use_deterministic_algorithms(True)`; the default kernels (`kl_kernel.py`) add
+with atomics instead.
+
+Both passes run the KV-outer kernels of `kl_kernel.py` with `DETERMINISTIC`, on a schedule of
+their own (`backward_deterministic_kernel.item_schedule`: the workspace is laid out by its
+items), and reduce what they store like the deterministic attention backward
+(`backward_deterministic_kernel.py`):
+
+* Per (query, index head) sums (`teacher_index_keys` in the forward, the student's half of
+  `d index_q` in the backward): each entry `(query, index head, slot)` is one row of one tile of
+  one item, which stores it in its own row of `[Tq, Hi, topk, Di]` (rows of entries the schedule
+  drops stay zero); a torch sum over the slots (torch's reductions have a fixed order) gives
+  `[Tq, Hi, Di]`.
+* Per key sums (`teacher_index_queries`, the student's half of `d index_k`): each item keeps its
+  block's sums in registers and stores them in its own rows of a workspace, rows
+  `item * block_size + c`; `reduce_item_rows` sums each bucket's items in item order into the
+  bucket's KV head's rows of `[Tk, Hi, Di]` (zero where no bucket of that head reads the key),
+  and a torch sum over the heads gives `[Tk, 1, Di]`.
+* The loss, the student's lse and the teacher's mass come from per-entry partials, as in the
+  default forward, which has no atomics there (`kl_kernel.finish_forward`).
+
+Items: the forward's hold `FORWARD_ITEM_FACTOR` times the entries of the public API's plans
+(`torch_msa.schedule.entries_per_item(Hq, Hkv)`), as the deterministic attention backward's
+items hold four times its tiles, to bound the workspace; the backward's hold what the default
+backward's do (`entries_per_item(Hi, Hi)`).
+
+Memory: fp32 state, with `E` entries per item. Per query: entry rows of `4 Hi topk Di` bytes
+and item rows of about `4 Di Hi topk block_size / E` (`partial_bytes_per_query`: 40 KiB at M3,
+Hi 4, topk 16, Di 128, block 128, in the forward's `E = 512`; 34 KiB in the backward's
+`E = 2048`). These are bounded: a call whose queries would pass `query_windows.PARTIAL_BYTES`
+runs over consecutive windows of queries that fit it, each window's queries passed as one-token
+fragments that place them where one call would (`documents.token_fragments`, as the attention
+forward's windows do, `torch_msa/query_windows.py`), and its per-key sums added to the others'
+in window order. Per window and key: the items' share of `max_buckets` (`torch_msa/schedule.py`),
+`4 Di Hi (1 + block_size B / Tk)` bytes of item rows for `B` documents, and `4 Hi Di` bytes of
+per-head key sums (2 KiB each at M3). Nothing is `T x T`.
+
+Precision is the default kernels': the same tiles compute the same sums, only added in another,
+fixed, order.
+"""
+
+import torch
+
+from .. import query_windows
+from ..reference_kl import loss_dtype
+from ..schedule import entries_per_item
+from .backward_deterministic_kernel import item_schedule, reduce_item_rows
+from .kl_kernel import (
+    backward_coefficient,
+    check_inputs,
+    finish_forward,
+    forward_partials,
+    launch_backward,
+    launch_forward,
+)
+
+FORWARD_ITEM_FACTOR = 4
+"""The forward's entries per item, in multiples of those of the public API's plans."""
+
+
+def forward_entries_per_item(num_heads: int, num_kv_heads: int) -> int:
+    """Entries per item of the forward's schedule."""
+    return FORWARD_ITEM_FACTOR * entries_per_item(num_heads, num_kv_heads)
+
+
+def backward_entries_per_item(num_index_heads: int) -> int:
+    """Entries per item of the backward's schedule: one row per entry, as the default backward's."""
+    return entries_per_item(num_index_heads, num_index_heads)
+
+
+def partial_bytes_per_query(num_index_heads: int, topk: int, index_dim: int, block_size: int, items_of: int) -> int:
+    """Bytes of entry rows and item rows one query adds to a window with items of `items_of` entries."""
+    entries = num_index_heads * topk
+    return 4 * index_dim * (entries + -(-entries * block_size // items_of))
+
+
+def _windows(documents, num_queries: int, num_keys: int, per_query: int):
+    """`query_windows.query_windows` with windows whose partials (`per_query` bytes per query) fit
+    `query_windows.PARTIAL_BYTES`."""
+    window = max(1, query_windows.PARTIAL_BYTES // max(1, per_query))
+    return query_windows.query_windows(documents, num_queries, num_keys, window)
+
+
+def _workspaces(block_indices, documents, num_keys, block_size, items_of, index_dim):
+    """The schedule of items of `items_of` entries, its buckets' first items, and the zeroed
+    entry rows `[Tq, Hi, topk, Di]` and the per-item rows `[max_items * block_size, Di]` (fp32)."""
+    num_index_heads, num_queries, topk = block_indices.shape
+    device = block_indices.device
+    schedule, bucket_first_item = item_schedule(block_indices, documents, num_keys, block_size, items_of)
+    entry_rows = torch.zeros((num_queries, num_index_heads, topk, index_dim), dtype=torch.float32, device=device)
+    item_rows = torch.empty((schedule.item_start.numel() * block_size, index_dim), dtype=torch.float32, device=device)
+    return schedule, bucket_first_item, entry_rows, item_rows
+
+
+def _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys, num_index_heads, topk, block_size):
+    """`[Tk, 1, Di]` fp32: the per-item rows summed per key, in item order per KV head, then over the heads."""
+    per_head = torch.zeros((num_keys, num_index_heads, item_rows.shape[-1]), dtype=torch.float32,
+                           device=item_rows.device)
+    shape_key = (item_rows.device, item_rows.shape[-1], block_size, topk)
+    reduce_item_rows(schedule, items_of, bucket_first_item, (item_rows,), (per_head,), topk, block_size, shape_key)
+    return per_head.sum(1, keepdim=True)
+
+
+def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale):
+    """Same contract as `torch_msa.reference_kl.indexer_kl` (sparse support, `lse` given), bitwise
+    reproducible."""
+    check_inputs(lse is not None, index_q)
+    num_queries, num_heads, _ = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    num_index_heads, index_dim = index_q.shape[1:]
+    topk = block_indices.shape[-1]
+    device = q.device
+    lse = lse.contiguous()
+    partials = forward_partials(num_index_heads, num_queries, topk, device)
+    teacher_index_keys = torch.zeros((num_queries, num_index_heads, index_dim), dtype=torch.float32, device=device)
+    teacher_index_queries = torch.zeros((num_keys, 1, index_dim), dtype=torch.float32, device=device)
+    if num_queries > 0 and num_keys > 0 and topk > 0:
+        q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
+        items_of = forward_entries_per_item(num_heads, num_kv_heads)
+        per_query = partial_bytes_per_query(num_index_heads, topk, index_dim, block_size, items_of)
+        for start, stop, window in _windows(documents, num_queries, num_keys, per_query):
+            whole = stop - start == num_queries
+            window_partials = partials if whole else forward_partials(num_index_heads, stop - start, topk, device)
+            schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
+                block_indices[:, start:stop].contiguous(), window, num_keys, block_size, items_of, index_dim)
+            launch_forward(q[start:stop], k, lse[start:stop], index_q[start:stop], index_k, window_partials,
+                           (entry_rows, item_rows), schedule, topk, block_size, softmax_scale, index_softmax_scale,
+                           deterministic=True)
+            if not whole:
+                for full, part in zip(partials, window_partials, strict=True):
+                    full[:, start:stop] = part
+            teacher_index_keys[start:stop] = entry_rows.sum(2)
+            # Windows in turn: a fixed order.
+            teacher_index_queries += _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys,
+                                               num_index_heads, topk, block_size)
+    loss, index_lse, mass = finish_forward(partials, loss_dtype(index_q.dtype))
+    return loss, lse.clone(), index_lse, mass, teacher_index_keys, teacher_index_queries
+
+
+def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
+                        teacher_index_queries, block_indices, documents, block_size, index_softmax_scale):
+    """Same contract as `torch_msa.reference_kl.indexer_kl_backward` (sparse support), bitwise
+    reproducible."""
+    check_inputs(True, index_q)
+    num_queries, num_index_heads, index_dim = index_q.shape
+    num_keys = index_k.shape[0]
+    topk = block_indices.shape[-1]
+    coefficient = backward_coefficient(grad_loss, index_softmax_scale, num_queries, num_index_heads)
+    # d = c * (student - teacher); the kernel stores c times the student's sums.
+    d_index_q = teacher_index_keys.float() * -coefficient
+    d_index_k = teacher_index_queries.float() * -coefficient
+    if num_queries > 0 and num_keys > 0 and topk > 0:
+        index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
+        student_lse, mass = index_lse.float().contiguous(), teacher_mass.float().contiguous()
+        items_of = backward_entries_per_item(num_index_heads)
+        per_query = partial_bytes_per_query(num_index_heads, topk, index_dim, block_size, items_of)
+        for start, stop, window in _windows(documents, num_queries, num_keys, per_query):
+            schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
+                block_indices[:, start:stop].contiguous(), window, num_keys, block_size, items_of, index_dim)
+            launch_backward(index_q[start:stop], index_k, student_lse[start:stop], mass[start:stop], coefficient,
+                            (entry_rows, item_rows), schedule, topk, block_size, index_softmax_scale,
+                            deterministic=True)
+            d_index_q[start:stop] += entry_rows.sum(2)
+            # Windows in turn: a fixed order.
+            d_index_k += _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys, num_index_heads, topk,
+                                   block_size)
+    return d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)
