@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..backends import UnsupportedInputs
 from ..schedule import schedule_for
-from .common import LOG2_E, dot_precision, item_horizon, tile_shape
+from .common import LOG2_E, dot_precision, item_horizon, program_item, tile_shape
 from .launch import LaunchConfig, launch
 
 # Tuned on SM90 first (128 query rows, 64-key slices, 3 stages); the others fit sm_100 (whose
@@ -85,9 +85,7 @@ def msa_bwd_blocks_kernel(
     `dv_acc` (rows `item * BLOCK + c` for the block's key `c`), which
     `backward_deterministic_kernel.reduce_key_workspace` reduces in a fixed order.
     """
-    item = tl.program_id(0)
-    start = tl.load(item_start + item)
-    end = tl.load(item_end + item)
+    item, start, end = program_item(item_start, item_end)
     if start >= end:
         return
     bucket = tl.load(item_bucket + item)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..contract import compute_dtype
 from ..schedule import schedule_for
-from .common import LN_2, LOG2_E, TILE_ROWS, dot_precision, item_horizon, tile_shape
+from .common import LN_2, LOG2_E, TILE_ROWS, dot_precision, item_horizon, program_item, tile_shape
 from .launch import LaunchConfig, launch
 
 # Tuned on SM90 first; fewer rows and no pipelining for devices with less shared memory.
@@ -39,9 +39,7 @@ def msa_fwd_blocks_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
     TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    item = tl.program_id(0)
-    start = tl.load(item_start + item)
-    end = tl.load(item_end + item)
+    item, start, end = program_item(item_start, item_end)
     if start >= end:
         return
     bucket = tl.load(item_bucket + item)

@@ -44,7 +44,7 @@ import triton.language as tl
 from ..backends import UnsupportedInputs
 from ..reference_kl import loss_dtype
 from ..schedule import schedule_for
-from .common import LN_2, LOG2_E, dot_precision, item_horizon, split_weights, weighted_dot
+from .common import LN_2, LOG2_E, dot_precision, item_horizon, program_item, split_weights, weighted_dot
 from .launch import LaunchConfig, launch
 
 # `rows`: teacher rows (tokens x heads) of a forward tile; tokens of a backward tile.
@@ -198,9 +198,7 @@ def msa_kl_fwd_kernel(
     """`DETERMINISTIC`: the teacher's index reductions are stored, not added: `teacher_index_keys`
     is then the per-entry rows `[Tq, Hi, topk, Di]` and `teacher_index_queries` the per-item rows
     `[max_items * BLOCK, Di]` (`_add_query_sums`, `_add_key_sums`)."""
-    item = tl.program_id(0)
-    start = tl.load(item_start + item)
-    end = tl.load(item_end + item)
+    item, start, end = program_item(item_start, item_end)
     if start >= end:
         return
     kv_head, key_row, key_position, key_ok, index_keys = _item_block(
@@ -255,9 +253,7 @@ def msa_kl_bwd_kernel(
 ):
     """`DETERMINISTIC`: the student's reductions are stored, not added, as in `msa_kl_fwd_kernel`:
     `d_index_q` is then the per-entry rows and `d_index_k` the per-item rows."""
-    item = tl.program_id(0)
-    start = tl.load(item_start + item)
-    end = tl.load(item_end + item)
+    item, start, end = program_item(item_start, item_end)
     if start >= end:
         return
     kv_head, key_row, key_position, key_ok, index_keys = _item_block(
