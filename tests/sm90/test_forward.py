@@ -36,7 +36,7 @@ _inputs = random_problem
 def _sm90(q, k, v, blocks, cu_q, cu_k, max_q, max_k):
     from torch_msa.sm90.forward_host import forward
 
-    return forward(q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE)
+    return forward(*backend_arguments("forward", q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE))
 
 
 def _check(got, want, rows=None):
@@ -170,7 +170,7 @@ def test_given_plans_of_any_item_size(entries):
 
     q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([1000, 1500], [1000, 1500], torch.bfloat16, seed=7)
     plan = None if entries is None else plan_kernel.plan(blocks, documents_of(cu_q, cu_k), k.shape[0], BLOCK, entries)
-    got = forward(q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE, plan)
+    got = forward(*backend_arguments("forward", q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE, plan))
     _check(got, _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k))
 
 
