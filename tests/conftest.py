@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from tests.support.determinism import deterministic_algorithms as _deterministic_algorithms
+
 # The Triton kernel cases run natively on a CUDA host, or under the interpreter in the
 # subprocess of tests/triton/test_interpret.py; anywhere else that subprocess covers them.
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
@@ -22,3 +24,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    """`torch.use_deterministic_algorithms(True)` for the test, the previous setting after it."""
+    with _deterministic_algorithms():
+        yield

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import torch_msa
+from tests.support.determinism import deterministic_algorithms
 from tests.support.documents import backend_arguments
 from torch_msa import backends, reference
 from torch_msa.schedule import entries_per_item
@@ -47,16 +48,6 @@ def _inputs(layout, seed=0):
 def _relative_error(got, want):
     want = want.double()
     return ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()
-
-
-@contextlib.contextmanager
-def _deterministic_mode():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
 
 
 def _selections(layout, inputs, kind):
@@ -196,7 +187,7 @@ def test_memory_stays_linear_in_tokens(deterministic):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    with _deterministic_mode() if deterministic else contextlib.nullcontext():
+    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
         out = torch_msa.sparse_attention(q, k, v, block_indices, cu_q, cu_k, tq, tq)
         out.float().sum().backward()
     torch.cuda.synchronize()
@@ -325,7 +316,7 @@ def test_deterministic_backward_matches_reference_and_repeats_bitwise(layout, ki
     args = _backward_inputs(layout, kind)
     assert torch_msa.resolve("backward", cuda).name == backend
     backends._warned.clear()
-    with _deterministic_mode(), warnings.catch_warnings():
+    with deterministic_algorithms(), warnings.catch_warnings():
         warnings.filterwarnings("error", message="torch_msa")  # a fallback would warn
         runs = [torch.ops.msa.backward(*args) for _ in range(4)]
     _assert_matches_reference(runs[0], args)
@@ -341,7 +332,7 @@ def test_deterministic_backward_skips_out_of_contract_ids():
     block_indices[1, :, 2] = -(1 << 30)
     block_indices[2, :, 1] = block_indices[2, :, 0]
     args[6] = block_indices
-    with _deterministic_mode():
+    with deterministic_algorithms():
         got = torch.ops.msa.backward(*args)
     torch.cuda.synchronize()
     _assert_matches_reference(got, args)
@@ -379,7 +370,7 @@ def test_fragments_match_reference_at_m3_shapes(kind):
     grad_out, grad_lse = torch.randn_like(q), torch.randn_like(lse)
     want = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse, None,
                                                  *frag.tensors))
-    for mode in (contextlib.nullcontext, _deterministic_mode):
+    for mode in (contextlib.nullcontext, deterministic_algorithms):
         with mode():
             got = torch.ops.msa.backward(grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse, None, *frag.tensors)
         for name, g, w in zip(("dq", "dk", "dv"), got, want):

@@ -84,16 +84,6 @@ def test_m3_sparse_loss_and_gradients_match_reference(layout, selection):
         assert _relative_error(a, b) < 1e-2, (name, _relative_error(a, b))
 
 
-@pytest.fixture
-def deterministic_algorithms():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
-
-
 @pytest.mark.parametrize("layout", ["4K", "pack"])
 def test_deterministic_mode_serves_triton_bitwise(layout, monkeypatch, deterministic_algorithms):
     """Under deterministic algorithms the default kernels decline (atomics) and the backend runs

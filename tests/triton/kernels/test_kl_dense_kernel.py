@@ -157,16 +157,6 @@ def test_kernels_decline_what_they_do_not_serve(monkeypatch):
                                          Documents(cu, cu, 4, 4, *fragments), 0.125, 0.25)
 
 
-@pytest.fixture
-def deterministic_algorithms():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
-
-
 @pytest.mark.parametrize("with_lse", [False, True], ids=["lse-computed", "lse-given"])
 @pytest.mark.parametrize("case", ["pack-empty-1-token-suffix", "long-suffix-fp16-d16", "group3-d128-strided"])
 def test_deterministic_dense_forward_matches_float64_and_repeats_bitwise(case, with_lse, deterministic_algorithms):

@@ -43,16 +43,6 @@ def small_items(monkeypatch):
     monkeypatch.setattr(kl_deterministic, "backward_entries_per_item", lambda num_index_heads: 32)
 
 
-@pytest.fixture
-def deterministic_algorithms():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
-
-
 def _problem(q_lens, k_lens, num_heads, num_kv_heads, dim, index_dim, block_size, topk, dtype):
     cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens, DEVICE)
     num_queries, num_keys = sum(q_lens), sum(k_lens)
