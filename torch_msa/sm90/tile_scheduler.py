@@ -5,7 +5,7 @@ the (query, slot) *entries* that chose it. The grid is persistent: CTA `c` of a 
 items `c, c + n, ...` up to the item count, which it reads on the device (no host sync, so a
 launch is CUDA-graph safe). Within an item both kernels take the entries `TOKENS_PER_TILE` at a
 time, one token per 16-row slot of a 64-row tile; the slots of a last, partial tile repeat the
-item's first entry, whose rows the kernels then mask or do not write.
+tile's first entry, whose rows the kernels then mask or do not write.
 
 Device code: this module imports cutlass at the top, and only the kernel modules import it.
 """

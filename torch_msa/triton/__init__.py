@@ -10,7 +10,8 @@ backward only the student) and `kl_dense_kernel.py` (the same loss on the dense 
 the warm-up stage, query-tile-outer like a flash forward). No kernel module imports another: what
 they share is in `common.py` (and `launch.py`, the launch configurations that fit the device).
 `backward_deterministic.py` composes the backward that serves under
-`torch.use_deterministic_algorithms(True)` from the stages of two of them, `kl_deterministic.py`
+`torch.use_deterministic_algorithms(True)` from the stages of two of them (`deterministic_stages.py`:
+all but the key pass, shared with the SM90 deterministic backward), `kl_deterministic.py`
 the sparse KL loss of that mode from `kl_kernel.py`'s kernels and the fixed-order reduction of
 `backward_deterministic_kernel.py`, and `stages.py` is
 the interface through which other backends (SM90) compose those stages with their own kernels.
