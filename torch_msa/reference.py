@@ -47,8 +47,8 @@ def select_blocks(
     Args:
         index_q: `[Tq, Hi, Di]` index queries.
         index_k: `[Tk, 1, Di]` index keys, shared by all index heads.
-        documents: the documents; their `max_seqlen_k` bounds the candidate blocks a query scores, `ceil(min(max_seqlen_k,
-                                                                                                             Tk) / bs)`:
+        documents: the documents; their `max_seqlen_k` bounds the candidate blocks a query scores,
+            `ceil(min(max_seqlen_k, Tk) / bs)`:
             a generous bound (a fixed one that keeps compiled graphs static) costs nothing, since
             no document holds more than the `Tk` keys present.
 

@@ -11,12 +11,14 @@ import pathlib
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 from transformers import MiniMaxM3VLForCausalLM
 
 from tests.integrations.test_transformers import SEQLEN, _batch, _config, _enable_checkpointing, _packed_batch
+from torch_msa.diagnostics import TorchMSAWarning
 from torch_msa.integrations.transformers import ATTENTION_NAME, index_losses, use_torch_msa
 
 SPARSE_LAYERS = ["minimax_m3_sparse", "full_attention", "minimax_m3_sparse"]
@@ -158,6 +160,41 @@ def test_gradient_checkpointing_gives_the_same_kls_and_gradients(base_model):
     assert grads.keys() == checkpointed_grads.keys()
     for name in grads:
         torch.testing.assert_close(checkpointed_grads[name], grads[name], rtol=1e-5, atol=1e-7)
+
+
+def test_reentrant_checkpointing_kls_warn_that_they_train_nothing(base_model):
+    """Reentrant checkpointing runs the first forward under no_grad: its KLs could not train the
+    indexers, and `index_losses` says so instead of handing back constants silently."""
+    batch, labels = _inputs("right-padded")
+    model = _switched(base_model, index_loss="sparse").train()
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model(**batch, labels=labels)
+    with pytest.warns(TorchMSAWarning, match="use_reentrant=False"):
+        kls = index_losses(model)
+    assert not any(kl.requires_grad for kl in kls)
+    with torch.no_grad(), warnings.catch_warnings():  # reading them for a log, without grad: no warning
+        warnings.simplefilter("error")
+        assert len(index_losses(model)) == 2
+
+
+def test_a_model_with_kls_can_be_copied(base_model):
+    """The KLs belong to the step's autograd graph: a copy (an EMA model, an eval copy) starts
+    without them, and the original keeps its own."""
+    model = _switched(base_model, index_loss="sparse")
+    batch, _ = _inputs("right-padded")
+    model(**batch)
+    for backward_done in (False, True):
+        twin = copy.deepcopy(model)
+        with pytest.raises(ValueError, match="none for layers"):
+            index_losses(twin)
+        twin(**batch)
+        for a, b in zip(index_losses(twin), index_losses(model), strict=True):
+            torch.testing.assert_close(a, b)
+        if not backward_done:
+            sum(index_losses(model)).backward()
 
 
 def test_compiled_forward_and_backward_give_the_same_kls_and_gradients(base_model):

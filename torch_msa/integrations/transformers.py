@@ -165,6 +165,20 @@ class PendingSelection:
         return blocks.view(heads, batch, q_len, self.topk).permute(1, 0, 2, 3).long()
 
 
+class _LatestIndexLoss:
+    """A layer's latest KL. Copies and pickles of the model start without one: the KL belongs to
+    the step's autograd graph, which `copy.deepcopy` cannot copy (it takes graph leaves only)."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo) -> "_LatestIndexLoss":
+        return _LatestIndexLoss()
+
+    def __reduce__(self):
+        return _LatestIndexLoss, ()
+
+
 class TorchMSAIndexer(MiniMaxM3VLIndexer):
     """HF's MiniMax-M3 indexer (same parameters) whose selection runs in `torch_msa.select_blocks`.
 
@@ -183,7 +197,15 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
 
     index_loss_support: IndexLossSupport | None = None
     detach_index_inputs: bool = True
-    index_loss: torch.Tensor | None = None
+
+    @property
+    def index_loss(self) -> torch.Tensor | None:
+        slot = self.__dict__.get("_latest_index_loss")
+        return None if slot is None else slot.value
+
+    @index_loss.setter
+    def index_loss(self, value: torch.Tensor | None) -> None:
+        self.__dict__.setdefault("_latest_index_loss", _LatestIndexLoss()).value = value
 
     def forward(self, hidden_states, position_embeddings, past_key_values, position_ids) -> PendingSelection | torch.Tensor:
         """HF's indexer's projections, norms and RoPE, with the selection left to the attention.
@@ -661,8 +683,10 @@ def index_losses(model: PreTrainedModel) -> list[torch.Tensor]:
     """The KL losses of the sparse layers' index branches from the model's latest forward.
 
     The training loop adds them to its loss: `(loss + kl_coeff * sum(index_losses(model))).backward()`.
-    Each forward of the text model replaces them (a recomputation under gradient checkpointing
-    stores equal values).
+    Each forward of the text model replaces them (a recomputation under non-reentrant gradient
+    checkpointing stores equal values). Reentrant checkpointing runs the first forward without
+    autograd, so its KLs could train nothing: read with grad enabled, KLs without autograd history
+    of indexers that require grad give a `TorchMSAWarning`.
 
     Args:
         model: a model switched with `use_torch_msa(model, index_loss=...)`.
@@ -686,6 +710,15 @@ def index_losses(model: PreTrainedModel) -> list[torch.Tensor]:
     if missing:
         raise ValueError(f"model: expected the KL of every sparse layer from the latest forward, got none for layers "
                          f"{missing}: run a forward under attn_implementation={ATTENTION_NAME!r} first")
+    if torch.is_grad_enabled():
+        detached = [indexer.layer_idx for indexer, loss in zip(indexers, losses)
+                    if not cast(torch.Tensor, loss).requires_grad and any(p.requires_grad for p in indexer.parameters())]
+        if detached:
+            warnings.warn(
+                f"index_losses: the KLs of layers {detached} have no autograd history, so they cannot train the "
+                "indexers: their forward ran without autograd (under torch.no_grad, or in reentrant gradient "
+                "checkpointing, which runs the first forward so; enable checkpointing with use_reentrant=False)",
+                TorchMSAWarning, stacklevel=2)
     return cast(list[torch.Tensor], losses)
 
 
