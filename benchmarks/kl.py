@@ -7,6 +7,11 @@ For each length (one document, M3 shapes, bf16) it times, with the benchmark's t
 * `sparse KL fwd+bwd`: `indexer_kl_loss` on that step's `lse` and selection, then its backward;
 * `sparse KL fwd`: the same loss without grad (the forward, where the teacher is computed; the
   backward is the difference);
+* `step with KL`: the attention step with `msa_attention(..., index_loss=True)` and
+  `(out * grad_out).sum() + kl` backpropagated: the KL fused into the attention's backward where
+  a backend fuses it (`msa::backward_with_index_loss`), with the peak memory it adds over the
+  attention step; `step with KL, deterministic` the same under
+  `torch.use_deterministic_algorithms(True)`;
 * `dense KL fwd+bwd` (warm-up stage, with `--dense`): `indexer_kl_loss_dense` computing its own
   teacher normaliser, then its backward, against a dense causal SDPA forward + backward (cuDNN on
   CUDA when available), with the peak memory it adds; `dense KL fwd+bwd, lse given` takes the
@@ -34,7 +39,7 @@ from torch_msa.testing import pick_device
 from .results import RUNNING, run_recorded, write_record
 from .timing import free_memory, measure
 
-SPARSE_ROWS = ("attention step", "sparse KL fwd+bwd", "sparse KL fwd")
+SPARSE_ROWS = ("attention step", "sparse KL fwd+bwd", "sparse KL fwd", "step with KL", "step with KL, deterministic")
 DENSE_ROWS = ("dense SDPA fwd+bwd", "dense KL fwd+bwd", "dense KL fwd+bwd, lse given")
 
 
@@ -100,6 +105,23 @@ def _time_rows(tokens: int, shape: Shape, device, dtype, dense: bool, warmup: in
 
     timed("sparse KL fwd+bwd", sparse_kl)
     timed("sparse KL fwd", sparse_kl_forward)
+
+    def step_with_kl():
+        attn = torch_msa.msa_attention(q, k, v, index_q, index_k, **blocks, index_loss=True)
+        ((attn.out * grad_out).sum() + attn.kl).backward()
+
+    def plain_step():
+        attention_step()
+
+    if device.type == "cuda":
+        _print_peak_memory(device, tokens, plain_step, progress, "attention step")
+        _print_peak_memory(device, tokens, step_with_kl, progress, "step with KL")
+    timed("step with KL", step_with_kl)
+    torch.use_deterministic_algorithms(True)
+    try:
+        timed("step with KL, deterministic", step_with_kl)
+    finally:
+        torch.use_deterministic_algorithms(False)
     if dense:
         def dense_kl(teacher_lse=None):
             torch_msa.indexer_kl_loss_dense(q.detach(), k.detach(), index_q, index_k, lse=teacher_lse,
@@ -130,8 +152,8 @@ def _one_document(tokens: int, device) -> tuple:
     return cu_seqlens, cu_seqlens, tokens, tokens
 
 
-def _print_peak_memory(device, tokens: int, step, progress: Progress | None = None) -> None:
-    """Run `step` once and print the memory it added at its peak on stdout (CUDA only)."""
+def _print_peak_memory(device, tokens: int, step, progress: Progress | None = None, name: str = "dense KL fwd+bwd") -> None:
+    """Run `step` (named `name`) once and print the memory it added at its peak on stdout (CUDA only)."""
     if device.type != "cuda":
         return
     torch.cuda.synchronize(device)
@@ -139,7 +161,8 @@ def _print_peak_memory(device, tokens: int, step, progress: Progress | None = No
     torch.cuda.reset_peak_memory_stats(device)
     step()
     peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    line = f"T={tokens:>6}  dense KL fwd+bwd: {peak_mib:.0f} MiB peak added (outputs and gradients included)"
+    line = (f"T={tokens:>6}  {name}: {peak_mib:.0f} MiB peak added ({peak_mib * 1024 / tokens:.1f} KiB per token; "
+            "outputs and gradients included)")
     if progress is None:
         print(line, flush=True)
     else:
@@ -201,6 +224,11 @@ def _print_rows(tokens: int, results: dict[str, float]) -> None:
         share = ""
         if name == "sparse KL fwd+bwd":
             share = f"  {100 * ms / step:5.1f}% of the attention step (target <= 20%)"
+        elif name == "step with KL":
+            share = f"  {ms / step:5.2f}x the attention step (target <= 1.15x)"
+        elif name == "step with KL, deterministic":
+            fused = results.get("step with KL")
+            share = f"  {100 * fused / ms:5.1f}% of the default's speed (target >= 50%)" if fused else ""
         elif name.startswith("dense KL"):
             share = f"  {ms / sdpa:5.2f}x dense SDPA fwd+bwd (target <= 3x)"
         print(f"T={tokens:>6}  {name:<28} {ms:10.2f} ms{share}", flush=True)

@@ -52,4 +52,20 @@ SCHEMAS: dict[str, str] = {
         "Tensor teacher_mass, Tensor teacher_index_keys, Tensor teacher_index_queries, Tensor? block_indices, "
         f"{_DOCUMENTS}, int block_size, float index_softmax_scale, {_FRAGMENTS}) -> (Tensor, Tensor)"
     ),
+    # The attention forward and the index branch's KL loss as one autograd node, so that the
+    # backward computes the KL's teacher where it recomputes P (no teacher pass in the forward).
+    # Outputs: out, lse and the loss term, whose value is 0: the loss is known once the backward
+    # has run, which writes it into `loss_value` (a 0-D fp32 tensor, not read by the forward).
+    "forward_with_index_loss": (
+        f"forward_with_index_loss(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, Tensor block_indices, "
+        f"{_DOCUMENTS}, int block_size, float softmax_scale, float index_softmax_scale, Tensor loss_value, "
+        f"Tensor? plan=None, {_FRAGMENTS}) -> (Tensor, Tensor, Tensor)"
+    ),
+    # Its backward: dq, dk, dv, d index_q, d index_k and the KL loss value.
+    "backward_with_index_loss": (
+        f"backward_with_index_loss(Tensor grad_out, Tensor grad_loss, Tensor q, Tensor k, Tensor v, Tensor out, "
+        f"Tensor lse, Tensor index_q, Tensor index_k, Tensor block_indices, {_DOCUMENTS}, int block_size, "
+        f"float softmax_scale, float index_softmax_scale, Tensor? grad_lse=None, Tensor? plan=None, {_FRAGMENTS}) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
 }

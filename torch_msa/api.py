@@ -29,7 +29,7 @@ import torch
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.msa.*)
 from . import validation
-from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK
+from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK, compute_dtype
 from .diagnostics import TorchMSAWarning
 from .documents import FRAGMENT_ARGUMENTS, Documents
 from .schedule import entries_per_item
@@ -70,13 +70,18 @@ class MSAAttentionOutput(NamedTuple):
             `indexer_kl_loss`; otherwise None.
         kl: with `index_loss`, the index branch's KL loss on this call's own selection and lse
             (a 0-D tensor as `indexer_kl_loss` returns it, differentiable in `index_q` and
-            `index_k` only); otherwise None.
+            `index_k` only); in training a placeholder of value 0 whose loss the backward
+            computes (`msa_attention`); otherwise None.
+        kl_value: with `index_loss`, a 0-D tensor without autograd history that holds the
+            loss's value: at once where the forward computes the loss, once the backward has run
+            where the backward does; otherwise None.
     """
 
     out: torch.Tensor
     lse: torch.Tensor | None = None
     block_indices: torch.Tensor | None = None
     kl: torch.Tensor | None = None
+    kl_value: torch.Tensor | None = None
 
 
 # torch.export.save and AOTInductor packages serialise a program's output structure; a named
@@ -364,6 +369,7 @@ def msa_attention(
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
     return_lse: Literal[False] = ..., return_block_indices: Literal[False] = ..., index_loss: Literal[False] = ...,
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+    index_loss_value: None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -375,6 +381,7 @@ def msa_attention(
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
     return_lse: Literal[True], return_block_indices: bool = ..., index_loss: bool = ...,
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+    index_loss_value: torch.Tensor | None = ...,
 ) -> MSAAttentionOutput: ...
 
 
@@ -386,6 +393,7 @@ def msa_attention(
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
     return_lse: bool = ..., return_block_indices: Literal[True], index_loss: bool = ...,
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+    index_loss_value: torch.Tensor | None = ...,
 ) -> MSAAttentionOutput: ...
 
 
@@ -397,6 +405,7 @@ def msa_attention(
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
     return_lse: bool = ..., return_block_indices: bool = ..., index_loss: Literal[True],
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+    index_loss_value: torch.Tensor | None = ...,
 ) -> MSAAttentionOutput: ...
 
 
@@ -408,6 +417,7 @@ def msa_attention(
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
     return_lse: bool = ..., return_block_indices: bool = ..., index_loss: bool = ...,
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+    index_loss_value: torch.Tensor | None = ...,
 ) -> torch.Tensor | MSAAttentionOutput: ...
 
 
@@ -430,6 +440,7 @@ def msa_attention(
     index_loss: bool = False,
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
+    index_loss_value: torch.Tensor | None = None,
 ) -> torch.Tensor | MSAAttentionOutput:
     """MiniMax Sparse Attention: `select_blocks` (no gradient) then `sparse_attention`.
 
@@ -441,6 +452,17 @@ def msa_attention(
     that require grad get a one-time warning. The student's scale is `Di ** -0.5`; for another
     scale, another lse or another selection, call `indexer_kl_loss` on `return_lse` and
     `return_block_indices`.
+
+    **When the KL's value is known.** In training (grad mode on, `index_q` or `index_k` requiring
+    grad, no torch.func transform) the attention and the loss are one autograd node
+    (`msa::forward_with_index_loss`): the backward computes the loss's teacher where it
+    recomputes the attention's probabilities, with no separate `Q K^T` pass. There `kl` is a
+    placeholder of value 0 that carries the gradient, and the loss's value is written into
+    `kl_value` when the backward of a loss that uses `kl` runs (eagerly, from a CUDA graph or
+    compiled). Elsewhere `kl` is computed in the forward and `kl_value` holds it at once. Under
+    `torch.compile` the fused node needs `index_loss_value`, a tensor made outside the compiled
+    function (a compiled backward can only write into the graph's inputs); without it the
+    compiled call takes the separate loss.
 
     Args:
         q: `[Tq, Hq, D]` queries, bf16/fp16/fp32/fp64, `D` 64 or 128.
@@ -457,20 +479,25 @@ def msa_attention(
         return_block_indices: return the selection too.
         index_loss: return the KL loss of the index branch too (a bool).
         fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
+        index_loss_value: with `index_loss`, a 0-D tensor (fp32, fp64 for fp64 index inputs, on
+            q's device) that receives the loss's value and is returned as `kl_value`; by default
+            one is made here.
 
     Returns:
         Without a flag, `out [Tq, Hq, D]` in q's dtype. With any, an
         `MSAAttentionOutput(out, lse, block_indices, kl)` whose fields not asked for are None:
         `lse [Tq, Hq]` as in `sparse_attention`, `block_indices` int32 `[Hkv, Tq, topk]`
         (head-major) as in `select_blocks`, `kl` a 0-D tensor as `indexer_kl_loss` returns it
-        (fp32, fp64 for fp64 index inputs; 0 when `Tq == 0`).
+        (fp32, fp64 for fp64 index inputs; 0 when `Tq == 0`) and `kl_value` the tensor that holds
+        its value (see above).
 
     Raises:
         TypeError: an argument of the wrong type or dtype (`index_loss` not a bool included); the
             message names it.
         ValueError: a shape, head count, head dim, index head count, `topk`, `block_size` or host
-            int outside the contract, index inputs whose rows or device do not match q and k, or a
-            `cu_seqlens` / fragment argument without its partner; the message names it.
+            int outside the contract, index inputs whose rows or device do not match q and k, a
+            `cu_seqlens` / fragment argument without its partner, or `index_loss_value` without
+            `index_loss`; the message names it.
         torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve an op on
             the inputs' device.
     """
@@ -479,19 +506,46 @@ def msa_attention(
     validation.check_index_inputs(index_q, index_k, q, k)
     if not isinstance(index_loss, bool):  # HF's use_torch_msa spells its index_loss as a string
         raise TypeError(f"index_loss: expected a bool, got {type(index_loss).__name__} {index_loss!r}")
+    validation.check_optional_tensor("index_loss_value", index_loss_value, "[] (a scalar that receives the loss)")
+    if index_loss_value is not None and not index_loss:
+        raise ValueError("index_loss_value: given without index_loss=True (it receives the index loss's value)")
     if not index_loss:
         _warn_index_inputs_get_no_gradient(index_q, index_k)
     block_indices = torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size, *fragments)
     plan = _plan_for(q, k, block_indices, docs, block_size, fragments)
     scale = _scale(q, softmax_scale)
+    if index_loss and _fused_index_loss(index_q, index_k, index_loss_value):
+        if index_loss_value is None:
+            index_loss_value = torch.zeros((), dtype=compute_dtype(index_q.dtype), device=q.device)
+        out, lse, kl = torch.ops.msa.forward_with_index_loss(
+            q, k, v, index_q, index_k, block_indices, *docs, block_size, scale, _index_scale(index_q, None),
+            index_loss_value, plan, *fragments)
+        return MSAAttentionOutput(out, lse if return_lse else None, block_indices if return_block_indices else None, kl,
+                                  index_loss_value)
     out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, scale, plan, *fragments)
     if not (return_lse or return_block_indices or index_loss):
         return out
-    kl = None
+    kl = kl_value = None
     if index_loss:
         kl, *_ = torch.ops.msa.indexer_kl(q.detach(), k.detach(), lse.detach(), index_q, index_k, block_indices, *docs,
                                           block_size, scale, _index_scale(index_q, None), *fragments)
-    return MSAAttentionOutput(out, lse if return_lse else None, block_indices if return_block_indices else None, kl)
+        kl_value = kl.detach()
+        if index_loss_value is not None:
+            with torch.no_grad():
+                index_loss_value.copy_(kl_value)
+            kl_value = index_loss_value
+    return MSAAttentionOutput(out, lse if return_lse else None, block_indices if return_block_indices else None, kl,
+                              kl_value)
+
+
+def _fused_index_loss(index_q, index_k, index_loss_value) -> bool:
+    """Whether `msa_attention`'s index loss is computed by the backward (`msa::forward_with_index_loss`):
+    in training, outside torch.func transforms, and under torch.compile only with a loss value
+    tensor from outside the compiled function."""
+    training = torch.is_grad_enabled() and (index_q.requires_grad or index_k.requires_grad)
+    if not training or torch._C._are_functorch_transforms_active():
+        return False
+    return index_loss_value is not None or not torch.compiler.is_compiling()
 
 
 def _index_scale(index_q, index_softmax_scale) -> float:

@@ -18,18 +18,22 @@ one-time warning that this is the slow path, with the reason.
 """
 
 import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Callable
 
 import torch
 
-from . import reference, reference_kl
+from . import index_loss, reference, reference_kl
 from ._schemas import SCHEMAS
 from .diagnostics import TorchMSAWarning
 
 BACKEND_ENV = "TORCH_MSA_BACKEND"
-OPS = tuple(SCHEMAS)  # the op list: one per schema
+# `msa::forward_with_index_loss` runs the backend of `msa::forward` (its loss is computed by its
+# backward), so no backend serves it; every other op is served.
+COMPOSED_OPS = ("forward_with_index_loss",)
+OPS = tuple(name for name in SCHEMAS if name not in COMPOSED_OPS)  # the ops backends serve
 REFERENCE = "reference"
 
 
@@ -218,8 +222,14 @@ def _ordered() -> list[Backend]:
 register_backend(
     Backend(
         name=REFERENCE,
-        # `reference_kl` holds the KL losses (`indexer_kl*`), `reference` the other ops.
-        ops={op: getattr(reference_kl if op.startswith("indexer_kl") else reference, op) for op in OPS},
+        # `reference_kl` holds the KL losses (`indexer_kl*`), `reference` the attention ops; the
+        # fused backward is the two composed.
+        ops={
+            **{op: getattr(reference_kl if op.startswith("indexer_kl") else reference, op)
+               for op in OPS if op != "backward_with_index_loss"},
+            "backward_with_index_loss": functools.partial(
+                index_loss.separate, reference.backward, reference_kl.indexer_kl, reference_kl.indexer_kl_backward),
+        },
         priority=0,
     )
 )

@@ -69,7 +69,30 @@ def backward_flops(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_
     return attention_backward(query_heads, head_dim, num_queries * block_indices[2] * block_size)
 
 
-_FORMULAS = {"select_blocks": select_blocks_flops, "forward": forward_flops, "backward": backward_flops}
+def forward_with_index_loss_flops(q, k, v, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, block_size, softmax_scale, index_softmax_scale, loss_value, plan=None,
+                                  fragment_documents=None, fragment_starts=None, out_shape=None) -> int:
+    """`msa::forward_with_index_loss`: the attention forward's (its loss is the backward's work)."""
+    return forward_flops(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,
+                         softmax_scale)
+
+
+def backward_with_index_loss_flops(grad_out, grad_loss, q, k, v, out, lse, index_q, index_k, block_indices, cu_seqlens_q,
+                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
+                                   index_softmax_scale, grad_lse=None, plan=None, fragment_documents=None,
+                                   fragment_starts=None, out_shape=None) -> int:
+    """`msa::backward_with_index_loss`: the attention backward's, plus the KL loss from its teacher:
+    four index GEMMs per pair (the logits twice, the reductions into d index_q and d index_k)."""
+    num_queries, index_heads, index_dim = index_q
+    pairs = num_queries * block_indices[2] * block_size
+    return (backward_flops(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, block_size, softmax_scale)
+            + 4 * index_scoring(index_heads, index_dim, pairs))
+
+
+_FORMULAS = {"select_blocks": select_blocks_flops, "forward": forward_flops, "backward": backward_flops,
+             "forward_with_index_loss": forward_with_index_loss_flops,
+             "backward_with_index_loss": backward_with_index_loss_flops}
 
 
 def _register(flop_counter) -> None:
@@ -104,7 +127,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def register() -> None:
-    """Register the three formulas with `torch.utils.flop_counter`, now if it is imported, else
+    """Register the formulas with `torch.utils.flop_counter`, now if it is imported, else
     when it is. Idempotent."""
     module = sys.modules.get(FLOP_COUNTER_MODULE)
     if module is not None:

@@ -158,6 +158,27 @@ class _Kernels:
             validation.check_values(documents, index_q.shape[0], index_k.shape[0], block_indices, block_size)
         return backends.call("indexer_kl_backward", index_q.device, *args)
 
+    @staticmethod
+    def forward_with_index_loss(q, k, v, index_q, index_k, block_indices, documents, block_size, softmax_scale,
+                                index_softmax_scale, loss_value, plan):
+        validation.check_forward_with_index_loss(q, k, v, index_q, index_k, block_indices, documents, block_size,
+                                                 softmax_scale, index_softmax_scale, loss_value, plan)
+        if validation.debug_enabled():
+            _check_values_with_plan(plan, block_indices, documents, q, k, block_size)
+        # The forward's backend; the loss is the backward's to compute (`backward_with_index_loss`).
+        out, lse = backends.call("forward", q.device, q, k, v, block_indices, documents, block_size, softmax_scale, plan)
+        return out, lse, torch.zeros((), dtype=loss_dtype(index_q.dtype), device=q.device)
+
+    @staticmethod
+    def backward_with_index_loss(grad_out, grad_loss, q, k, v, out, lse, index_q, index_k, block_indices, documents,
+                                 block_size, softmax_scale, index_softmax_scale, grad_lse, plan):
+        args = (grad_out, grad_loss, q, k, v, out, lse, index_q, index_k, block_indices, documents, block_size,
+                softmax_scale, index_softmax_scale, grad_lse, plan)
+        validation.check_backward_with_index_loss(*args)
+        if validation.debug_enabled():
+            _check_values_with_plan(plan, block_indices, documents, q, k, block_size)
+        return backends.call("backward_with_index_loss", q.device, *args)
+
 
 def _check_values_with_plan(plan, block_indices, documents, q, k, block_size):
     validation.check_values(documents, q.shape[0], k.shape[0], block_indices, block_size)
@@ -210,6 +231,23 @@ class _Fakes:
                                              index_softmax_scale)
         return index_q.new_empty(index_q.shape), index_k.new_empty(index_k.shape)
 
+    @staticmethod
+    def forward_with_index_loss(q, k, v, index_q, index_k, block_indices, documents, block_size, softmax_scale,
+                                index_softmax_scale, loss_value, plan):
+        validation.check_forward_with_index_loss(q, k, v, index_q, index_k, block_indices, documents, block_size,
+                                                 softmax_scale, index_softmax_scale, loss_value, plan)
+        return (q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=compute_dtype(q.dtype)),
+                q.new_empty((), dtype=loss_dtype(index_q.dtype)))
+
+    @staticmethod
+    def backward_with_index_loss(grad_out, grad_loss, q, k, v, out, lse, index_q, index_k, block_indices, documents,
+                                 block_size, softmax_scale, index_softmax_scale, grad_lse, plan):
+        validation.check_backward_with_index_loss(grad_out, grad_loss, q, k, v, out, lse, index_q, index_k,
+                                                  block_indices, documents, block_size, softmax_scale,
+                                                  index_softmax_scale, grad_lse, plan)
+        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), index_q.new_empty(index_q.shape),
+                index_k.new_empty(index_k.shape), q.new_empty((), dtype=loss_dtype(index_q.dtype)))
+
 
 def _forward_setup_context(ctx, inputs, output):
     q, k, v, block_indices, documents, block_size, softmax_scale, plan = _BACKEND_FORMS["forward"](inputs, {})
@@ -261,10 +299,56 @@ def _indexer_kl_backward(ctx, grad_loss, *unused_grads):
     return (None, None, None, d_index_q, d_index_k) + (None,) * (_NUM_ARGUMENTS["indexer_kl"] - 5)
 
 
+def _forward_with_index_loss_setup_context(ctx, inputs, output):
+    (q, k, v, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale,
+     loss_value, plan) = _BACKEND_FORMS["forward_with_index_loss"](inputs, {})
+    out, lse, _ = output
+    ctx.save_for_backward(q, k, v, out, lse, index_q, index_k, block_indices, documents.cu_seqlens_q,
+                          documents.cu_seqlens_k, plan, *documents.fragments)
+    # Held, not saved: every backward writes it, which a saved tensor's version check would refuse
+    # on the next backward through the same graph.
+    ctx.loss_value = loss_value
+    ctx.max_seqlen_q, ctx.max_seqlen_k = documents.max_seqlen_q, documents.max_seqlen_k
+    ctx.block_size, ctx.softmax_scale, ctx.index_softmax_scale = block_size, softmax_scale, index_softmax_scale
+    ctx.set_materialize_grads(False)
+
+
+def _forward_with_index_loss_backward(ctx, grad_out, grad_lse, grad_loss):
+    """The attention's gradients reach q, k and v, the KL's index_q and index_k (its teacher is a
+    constant); the loss value is written into `loss_value`. Without a gradient of the loss term,
+    the attention backward alone runs and `loss_value` is left as it is."""
+    q, k, v, out, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, plan, *fragments = ctx.saved_tensors
+    loss_value = ctx.loss_value
+    num_arguments = _NUM_ARGUMENTS["forward_with_index_loss"]
+    if grad_loss is None:
+        if grad_out is None and grad_lse is None:
+            return (None,) * num_arguments
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = torch.ops.msa.backward(
+            grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k,
+            ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.softmax_scale, grad_lse, plan, *fragments,
+        )
+        return (dq, dk, dv) + (None,) * (num_arguments - 3)
+    attention_grads = grad_out is not None or grad_lse is not None
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)  # the teacher is formed where the attention backward recomputes P
+    dq, dk, dv, d_index_q, d_index_k, loss = torch.ops.msa.backward_with_index_loss(
+        grad_out, grad_loss, q, k, v, out, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
+        ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.softmax_scale, ctx.index_softmax_scale, grad_lse,
+        plan, *fragments,
+    )
+    with torch.no_grad():
+        loss_value.copy_(loss)
+    if not attention_grads:
+        dq = dk = dv = None
+    return (dq, dk, dv, d_index_q, d_index_k) + (None,) * (num_arguments - 5)
+
+
 def _no_double_backward(ctx, *grads):
     raise NotImplementedError(
-        "msa::backward and msa::indexer_kl_backward are not differentiable: double backward through "
-        "them is not supported"
+        "msa::backward, msa::indexer_kl_backward and msa::backward_with_index_loss are not differentiable: "
+        "double backward through them is not supported"
     )
 
 
@@ -324,6 +408,9 @@ _GRADIENTS = {
     "backward": (_backward_setup_context, staticmethod(_no_double_backward)),
     "indexer_kl": (_indexer_kl_setup_context, _no_grad_for_grad_modes(_indexer_kl_backward)),
     "indexer_kl_backward": (_backward_setup_context, staticmethod(_no_double_backward)),
+    "forward_with_index_loss": (_forward_with_index_loss_setup_context,
+                                _no_grad_for_grad_modes(_forward_with_index_loss_backward)),
+    "backward_with_index_loss": (_backward_setup_context, staticmethod(_no_double_backward)),
 }
 _AUTOGRAD_FUNCTIONS = {name: _autograd_function(name, *_GRADIENTS[name]) for name in SCHEMAS if name in _GRADIENTS}
 
@@ -375,7 +462,7 @@ def _autocast_eligible(x: torch.Tensor, device_type: str) -> bool:
 
 
 # The positions of the arguments autocast casts, by op (none where absent).
-_AUTOCAST_ARGUMENTS = {"forward": (0, 1, 2)}
+_AUTOCAST_ARGUMENTS = {"forward": (0, 1, 2), "forward_with_index_loss": (0, 1, 2)}
 for _table in (_GRADIENTS, _AUTOCAST_ARGUMENTS):
     if not _table.keys() <= SCHEMAS.keys():
         raise RuntimeError(f"torch_msa.ops: {sorted(_table)} names ops that have no schema ({sorted(SCHEMAS)})")

@@ -507,3 +507,30 @@ def check_indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
             raise ValueError(f"{name}: expected shape {shape} ({layout} of {anchor}), got {_shape(x)}")
         _dtype(name, x, (loss_dtype,), str(loss_dtype))
         _same_device(name, x, "index_q", index_q)
+
+
+def check_forward_with_index_loss(q, k, v, index_q, index_k, block_indices, documents: Documents, block_size,
+                                  softmax_scale, index_softmax_scale, loss_value, plan=None) -> None:
+    """Metadata checks of `msa::forward_with_index_loss` (no host sync): the forward's and the
+    sparse KL loss's, and `loss_value` a 0-D tensor of the loss's dtype on q's device."""
+    check_forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan)
+    check_indexer_kl(q, k, None, index_q, index_k, block_indices, documents, block_size, softmax_scale,
+                     index_softmax_scale)
+    dtype = compute_dtype(index_q.dtype)
+    _tensor("loss_value", loss_value, 0, "[] (a scalar that receives the loss)")
+    _dtype("loss_value", loss_value, (dtype,), str(dtype))
+    _same_device("loss_value", loss_value, "q", q)
+
+
+def check_backward_with_index_loss(grad_out, grad_loss, q, k, v, out, lse, index_q, index_k, block_indices,
+                                   documents: Documents, block_size, softmax_scale, index_softmax_scale, grad_lse=None,
+                                   plan=None) -> None:
+    """Metadata checks of `msa::backward_with_index_loss` (no host sync): the attention
+    backward's and the sparse KL loss's, and `grad_loss` a 0-D tensor of the loss's dtype."""
+    check_backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse, plan)
+    check_indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale,
+                     index_softmax_scale)
+    dtype = compute_dtype(index_q.dtype)
+    _tensor("grad_loss", grad_loss, 0, "[] (a scalar)")
+    _dtype("grad_loss", grad_loss, (dtype,), str(dtype))
+    _same_device("grad_loss", grad_loss, "q", q)

@@ -213,7 +213,7 @@ def test_sm100_is_opt_in_with_a_one_time_note(fake_cuda, monkeypatch):
         assert [torch_msa.resolve(op, blackwell).name for op in backends.OPS] == ["triton"] * len(backends.OPS)
     monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm100")
     assert {op: torch_msa.resolve(op, blackwell).name for op in backends.OPS} == (
-        dict.fromkeys(backends.OPS, "triton") | {"forward": "sm100", "backward": "sm100"})
+        dict.fromkeys(backends.OPS, "triton") | {"forward": "sm100", "backward": "sm100", "backward_with_index_loss": "sm100"})
 
 
 def test_the_sm100_note_says_what_to_install_and_appears_only_on_sm100(fake_cuda):
@@ -283,7 +283,7 @@ def test_deterministic_mode_serves_the_deterministic_backward(monkeypatch):
 def test_sm90_serves_forward_and_backward_by_default_and_says_why_it_cannot_serve(fake_cuda, monkeypatch):
     hopper = fake_cuda(capability=(9, 0))
     assert sm90.available(hopper)
-    expected = dict.fromkeys(backends.OPS, "triton") | {"forward": "sm90", "backward": "sm90"}
+    expected = dict.fromkeys(backends.OPS, "triton") | {"forward": "sm90", "backward": "sm90", "backward_with_index_loss": "sm90"}
     assert {op: torch_msa.resolve(op, hopper).name for op in backends.OPS} == expected
     monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
     assert {op: torch_msa.resolve(op, hopper).name for op in backends.OPS} == expected

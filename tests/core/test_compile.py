@@ -1,5 +1,6 @@
 """torch.compile: one graph, no graph break, no recompile across sequence lengths; same numbers."""
 
+import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -67,15 +68,18 @@ def test_named_output_fields_trace_in_one_graph():
     assert counter.frame_count == 1
 
 
-def _loss_with_index_loss(q, k, v, index_q, index_k, cu_q, cu_k, max_q, max_k):
+def _loss_with_index_loss(q, k, v, index_q, index_k, cu_q, cu_k, max_q, max_k, loss_value=None):
     attn = torch_msa.msa_attention(q, k, v, index_q, index_k, cu_q, cu_k, max_q, max_k, topk=2, block_size=64,
-                                   index_loss=True)
+                                   index_loss=True, index_loss_value=loss_value)
     return (attn.out.float() ** 2).sum() + 0.5 * attn.kl
 
 
-def test_index_loss_traces_in_one_graph_with_the_same_gradients():
+@pytest.mark.parametrize("fused", [True, False], ids=["loss-value-given", "no-loss-value"])
+def test_index_loss_traces_in_one_graph_with_the_same_gradients(fused):
     """msa_attention(..., index_loss=True): select, attention and KL in one fullgraph graph; the
-    task loss and the KL reach q, k, v and the index inputs as eagerly."""
+    task loss and the KL reach q, k, v and the index inputs as eagerly. With a loss value tensor
+    from outside the compiled function the graph holds the fused node, whose backward writes the
+    loss into it as the eager call's does; without one, the separate loss."""
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(_loss_with_index_loss, backend=counter, fullgraph=True, dynamic=True)
@@ -83,17 +87,22 @@ def test_index_loss_traces_in_one_graph_with_the_same_gradients():
         inputs = _inputs(q_lens, k_lens)
         inputs[3].requires_grad_()
         inputs[4].requires_grad_()
-        results = []
+        results, values = [], []
         for fn in (compiled, _loss_with_index_loss):
             leaves = [x.detach().clone().requires_grad_() for x in inputs[:5]]
-            loss = fn(*leaves, *inputs[5:])
-            results.append([loss.detach(), *torch.autograd.grad(loss, leaves)])
+            loss_value = torch.zeros(()) if fused else None
+            loss = fn(*leaves, *inputs[5:], loss_value)
+            results.append([*torch.autograd.grad(loss, leaves)])
+            values.append(loss_value)
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-        assert results[1][4].abs().sum() > 0 and results[1][5].abs().sum() > 0  # the index inputs' gradients
+        assert results[1][3].abs().sum() > 0 and results[1][4].abs().sum() > 0  # the index inputs' gradients
+        if fused:
+            assert values[1].item() > 0
+            torch.testing.assert_close(values[0], values[1], rtol=1e-6, atol=1e-6)
     assert counter.frame_count == 1
     targets = " ".join(str(node.target) for node in counter.graphs[0].graph.nodes if node.op == "call_function")
-    assert "msa.indexer_kl" in targets
+    assert ("msa.forward_with_index_loss" if fused else "msa.indexer_kl") in targets
 
 
 def test_a_compiled_function_returns_the_named_tuple():

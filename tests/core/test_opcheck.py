@@ -16,7 +16,8 @@ def test_opcheck(sample):
 
 def test_matrix_covers_every_op_with_and_without_grad():
     seen = {(s.op, any(getattr(a, "requires_grad", False) for a in s.args)) for s in MATRIX}
-    float_ops = ("select_blocks", "forward", "backward", "indexer_kl", "indexer_kl_backward")
+    float_ops = ("select_blocks", "forward", "backward", "indexer_kl", "indexer_kl_backward", "forward_with_index_loss",
+                 "backward_with_index_loss")
     assert seen == {(op, grad) for op in float_ops for grad in (False, True)} | {("plan", False)}
 
 

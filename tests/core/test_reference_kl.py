@@ -311,6 +311,9 @@ def test_msa_attention_returns_what_the_loss_needs_and_warns_once(monkeypatch):
 
 
 def test_msa_attention_index_loss_is_the_kl_of_its_own_selection_and_lse(monkeypatch):
+    """In training the loss is computed by the backward (`msa::forward_with_index_loss`): `kl` is a
+    placeholder of value 0, and `kl_value` holds the KL of the call's own selection and lse once the
+    backward has run; the gradients are the separate loss's."""
     q, k, v, index_q, index_k, _, docs = _problem(**CASE)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     monkeypatch.setattr(api, "_warned_untrained_index", False)
@@ -318,14 +321,16 @@ def test_msa_attention_index_loss_is_the_kl_of_its_own_selection_and_lse(monkeyp
         warnings.simplefilter("error")  # the index inputs get a gradient: no warning
         attn = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True)
     assert attn.lse is None and attn.block_indices is None
-    assert attn.kl.dim() == 0 and attn.kl.dtype == torch.float32 and attn.kl.item() > 0
+    assert attn.kl.dim() == 0 and attn.kl.dtype == torch.float32 and attn.kl.item() == 0
+    assert attn.kl_value.dim() == 0 and not attn.kl_value.requires_grad and attn.kl_value.item() == 0
     with torch.no_grad():
         full = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, topk=2, block_size=BLOCK,
                                        return_lse=True, return_block_indices=True)
     assert torch.equal(attn.out, full.out)
     expected = torch_msa.indexer_kl_loss(q, k, full.lse, index_q, index_k, full.block_indices, *docs, block_size=BLOCK)
-    assert torch.equal(attn.kl, expected)
+    assert expected.item() > 0
     got = torch.autograd.grad(attn.kl, (index_q, index_k), retain_graph=True)
+    assert torch.equal(attn.kl_value, expected)
     want = torch.autograd.grad(expected, (index_q, index_k))
     for a, b in zip(got, want):
         assert a.abs().sum() > 0 and torch.equal(a, b)
@@ -340,22 +345,36 @@ def test_msa_attention_index_loss_is_the_kl_of_its_own_selection_and_lse(monkeyp
     again = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True)
     again.out.square().mean().backward(retain_graph=True)
     assert index_q.grad is None and index_k.grad is None
+    assert again.kl_value.item() == 0  # no gradient reached the loss term: its value was not computed
     for a, b in zip(attention_grads, (q.grad, k.grad, v.grad)):
         assert torch.equal(a, b)
     for x in (q, k, v):
         x.grad = None
     (0.5 * again.kl).backward()
     assert q.grad is None and k.grad is None and v.grad is None
+    assert torch.equal(again.kl_value, expected)
     for a, b in zip(index_grads, (index_q.grad, index_k.grad)):
         assert torch.equal(a, b)
 
 
 def test_msa_attention_index_loss_with_the_other_fields_and_without_queries():
+    """Outside training (no grad) the loss is computed in the forward: `kl` and `kl_value` hold it
+    at once, and a given `index_loss_value` receives it."""
     q, k, v, index_q, index_k, _, docs = _problem(**CASE)
-    attn = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, return_lse=True,
-                                   return_block_indices=True, index_loss=True)
+    sink = torch.full((), -1.0)
+    with torch.no_grad():
+        attn = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, return_lse=True,
+                                       return_block_indices=True, index_loss=True, index_loss_value=sink)
     expected = torch_msa.indexer_kl_loss(q, k, attn.lse, index_q, index_k, attn.block_indices, *docs, block_size=BLOCK)
-    assert torch.equal(attn.kl, expected)
+    assert torch.equal(attn.kl, expected) and attn.kl_value is sink and torch.equal(sink, expected)
+    with pytest.raises(ValueError, match="index_loss_value: given without index_loss=True"):
+        torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss_value=sink)
+    with pytest.raises(TypeError, match="index_loss_value"):
+        torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True,
+                                index_loss_value=1.0)
+    with pytest.raises(TypeError, match="loss_value: expected dtype torch.float32"):
+        torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True,
+                                index_loss_value=torch.zeros((), dtype=torch.float64))
     without_kl = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, topk=2, block_size=BLOCK,
                                          return_lse=True)
     assert without_kl.kl is None

@@ -44,6 +44,18 @@ class TestSchemas(expecttest.TestCase):
             """msa::indexer_kl_backward(Tensor grad_loss, Tensor index_q, Tensor index_k, Tensor index_lse, Tensor teacher_mass, Tensor teacher_index_keys, Tensor teacher_index_queries, Tensor? block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float index_softmax_scale, Tensor? fragment_documents=None, Tensor? fragment_starts=None) -> (Tensor, Tensor)""",
         )
 
+    def test_forward_with_index_loss(self):
+        self.assertExpectedInline(
+            str(torch.ops.msa.forward_with_index_loss.default._schema),
+            """msa::forward_with_index_loss(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, float index_softmax_scale, Tensor loss_value, Tensor? plan=None, Tensor? fragment_documents=None, Tensor? fragment_starts=None) -> (Tensor, Tensor, Tensor)""",
+        )
+
+    def test_backward_with_index_loss(self):
+        self.assertExpectedInline(
+            str(torch.ops.msa.backward_with_index_loss.default._schema),
+            """msa::backward_with_index_loss(Tensor grad_out, Tensor grad_loss, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor index_q, Tensor index_k, Tensor block_indices, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, int block_size, float softmax_scale, float index_softmax_scale, Tensor? grad_lse=None, Tensor? plan=None, Tensor? fragment_documents=None, Tensor? fragment_starts=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)""",
+        )
+
     def test_registered_schemas_are_the_source_strings(self):
         for name, schema in SCHEMAS.items():
             op = getattr(torch.ops.msa, name).default

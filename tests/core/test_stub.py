@@ -125,6 +125,10 @@ def test_stub_only_raises_import_hint(stub_library):
             "indexer_kl": lambda: torch.ops.msa.indexer_kl(t, t, t, t, t, t, t, t, 1, 1, 64, 1.0, 1.0),
             "indexer_kl_backward": lambda: torch.ops.msa.indexer_kl_backward(
                 t, t, t, t, t, t, t, t, t, t, 1, 1, 64, 1.0),
+            "forward_with_index_loss": lambda: torch.ops.msa.forward_with_index_loss(
+                t, t, t, t, t, t, t, t, 1, 1, 64, 1.0, 1.0, t),
+            "backward_with_index_loss": lambda: torch.ops.msa.backward_with_index_loss(
+                t, t, t, t, t, t, t, t, t, t, t, t, 1, 1, 64, 1.0, 1.0),
         }
         errors = {}
         for name, call in calls.items():

@@ -85,6 +85,11 @@ def sm90_deterministic_build(tmp_path_factory):
     return _build(tmp_path_factory, "backward_host", "deterministic=True")
 
 
+@pytest.fixture(scope="module")
+def sm90_teacher_build(tmp_path_factory):
+    return _build(tmp_path_factory, "backward_host", "emit_teacher=True")
+
+
 def _listing(dump_dir: Path, suffix: str) -> str:
     (path,) = dump_dir.glob(f"*{suffix}")
     return path.read_text()
@@ -169,6 +174,24 @@ def test_deterministic_backward_has_no_dq_and_no_atomics(sm90_deterministic_buil
     assert (len(ss), len(rs)) == (2 * K_STEPS, BACKWARD_RS_STEPS)
     assert not re.findall(r"\b(atom|red)\.", ptx) and "cp.reduce.async.bulk" not in ptx
     assert not re.findall(r"\b(STL|LDL)\b", _listing(sm90_deterministic_build, ".sass"))
+
+
+# The teacher per tile: each thread's 2 key rows x 4 tokens, each a quad sum of two butterfly
+# shuffles, and one fp16 store of each (behind the lane's token test).
+TEACHER_SHUFFLES = 2 * 4 * 2
+
+
+@requires_cute
+def test_teacher_variant_adds_its_shuffles_and_fp16_stores_and_no_gemm(sm90_backward_build, sm90_teacher_build):
+    """`emit_teacher=True`: the default backward plus the teacher's reduction (quad shuffles) and
+    its 2-byte global stores; the same GEMMs, bulk reduces and atomics, and no spills."""
+    plain, teacher = _listing(sm90_backward_build, ".ptx"), _listing(sm90_teacher_build, ".ptx")
+    for pattern in (r"wgmma\.mma_async", r"cp\.reduce\.async\.bulk", r"red\.global\.add\.v2\.f32"):
+        assert len(re.findall(pattern, teacher)) == len(re.findall(pattern, plain)), pattern
+    shuffles = r"shfl\.sync\.bfly\.b32"
+    assert len(re.findall(shuffles, teacher)) - len(re.findall(shuffles, plain)) == TEACHER_SHUFFLES
+    assert len(re.findall(r"st\.global\.(\w+\.)?b16", teacher)) == 2 * 4
+    assert not re.findall(r"\b(STL|LDL)\b", _listing(sm90_teacher_build, ".sass"))
 
 
 def test_query_rows_beyond_32_bit_indices_are_declined():

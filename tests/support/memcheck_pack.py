@@ -8,7 +8,8 @@ memory access errors are reported either way.
 
 M3 heads, bf16; documents of 300, 0, 1, 1500, 129 tokens and one with Lq < Lk; 30% of the block
 ids replaced by random values in [-2^30, 2^30), repeats and ids far past every document. Runs the
-selection, the plan, the forward, the backward and the KL loss (the last two default and deterministic);
+selection, the plan, the forward, the backward, the KL loss and the KL fused into the backward (the
+last three default and deterministic);
 then the same ops on query fragments of these documents with junk fragment fields (a document id
 out of range, a start past its document, a negative start).
 """
@@ -45,6 +46,13 @@ for deterministic in (False, True):
     torch.use_deterministic_algorithms(deterministic)
     loss = torch_msa.indexer_kl_loss(q.detach(), k.detach(), attn.lse.detach(), iq, ik, bi, *docs)
     loss.backward()
+    # The KL fused into the attention backward: through msa_attention, and on the junk ids.
+    step = torch_msa.msa_attention(q, k, v, iq, ik, *docs, index_loss=True)
+    (step.out.float().square().sum() + step.kl).backward()
+    out, lse = torch_msa.sparse_attention(q.detach(), k.detach(), v.detach(), bi, *docs, return_lse=True)
+    torch.ops.msa.backward_with_index_loss(torch.ones_like(out), torch.ones((), device="cuda"), q.detach(), k.detach(),
+                                           v.detach(), out, lse, iq.detach(), ik.detach(), bi, *docs, 128, 128**-0.5,
+                                           128**-0.5)
 torch.use_deterministic_algorithms(False)
 
 # Fragments: the first three of the pack's queries in three fragments whose fields are junk, then

@@ -117,6 +117,10 @@ def samples(device: str = "cpu") -> list[Sample]:
                         (num_heads, dtype) == KL_CONFIGS[1] and layout.name == KL_BF16_LAYOUT):
                     result.extend(_indexer_kl_samples(tag, q, k, lse, index_q, index_k, block_indices, docs,
                                                       block_size, scale, requires_grad))
+                    if layout.name == KL_BF16_LAYOUT or (num_heads, dtype) != KL_CONFIGS[0]:
+                        continue
+                    result.extend(_index_loss_samples(tag, (q, k, v, out, lse, grad_out), index_q, index_k,
+                                                      block_indices, docs, (), block_size, scale, requires_grad))
     result.extend(_fragment_samples(device))
     return result
 
@@ -166,7 +170,27 @@ def _fragment_samples(device) -> list[Sample]:
                              (grad_loss, index_q, index_k, index_lse, *teacher_terms, block_indices, *docs,
                               block_size, index_scale, *extra),
                              NO_DOUBLE_BACKWARD_CHECKS if requires_grad else CHECKS))
+        result.extend(_index_loss_samples(tag, (q, k, v, out, lse, grad_out), index_q, index_k, block_indices, docs,
+                                          extra, block_size, scale, requires_grad, plan))
     return result
+
+
+def _index_loss_samples(tag, attention, index_q, index_k, block_indices, docs, extra, block_size, scale, requires_grad,
+                        plan=None):
+    """The attention and the KL loss as one node (`msa::forward_with_index_loss`) and its backward."""
+    q, k, v, out, lse, grad_out = attention
+    index_scale = index_q.shape[-1] ** -0.5
+    loss_value = torch.zeros((), dtype=lse.dtype, device=q.device)
+    grad_loss = torch.ones((), dtype=lse.dtype, device=q.device).requires_grad_(requires_grad)
+    return [
+        Sample(f"forward_with_index_loss-{tag}", "forward_with_index_loss",
+               (q, k, v, index_q, index_k, block_indices, *docs, block_size, scale, index_scale, loss_value, plan,
+                *extra)),
+        Sample(f"backward_with_index_loss-{tag}", "backward_with_index_loss",
+               (grad_out, grad_loss, q, k, v, out, lse, index_q, index_k, block_indices, *docs, block_size, scale,
+                index_scale, None, plan, *extra),
+               NO_DOUBLE_BACKWARD_CHECKS if requires_grad else CHECKS),
+    ]
 
 
 # The loss's samples (each is seconds of CI): the GQA fp32 configuration on every layout, with the

@@ -32,6 +32,7 @@ from ..backends import BACKEND_ENV, Backend, UnsupportedInputs, register_backend
 from ..contract import M3
 from ..cute_dsl import CUTE_DSL_MODULES, device_unavailable_reason, importable, sm_capability
 from ..documents import locate_queries
+from ..index_loss import by_registry, separate
 from ..schedule import valid_entries
 from . import bindings
 from .common import BLOCK_SIZE, HEAD_DIM, INSTALL_COMMAND, NUM_KV_HEADS, NUM_Q_HEADS, SM100_CAPABILITY
@@ -273,7 +274,13 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
 
 BACKEND = Backend(
     name=NAME,
-    ops={"forward": forward, "backward": backward},
+    ops={
+        "forward": forward,
+        "backward": backward,
+        # The KL's teacher recomputed by the registry's KL ops (the SM100 backward emits none).
+        "backward_with_index_loss": functools.partial(
+            separate, backward, by_registry("indexer_kl"), by_registry("indexer_kl_backward")),
+    },
     priority=PRIORITY,
     device_types=("cuda",),
     available=available,

@@ -87,9 +87,15 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
                                grad_lse, plan)
 
 
+def backward_with_index_loss(*args):
+    """`msa::backward_with_index_loss` with the KL's teacher written by the SM90 backward kernel;
+    see `torch_msa.sm90.index_loss.backward_with_index_loss`."""
+    return importlib.import_module(f"{__name__}.index_loss").backward_with_index_loss(*args)
+
+
 BACKEND = Backend(
     name=NAME,
-    ops={"forward": forward, "backward": backward},
+    ops={"forward": forward, "backward": backward, "backward_with_index_loss": backward_with_index_loss},
     priority=PRIORITY,
     device_types=("cuda",),
     available=available,

@@ -20,9 +20,9 @@ from .common import BLOCK_SIZE
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,
-             plan=None):
-    """`backward_host.backward`, bitwise reproducible: same contract and `UnsupportedInputs`. A
-    given `plan` is not read (the workspace is laid out by the items of the deterministic
+             plan=None, teacher=None):
+    """`backward_host.backward`, bitwise reproducible: same contract (the KL `teacher` included)
+    and `UnsupportedInputs`. A given `plan` is not read (the workspace is laid out by the items of the deterministic
     schedule, `torch_msa.triton.stages.key_workspace`)."""
     check_inputs(grad_out, q, k, v, block_size)
     require_cute_dsl()
@@ -38,5 +38,5 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
         key_count = stages.bucket_key_count(schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)
         unused_dq = torch.empty((1, *q.shape[1:]), dtype=torch.float32, device=q.device)  # the variant adds no dQ
         launch_blocks(*aligned, state.lse, state.delta, unused_dq, state.workspace.dk_part, state.workspace.dv_part,
-                      schedule, key_count, state.topk, softmax_scale, deterministic=True)
+                      schedule, key_count, state.topk, softmax_scale, deterministic=True, teacher=teacher)
     return stages.deterministic_finish(state, documents, block_size, softmax_scale)

@@ -39,6 +39,13 @@ from .common import (
 
 # Q, dO and the lse/delta rows are addressed with 32-bit row indices (query x head).
 MAX_QUERY_ROWS = 2**31 - 1
+# The KL teacher's storage: probabilities lie in [0, 1], where fp16 keeps 3 more bits than bf16.
+TEACHER_DTYPE = torch.float16
+
+
+def new_teacher(num_queries: int, num_kv_heads: int, topk: int, device) -> torch.Tensor:
+    """The zeros `[Tq, Hkv, topk, 128]` (fp16) the kernel writes the KL teacher into."""
+    return torch.zeros((num_queries, num_kv_heads, topk, BLOCK_SIZE), dtype=TEACHER_DTYPE, device=device)
 
 
 def check_query_rows(num_queries: int, num_heads: int) -> None:
@@ -59,8 +66,11 @@ def check_inputs(grad_out, q, k, v, block_size) -> None:
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,
-             plan=None):
+             plan=None, teacher=None):
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype.
+
+    `teacher`: None, or fp16 `[Tq, Hkv, topk, 128]` zeros that the kernel fills with the index
+    branch's KL teacher (`new_teacher`; layout: `torch_msa.reference_kl.teacher_probabilities`).
 
     Shapes: `grad_out`, `q`, `out` `[Tq, Hq, D]`; `k`, `v` `[Tk, Hkv, D]`; `lse`, `grad_lse`
     `[Tq, Hq]` fp32; `block_indices` int32 `[Hkv, Tq, topk]`. Walks `plan`'s items (any item
@@ -97,7 +107,8 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
         compute_delta(grad_out, out, grad_lse, delta, (device, q.dtype, dim, block_size, HEADS_PER_KV, topk))
         schedule = schedule_for(block_indices, documents, num_keys, BLOCK_SIZE, num_heads, plan)
         key_count = bucket_key_count(schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)
-        launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk, softmax_scale)
+        launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk, softmax_scale,
+                      teacher=teacher)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
@@ -106,7 +117,8 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
 # passes the tensors in this order, so the two cannot disagree (and the compiled function checks
 # every tensor against its description when it is called). The deterministic variant stores
 # dK/dV into per-item workspace rows `[items * 128, D]` instead of adding to `[Tk, Hkv, D]`, and
-# its dq_acc is not read.
+# its dq_acc is not read. The teacher `[Tq * Hkv * topk, 128]` is written only by the variants
+# that emit it; the others are passed one unread row.
 def operands(num_kv_heads: int, deterministic: bool = False):
     num_heads = HEADS_PER_KV * num_kv_heads
     key_rows = (HEAD_DIM,) if deterministic else (num_kv_heads, HEAD_DIM)
@@ -120,33 +132,38 @@ def operands(num_kv_heads: int, deterministic: bool = False):
         ("dq_acc", (num_heads, HEAD_DIM), torch.float32),
         ("dk_acc", key_rows, torch.float32),
         ("dv_acc", key_rows, torch.float32),
+        ("teacher", (BLOCK_SIZE,), TEACHER_DTYPE),
         *SCHEDULE_OPERANDS,
     )
 
 
 def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk,
-                  softmax_scale, deterministic: bool = False) -> None:
+                  softmax_scale, deterministic: bool = False, teacher: torch.Tensor | None = None) -> None:
     """Launch the blocks kernel: adds every scheduled entry's dQ, dK and dV to the fp32 accumulators,
-    or, `deterministic`, stores each item's dK/dV into its workspace rows (see `operands`)."""
+    or, `deterministic`, stores each item's dK/dV into its workspace rows (see `operands`); with
+    `teacher` (`new_teacher`), the variant that also writes the KL teacher into it."""
+    emit_teacher = teacher is not None
+    if teacher is None:
+        teacher = torch.empty((1, BLOCK_SIZE), dtype=TEACHER_DTYPE, device=q.device)
     tensors = {
         "q": q, "k": k, "v": v, "grad_out": grad_out, "lse": lse, "delta": delta,
-        "dq_acc": dq_acc, "dk_acc": dk_acc, "dv_acc": dv_acc,
+        "dq_acc": dq_acc, "dk_acc": dk_acc, "dv_acc": dv_acc, "teacher": teacher.view(-1, BLOCK_SIZE),
         **schedule_tensors(schedule, key_count),
     }
     num_kv_heads = k.shape[1]
     grid = max(1, min(schedule.item_start.numel(), sm_count(q.device)))
-    _compiled(q.dtype, num_kv_heads, deterministic)(
+    _compiled(q.dtype, num_kv_heads, deterministic, emit_teacher)(
         *(tensors[name] for name, _, _ in operands(num_kv_heads, deterministic)),
         topk, softmax_scale * LOG2_E, softmax_scale, grid,
     )
 
 
 @functools.cache
-def _compiled(dtype: torch.dtype, num_kv_heads: int, deterministic: bool):
+def _compiled(dtype: torch.dtype, num_kv_heads: int, deterministic: bool, emit_teacher: bool):
     """One executable per process and (dtype, Hkv, variant); token, key and item counts are dynamic."""
     from ..cute_dsl.cute_io import launcher
 
-    return launcher(compile_blocks_kernel(dtype, num_kv_heads, deterministic=deterministic))
+    return launcher(compile_blocks_kernel(dtype, num_kv_heads, deterministic=deterministic, emit_teacher=emit_teacher))
 
 
 def compile_blocks_kernel(
@@ -156,9 +173,11 @@ def compile_blocks_kernel(
     dump_dir: str | None = None,
     listings: bool = False,
     deterministic: bool = False,
+    emit_teacher: bool = False,
 ):
     """`cute.compile` the blocks kernel (`arch=None`: this host's GPU; `deterministic`: the variant
-    without dQ that stores dK/dV per item) on fake tensors with dynamic leading extents.
+    without dQ that stores dK/dV per item; `emit_teacher`: the variant that writes the KL teacher)
+    on fake tensors with dynamic leading extents.
     `dump_dir` keeps the cubin there, and with `listings` the PTX and SASS too."""
     require_cute_dsl()
     import cutlass
@@ -170,7 +189,7 @@ def compile_blocks_kernel(
         fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads, deterministic)
     ]
     return compile_kernel(
-        Sm90BackwardKernel(num_kv_heads, deterministic), *fakes,
+        Sm90BackwardKernel(num_kv_heads, deterministic, emit_teacher), *fakes,
         cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(1),
         arch=arch, dump_dir=dump_dir, listings=listings,
     )

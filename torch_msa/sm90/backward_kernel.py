@@ -37,6 +37,13 @@ Design
 * **Deterministic variant** (`deterministic=True`, a compile-time switch): no dQ; each item's
   dK/dV are stored in the item's own workspace rows `[items * 128, D]` instead of being added, so
   that the Triton deterministic backward can reduce them in a fixed order (`backward_host.py`).
+* **Teacher** (`emit_teacher=True`, a compile-time switch, either variant): the index branch's
+  KL teacher, the mean over a token's 16 heads of `P^T` on the tile's keys, leaves as fp16
+  `teacher[(token * Hkv + kv_head) * topk + slot, key]` (16 KiB per token at M3): each thread sums
+  its 4 columns of a token per key row, two butterfly shuffles finish the quad's sum, and the
+  quad's lane `s` stores token `s`'s value, while the tile's dK/dV GEMMs run. Hidden keys carry
+  `P = 0`, so every key of a scheduled entry's block is written; entries the plan does not list
+  are not.
 
 Traffic per token (M3, bf16, top-16, long documents): its 64 entries read Q and dO once each,
 2 x 256 KiB, and add 64 dQ tiles of 8 KiB (512 KiB, reduced in L2); K/V are read once per item.
@@ -48,7 +55,7 @@ per tile. Measured speed, what bounds it and what is left to gain: docs/performa
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64
+from cutlass import Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..cute_dsl.compat import LayoutEnum, SmemAllocator
@@ -57,7 +64,7 @@ from .blocks_kernel import BlocksKernel
 from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, LOG2_E, TILE_ROWS, TOKENS_PER_TILE, ScheduleOperands
 from .mask import key_hidden, zero_keys_past
 from .pipeline import consumer_state, producer_state, tma_load_pipeline
-from .softmax import probability
+from .softmax import probability, quad_sum
 from .tile_scheduler import Item, ItemScheduler
 from .tiles import (
     accumulator_as_operand_a,
@@ -81,9 +88,10 @@ TILE_STAGES = 2
 class Sm90BackwardKernel(BlocksKernel):
     """The SM90 backward blocks kernel; `__call__` is the `cute.jit` host function."""
 
-    def __init__(self, num_kv_heads: int, deterministic: bool):
+    def __init__(self, num_kv_heads: int, deterministic: bool, emit_teacher: bool = False):
         super().__init__(num_kv_heads)
         self.deterministic = deterministic
+        self.emit_teacher = emit_teacher
 
     @cute.jit
     def __call__(
@@ -97,6 +105,7 @@ class Sm90BackwardKernel(BlocksKernel):
         mdQ: cute.Tensor,  # fp32 [Tq, Hq, 128], added to
         mdK: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
         mdV: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
+        mTeacher: cute.Tensor,  # fp16 [Tq * Hkv * topk, 128], written with `emit_teacher`
         *schedule_and_scalars,  # `BlocksKernel`: the schedule, then topk, scale_log2, softmax_scale, grid_size, stream
     ):
         schedule, (topk, scale_log2, softmax_scale, grid_size, stream) = self.split_schedule(schedule_and_scalars)
@@ -155,7 +164,8 @@ class Sm90BackwardKernel(BlocksKernel):
         self.shared_storage = SharedStorage
         self.kernel(
             mma_sdp, mma_dkv, mma_dq, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mLse, mDelta, mdQ, mdK, mdV, schedule, topk, scale_log2, softmax_scale, sQ_layout, sK_layout, sdS_layout,
+            mLse, mDelta, mdQ, mdK, mdV, mTeacher, schedule, topk, scale_log2, softmax_scale, sQ_layout, sK_layout,
+            sdS_layout,
         ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
@@ -177,6 +187,7 @@ class Sm90BackwardKernel(BlocksKernel):
         mdQ: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
+        mTeacher: cute.Tensor,
         schedule: ScheduleOperands,
         topk: Int32,
         scale_log2: Float32,
@@ -340,6 +351,8 @@ class Sm90BackwardKernel(BlocksKernel):
                 for k in cutlass.range_constexpr(cute.size(tKrdS, mode=[2])):
                     cute.gemm(mma_dkv, acc_dK, tKrdS[None, None, k], tKrQ[None, None, k, stage], acc_dK)
                 warpgroup.commit_group()
+                if cutlass.const_expr(self.emit_teacher):
+                    self.store_teacher(mTeacher, s_rc, cS_rc, items, first, item.end, item.kv_head)
 
                 if cutlass.const_expr(self.deterministic):
                     # No dQ: one barrier, after every thread's GEMMs of the tile have completed.
@@ -422,6 +435,32 @@ class Sm90BackwardKernel(BlocksKernel):
                     source = (sdQ.iterator + slot * HEADS_PER_KV * HEAD_DIM).toint()
                     bulk_reduce_add_f32((mdQ.iterator + row * HEAD_DIM).toint(), source, Int32(token_bytes))
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def store_teacher(
+        self, mTeacher: cute.Tensor, probs_rc: cute.Tensor, coords_rc: cute.Tensor, items: ItemScheduler,
+        first: Int32, end: Int32, kv_head: Int32,
+    ):
+        """The teacher of the tile of entries `first ..` (those before `end`): per token and key of
+        the block, the mean of `P^T` over the token's 16 heads, in fp16. A thread's columns are 4 per
+        token (adjacent pairs of two 8-column groups: `tiles.accumulator_rows_cols`), in token order."""
+        lane_in_quad = cute.arch.lane_idx() % 4
+        columns_per_token = cute.size(probs_rc, mode=[1]) // TOKENS_PER_TILE
+        for r in cutlass.range_constexpr(cute.size(probs_rc, mode=[0])):
+            key = coords_rc[r, 0][0]
+            for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
+                partial = Float32(0.0)
+                for c in cutlass.range_constexpr(slot * columns_per_token, (slot + 1) * columns_per_token):
+                    partial = partial + probs_rc[r, c]
+                # Every lane takes part in the shuffles; one lane of the quad stores.
+                mean = quad_sum(partial) * Float32(1.0 / HEADS_PER_KV)
+                entry = first + slot
+                if lane_in_quad == slot and entry < end:
+                    token, selection_slot = items.token_and_slot(entry)
+                    row = (Int64(token) * self.num_kv_heads + kv_head) * items.topk + selection_slot
+                    # A pointer of its own: the teacher may pass 2**31 elements.
+                    target = cute.make_tensor(mTeacher.iterator + row * BLOCK_SIZE, cute.make_layout(BLOCK_SIZE))
+                    target[key] = mean.to(Float16)
 
     @cute.jit
     def add_keys(

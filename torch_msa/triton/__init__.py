@@ -34,6 +34,7 @@ import importlib.util
 import torch
 
 from ..backends import Backend, UnsupportedInputs, register_backend
+from ..index_loss import separate
 from ..query_windows import forward_in_windows
 
 NAME = "triton"
@@ -143,7 +144,8 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
 BACKEND = Backend(
     name=NAME,
     ops={"select_blocks": select_blocks, "plan": plan, "forward": forward, "backward": backward,
-         "indexer_kl": indexer_kl, "indexer_kl_backward": indexer_kl_backward},
+         "indexer_kl": indexer_kl, "indexer_kl_backward": indexer_kl_backward,
+         "backward_with_index_loss": functools.partial(separate, backward, indexer_kl, indexer_kl_backward)},
     priority=10,
     device_types=("cuda",),
     available=available,
