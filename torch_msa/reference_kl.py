@@ -27,6 +27,12 @@ and nothing of size `T x T` is built. The sparse support gathers each query's se
 chunk, so its scores are plain GEMMs, and masks what lies outside each query's document or
 causal horizon. Invalid slots are removed with `where` (and the dense backward's GEMM operands
 are made finite), so a NaN in one document never reaches another.
+
+The teacher can also be given as a tensor (the attention backward can emit it): on the sparse
+support `teacher_probabilities` lays `P_t` out per selected slot, `[Tq, Hkv, topk, block_size]`,
+and `index_loss_from_teacher` takes that tensor instead of q, k and lse and returns the loss
+together with its gradients (one reduction of `M * P_s - P_t` each for `d index_q` and
+`d index_k`), the same values as `indexer_kl` followed by `indexer_kl_backward`.
 """
 
 import math
@@ -83,14 +89,24 @@ class _Problem:
 
     def __init__(self, q, k, index_q, index_k, block_indices, documents: Documents, block_size, softmax_scale,
                  index_softmax_scale):
-        """`q` and `k` are None for the student alone (the backward): only index inputs are read."""
+        """`q` and `k` are None for the student alone (the backward), `index_q` and `index_k` for
+        the teacher alone (`teacher_probabilities`): only the inputs given are read."""
         self.q, self.k, self.index_q, self.index_k = q, k, index_q, index_k
         self.block_indices, self.block_size = block_indices, block_size
         self.softmax_scale, self.index_softmax_scale = softmax_scale, index_softmax_scale
-        self.num_queries, self.num_kv_heads, self.index_dim = index_q.shape
-        self.num_keys = index_k.shape[0]
-        self.dtype = loss_dtype(index_q.dtype)
-        self.device = index_q.device
+        if index_q is not None:
+            self.num_queries, self.num_kv_heads, self.index_dim = index_q.shape
+            self.num_keys = index_k.shape[0]
+            self.dtype = loss_dtype(index_q.dtype)
+            self.device = index_q.device
+            self.index_keys = index_k.reshape(self.num_keys, self.index_dim)
+            element_size = index_q.element_size()
+        else:
+            self.num_queries, (self.num_keys, self.num_kv_heads) = q.shape[0], k.shape[:2]
+            self.index_dim = 0
+            self.dtype = compute_dtype(q.dtype)
+            self.device = q.device
+            element_size = q.element_size()
         if q is not None:
             self.num_heads, self.dim = q.shape[1:]
             self.dtype = torch.promote_types(compute_dtype(q.dtype), self.dtype)
@@ -98,7 +114,6 @@ class _Problem:
         else:
             self.num_heads, self.dim = 0, 0
         self.docs = documents.locate(self.num_queries, self.num_keys)
-        self.index_keys = index_k.reshape(self.num_keys, self.index_dim)
         if block_indices is None:
             # Bytes one (query, key) pair of a shared span holds: scores and probabilities of the
             # query heads, logits and gradient terms of the index heads.
@@ -107,7 +122,7 @@ class _Problem:
         else:
             # Bytes one (query, support key) pair holds: gathered keys (native + compute copies),
             # teacher scores and probabilities, index keys, student terms and a key-sum row.
-            per_key = (self.num_kv_heads * (self.dim + 2 * self.index_dim) * (index_q.element_size() + 8)
+            per_key = (self.num_kv_heads * (self.dim + 2 * self.index_dim) * (element_size + 8)
                        + self.num_heads * 24 + self.num_kv_heads * 24)
             self.span_keys = block_indices.shape[-1] * block_size
         self.row_bytes = self.span_keys * per_key
@@ -158,6 +173,12 @@ class _Problem:
         """`P_t`, `[Hkv, C, N]`: the mean over the group of `exp(score - lse)` (0 outside the support)."""
         return scores.sub_(_finite_or_zero(teacher_lse)[..., None]).exp_().mean(-2)
 
+    def given_teacher(self, teacher, start, end, span: _Span) -> torch.Tensor:
+        """`P_t`, `[Hi, C, N]` in the compute dtype, of the chunk's rows of a `[Tq, Hi, topk,
+        block_size]` teacher (sparse span): 0 outside the support, whatever those slots hold."""
+        rows = teacher[start:end].to(self.dtype).transpose(0, 1).reshape(span.valid.shape)
+        return torch.where(span.valid, rows, 0)
+
     def weighted_sums(self, weights, index_queries, index_keys, span: _Span, key_sums) -> torch.Tensor:
         """The two reductions of `weights [Hi, C, N]` (0 outside the support): returns
         `sum_j w[r, t, j] index_k[j]` as `[C, Hi, Di]`, and adds `sum_(t, r) w[r, t, j] index_q[t, r]`
@@ -186,6 +207,27 @@ def _teacher_lse(problem: _Problem, start, end) -> torch.Tensor:
     for span in problem.spans(start, end):
         lse = torch.logaddexp(lse, torch.logsumexp(problem.teacher_scores(start, end, span), -1))
     return lse
+
+
+def _chunk_teacher_lse(problem: _Problem, lse, start, end) -> torch.Tensor:
+    """`[Hkv, C, G]` the teacher's lse of a chunk: `lse`'s rows, or (None) over the support."""
+    if lse is None:
+        return _teacher_lse(problem, start, end)
+    return _heads_first(lse[start:end], problem.num_kv_heads, problem.dtype)
+
+
+def _teacher_terms(probs, logits) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(A, M)`, `[Hi, C]` each, of one span: `sum P_t (log P_t - u)` and `sum P_t`, from
+    `probs [Hi, C, N]` (0 outside the support) and the student's `logits` (`-inf` there)."""
+    positive = probs > 0
+    log_probs = torch.where(positive, probs, 1).log()
+    weighted = torch.where(positive, probs * (log_probs - torch.where(positive, logits, 0)), 0).sum(-1)
+    return weighted, probs.sum(-1)
+
+
+def _divergence(weighted, mass, student_lse) -> torch.Tensor:
+    """`KL = A + M * lse_s` per (index head, query); 0 where the teacher has no mass."""
+    return weighted + torch.where(mass > 0, mass * _finite_or_zero(student_lse), 0)
 
 
 def indexer_kl(
@@ -227,11 +269,9 @@ def indexer_kl(
     divergence = torch.zeros((num_queries, num_index_heads), dtype=problem.dtype, device=q.device)
     if num_queries > 0 and problem.num_keys > 0:
         for start, end in problem.chunks():
+            chunk_lse = _chunk_teacher_lse(problem, lse, start, end)
             if lse is None:
-                chunk_lse = _teacher_lse(problem, start, end)
                 teacher_lse[start:end] = _tokens_first(chunk_lse).to(teacher_lse.dtype)
-            else:
-                chunk_lse = _heads_first(lse[start:end], problem.num_kv_heads, problem.dtype)
             index_queries = problem.index_queries(start, end)
             student_lse = torch.full((num_index_heads, end - start), -math.inf, dtype=problem.dtype, device=q.device)
             weighted = torch.zeros_like(student_lse)  # A
@@ -242,13 +282,11 @@ def indexer_kl(
                 index_keys = problem.index_keys_of(span)
                 logits = problem.student_logits(index_queries, index_keys, span)
                 student_lse = torch.logaddexp(student_lse, torch.logsumexp(logits, -1))
-                positive = probs > 0
-                log_probs = torch.where(positive, probs, 1).log()
-                weighted += torch.where(positive, probs * (log_probs - torch.where(positive, logits, 0)), 0).sum(-1)
-                mass += probs.sum(-1)
+                span_weighted, span_mass = _teacher_terms(probs, logits)
+                weighted += span_weighted
+                mass += span_mass
                 index_key_sums += problem.weighted_sums(probs, index_queries, index_keys, span, teacher_index_queries)
-            chunk_divergence = weighted + torch.where(mass > 0, mass * _finite_or_zero(student_lse), 0)
-            divergence[start:end] = chunk_divergence.transpose(0, 1)
+            divergence[start:end] = _divergence(weighted, mass, student_lse).transpose(0, 1)
             index_lse[start:end] = student_lse.transpose(0, 1).to(out_dtype)
             teacher_mass[start:end] = mass.transpose(0, 1).to(out_dtype)
             teacher_index_keys[start:end] = index_key_sums.to(out_dtype)
@@ -295,3 +333,94 @@ def indexer_kl_backward(
         d_index_q = (d_index_q - teacher_index_keys.to(problem.dtype)) * coefficient
         d_index_k = (d_index_k - teacher_index_queries.view(problem.num_keys, index_dim).to(problem.dtype)) * coefficient
     return d_index_q.to(index_q.dtype), d_index_k.view(index_k.shape).to(index_k.dtype)
+
+
+def teacher_probabilities(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor | None,
+    block_indices: torch.Tensor,
+    documents: Documents,
+    block_size: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """The teacher of the sparse loss per selected slot, the input of `index_loss_from_teacher`.
+
+    Args:
+        q: `[Tq, Hq, D]`, k: `[Tk, Hkv, D]`: the main branch's queries and keys.
+        lse: `[Tq, Hq]` the main attention's log-sum-exp, or None (then the log-sum-exp of the
+            scores over the support, as in `indexer_kl`).
+        block_indices: int32 `[Hkv, Tq, topk]`.
+
+    Returns:
+        `teacher [Tq, Hkv, topk, block_size]`, fp32 (fp64 for fp64 q): `teacher[t, r, s, c] =
+        mean_g exp(softmax_scale <q[t, G r + g], k[j, r]> - lse[t, G r + g])` for the key `j` at
+        position `c` of block `block_indices[r, t, s]` of `t`'s document, where that key is in the
+        support (`j <= p(t)`, the slot's id `>= 0` and not a repeat of an earlier slot's); 0 elsewhere.
+    """
+    problem = _Problem(q, k, None, None, block_indices, documents, block_size, softmax_scale, None)
+    num_kv_heads, num_queries, topk = block_indices.shape
+    teacher = torch.zeros((num_queries, num_kv_heads, topk, block_size), dtype=problem.dtype, device=q.device)
+    if num_queries > 0 and problem.num_keys > 0:
+        for start, end in problem.chunks():
+            chunk_lse = _chunk_teacher_lse(problem, lse, start, end)
+            span = _sparse_span(block_indices, problem.docs, start, end, num_kv_heads, block_size)
+            probs = torch.where(span.valid, problem.teacher_probs(problem.teacher_scores(start, end, span), chunk_lse), 0)
+            teacher[start:end] = probs.view(num_kv_heads, end - start, topk, block_size).transpose(0, 1)
+    return teacher
+
+
+def index_loss_from_teacher(
+    teacher: torch.Tensor,
+    grad_loss: torch.Tensor | None,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    block_indices: torch.Tensor,
+    documents: Documents,
+    block_size: int,
+    index_softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The sparse loss and its gradients from a given teacher: q, k and lse are not read.
+
+    Args:
+        teacher: `[Tq, Hi, topk, block_size]` (float16 from the attention; any float dtype),
+            laid out as `teacher_probabilities` returns it. Only the slots of the support are read
+            (through `where`, so whatever the others hold, NaN included, adds nothing): ids `>= 0`
+            within the query's horizon, each id once (its first slot), keys `j <= p(t)`.
+        grad_loss: the loss's incoming gradient (0-D), or None for the loss alone.
+        index_q: `[Tq, Hi, Di]`; index_k: `[Tk, 1, Di]`; block_indices: int32 `[Hi, Tq, topk]`.
+
+    Returns:
+        `(loss, d_index_q, d_index_k)`: the loss of `indexer_kl` with this teacher (0-D,
+        `loss_dtype(index_q.dtype)`), and `grad_loss` times its exact gradients, `[Tq, Hi, Di]` and
+        `[Tk, 1, Di]` in the index inputs' dtypes, as `indexer_kl_backward` gives them:
+        `d index_q[t, r] = c sum_J (M P_s[j] - P_t[j]) index_k[j]` and
+        `d index_k[j] = c sum_((t, r): j in J) (M P_s - P_t)[t, r, j] index_q[t, r]` with
+        `c = grad_loss * index_softmax_scale / (Tq * Hi)`; both None when `grad_loss` is None.
+    """
+    problem = _Problem(None, None, index_q, index_k, block_indices, documents, block_size, None, index_softmax_scale)
+    num_queries, num_index_heads, index_dim = index_q.shape
+    divergence = torch.zeros((num_queries, num_index_heads), dtype=problem.dtype, device=index_q.device)
+    d_index_q = torch.zeros(index_q.shape, dtype=problem.dtype, device=index_q.device)
+    d_index_k = torch.zeros((problem.num_keys, index_dim), dtype=problem.dtype, device=index_q.device)
+    if num_queries > 0 and problem.num_keys > 0:
+        for start, end in problem.chunks():
+            # The sparse support is one span per chunk: the student's lse is final at once.
+            span = _sparse_span(block_indices, problem.docs, start, end, num_index_heads, block_size)
+            index_queries = problem.index_queries(start, end)
+            index_keys = problem.index_keys_of(span)
+            logits = problem.student_logits(index_queries, index_keys, span)
+            probs = problem.given_teacher(teacher, start, end, span)
+            student_lse = torch.logsumexp(logits, -1)
+            weighted, mass = _teacher_terms(probs, logits)
+            divergence[start:end] = _divergence(weighted, mass, student_lse).transpose(0, 1)
+            if grad_loss is not None:
+                student = mass[..., None] * (logits - _finite_or_zero(student_lse)[..., None]).exp()
+                d_index_q[start:end] += problem.weighted_sums(student - probs, index_queries, index_keys, span,
+                                                              d_index_k)
+    loss = (divergence.sum() / max(1, num_queries * num_index_heads)).to(loss_dtype(index_q.dtype))
+    if grad_loss is None:
+        return loss, None, None
+    coefficient = grad_loss.to(problem.dtype) * (index_softmax_scale / max(1, num_queries * num_index_heads))
+    return (loss, (d_index_q * coefficient).to(index_q.dtype),
+            (d_index_k * coefficient).view(index_k.shape).to(index_k.dtype))

@@ -12,7 +12,8 @@ import torch
 
 import torch_msa
 from tests.support import dense
-from torch_msa import api, testing
+from torch_msa import api, reference, reference_kl, testing
+from torch_msa.documents import Documents
 
 BLOCK = 64
 
@@ -145,13 +146,101 @@ def test_the_forwards_backward_terms_match_the_oracle(support):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def _teacher_problem(layout):
+    """`(q, k, lse, index_q, index_k, block_indices, documents)` in float64 for the teacher-given
+    loss, with junk ids (repeats, ids past the horizon, -1 in a first slot): the CASE pack (an
+    empty and a 1-token document, Lq < Lk), or query fragments of a pack (out of order, several
+    per document, an empty and a 1-token document)."""
+    if layout == "pack":
+        q, k, v, index_q, index_k, block_indices, docs = _problem(**CASE, dtype=torch.float64)
+        documents = Documents(*docs)
+    else:
+        frag = testing.fragments((150, 0, 1, 90), ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40)))
+        documents = Documents(*frag.op_args, *frag.tensors)
+        g = torch.Generator().manual_seed(1)
+        num_queries, num_keys = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+        q, index_q = (torch.randn(num_queries, h, d, generator=g, dtype=torch.float64) for h, d in ((4, 64), (2, 16)))
+        k, v = (torch.randn(num_keys, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
+        index_k = torch.randn(num_keys, 1, 16, generator=g, dtype=torch.float64)
+        block_indices = testing.random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, 2, 3, BLOCK, g,
+                                                     *frag.tensors)
+    block_indices[0, :, -1] = block_indices[0, :, 0]
+    block_indices[1, ::3, 0] = 10_000
+    block_indices[1, 1::5, 0] = -1
+    _, lse = reference.forward(q, k, v, block_indices, documents, BLOCK, 64**-0.5, None)
+    return q, k, lse, index_q.detach(), index_k.detach(), block_indices, documents
+
+
+def test_teacher_probabilities_lay_out_the_definitions_teacher_per_slot():
+    q, k, lse, index_q, index_k, block_indices, documents = _teacher_problem("pack")
+    cu_q, cu_k = documents.cu_seqlens_q, documents.cu_seqlens_k
+    teacher = reference_kl.teacher_probabilities(q, k, lse, block_indices, documents, BLOCK, 64**-0.5)
+    num_kv_heads, num_queries, topk = block_indices.shape
+    assert teacher.shape == (num_queries, num_kv_heads, topk, BLOCK) and teacher.dtype == torch.float64
+    _, dense_teacher, _, _ = _oracle_terms(q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, 64**-0.5, 16**-0.5)
+    key_start, position = dense.positions(cu_q, cu_k, num_queries)
+    expected = torch.zeros_like(teacher)
+    for r in range(num_kv_heads):
+        for t in range(num_queries):
+            ids = block_indices[r, t].tolist()
+            for s, block in enumerate(ids):
+                if block < 0 or block in ids[:s]:
+                    continue
+                keys = block * BLOCK + torch.arange(BLOCK)
+                seen = keys <= position[t]
+                rows = (key_start[t] + keys).clamp(max=k.shape[0] - 1)
+                expected[t, r, s] = torch.where(seen, dense_teacher[r, t, rows], 0)
+    assert expected.sum() > 0 and (expected == 0).any()
+    torch.testing.assert_close(teacher, expected, rtol=1e-12, atol=1e-14)
+    # Without lse the teacher is normalised on the support: the same, as lse is the attention's there.
+    torch.testing.assert_close(reference_kl.teacher_probabilities(q, k, None, block_indices, documents, BLOCK, 64**-0.5),
+                               teacher, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("layout", ["pack", "fragments"])
+def test_index_loss_from_teacher_is_indexer_kl_and_its_backward(layout):
+    """The teacher-given loss on `teacher_probabilities` gives `indexer_kl`'s loss and
+    `indexer_kl_backward`'s gradients; what the teacher holds outside the support is not read."""
+    q, k, lse, index_q, index_k, block_indices, documents = _teacher_problem(layout)
+    scales = (64**-0.5, 16**-0.5)
+    grad_loss = torch.tensor(1.7, dtype=torch.float64)
+    loss, _, *kept = reference_kl.indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, BLOCK, *scales)
+    want = reference_kl.indexer_kl_backward(grad_loss, index_q, index_k, *kept, block_indices, documents, BLOCK, scales[1])
+    teacher = reference_kl.teacher_probabilities(q, k, lse, block_indices, documents, BLOCK, scales[0])
+    # Inside the support every teacher probability is positive: poison everything else.
+    poisoned = teacher.masked_fill(teacher == 0, math.nan)
+    for given in (teacher, poisoned):
+        got_loss, *got = reference_kl.index_loss_from_teacher(given, grad_loss, index_q, index_k, block_indices,
+                                                              documents, BLOCK, scales[1])
+        assert got_loss.dtype == torch.float64 and got_loss.dim() == 0 and loss > 0
+        torch.testing.assert_close(got_loss, loss, rtol=1e-12, atol=1e-14)
+        for name, a, b in zip(("d index_q", "d index_k"), got, want, strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype and b.abs().max() > 0, name
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12 * b.abs().max().item(),
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    loss_only = reference_kl.index_loss_from_teacher(teacher.half(), None, index_q.float(), index_k.float(),
+                                                     block_indices, documents, BLOCK, scales[1])
+    assert loss_only[1:] == (None, None) and loss_only[0].dtype == torch.float32
+    torch.testing.assert_close(loss_only[0].double(), loss, rtol=2e-3, atol=1e-6)
+
+
+def test_index_loss_from_teacher_without_queries_is_zero():
+    q, k, v, index_q, index_k, block_indices, docs = _problem((0,), (9,), 4, 2, 64, 16, 2)
+    documents = Documents(*docs)
+    teacher = reference_kl.teacher_probabilities(q, k, torch.zeros(0, 4), block_indices, documents, BLOCK, 0.125)
+    assert teacher.shape == (0, 2, 2, BLOCK)
+    loss, d_index_q, d_index_k = reference_kl.index_loss_from_teacher(teacher, torch.tensor(1.0), index_q, index_k,
+                                                                      block_indices, documents, BLOCK, 0.25)
+    assert loss.item() == 0 and d_index_q.shape == index_q.shape and d_index_k.shape == index_k.shape
+    assert not d_index_k.any()
+
+
 def test_dense_loss_spans_keys_with_bounded_memory(monkeypatch):
     """A small budget and short key spans force many chunks of a few queries and several spans per
     chunk; each holds at most the budget, and the loss and gradients are unchanged."""
     q, k, _, index_q, index_k, _, docs = _problem(**CASE)
     whole = torch_msa.indexer_kl_loss_dense(q, k, index_q, index_k, *docs, block_size=BLOCK)
     whole_grads = torch.autograd.grad(whole, (index_q, index_k))
-    from torch_msa import reference, reference_kl
     budget, span_keys = 64 << 10, 100
     monkeypatch.setattr(reference, "_CHUNK_BYTES_CPU", budget)
     monkeypatch.setattr(reference_kl, "_DENSE_SPAN_KEYS", span_keys)
