@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torch_msa
-from tests.support.documents import backend_arguments
+from tests.support.documents import Documents, backend_arguments
 from torch_msa import reference_kl
 from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
 
@@ -188,6 +188,41 @@ def test_m3_deterministic_loss_and_gradients_match_reference(selection, determin
     for name, a, b in zip(("d index_q", "d index_k"), kl_deterministic.indexer_kl_backward(*backend_form),
                           reference_kl.indexer_kl_backward(*backend_form), strict=True):
         assert _relative_error(a, b) < 1e-2, (name, _relative_error(a, b))
+
+
+@pytest.mark.parametrize(("layout", "selection"), [("4K", "index"), ("pack", "index"), ("suffix-pack", "skewed")])
+def test_m3_loss_from_teacher_matches_the_float64_reference(layout, selection):
+    """`index_loss_from_teacher`, default and deterministic, on the fp16 teacher of
+    `teacher_probabilities` against the reference's in float64 on the same teacher; its loss is
+    the loss of the path that computes the teacher, up to the teacher's fp16 rounding."""
+    from torch_msa.triton import kl_deterministic, kl_kernel
+
+    args = _problem(layout, selection)
+    q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, max_q, max_k, block_size, scale, index_scale = args
+    documents = Documents(cu_q, cu_k, max_q, max_k)
+    teacher = reference_kl.teacher_probabilities(q, k, lse, block_indices, documents, block_size, scale).half()
+    assert teacher.shape == (q.shape[0], KV_HEADS, TOPK, BLOCK)
+    grad_loss = torch.tensor(1.0, device="cuda")
+    want = reference_kl.index_loss_from_teacher(teacher.double(), grad_loss.double(), index_q.double(),
+                                                index_k.double(), block_indices, documents, block_size, index_scale)
+    computed_teacher_loss = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args))[0]
+    torch.testing.assert_close(want[0].float(), computed_teacher_loss, rtol=2e-3, atol=1e-5)
+    runs = {}
+    for name, module in (("default", kl_kernel), ("deterministic", kl_deterministic)):
+        runs[name] = got = module.index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices, documents,
+                                                          block_size, index_scale)
+        assert got[0].dtype == torch.float32
+        torch.testing.assert_close(got[0].double(), want[0], rtol=2e-3, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        for grad, a, b, x in zip(("d index_q", "d index_k"), got[1:], want[1:], (index_q, index_k), strict=True):
+            assert a.dtype == x.dtype and a.shape == x.shape, (name, grad)
+            assert _relative_error(a, b) < 1e-2, (name, grad, _relative_error(a, b))
+    again = kl_deterministic.index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices, documents,
+                                                     block_size, index_scale)
+    for a, b in zip(again, runs["deterministic"], strict=True):
+        assert torch.equal(a, b)
+    loss_only = kl_kernel.index_loss_from_teacher(teacher, None, index_q, index_k, block_indices, documents, block_size,
+                                                  index_scale)
+    assert loss_only[1:] == (None, None) and torch.equal(loss_only[0], runs["default"][0])
 
 
 def test_training_step_through_the_public_api():

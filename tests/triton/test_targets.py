@@ -140,8 +140,24 @@ def _kl_backward(config):
     types |= dict.fromkeys(("index_lse", "teacher_mass", "coefficient", "d_index_q", "d_index_k"), "*fp32")
     types |= {"index_scale": "fp32"}
     constants = dict(NUM_KV_HEADS=M3["index_heads"], TOKENS=config.rows, TOPK=M3["topk"], BLOCK=M3["block_size"],
-                     INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32", SPLIT=True, DETERMINISTIC=False)
+                     INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32", SPLIT=True, DETERMINISTIC=False, teacher=None)
     return kl_kernel.msa_kl_bwd_kernel, types, constants
+
+
+def _kl_backward_from_teacher(config):
+    """The backward that subtracts a given (fp16) teacher."""
+    fn, types, constants = _kl_backward(config)
+    del constants["teacher"]
+    return fn, types | {"teacher": "*fp16"}, constants
+
+
+def _kl_forward_from_teacher(config):
+    types = dict.fromkeys(("index_q", "index_k"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
+    types |= dict.fromkeys(("part_max", "part_sum", "part_weighted", "part_mass"), "*fp32")
+    types |= {"teacher": "*fp16", "index_scale": "fp32"}
+    constants = dict(NUM_KV_HEADS=M3["index_heads"], TOKENS=config.rows, TOPK=M3["topk"], BLOCK=M3["block_size"],
+                     INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32")
+    return kl_kernel.msa_kl_fwd_from_teacher_kernel, types, constants
 
 
 def _deterministic(kernel_spec):
@@ -216,6 +232,10 @@ KERNELS = {
     "msa_kl_bwd_kernel": (_kl_backward, kl_kernel.BACKWARD_CONFIGS),
     "msa_kl_fwd_kernel (deterministic)": (_deterministic(_kl_forward), kl_kernel.FORWARD_CONFIGS),
     "msa_kl_bwd_kernel (deterministic)": (_deterministic(_kl_backward), kl_kernel.BACKWARD_CONFIGS),
+    "msa_kl_fwd_from_teacher_kernel": (_kl_forward_from_teacher, kl_kernel.FROM_TEACHER_CONFIGS),
+    "msa_kl_bwd_kernel (teacher given)": (_kl_backward_from_teacher, kl_kernel.BACKWARD_CONFIGS),
+    "msa_kl_bwd_kernel (teacher given) (deterministic)": (_deterministic(_kl_backward_from_teacher),
+                                                          kl_kernel.BACKWARD_CONFIGS),
     "msa_bwd_key_reduce_kernel (one workspace)": (_kl_key_reduce, backward_deterministic_kernel.KEY_REDUCE_CONFIGS),
 }
 

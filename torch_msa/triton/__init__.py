@@ -6,7 +6,8 @@ key-to-query schedule of `torch_msa/schedule.py`, packed as a plan), `forward_ke
 `backward_deterministic_kernel.py` (the fixed-order reduction of per-item dK/dV and the
 query-outer dQ), `kl_kernel.py` (the index branch's KL loss on the sparse support, KV-outer: the
 forward computes the teacher once and reduces it into the teacher's half of the gradient, the
-backward only the student) and `kl_dense_kernel.py` (the same loss on the dense causal support of
+backward only the student; or, from a given teacher tensor, the loss and both halves of the
+gradient in one reduction) and `kl_dense_kernel.py` (the same loss on the dense causal support of
 the warm-up stage, query-tile-outer like a flash forward). No kernel module imports another: what
 they share is in `common.py` (and `launch.py`, the launch configurations that fit the device).
 `backward_deterministic.py` composes the backward that serves under

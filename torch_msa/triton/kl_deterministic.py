@@ -21,6 +21,11 @@ items), and reduce what they store like the deterministic attention backward
 * The loss, the student's lse and the teacher's mass come from per-entry partials, as in the
   default forward, which has no atomics there (`kl_kernel.finish_forward`).
 
+`index_loss_from_teacher` (the loss and its gradients from a given teacher) runs the default
+path's two kernels likewise: per window of queries, the forward of the given teacher (per-entry
+partials, no atomics) and the backward with the teacher, on the backward's items, whose sums of
+`c (M P_s - P_t)` are stored and reduced as the backward's are.
+
 Items: the forward's hold `FORWARD_ITEM_FACTOR` times the entries of the public API's plans
 (`torch_msa.schedule.entries_per_item(Hq, Hkv)`), as the deterministic attention backward's
 items hold four times its tiles, to bound the workspace; the backward's hold what the default
@@ -46,6 +51,7 @@ import torch
 from .. import query_windows
 from ..reference_kl import loss_dtype
 from ..schedule import entries_per_item
+from . import kl_kernel
 from .backward_deterministic_kernel import item_schedule, reduce_item_rows
 from .kl_kernel import (
     backward_coefficient,
@@ -54,6 +60,7 @@ from .kl_kernel import (
     forward_partials,
     launch_backward,
     launch_forward,
+    launch_forward_from_teacher,
 )
 
 FORWARD_ITEM_FACTOR = 4
@@ -167,3 +174,53 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
             d_index_k += _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys, num_index_heads, topk,
                                    block_size)
     return d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)
+
+
+def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices, documents, block_size,
+                            index_softmax_scale):
+    """Same contract as `torch_msa.reference_kl.index_loss_from_teacher`, bitwise reproducible.
+
+    The loss alone has no atomics: `kl_kernel.index_loss_from_teacher` serves it. With `grad_loss`,
+    each window of queries (`_windows`, sized by the backward's workspace) runs both passes on one
+    schedule of its own: the forward of the given teacher into the window's partials, whose
+    `index_lse` and mass the backward with the teacher then reads, storing `c (M P_s - P_t)`'s
+    sums in the entry and item rows that are reduced in a fixed order as in
+    `indexer_kl_backward`. The loss comes from all the partials at the end (`finish_forward`).
+    """
+    if grad_loss is None:
+        return kl_kernel.index_loss_from_teacher(teacher, None, index_q, index_k, block_indices, documents, block_size,
+                                                 index_softmax_scale)
+    check_inputs(True, index_q)
+    num_queries, num_index_heads, index_dim = index_q.shape
+    num_keys = index_k.shape[0]
+    topk = block_indices.shape[-1]
+    device = index_q.device
+    partials = forward_partials(num_index_heads, num_queries, topk, device)
+    coefficient = backward_coefficient(grad_loss, index_softmax_scale, num_queries, num_index_heads)
+    d_index_q = torch.zeros((num_queries, num_index_heads, index_dim), dtype=torch.float32, device=device)
+    d_index_k = torch.zeros((num_keys, 1, index_dim), dtype=torch.float32, device=device)
+    if num_queries > 0 and num_keys > 0 and topk > 0:
+        index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
+        teacher = teacher.contiguous()
+        items_of = backward_entries_per_item(num_index_heads)
+        per_query = partial_bytes_per_query(num_index_heads, topk, index_dim, block_size, items_of)
+        for start, stop, window in _windows(documents, num_queries, num_keys, per_query):
+            whole = stop - start == num_queries
+            window_partials = partials if whole else forward_partials(num_index_heads, stop - start, topk, device)
+            schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
+                block_indices[:, start:stop].contiguous(), window, num_keys, block_size, items_of, index_dim)
+            window_teacher, window_index_q = teacher[start:stop], index_q[start:stop]
+            launch_forward_from_teacher(window_teacher, window_index_q, index_k, window_partials, schedule, topk,
+                                        block_size, index_softmax_scale)
+            if not whole:
+                for full, part in zip(partials, window_partials, strict=True):
+                    full[:, start:stop] = part
+            _, student_lse, mass = finish_forward(window_partials, torch.float32)
+            launch_backward(window_index_q, index_k, student_lse, mass, coefficient, (entry_rows, item_rows), schedule,
+                            topk, block_size, index_softmax_scale, deterministic=True, teacher=window_teacher)
+            d_index_q[start:stop] = entry_rows.sum(2)
+            # Windows in turn: a fixed order.
+            d_index_k += _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys, num_index_heads, topk,
+                                   block_size)
+    loss, _, _ = finish_forward(partials, loss_dtype(index_q.dtype))
+    return loss, d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)

@@ -1,9 +1,10 @@
-"""`msa::indexer_kl` and `msa::indexer_kl_backward` in Triton, on the sparse support, KV-outer.
+"""`msa::indexer_kl` and `msa::indexer_kl_backward` in Triton, on the sparse support, KV-outer,
+and the same loss with its gradients from a given teacher (`index_loss_from_teacher`).
 
-Both kernels walk the shared KV-outer schedule (`torch_msa/schedule.py`): one program owns one KV
-head's key block and a run of the queries that chose it, loads the block's (index) keys once and
-takes the queries `TOKENS` at a time (at least 16, so the index GEMMs `[TOKENS, Di] x [Di, BLOCK]`
-are full-height).
+Every kernel walks the shared KV-outer schedule (`torch_msa/schedule.py`): one program owns one KV
+head's key block and a run of the queries that chose it, loads the block's (index) keys once
+(`_item_block`, the prologue they share) and takes the queries `TOKENS` at a time (at least 16,
+so the index GEMMs `[TOKENS, Di] x [Di, BLOCK]` are full-height).
 
 Forward: the teacher probability of a (query, key) pair is the mean over the query's `G` heads;
 the heads are taken `HEADS_PER_PASS` at a time, one `[TOKENS * HEADS_PER_PASS, BLOCK]` score GEMM
@@ -23,15 +24,28 @@ the forward reduces `P_t`; the buffers start at `-c * teacher_index_*`, so
 `d = c * (student - teacher)` with `c = grad_loss * index_scale / (Tq * Hi)`. Its schedule has one
 row per entry (`ITEM_ROWS` entries per item), not the teacher's `G`.
 
+Teacher given (`index_loss_from_teacher`): the attention backward can emit the teacher itself,
+`teacher [Tq, Hi, topk, BLOCK]` (fp16), whose row `(t * Hi + r) * topk + s` holds `P_t` over the
+keys of block `block_indices[r, t, s]`. Then nothing reads q, k or lse, and the loss is two
+passes over one schedule of one row per entry. Pass 1 (`msa_kl_fwd_from_teacher_kernel`) reads
+the tile's teacher rows where the support is visible (never an absent slot: the schedule has
+dropped -1, invisible and repeated ids) and stores the forward's partials, from which
+`finish_forward` gives the loss, the student's lse and `M`. Pass 2 (`msa_kl_bwd_kernel` with
+the teacher) forms `w = M * P_s - P_t` per tile and reduces `c * w` into `d index_q` and
+`d index_k` at once: one reduction pair for both halves, and no `teacher_index_*` buffers.
+
 Precision: the weights of those reductions (`P_t`, `M * P_s`, fp32) meet 16-bit index inputs in
 two halves of that dtype (`high + low`), so each sum keeps about 16 bits of its weights and
-their difference, the gradient, loses nothing to the rounding of one of them.
+their difference, the gradient, loses nothing to the rounding of one of them. With a given
+teacher the difference `M * P_s - P_t` is formed in fp32 first, so the split keeps about 16 bits
+of the gradient's weights themselves.
 
-Both kernels add with atomics, so their sums are order-dependent in the last bits: under
-`torch.use_deterministic_algorithms(True)` `indexer_kl` and `indexer_kl_backward` here decline
-and the backend serves `kl_deterministic.py` instead, which runs the same kernels with
-`DETERMINISTIC`: every sum is stored, each entry's in its own row and each item's per-key sums
-in the item's own rows, and then reduced in a fixed order.
+The reductions add with atomics, so their sums are order-dependent in the last bits: under
+`torch.use_deterministic_algorithms(True)` `indexer_kl`, `indexer_kl_backward` and
+`index_loss_from_teacher` with a `grad_loss` here decline and `kl_deterministic.py` serves that
+mode instead, running the same kernels with `DETERMINISTIC`: every sum is stored, each entry's
+in its own row and each item's per-key sums in the item's own rows, and then reduced in a fixed
+order. The partials are stored per entry either way.
 """
 
 import math
@@ -47,8 +61,10 @@ from ..schedule import schedule_for
 from .common import LN_2, LOG2_E, dot_precision, item_horizon, program_item, split_weights, weighted_dot
 from .launch import LaunchConfig, launch
 
-# `rows`: teacher rows (tokens x heads) of a forward tile; tokens of a backward tile.
+# `rows`: teacher rows (tokens x heads) of a forward tile; tokens of a backward tile and of a
+# forward tile from a given teacher.
 FORWARD_CONFIGS = (LaunchConfig(rows=64, num_stages=2, num_warps=8), LaunchConfig(rows=64, num_stages=1))
+FROM_TEACHER_CONFIGS = (LaunchConfig(rows=64, num_stages=2, num_warps=8), LaunchConfig(rows=32, num_stages=1))
 BACKWARD_CONFIGS = (LaunchConfig(rows=64, num_stages=2, num_warps=8), LaunchConfig(rows=32, num_stages=1))
 
 
@@ -78,11 +94,16 @@ def kl_tile_shape(num_heads: int, num_kv_heads: int, rows: int = 128) -> tuple[i
 
 @triton.jit
 def _item_block(
-    index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
+    index_k, entry_query, item_start, item_end, item_bucket, bucket_head, bucket_key_row, bucket_block, position,
     num_keys, stride_ik_token, TOPK: tl.constexpr, BLOCK: tl.constexpr, INDEX_DIM: tl.constexpr,
 ):
-    """The item's KV head and key block: `key_row`, `key_position`, `key_ok` `[BLOCK]` and the
-    index keys `[BLOCK, INDEX_DIM]` (zeros where not `key_ok`)."""
+    """The prologue of every KL kernel: the program's item (`program_item`), its entries
+    `start .. end - 1`, its KV head and key block (`key_row`, `key_position`, `key_ok`
+    `[BLOCK]`) and the block's index keys `[BLOCK, INDEX_DIM]` (zeros where not `key_ok`).
+
+    An unused item (`start == end`) has no key `key_ok` (its horizon is -1), so its tile loop is
+    empty and every load and store of it is masked off: the kernels need no early return."""
+    item, start, end = program_item(item_start, item_end)
     bucket = tl.load(item_bucket + item)
     kv_head = tl.load(bucket_head + bucket)
     offsets = tl.arange(0, BLOCK)
@@ -93,7 +114,7 @@ def _item_block(
     key_ok = (key_position <= item_horizon(entry_query, position, start, end, TOPK)) & (key_row < num_keys)
     index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + tl.arange(0, INDEX_DIM)[None, :],
                          mask=key_ok[:, None], other=0.0)
-    return kv_head, key_row, key_position, key_ok, index_keys
+    return item, start, end, kv_head, key_row, key_position, key_ok, index_keys
 
 
 @triton.jit
@@ -154,6 +175,39 @@ def _teacher_tile(
 
 
 @triton.jit
+def _given_teacher_tile(teacher, query, kv_head, visible, NUM_KV_HEADS: tl.constexpr, TOPK: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Teacher probabilities `[TOKENS, BLOCK]` (fp32) of a tile, read from a given teacher
+    `[Tq, Hi, topk, BLOCK]`: entry `t * topk + s` of KV head `r` is its row `(t * Hi + r) * topk + s`.
+    Only the `visible` pairs are read; the others are 0."""
+    row = (query // TOPK).to(tl.int64) * (NUM_KV_HEADS * TOPK) + kv_head * TOPK + query % TOPK
+    rows = tl.load(teacher + row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :], mask=visible, other=0.0)
+    return rows.to(tl.float32)
+
+
+@triton.jit
+def _store_partials(logits, teacher, query, token_ok, kv_head, num_queries, part_max, part_sum, part_weighted,
+                    part_mass, TOPK: tl.constexpr):
+    """A tile's per-entry partials over its block from the student's `logits` (log2 domain, `-inf`
+    off the support) and the teacher `[TOKENS, BLOCK]` (0 off the support): the running max and
+    sum of `exp2` of the logits, `A = sum P_t (log P_t - u)` and `M = sum P_t`, stored at the
+    entries' `[Hkv, Tq, topk]` slots (laid out like `block_indices`)."""
+    row_max = tl.max(logits, axis=1)
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    total = tl.sum(tl.exp2(logits - shift[:, None]), axis=1)
+    positive = teacher > 0.0
+    log_teacher = tl.log(tl.where(positive, teacher, 1.0))
+    natural_logits = tl.where(positive, logits, 0.0) * LN_2
+    weighted = tl.sum(tl.where(positive, teacher * (log_teacher - natural_logits), 0.0), axis=1)
+    mass = tl.sum(teacher, axis=1)
+    partial = kv_head.to(tl.int64) * num_queries * TOPK + query
+    tl.store(part_max + partial, row_max, mask=token_ok)
+    tl.store(part_sum + partial, total, mask=token_ok)
+    tl.store(part_weighted + partial, weighted, mask=token_ok)
+    tl.store(part_mass + partial, mass, mask=token_ok)
+
+
+@triton.jit
 def _add_query_sums(out, query_sums, query, token_ok, kv_head, NUM_KV_HEADS: tl.constexpr, TOPK: tl.constexpr,
                     INDEX_DIM: tl.constexpr, DETERMINISTIC: tl.constexpr):
     """A tile's per-entry sums `[TOKENS, Di]` into `out`: added to its (query, index head) rows
@@ -185,6 +239,22 @@ def _add_key_sums(out, key_sums, item, key_row, key_ok, BLOCK: tl.constexpr, IND
 
 
 @triton.jit
+def _reduce_tile(weights, scale, index_keys, index_queries, key_sums, query_out, query, token_ok, kv_head,
+                 NUM_KV_HEADS: tl.constexpr, TOPK: tl.constexpr, INDEX_DIM: tl.constexpr, SPLIT: tl.constexpr,
+                 INDEX_PRECISION: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    """The two reductions of a tile's fp32 `weights [TOKENS, BLOCK]` (0 off the support; padding
+    entries and keys off the block are zero rows of the operands too, so nothing of another
+    document is read): `scale * weights @ index_keys` into the entries' rows of `query_out`
+    (`_add_query_sums`), and `weights^T @ index_queries` added to the item's `key_sums`, which it
+    returns."""
+    query_sums = weighted_dot(weights, index_keys, tl.zeros((weights.shape[0], INDEX_DIM), tl.float32), SPLIT,
+                              INDEX_PRECISION)
+    _add_query_sums(query_out, query_sums * scale, query, token_ok, kv_head, NUM_KV_HEADS, TOPK, INDEX_DIM,
+                    DETERMINISTIC)
+    return weighted_dot(tl.trans(weights), index_queries, key_sums, SPLIT, INDEX_PRECISION)
+
+
+@triton.jit
 def msa_kl_fwd_kernel(
     q, k, lse, index_q, index_k, part_max, part_sum, part_weighted, part_mass, teacher_index_keys,
     teacher_index_queries,
@@ -195,14 +265,12 @@ def msa_kl_fwd_kernel(
     TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
     PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DETERMINISTIC: tl.constexpr = False,
 ):
-    """`DETERMINISTIC`: the teacher's index reductions are stored, not added: `teacher_index_keys`
-    is then the per-entry rows `[Tq, Hi, topk, Di]` and `teacher_index_queries` the per-item rows
+    """The forward that computes the teacher: per-entry partials and the teacher's two index
+    reductions. `DETERMINISTIC`: those reductions are stored, not added: `teacher_index_keys` is
+    then the per-entry rows `[Tq, Hi, topk, Di]` and `teacher_index_queries` the per-item rows
     `[max_items * BLOCK, Di]` (`_add_query_sums`, `_add_key_sums`)."""
-    item, start, end = program_item(item_start, item_end)
-    if start >= end:
-        return
-    kv_head, key_row, key_position, key_ok, index_keys = _item_block(
-        index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
+    item, start, end, kv_head, key_row, key_position, key_ok, index_keys = _item_block(
+        index_k, entry_query, item_start, item_end, item_bucket, bucket_head, bucket_key_row, bucket_block, position,
         num_keys, stride_ik_token, TOPK, BLOCK, INDEX_DIM,
     )
     k_block = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + tl.arange(0, DIM)[None, :],
@@ -218,29 +286,37 @@ def msa_kl_fwd_kernel(
             q, k_block, lse, entry_query, first, end, kv_head, visible, qk_scale, stride_q_token, stride_q_head,
             NUM_KV_HEADS, GROUP, HEADS_PER_PASS, TOKENS, TOPK, BLOCK, DIM, PRECISION,
         )
-        row_max = tl.max(logits, axis=1)
-        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-        total = tl.sum(tl.exp2(logits - shift[:, None]), axis=1)
-        positive = teacher > 0.0
-        log_teacher = tl.log(tl.where(positive, teacher, 1.0))
-        natural_logits = tl.where(positive, logits, 0.0) * LN_2
-        weighted = tl.sum(tl.where(positive, teacher * (log_teacher - natural_logits), 0.0), axis=1)
-        mass = tl.sum(teacher, axis=1)
-        # Partials are laid out [Hkv, Tq, topk], like block_indices.
-        partial = kv_head.to(tl.int64) * num_queries * TOPK + query
-        tl.store(part_max + partial, row_max, mask=token_ok)
-        tl.store(part_sum + partial, total, mask=token_ok)
-        tl.store(part_weighted + partial, weighted, mask=token_ok)
-        tl.store(part_mass + partial, mass, mask=token_ok)
-
-        # The teacher's half of the gradient: padding entries and keys off the block are zero
-        # rows of `teacher` and of the operands, so nothing of another document is read.
-        query_sums = weighted_dot(teacher, index_keys, tl.zeros((TOKENS, INDEX_DIM), tl.float32), SPLIT,
-                                   INDEX_PRECISION)
-        _add_query_sums(teacher_index_keys, query_sums, query, token_ok, kv_head, NUM_KV_HEADS, TOPK, INDEX_DIM,
-                        DETERMINISTIC)
-        key_sums = weighted_dot(tl.trans(teacher), index_queries, key_sums, SPLIT, INDEX_PRECISION)
+        _store_partials(logits, teacher, query, token_ok, kv_head, num_queries, part_max, part_sum, part_weighted,
+                        part_mass, TOPK)
+        # The teacher's half of the gradient.
+        key_sums = _reduce_tile(teacher, 1.0, index_keys, index_queries, key_sums, teacher_index_keys, query, token_ok,
+                                kv_head, NUM_KV_HEADS, TOPK, INDEX_DIM, SPLIT, INDEX_PRECISION, DETERMINISTIC)
     _add_key_sums(teacher_index_queries, key_sums, item, key_row, key_ok, BLOCK, INDEX_DIM, DETERMINISTIC)
+
+
+@triton.jit
+def msa_kl_fwd_from_teacher_kernel(
+    teacher, index_q, index_k, part_max, part_sum, part_weighted, part_mass,
+    entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
+    num_queries, num_keys, index_scale, stride_iq_token, stride_iq_head, stride_ik_token,
+    NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+    INDEX_DIM: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+):
+    """The forward of a given teacher `[Tq, Hi, topk, BLOCK]` (contiguous): the per-entry partials
+    of `msa_kl_fwd_kernel`, with the teacher read instead of computed; no reductions (the
+    backward does both halves)."""
+    item, start, end, kv_head, key_row, key_position, key_ok, index_keys = _item_block(
+        index_k, entry_query, item_start, item_end, item_bucket, bucket_head, bucket_key_row, bucket_block, position,
+        num_keys, stride_ik_token, TOPK, BLOCK, INDEX_DIM,
+    )
+    for first in range(start, end, TOKENS):
+        logits, visible, _, query, token_ok = _student_tile(
+            index_q, index_keys, entry_query, position, first, end, kv_head, key_position, key_ok, index_scale,
+            stride_iq_token, stride_iq_head, TOKENS, TOPK, INDEX_DIM, INDEX_PRECISION,
+        )
+        probs = _given_teacher_tile(teacher, query, kv_head, visible, NUM_KV_HEADS, TOPK, BLOCK)
+        _store_partials(logits, probs, query, token_ok, kv_head, num_queries, part_max, part_sum, part_weighted,
+                        part_mass, TOPK)
 
 
 @triton.jit
@@ -250,21 +326,21 @@ def msa_kl_bwd_kernel(
     num_keys, index_scale, stride_iq_token, stride_iq_head, stride_ik_token,
     NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
     INDEX_DIM: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DETERMINISTIC: tl.constexpr = False,
+    teacher=None,
 ):
-    """`DETERMINISTIC`: the student's reductions are stored, not added, as in `msa_kl_fwd_kernel`:
+    """The gradient pass: `c * M * P_s` reduced into `d_index_q` and `d_index_k`; with a given
+    `teacher` `[Tq, Hi, topk, BLOCK]` (contiguous), `c * (M * P_s - P_t)`, both halves in one
+    reduction. `DETERMINISTIC`: the reductions are stored, not added, as in `msa_kl_fwd_kernel`:
     `d_index_q` is then the per-entry rows and `d_index_k` the per-item rows."""
-    item, start, end = program_item(item_start, item_end)
-    if start >= end:
-        return
-    kv_head, key_row, key_position, key_ok, index_keys = _item_block(
-        index_k, entry_query, item_bucket, bucket_head, bucket_key_row, bucket_block, position, item, start, end,
+    item, start, end, kv_head, key_row, key_position, key_ok, index_keys = _item_block(
+        index_k, entry_query, item_start, item_end, item_bucket, bucket_head, bucket_key_row, bucket_block, position,
         num_keys, stride_ik_token, TOPK, BLOCK, INDEX_DIM,
     )
     scale = tl.load(coefficient)
     key_sums = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
 
     for first in range(start, end, TOKENS):
-        logits, _, index_queries, query, token_ok = _student_tile(
+        logits, visible, index_queries, query, token_ok = _student_tile(
             index_q, index_keys, entry_query, position, first, end, kv_head, key_position, key_ok, index_scale,
             stride_iq_token, stride_iq_head, TOKENS, TOPK, INDEX_DIM, INDEX_PRECISION,
         )
@@ -273,12 +349,11 @@ def msa_kl_bwd_kernel(
         student_lse = tl.where((student_lse == float("inf")) | (student_lse == float("-inf")), 0.0, student_lse)
         mass = tl.load(teacher_mass + pair, mask=token_ok, other=0.0)
         # exp2(-inf) = 0 off the support; `where` keeps a NaN mass of a padding row out too.
-        student = tl.where(logits != float("-inf"), mass[:, None] * tl.exp2(logits - student_lse[:, None]), 0.0)
-        query_sums = weighted_dot(student, index_keys, tl.zeros((TOKENS, INDEX_DIM), tl.float32), SPLIT,
-                                   INDEX_PRECISION)
-        _add_query_sums(d_index_q, query_sums * scale, query, token_ok, kv_head, NUM_KV_HEADS, TOPK, INDEX_DIM,
-                        DETERMINISTIC)
-        key_sums = weighted_dot(tl.trans(student), index_queries, key_sums, SPLIT, INDEX_PRECISION)
+        weights = tl.where(logits != float("-inf"), mass[:, None] * tl.exp2(logits - student_lse[:, None]), 0.0)
+        if teacher is not None:
+            weights -= _given_teacher_tile(teacher, query, kv_head, visible, NUM_KV_HEADS, TOPK, BLOCK)
+        key_sums = _reduce_tile(weights, scale, index_keys, index_queries, key_sums, d_index_q, query, token_ok,
+                                kv_head, NUM_KV_HEADS, TOPK, INDEX_DIM, SPLIT, INDEX_PRECISION, DETERMINISTIC)
     _add_key_sums(d_index_k, key_sums * scale, item, key_row, key_ok, BLOCK, INDEX_DIM, DETERMINISTIC)
 
 
@@ -340,6 +415,30 @@ def launch_forward(q, k, lse, index_q, index_k, partials: ForwardPartials, teach
     launch(name, shape_key, FORWARD_CONFIGS, launch_config)
 
 
+def launch_forward_from_teacher(teacher, index_q, index_k, partials: ForwardPartials, schedule, topk, block_size,
+                                index_softmax_scale) -> None:
+    """`msa_kl_fwd_from_teacher_kernel` over every item of `schedule` (one row per entry).
+
+    Args:
+        teacher: `[Tq, Hi, topk, block_size]`, contiguous; index_q, index_k: unit stride in the
+            index dim.
+        partials: filled for every entry of the schedule.
+    """
+    num_queries, num_index_heads, index_dim = index_q.shape
+
+    def launch_config(config):
+        msa_kl_fwd_from_teacher_kernel[(schedule.item_start.numel(),)](
+            teacher, index_q, index_k, *partials, *_schedule_tables(schedule),
+            num_queries, index_k.shape[0], index_softmax_scale * LOG2_E.value, index_q.stride(0), index_q.stride(1),
+            index_k.stride(0),
+            NUM_KV_HEADS=num_index_heads, TOKENS=config.rows, TOPK=topk, BLOCK=block_size, INDEX_DIM=index_dim,
+            INDEX_PRECISION=dot_precision(index_q.dtype), **config.options,
+        )
+
+    shape_key = (index_q.device, index_q.dtype, teacher.dtype, index_dim, block_size)
+    launch("msa_kl_fwd_from_teacher_kernel", shape_key, FROM_TEACHER_CONFIGS, launch_config)
+
+
 def finish_forward(partials: ForwardPartials, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(loss, index_lse [Tq, Hi], teacher_mass [Tq, Hi])` in `dtype` from the partials: the
     `topk` partials of each (query, index head) combined by torch reductions, which are
@@ -381,7 +480,7 @@ def backward_coefficient(grad_loss, index_softmax_scale: float, num_queries: int
 
 
 def launch_backward(index_q, index_k, index_lse, teacher_mass, coefficient, student_sums, schedule, topk, block_size,
-                    index_softmax_scale, deterministic: bool) -> None:
+                    index_softmax_scale, deterministic: bool, teacher=None) -> None:
     """`msa_kl_bwd_kernel` over every item of `schedule`.
 
     Args:
@@ -391,6 +490,8 @@ def launch_backward(index_q, index_k, index_lse, teacher_mass, coefficient, stud
             kernel adds `c` times the student's reductions to, or with `deterministic` the
             per-entry rows `[Tq, Hi, topk, Di]` and the per-item rows `[max_items * block_size, Di]`
             it stores them into.
+        teacher: a given teacher `[Tq, Hi, topk, block_size]` (contiguous), whose half the kernel
+            subtracts in the same reductions, or None (the teacher's half is elsewhere).
     """
     num_index_heads, index_dim = index_q.shape[1:]
 
@@ -401,11 +502,13 @@ def launch_backward(index_q, index_k, index_lse, teacher_mass, coefficient, stud
             index_k.stride(0),
             NUM_KV_HEADS=num_index_heads, TOKENS=config.rows, TOPK=topk, BLOCK=block_size,
             INDEX_DIM=index_dim, INDEX_PRECISION=dot_precision(index_q.dtype), SPLIT=split_weights(index_q.dtype),
-            DETERMINISTIC=deterministic, **config.options,
+            DETERMINISTIC=deterministic, teacher=teacher, **config.options,
         )
 
-    name = "msa_kl_bwd_kernel (deterministic)" if deterministic else "msa_kl_bwd_kernel"
-    launch(name, (index_q.device, index_q.dtype, index_dim, block_size), BACKWARD_CONFIGS, launch_config)
+    name = "msa_kl_bwd_kernel" + (" (teacher given)" if teacher is not None else "")
+    name += " (deterministic)" if deterministic else ""
+    shape_key = (index_q.device, index_q.dtype, None if teacher is None else teacher.dtype, index_dim, block_size)
+    launch(name, shape_key, BACKWARD_CONFIGS, launch_config)
 
 
 def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
@@ -427,3 +530,44 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
                         coefficient, (d_index_q, d_index_k), schedule, block_indices.shape[-1], block_size,
                         index_softmax_scale, deterministic=False)
     return d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)
+
+
+def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices, documents, block_size,
+                            index_softmax_scale):
+    """Same contract as `torch_msa.reference_kl.index_loss_from_teacher`: `(loss, d_index_q,
+    d_index_k)` from a given teacher `[Tq, Hi, topk, block_size]`, the gradients None when
+    `grad_loss` is None.
+
+    Two passes over one schedule of one row per entry: the forward of the given teacher (per-entry
+    partials, then `finish_forward`), and, with `grad_loss`, the backward with the teacher, which
+    adds `c (M P_s - P_t)` into both gradients with atomics (so then, under deterministic
+    algorithms, it declines: `kl_deterministic.index_loss_from_teacher` serves that mode). The
+    loss alone has no atomics.
+    """
+    check_inputs(True, index_q)
+    if grad_loss is not None:
+        check_atomics_allowed()
+    num_queries, num_index_heads, index_dim = index_q.shape
+    num_keys = index_k.shape[0]
+    topk = block_indices.shape[-1]
+    device = index_q.device
+    partials = forward_partials(num_index_heads, num_queries, topk, device)
+    work = num_queries > 0 and num_keys > 0 and topk > 0
+    if work:
+        index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
+        teacher = teacher.contiguous()
+        # One row per entry: the student has one head per index head.
+        schedule = schedule_for(block_indices, documents, num_keys, block_size, num_index_heads)
+        launch_forward_from_teacher(teacher, index_q, index_k, partials, schedule, topk, block_size,
+                                    index_softmax_scale)
+    loss, index_lse, mass = finish_forward(partials, loss_dtype(index_q.dtype))
+    if grad_loss is None:
+        return loss, None, None
+    d_index_q = torch.zeros((num_queries, num_index_heads, index_dim), dtype=torch.float32, device=device)
+    d_index_k = torch.zeros((num_keys, 1, index_dim), dtype=torch.float32, device=device)
+    if work:
+        coefficient = backward_coefficient(grad_loss, index_softmax_scale, num_queries, num_index_heads)
+        launch_backward(index_q, index_k, index_lse.float().contiguous(), mass.float().contiguous(), coefficient,
+                        (d_index_q, d_index_k), schedule, topk, block_size, index_softmax_scale, deterministic=False,
+                        teacher=teacher)
+    return loss, d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)
