@@ -1,14 +1,15 @@
 """`python -m benchmarks.kl`: the index branch's KL loss against the attention it distils.
 
-For each length (one document, M3 shapes, bf16) it times, with the benchmark's timer:
+For each length (one document, or `--documents N` equal documents packed, M3 shapes, bf16) it
+times, with the benchmark's timer:
 
 * `attention step`: select + sparse attention forward + backward (`msa_attention`, `lse` and the
   selection returned, `out.backward`), the training step the loss rides on;
 * `sparse KL fwd+bwd`: `indexer_kl_loss` on that step's `lse` and selection, then its backward;
 * `sparse KL fwd`: the same loss without grad (the forward, where the teacher is computed; the
   backward is the difference);
-* `step with KL`: the attention step with `msa_attention(..., index_loss=True)` and
-  `(out * grad_out).sum() + kl` backpropagated: the KL fused into the attention's backward where
+* `step with KL`: the attention step with `msa_attention(..., index_loss=True)`, `out`'s
+  gradient the attention step's and the KL's 1: the KL fused into the attention's backward where
   a backend fuses it (`msa::backward_with_index_loss`), with the peak memory it adds over the
   attention step; `step with KL, deterministic` the same under
   `torch.use_deterministic_algorithms(True)`;
@@ -59,22 +60,28 @@ def _inputs(tokens: int, shape: Shape, device, dtype, seed: int = 0):
 
 def measure_kl(tokens: int, shape: Shape = M3, device=None, dtype=torch.bfloat16, dense: bool = False,
                warmup: int = 2, iters: int = 5, rows: dict[str, float] | None = None,
-               progress: Progress | None = None) -> dict[str, float]:
-    """Median milliseconds of each row (see the module docstring) at `tokens` tokens.
+               progress: Progress | None = None, documents: int = 1) -> dict[str, float]:
+    """Median milliseconds of each row (see the module docstring) at `tokens` tokens, packed as
+    `documents` equal documents (the dense rows take one document only).
 
     `rows`, when given, is filled in place as each row is timed (a caller holding it keeps the
     rows timed before an interruption) and returned; `progress` gets a step per row."""
     device = torch.device(device) if device is not None else pick_device(None)
     rows = {} if rows is None else rows
-    _time_rows(tokens, shape, device, dtype, dense, warmup, iters, rows, progress)
+    if tokens % documents:
+        raise ValueError(f"tokens ({tokens}) must be a multiple of documents ({documents})")
+    if dense and documents != 1:
+        raise ValueError(f"the dense rows take one document; got documents={documents}")
+    _time_rows(tokens, shape, device, dtype, dense, warmup, iters, rows, progress, documents)
     free_memory(device)  # the rows' inputs died with _time_rows
     return rows
 
 
 def _time_rows(tokens: int, shape: Shape, device, dtype, dense: bool, warmup: int, iters: int,
-               results: dict[str, float], progress: Progress | None) -> None:
+               results: dict[str, float], progress: Progress | None, documents: int) -> None:
     q, k, v, index_q, index_k = _inputs(tokens, shape, device, dtype)
-    blocks = dict(topk=shape.topk, block_size=shape.block_size)
+    cu_seqlens = torch.arange(0, tokens + 1, tokens // documents, dtype=torch.int32, device=device)
+    blocks = dict(topk=shape.topk, block_size=shape.block_size, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
     grad_out = torch.randn_like(q)
 
     def timed(name, fn):
@@ -96,19 +103,22 @@ def _time_rows(tokens: int, shape: Shape, device, dtype, dense: bool, warmup: in
 
     def sparse_kl():
         torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse, index_q, index_k, block_indices,
-                                  block_size=shape.block_size).backward()
+                                  block_size=shape.block_size, cu_seqlens_q=cu_seqlens,
+                                  cu_seqlens_k=cu_seqlens).backward()
 
     def sparse_kl_forward():
         with torch.no_grad():
             torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse, index_q, index_k, block_indices,
-                                      block_size=shape.block_size)
+                                      block_size=shape.block_size, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
 
     timed("sparse KL fwd+bwd", sparse_kl)
     timed("sparse KL fwd", sparse_kl_forward)
 
     def step_with_kl():
         attn = torch_msa.msa_attention(q, k, v, index_q, index_k, **blocks, index_loss=True)
-        ((attn.out * grad_out).sum() + attn.kl).backward()
+        # The attention step's gradient for `out`, and 1 for the loss: the same graph as
+        # `(task_loss + kl).backward()` without a task loss's own work and memory.
+        torch.autograd.backward((attn.out, attn.kl), (grad_out, None))
 
     def plain_step():
         attention_step()
@@ -182,7 +192,7 @@ def _meta(args, argv, device) -> dict:
         "backends": {op: torch_msa.resolve(op, device).name for op in ("forward", "indexer_kl", "indexer_kl_backward")},
         "shape": {"query_heads": M3.query_heads, "kv_heads": M3.kv_heads, "head_dim": M3.head_dim,
                   "index_dim": M3.index_dim, "block_size": M3.block_size, "topk": M3.topk, "dtype": "bfloat16"},
-        "dense": args.dense, "iters": args.iters, "statistic": "median",
+        "documents": args.documents, "dense": args.dense, "iters": args.iters, "statistic": "median",
     }
 
 
@@ -191,6 +201,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlen", type=int, nargs="+", default=[32768, 65536], help="tokens (one document)")
     parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    parser.add_argument("--documents", type=int, default=1,
+                        help="pack each length as this many equal documents (sparse rows only)")
     parser.add_argument("--dense", action="store_true", help="also time the dense warm-up loss against SDPA")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default="bench_out", help="directory of kl.json (default: bench_out)")
@@ -206,9 +218,10 @@ def main(argv=None) -> int:
     def run():
         for index, tokens in enumerate(args.seqlen, 1):
             rows: dict[str, float] = {}
-            record["lengths"].append({"tokens": tokens, "rows_ms": rows})
+            record["lengths"].append({"tokens": tokens, "documents": args.documents, "rows_ms": rows})
             with Progress(f"[{index}/{len(args.seqlen)}] T={tokens}", len(names)) as progress:
-                measure_kl(tokens, device=device, dense=args.dense, iters=args.iters, rows=rows, progress=progress)
+                measure_kl(tokens, device=device, dense=args.dense, iters=args.iters, rows=rows, progress=progress,
+                           documents=args.documents)
             _print_rows(tokens, rows)
             write_record(path, record)  # after every length, so a run that is killed keeps what it measured
 

@@ -557,21 +557,25 @@ def test_the_kl_benchmark_writes_its_json(tmp_path, capsys, monkeypatch):
     data = json.loads((tmp_path / "kl.json").read_text())
     assert data["status"] == "complete" and data["partial"] is False
     assert data["meta"]["backends"]["indexer_kl"] == "reference" and data["meta"]["command"].startswith("python -m")
-    assert data["lengths"] == [{"tokens": 64, "rows_ms": dict.fromkeys(kl.SPARSE_ROWS, 2.0)}]
+    assert data["lengths"] == [{"tokens": 64, "documents": 1, "rows_ms": dict.fromkeys(kl.SPARSE_ROWS, 2.0)}]
     captured = capsys.readouterr()
     assert "T=    64  sparse KL fwd+bwd                  2.00 ms  100.0% of the attention step" in captured.out
-    assert re.fullmatch(r"\[1/1\] T=64: 3/3 in \d+:\d\d\n", captured.err), captured.err
+    rows = len(kl.SPARSE_ROWS)
+    assert re.fullmatch(rf"\[1/1\] T=64: {rows}/{rows} in \d+:\d\d\n", captured.err), captured.err
 
 
 def test_an_interrupted_kl_run_leaves_a_valid_partial_json(tmp_path, capsys, monkeypatch):
-    kl = _fake_kl_measure(monkeypatch, interrupt_at=5)  # the second row of the second length
+    from benchmarks.kl import SPARSE_ROWS
+
+    rows = len(SPARSE_ROWS)
+    kl = _fake_kl_measure(monkeypatch, interrupt_at=rows + 2)  # the second row of the second length
     assert kl.main(["--device", "cpu", "--seqlen", "32", "64", "--iters", "1", "--out", str(tmp_path)]) == 130
     data = json.loads((tmp_path / "kl.json").read_text())
     assert data["status"] == "interrupted" and data["partial"] is True
-    assert data["lengths"] == [{"tokens": 32, "rows_ms": dict.fromkeys(kl.SPARSE_ROWS, 2.0)},
-                               {"tokens": 64, "rows_ms": {"attention step": 2.0}}]
+    assert data["lengths"] == [{"tokens": 32, "documents": 1, "rows_ms": dict.fromkeys(kl.SPARSE_ROWS, 2.0)},
+                               {"tokens": 64, "documents": 1, "rows_ms": {"attention step": 2.0}}]
     err = capsys.readouterr().err
-    assert "[2/2] T=64: stopped at 1/3 after" in err and "interrupted: the partial results are in" in err
+    assert f"[2/2] T=64: stopped at 1/{rows} after" in err and "interrupted: the partial results are in" in err
 
 
 @pytest.mark.parametrize("argv, message", [

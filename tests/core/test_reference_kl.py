@@ -581,11 +581,16 @@ def test_training_the_index_branch_lowers_the_loss_and_finds_the_teacher_blocks(
 
 
 def test_kl_timing_rows_run_on_cpu():
-    from benchmarks.kl import measure_kl
+    from benchmarks.kl import DENSE_ROWS, SPARSE_ROWS, measure_kl
     from torch_msa.contract import Shape
 
     shape = Shape(query_heads=4, kv_heads=2, head_dim=64, index_dim=16, block_size=BLOCK, topk=2)
     results = measure_kl(256, shape, "cpu", torch.float32, dense=True, warmup=0, iters=1)
-    assert set(results) == {"attention step", "sparse KL fwd+bwd", "sparse KL fwd", "dense SDPA fwd+bwd",
-                            "dense KL fwd+bwd", "dense KL fwd+bwd, lse given"}
+    assert set(results) == {"attention step", "sparse KL fwd+bwd", "sparse KL fwd", "step with KL",
+                            "step with KL, deterministic", "dense SDPA fwd+bwd", "dense KL fwd+bwd",
+                            "dense KL fwd+bwd, lse given"} == set(SPARSE_ROWS + DENSE_ROWS)
     assert all(ms > 0 for ms in results.values())
+    packed = measure_kl(256, shape, "cpu", torch.float32, warmup=0, iters=1, documents=2)
+    assert set(packed) == set(SPARSE_ROWS)
+    with pytest.raises(ValueError, match="multiple of documents"):
+        measure_kl(256, shape, "cpu", torch.float32, documents=3)

@@ -177,14 +177,18 @@ def test_backward_with_a_plan_launches_its_tensors_unconverted_after_a_few_aten_
     dq_acc, dk_acc, dv_acc = call[6:9]
     assert dq_acc.shape == q.shape and dk_acc.shape == dv_acc.shape == k.shape
     key_count = recorded.key_count[schedule.bucket_key_row.data_ptr()]
-    _assert_schedule_passed(call, 9, schedule, key_count, [name for name, _, _ in SCHEDULE_OPERANDS])
+    teacher = call[9]  # not written by this variant: one row, for the launch's signature
+    assert teacher.shape == (1, BLOCK) and teacher.dtype == torch.float16
+    _assert_schedule_passed(call, 10, schedule, key_count, [name for name, _, _ in SCHEDULE_OPERANDS])
     grid = min(schedule.item_start.numel(), 132)
     assert call[-4:] == (TOPK, pytest.approx(DIM**-0.5 * 1.4426950408889634), pytest.approx(DIM**-0.5), grid)
     assert (dq.dtype, dk.dtype, dv.dtype) == (torch.bfloat16,) * 3
-    # One zero fill for the three accumulators, delta, the plan's views and the three casts.
+    # One zero fill for the three accumulators, delta, the plan's views, the unwritten teacher row
+    # and the three casts.
     names = [str(op) for op in counted.calls]
     assert names == ["aten.zeros.default", "aten.split_with_sizes.default", *["aten.view.default"] * 3,
-                     "aten.empty.memory_format", "aten.split_with_sizes.default", *["aten._to_copy.default"] * 3], names
+                     "aten.empty.memory_format", "aten.split_with_sizes.default", "aten.empty.memory_format",
+                     "aten.view.default", *["aten._to_copy.default"] * 3], names
 
 
 @requires_cute

@@ -41,7 +41,8 @@ Design
   KL teacher, the mean over a token's 16 heads of `P^T` on the tile's keys, leaves as fp16
   `teacher[(token * Hkv + kv_head) * topk + slot, key]` (16 KiB per token at M3): each thread sums
   its 4 columns of a token per key row, two butterfly shuffles finish the quad's sum, and the
-  quad's lane `s` stores token `s`'s value, while the tile's dK/dV GEMMs run. Hidden keys carry
+  quad's lane `s` stores token `s`'s value (its row read from the schedule at the tile's start,
+  so the read's latency hides behind the GEMMs), while the tile's dK/dV GEMMs run. Hidden keys carry
   `P = 0`, so every key of a scheduled entry's block is written; entries the plan does not list
   are not.
 
@@ -292,6 +293,9 @@ class Sm90BackwardKernel(BlocksKernel):
             # barriers of every tile order each reuse after the last read.
             for tile in cutlass.range(item.num_tiles, unroll=1):
                 first = item.start + tile * TOKENS_PER_TILE
+                if cutlass.const_expr(self.emit_teacher):
+                    # Loaded here, so the latency of the schedule read hides behind the GEMMs.
+                    teacher_row = self.teacher_row(items, first, item.end, item.kv_head)
                 if warp == 0:
                     if tile + 1 < item.num_tiles:
                         load_token_tile(
@@ -352,7 +356,7 @@ class Sm90BackwardKernel(BlocksKernel):
                     cute.gemm(mma_dkv, acc_dK, tKrdS[None, None, k], tKrQ[None, None, k, stage], acc_dK)
                 warpgroup.commit_group()
                 if cutlass.const_expr(self.emit_teacher):
-                    self.store_teacher(mTeacher, s_rc, cS_rc, items, first, item.end, item.kv_head)
+                    self.store_teacher(mTeacher, s_rc, cS_rc, teacher_row)
 
                 if cutlass.const_expr(self.deterministic):
                     # No dQ: one barrier, after every thread's GEMMs of the tile have completed.
@@ -437,30 +441,37 @@ class Sm90BackwardKernel(BlocksKernel):
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
-    def store_teacher(
-        self, mTeacher: cute.Tensor, probs_rc: cute.Tensor, coords_rc: cute.Tensor, items: ItemScheduler,
-        first: Int32, end: Int32, kv_head: Int32,
-    ):
-        """The teacher of the tile of entries `first ..` (those before `end`): per token and key of
-        the block, the mean of `P^T` over the token's 16 heads, in fp16. A thread's columns are 4 per
-        token (adjacent pairs of two 8-column groups: `tiles.accumulator_rows_cols`), in token order."""
+    def teacher_row(self, items: ItemScheduler, first: Int32, end: Int32, kv_head: Int32) -> Int64:
+        """The teacher row `(token, kv_head, selection slot)` this thread writes for the tile of
+        entries `first ..`: lane `s` of each quad writes token `s`'s; -1 past `end` (nothing)."""
+        entry = first + cute.arch.lane_idx() % 4
+        row = Int64(-1)
+        if entry < end:
+            token, selection_slot = items.token_and_slot(entry)
+            row = (Int64(token) * self.num_kv_heads + kv_head) * items.topk + selection_slot
+        return row
+
+    @cute.jit
+    def store_teacher(self, mTeacher: cute.Tensor, probs_rc: cute.Tensor, coords_rc: cute.Tensor, row: Int64):
+        """The teacher of the tile: per token and key of the block, the mean of `P^T` over the
+        token's 16 heads, in fp16, into `row` (`teacher_row`). A thread's columns are 4 per token
+        (adjacent pairs of two 8-column groups: `tiles.accumulator_rows_cols`), in token order."""
         lane_in_quad = cute.arch.lane_idx() % 4
         columns_per_token = cute.size(probs_rc, mode=[1]) // TOKENS_PER_TILE
+        # A pointer of its own: the teacher may pass 2**31 elements.
+        target = cute.make_tensor(mTeacher.iterator + row * BLOCK_SIZE, cute.make_layout(BLOCK_SIZE))
         for r in cutlass.range_constexpr(cute.size(probs_rc, mode=[0])):
-            key = coords_rc[r, 0][0]
+            own_sum = Float32(0.0)
             for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
                 partial = Float32(0.0)
                 for c in cutlass.range_constexpr(slot * columns_per_token, (slot + 1) * columns_per_token):
                     partial = partial + probs_rc[r, c]
-                # Every lane takes part in the shuffles; one lane of the quad stores.
-                mean = quad_sum(partial) * Float32(1.0 / HEADS_PER_KV)
-                entry = first + slot
-                if lane_in_quad == slot and entry < end:
-                    token, selection_slot = items.token_and_slot(entry)
-                    row = (Int64(token) * self.num_kv_heads + kv_head) * items.topk + selection_slot
-                    # A pointer of its own: the teacher may pass 2**31 elements.
-                    target = cute.make_tensor(mTeacher.iterator + row * BLOCK_SIZE, cute.make_layout(BLOCK_SIZE))
-                    target[key] = mean.to(Float16)
+                # Every lane takes part in the shuffles and keeps its own token's sum.
+                head_sum = quad_sum(partial)
+                if lane_in_quad == slot:
+                    own_sum = head_sum
+            if row >= 0:
+                target[coords_rc[r, 0][0]] = (own_sum * Float32(1.0 / HEADS_PER_KV)).to(Float16)
 
     @cute.jit
     def add_keys(

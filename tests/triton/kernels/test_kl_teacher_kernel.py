@@ -87,8 +87,9 @@ def _assert_equal(got, want):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_loss_from_teacher_matches_reference(layout, module):
     """The loss and gradients of the reference on the same fp16 teacher; the slots and keys
-    outside the support are not read (NaN there changes nothing), and the deterministic variant
-    repeats bitwise."""
+    outside the support are not read (NaN there changes nothing: bitwise in deterministic mode,
+    within the tolerance where the default kernels add with atomics), and the deterministic
+    variant repeats bitwise."""
     args, support = _problem(layout)
     teacher, index_q = args[0], args[1]
     grad_loss = torch.tensor(1.7, device=DEVICE)
@@ -97,9 +98,13 @@ def test_loss_from_teacher_matches_reference(layout, module):
     got = MODULES[module].index_loss_from_teacher(teacher, grad_loss, *args[1:])
     _assert_close(got, want, index_q.dtype)
     poisoned = teacher.masked_fill(~support, float("nan"))
-    _assert_equal(MODULES[module].index_loss_from_teacher(poisoned, grad_loss, *args[1:]), got)
+    from_poisoned = MODULES[module].index_loss_from_teacher(poisoned, grad_loss, *args[1:])
     if module == "deterministic":
+        _assert_equal(from_poisoned, got)
         _assert_equal(kl_deterministic.index_loss_from_teacher(teacher, grad_loss, *args[1:]), got)
+    else:
+        assert not any(x.isnan().any() for x in from_poisoned)
+        _assert_close(from_poisoned, want, index_q.dtype)
 
 
 @pytest.mark.parametrize("module", MODULES)
