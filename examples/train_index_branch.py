@@ -11,8 +11,10 @@ The MSA recipe (spec section 6) in two stages, on the toy model of `train_tiny_m
    distribution over every visible key. Only the indexers are optimised; the trunk is frozen.
 2. Sparse training: `use_torch_msa(model, index_loss="sparse")`. The sparse layers attend to the
    blocks their indexers select, and the loss is `task_loss + kl_coeff * sum(index_losses(model))`,
-   the KL taken on the selected blocks (`torch_msa.indexer_kl_loss`). The indexers read detached
-   hidden states, so the task loss trains the trunk and the KL the indexers.
+   the KL taken on the selected blocks. The indexers read detached hidden states, so the task
+   loss trains the trunk and the KL the indexers. In training each layer's KL is computed by its
+   attention's backward (on Hopper inside the attention backward kernel), so its value is read
+   after `backward()`, with `index_loss_values(model)`.
 """
 
 import argparse
@@ -21,7 +23,7 @@ import torch
 from train_tiny_m3 import tiny_config
 from transformers import MiniMaxM3VLForCausalLM
 
-from torch_msa.integrations.transformers import index_losses, use_torch_msa
+from torch_msa.integrations.transformers import index_loss_values, index_losses, use_torch_msa
 
 
 def main() -> None:
@@ -67,7 +69,8 @@ def main() -> None:
         (task_loss + args.kl_coeff * kl).backward()
         trunk_optimizer.step()
         index_optimizer.step()
-        print(f"stage 2 (sparse)  step {step:3d}  loss {task_loss.item():.4f}  kl {kl.item():.4f}", flush=True)
+        kl_value = sum(index_loss_values(model)).item()  # written by the backward
+        print(f"stage 2 (sparse)  step {step:3d}  loss {task_loss.item():.4f}  kl {kl_value:.4f}", flush=True)
 
 
 if __name__ == "__main__":

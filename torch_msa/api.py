@@ -514,28 +514,42 @@ def msa_attention(
     block_indices = torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size, *fragments)
     plan = _plan_for(q, k, block_indices, docs, block_size, fragments)
     scale = _scale(q, softmax_scale)
-    if index_loss and _fused_index_loss(index_q, index_k, index_loss_value):
+    kl = kl_value = None
+    if index_loss:
+        out, lse, kl, kl_value = _attention_with_index_loss(q, k, v, index_q, index_k, block_indices, docs,
+                                                            block_size, scale, plan, fragments, index_loss_value)
+    else:
+        out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, scale, plan, *fragments)
+        if not (return_lse or return_block_indices):
+            return out
+    return MSAAttentionOutput(out, lse if return_lse else None, block_indices if return_block_indices else None, kl,
+                              kl_value)
+
+
+def _attention_with_index_loss(q, k, v, index_q, index_k, block_indices, docs: _Documents, block_size: int,
+                               softmax_scale: float, plan, fragments: _Fragments, index_loss_value=None):
+    """`(out, lse, kl, kl_value)`: the attention over `block_indices` and the index branch's KL on
+    that selection and the attention's lse (student scale `Di ** -0.5`), as `msa_attention(...,
+    index_loss=True)` computes them (its docstring says when `kl` is a placeholder and when
+    `kl_value` receives the value). The arguments are the ops' (checked by the caller); `docs`
+    and `fragments` are the ops' four document and two fragment arguments."""
+    index_scale = _index_scale(index_q, None)
+    if _fused_index_loss(index_q, index_k, index_loss_value):
         if index_loss_value is None:
             index_loss_value = torch.zeros((), dtype=compute_dtype(index_q.dtype), device=q.device)
         out, lse, kl = torch.ops.msa.forward_with_index_loss(
-            q, k, v, index_q, index_k, block_indices, *docs, block_size, scale, _index_scale(index_q, None),
+            q, k, v, index_q, index_k, block_indices, *docs, block_size, softmax_scale, index_scale,
             index_loss_value, plan, *fragments)
-        return MSAAttentionOutput(out, lse if return_lse else None, block_indices if return_block_indices else None, kl,
-                                  index_loss_value)
-    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, scale, plan, *fragments)
-    if not (return_lse or return_block_indices or index_loss):
-        return out
-    kl = kl_value = None
-    if index_loss:
-        kl, *_ = torch.ops.msa.indexer_kl(q.detach(), k.detach(), lse.detach(), index_q, index_k, block_indices, *docs,
-                                          block_size, scale, _index_scale(index_q, None), *fragments)
-        kl_value = kl.detach()
-        if index_loss_value is not None:
-            with torch.no_grad():
-                index_loss_value.copy_(kl_value)
-            kl_value = index_loss_value
-    return MSAAttentionOutput(out, lse if return_lse else None, block_indices if return_block_indices else None, kl,
-                              kl_value)
+        return out, lse, kl, index_loss_value
+    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, softmax_scale, plan, *fragments)
+    kl, *_ = torch.ops.msa.indexer_kl(q.detach(), k.detach(), lse.detach(), index_q, index_k, block_indices, *docs,
+                                      block_size, softmax_scale, index_scale, *fragments)
+    kl_value = kl.detach()
+    if index_loss_value is not None:
+        with torch.no_grad():
+            index_loss_value.copy_(kl_value)
+        kl_value = index_loss_value
+    return out, lse, kl, kl_value
 
 
 def _fused_index_loss(index_q, index_k, index_loss_value) -> bool:

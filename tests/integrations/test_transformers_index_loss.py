@@ -19,7 +19,7 @@ from transformers import MiniMaxM3VLForCausalLM
 
 from tests.integrations.test_transformers import SEQLEN, _batch, _config, _enable_checkpointing, _packed_batch
 from torch_msa.diagnostics import TorchMSAWarning
-from torch_msa.integrations.transformers import ATTENTION_NAME, index_losses, use_torch_msa
+from torch_msa.integrations.transformers import ATTENTION_NAME, index_loss_values, index_losses, use_torch_msa
 
 SPARSE_LAYERS = ["minimax_m3_sparse", "full_attention", "minimax_m3_sparse"]
 
@@ -67,9 +67,14 @@ def test_one_kl_per_sparse_layer_that_trains_the_indexers_only(base_model, suppo
     batch, _ = _inputs(layout)
     model(**batch)
     kls = index_losses(model)
-    assert len(kls) == 2 and all(kl.dim() == 0 and torch.isfinite(kl) and kl.item() > 0 for kl in kls)
+    assert len(kls) == 2 and all(kl.dim() == 0 and kl.requires_grad for kl in kls)
+    if support == "sparse":  # in training the backward computes the KL: placeholders until then
+        assert all(kl.item() == 0 for kl in kls) and all(v.item() == 0 for v in index_loss_values(model))
 
     sum(kls).backward()
+    values = index_loss_values(model)
+    assert len(values) == 2 and all(v.dim() == 0 and torch.isfinite(v) and v.item() > 0 for v in values)
+    assert not any(v.requires_grad for v in values)
     grads = _grads(model)
     index_names = {name for name, _ in model.named_parameters() if _is_index_parameter(name)}
     assert {name for name, grad in grads.items() if grad.abs().sum() > 0} == index_names
@@ -138,9 +143,15 @@ def test_the_sparse_kl_over_every_block_equals_the_dense_kl():
     for support in ("sparse", "dense"):
         model = _switched(base, index_loss=support)
         model(**batch)
-        kls[support] = index_losses(model)
-    for sparse, dense in zip(kls["sparse"], kls["dense"]):
+        sum(index_losses(model)).backward()
+        kls[support] = index_loss_values(model)
+    for sparse, dense in zip(kls["sparse"], kls["dense"], strict=True):
         torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # computed in the forward
+        model = _switched(base, index_loss="sparse")
+        model(**batch)
+        for sparse, dense in zip(index_losses(model), kls["dense"], strict=True):
+            torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
 
 
 def test_gradient_checkpointing_gives_the_same_kls_and_gradients(base_model):
@@ -151,8 +162,11 @@ def test_gradient_checkpointing_gives_the_same_kls_and_gradients(base_model):
         if checkpointing:
             _enable_checkpointing(model)
         out = model(**batch, labels=labels)
-        kls = [kl.detach() for kl in index_losses(model)]
         (out.loss + sum(index_losses(model))).backward()
+        # Under checkpointing the backward recomputes the forward: the values still reach the
+        # tensors index_loss_values gives.
+        kls = [value.clone() for value in index_loss_values(model)]
+        assert all(kl.item() > 0 for kl in kls)
         results.append((kls, _grads(model)))
     (kls, grads), (checkpointed_kls, checkpointed_grads) = results
     for a, b in zip(kls, checkpointed_kls):
@@ -191,18 +205,20 @@ def test_a_model_with_kls_can_be_copied(base_model):
         with pytest.raises(ValueError, match="none for layers"):
             index_losses(twin)
         twin(**batch)
-        for a, b in zip(index_losses(twin), index_losses(model), strict=True):
-            torch.testing.assert_close(a, b)
+        sum(index_losses(twin)).backward()
         if not backward_done:
             sum(index_losses(model)).backward()
+        assert all(value.item() > 0 for value in index_loss_values(model))
+        for a, b in zip(index_loss_values(twin), index_loss_values(model), strict=True):
+            torch.testing.assert_close(a, b)
 
 
 def test_compiled_forward_and_backward_give_the_same_kls_and_gradients(base_model):
     batch, labels = _inputs("right-padded")
     model = _switched(base_model, index_loss="sparse")
     out = model(**batch, labels=labels)
-    expected_kls = [kl.detach() for kl in index_losses(model)]
     (out.loss + sum(index_losses(model))).backward()
+    expected_kls = index_loss_values(model)
     expected = _grads(model)
 
     torch._dynamo.reset()
@@ -210,8 +226,8 @@ def test_compiled_forward_and_backward_give_the_same_kls_and_gradients(base_mode
     out = torch.compile(model, backend="aot_eager", fullgraph=True)(**batch, labels=labels)
     kls = index_losses(model)
     (out.loss + sum(kls)).backward()
-    for a, b in zip(kls, expected_kls):
-        torch.testing.assert_close(a.detach(), b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(index_loss_values(model), expected_kls, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     grads = {name: grad for name, grad in _grads(model).items() if name in expected or grad.any()}
     assert grads.keys() == expected.keys()
     for name in expected:

@@ -73,7 +73,7 @@ except ImportError as error:  # transformers missing, or older than its MiniMax-
         'install torch_msa with its hf extra (pip install ".[hf]" in a checkout)') from error
 
 from .. import api
-from ..contract import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
+from ..contract import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, compute_dtype
 from ..diagnostics import TorchMSAWarning
 from ..padding import padded_cu_seqlens
 
@@ -93,6 +93,7 @@ __all__ = [
     "PendingSelection",
     "TorchMSAIndexer",
     "attention_forward",
+    "index_loss_values",
     "index_losses",
     "packed_kwargs_from_position_ids",
     "padding_mask",
@@ -171,6 +172,10 @@ class _LatestIndexLoss:
 
     def __init__(self) -> None:
         self.value: torch.Tensor | None = None
+        # The KL's value without autograd history: in training the backward writes it.
+        self.known_value: torch.Tensor | None = None
+        # The tensor the sparse KL's value goes into, one per forward of the text model.
+        self.value_sink: torch.Tensor | None = None
 
     def __deepcopy__(self, memo) -> "_LatestIndexLoss":
         return _LatestIndexLoss()
@@ -193,6 +198,8 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
         detach_index_inputs: whether it reads the hidden states detached from the trunk.
         index_loss: the KL of its layer's latest forward (a 0-D tensor), None before one (the
             text model resets it at the start of each forward); read it with `index_losses`.
+        index_loss_value: its value (a 0-D tensor without autograd history), None before a
+            forward; read it with `index_loss_values` (when it is known: see there).
     """
 
     index_loss_support: IndexLossSupport | None = None
@@ -205,7 +212,35 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
 
     @index_loss.setter
     def index_loss(self, value: torch.Tensor | None) -> None:
-        self.__dict__.setdefault("_latest_index_loss", _LatestIndexLoss()).value = value
+        """A KL known in the forward, or None: the start of a forward, without a KL."""
+        if value is None:
+            self.__dict__["_latest_index_loss"] = _LatestIndexLoss()
+        else:
+            self.store_index_loss(value, value.detach())
+
+    @property
+    def index_loss_value(self) -> torch.Tensor | None:
+        slot = self.__dict__.get("_latest_index_loss")
+        return None if slot is None else slot.known_value
+
+    def store_index_loss(self, kl: torch.Tensor | None, kl_value: torch.Tensor | None) -> None:
+        """Keep `kl` as `index_loss` and `kl_value`, the tensor that holds (or will hold) its value,
+        as `index_loss_value`."""
+        slot = self.__dict__.setdefault("_latest_index_loss", _LatestIndexLoss())
+        slot.value, slot.known_value = kl, kl_value
+
+    def index_loss_sink(self, index_q: torch.Tensor) -> torch.Tensor | None:
+        """The 0-D tensor that receives this forward's sparse KL value (`msa_attention`'s
+        `index_loss_value`): one per forward of the text model, so that a recomputation under
+        gradient checkpointing, whose backward fills the first forward's, reuses it. None under
+        torch.compile: a tensor made inside the compiled graph cannot receive the compiled
+        backward's write (the KL is then computed in the forward)."""
+        if torch.compiler.is_compiling():
+            return None
+        slot = self.__dict__.setdefault("_latest_index_loss", _LatestIndexLoss())
+        if slot.value_sink is None:
+            slot.value_sink = torch.zeros((), dtype=compute_dtype(index_q.dtype), device=index_q.device)
+        return slot.value_sink
 
     def forward(self, hidden_states, position_embeddings, past_key_values, position_ids) -> PendingSelection | torch.Tensor:
         """HF's indexer's projections, norms and RoPE, with the selection left to the attention.
@@ -510,11 +545,18 @@ def attention_forward(
         block_size = cast(MiniMaxM3VLIndexer, module.indexer).block_size
         blocks = _hf_block_indices(block_indices, attention_mask, q_len, k_len)
     v = value.transpose(1, 2).reshape(batch * k_len, kv_heads, head_dim)
-    out, lse = api.sparse_attention(q, k, v, blocks, *documents, block_size=block_size, softmax_scale=scaling,
-                                    return_lse=True)
-    if student is not None:  # the teacher (q, k, lse) is a constant of the KL: its gradients reach the indexer only
-        cast(TorchMSAIndexer, module.indexer).index_loss = api.indexer_kl_loss(
-            q, k, lse, *student, blocks, *documents, block_size=block_size, softmax_scale=scaling)
+    if student is None:
+        out = api.sparse_attention(q, k, v, blocks, *documents, block_size=block_size, softmax_scale=scaling)
+    else:  # the teacher (q, k, lse) is a constant of the KL: its gradients reach the indexer only
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = documents
+        docs = api._attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,
+                                            None, scaling)
+        plan = api._plan_for(q, k, blocks, docs, block_size, (None, None))
+        indexer = cast(TorchMSAIndexer, module.indexer)
+        out, _, kl, kl_value = api._attention_with_index_loss(
+            q, k, v, *student, blocks, docs, block_size, api._scale(q, scaling), plan, (None, None),
+            indexer.index_loss_sink(student[0]))
+        indexer.store_index_loss(kl, kl_value)
     return out.view(batch, q_len, q_heads, head_dim), None
 
 
@@ -688,6 +730,12 @@ def index_losses(model: PreTrainedModel) -> list[torch.Tensor]:
     autograd, so its KLs could train nothing: read with grad enabled, KLs without autograd history
     of indexers that require grad give a `TorchMSAWarning`.
 
+    In training (`index_loss="sparse"`, grad enabled, indexers that require grad, not compiled)
+    each layer's attention and KL are one autograd node whose backward computes the KL (as
+    `torch_msa.msa_attention(..., index_loss=True)` does): the tensors returned here are then
+    placeholders of value 0 that carry the gradient, and `index_loss_values` gives the values
+    once the backward has run.
+
     Args:
         model: a model switched with `use_torch_msa(model, index_loss=...)`.
 
@@ -701,25 +749,45 @@ def index_losses(model: PreTrainedModel) -> list[torch.Tensor]:
         ValueError: `model` was not switched with an `index_loss`, or a sparse layer has no KL
             from the latest forward (none yet, or it ran under another attention implementation).
     """
-    indexers = [m for m in model.modules() if isinstance(m, TorchMSAIndexer)]
-    if not indexers or any(indexer.index_loss_support is None for indexer in indexers):
-        raise ValueError(f"model: expected a model switched with use_torch_msa(model, index_loss=...) with one of "
-                         f"{INDEX_LOSS_SUPPORTS}, got {type(model).__name__} without an index loss")
-    losses = [indexer.index_loss for indexer in indexers]
-    missing = [indexer.layer_idx for indexer, loss in zip(indexers, losses) if loss is None]
-    if missing:
-        raise ValueError(f"model: expected the KL of every sparse layer from the latest forward, got none for layers "
-                         f"{missing}: run a forward under attn_implementation={ATTENTION_NAME!r} first")
+    indexers = _indexers_with_losses(model)
+    losses = [cast(torch.Tensor, indexer.index_loss) for indexer in indexers]
     if torch.is_grad_enabled():
         detached = [indexer.layer_idx for indexer, loss in zip(indexers, losses)
-                    if not cast(torch.Tensor, loss).requires_grad and any(p.requires_grad for p in indexer.parameters())]
+                    if not loss.requires_grad and any(p.requires_grad for p in indexer.parameters())]
         if detached:
             warnings.warn(
                 f"index_losses: the KLs of layers {detached} have no autograd history, so they cannot train the "
                 "indexers: their forward ran without autograd (under torch.no_grad, or in reentrant gradient "
                 "checkpointing, which runs the first forward so; enable checkpointing with use_reentrant=False)",
                 TorchMSAWarning, stacklevel=2)
-    return cast(list[torch.Tensor], losses)
+    return losses
+
+
+def index_loss_values(model: PreTrainedModel) -> list[torch.Tensor]:
+    """The values of `index_losses(model)`, for logging: one 0-D tensor without autograd history
+    per sparse layer, in layer order.
+
+    Where the KL is computed in the forward (the dense warm-up, no grad, compiled) they hold the
+    value at once. In training with `index_loss="sparse"` the backward computes the KL: each holds
+    0 until the backward of a loss that uses `index_losses(model)` has run, then the KL of the
+    latest forward (read them after `backward()`, before the next forward).
+
+    Raises:
+        ValueError: as `index_losses`.
+    """
+    return [cast(torch.Tensor, indexer.index_loss_value) for indexer in _indexers_with_losses(model)]
+
+
+def _indexers_with_losses(model: PreTrainedModel) -> list[TorchMSAIndexer]:
+    indexers = [m for m in model.modules() if isinstance(m, TorchMSAIndexer)]
+    if not indexers or any(indexer.index_loss_support is None for indexer in indexers):
+        raise ValueError(f"model: expected a model switched with use_torch_msa(model, index_loss=...) with one of "
+                         f"{INDEX_LOSS_SUPPORTS}, got {type(model).__name__} without an index loss")
+    missing = [indexer.layer_idx for indexer in indexers if indexer.index_loss is None]
+    if missing:
+        raise ValueError(f"model: expected the KL of every sparse layer from the latest forward, got none for layers "
+                         f"{missing}: run a forward under attn_implementation={ATTENTION_NAME!r} first")
+    return indexers
 
 
 register()
