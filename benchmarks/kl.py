@@ -189,7 +189,8 @@ def _meta(args, argv, device) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "torch": torch.__version__,
-        "backends": {op: torch_msa.resolve(op, device).name for op in ("forward", "indexer_kl", "indexer_kl_backward")},
+        "backends": {op: torch_msa.resolve(op, device).name
+                     for op in ("forward", "indexer_kl", "indexer_kl_backward", "backward_with_index_loss")},
         "shape": {"query_heads": M3.query_heads, "kv_heads": M3.kv_heads, "head_dim": M3.head_dim,
                   "index_dim": M3.index_dim, "block_size": M3.block_size, "topk": M3.topk, "dtype": "bfloat16"},
         "documents": args.documents, "dense": args.dense, "iters": args.iters, "statistic": "median",

@@ -462,7 +462,13 @@ def msa_attention(
     compiled). Elsewhere `kl` is computed in the forward and `kl_value` holds it at once. Under
     `torch.compile` the fused node needs `index_loss_value`, a tensor made outside the compiled
     function (a compiled backward can only write into the graph's inputs); without it the
-    compiled call takes the separate loss.
+    compiled call takes the separate loss. Give each call its own `index_loss_value` and leave
+    it alone until the backward has run.
+
+    **Use the placeholder linearly.** Its gradient is right for a loss that adds `c * kl` (any
+    constant `c`): the backward receives `c` whatever `kl`'s value. A loss that uses it otherwise
+    (`log(kl)`, a clamp, a coefficient computed from `kl`, a threshold on its value) would see 0;
+    for those, take `return_lse=True, return_block_indices=True` and call `indexer_kl_loss`.
 
     Args:
         q: `[Tq, Hq, D]` queries, bf16/fp16/fp32/fp64, `D` 64 or 128.
@@ -485,7 +491,7 @@ def msa_attention(
 
     Returns:
         Without a flag, `out [Tq, Hq, D]` in q's dtype. With any, an
-        `MSAAttentionOutput(out, lse, block_indices, kl)` whose fields not asked for are None:
+        `MSAAttentionOutput(out, lse, block_indices, kl, kl_value)` whose fields not asked for are None:
         `lse [Tq, Hq]` as in `sparse_attention`, `block_indices` int32 `[Hkv, Tq, topk]`
         (head-major) as in `select_blocks`, `kl` a 0-D tensor as `indexer_kl_loss` returns it
         (fp32, fp64 for fp64 index inputs; 0 when `Tq == 0`) and `kl_value` the tensor that holds
@@ -506,9 +512,10 @@ def msa_attention(
     validation.check_index_inputs(index_q, index_k, q, k)
     if not isinstance(index_loss, bool):  # HF's use_torch_msa spells its index_loss as a string
         raise TypeError(f"index_loss: expected a bool, got {type(index_loss).__name__} {index_loss!r}")
-    validation.check_optional_tensor("index_loss_value", index_loss_value, "[] (a scalar that receives the loss)")
-    if index_loss_value is not None and not index_loss:
-        raise ValueError("index_loss_value: given without index_loss=True (it receives the index loss's value)")
+    if index_loss_value is not None:
+        if not index_loss:
+            raise ValueError("index_loss_value: given without index_loss=True (it receives the index loss's value)")
+        validation.check_loss_value(index_loss_value, index_q, q, "index_loss_value")
     if not index_loss:
         _warn_index_inputs_get_no_gradient(index_q, index_k)
     block_indices = torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size, *fragments)
@@ -546,6 +553,9 @@ def _attention_with_index_loss(q, k, v, index_q, index_k, block_indices, docs: _
                                       block_size, softmax_scale, index_scale, *fragments)
     kl_value = kl.detach()
     if index_loss_value is not None:
+        if torch._C._are_functorch_transforms_active():
+            raise ValueError("index_loss_value: not served under torch.func transforms (a transformed value cannot "
+                             "be copied into it); there kl holds the loss's value, read it instead")
         with torch.no_grad():
             index_loss_value.copy_(kl_value)
         kl_value = index_loss_value

@@ -82,7 +82,9 @@ def backward_with_index_loss_flops(grad_out, grad_loss, q, k, v, out, lse, index
                                    index_softmax_scale, grad_lse=None, plan=None, fragment_documents=None,
                                    fragment_starts=None, out_shape=None) -> int:
     """`msa::backward_with_index_loss`: the attention backward's, plus the KL loss from its teacher:
-    four index GEMMs per pair (the logits twice, the reductions into d index_q and d index_k)."""
+    four index GEMMs per pair (the logits twice, the reductions into d index_q and d index_k).
+    What the fused design needs: a backend serving the op with the separate ops also recomputes
+    the teacher's `Q K^T`, which is not counted."""
     num_queries, index_heads, index_dim = index_q
     pairs = num_queries * block_indices[2] * block_size
     return (backward_flops(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

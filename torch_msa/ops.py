@@ -332,7 +332,9 @@ def _forward_with_index_loss_backward(ctx, grad_out, grad_lse, grad_loss):
         return (dq, dk, dv) + (None,) * (num_arguments - 3)
     attention_grads = grad_out is not None or grad_lse is not None
     if grad_out is None:
-        grad_out = torch.zeros_like(out)  # the teacher is formed where the attention backward recomputes P
+        # The op's one contract takes an attention gradient; on Hopper the teacher is formed where the
+        # attention backward recomputes P, so the backward runs even for the loss alone.
+        grad_out = torch.zeros_like(out)
     dq, dk, dv, d_index_q, d_index_k, loss = torch.ops.msa.backward_with_index_loss(
         grad_out, grad_loss, q, k, v, out, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k,
         ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_size, ctx.softmax_scale, ctx.index_softmax_scale, grad_lse,

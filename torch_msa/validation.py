@@ -491,10 +491,8 @@ def check_indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
         # One index head per KV head: index_q gives both Tq and Hkv.
         check_block_indices(block_indices, index_q, index_q, "index_q")
     check_scale("index_softmax_scale", index_softmax_scale)
+    _loss_scalar("grad_loss", grad_loss, "[] (a scalar)", index_q, "index_q", index_q)
     loss_dtype = compute_dtype(index_q.dtype)
-    _tensor("grad_loss", grad_loss, 0, "[] (a scalar)")
-    _dtype("grad_loss", grad_loss, (loss_dtype,), str(loss_dtype))
-    _same_device("grad_loss", grad_loss, "index_q", index_q)
     num_queries, num_index_heads, index_dim = index_q.shape
     for name, x, shape, layout, anchor in (
         ("index_lse", index_lse, [num_queries, num_index_heads], "[Tq, Hi]", "index_q"),
@@ -516,10 +514,13 @@ def check_forward_with_index_loss(q, k, v, index_q, index_k, block_indices, docu
     check_forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan)
     check_indexer_kl(q, k, None, index_q, index_k, block_indices, documents, block_size, softmax_scale,
                      index_softmax_scale)
-    dtype = compute_dtype(index_q.dtype)
-    _tensor("loss_value", loss_value, 0, "[] (a scalar that receives the loss)")
-    _dtype("loss_value", loss_value, (dtype,), str(dtype))
-    _same_device("loss_value", loss_value, "q", q)
+    check_loss_value(loss_value, index_q, q)
+
+
+def check_loss_value(loss_value, index_q, q, name: str = "loss_value") -> None:
+    """`loss_value` (what receives the index loss's value, called `name`) a 0-D tensor of the
+    loss's dtype on q's device."""
+    _loss_scalar(name, loss_value, "[] (a scalar that receives the loss)", index_q, "q", q)
 
 
 def check_backward_with_index_loss(grad_out, grad_loss, q, k, v, out, lse, index_q, index_k, block_indices,
@@ -530,7 +531,12 @@ def check_backward_with_index_loss(grad_out, grad_loss, q, k, v, out, lse, index
     check_backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse, plan)
     check_indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale,
                      index_softmax_scale)
+    _loss_scalar("grad_loss", grad_loss, "[] (a scalar)", index_q, "q", q)
+
+
+def _loss_scalar(name: str, x, layout: str, index_q, anchor_name: str, anchor) -> None:
+    """`x` a 0-D tensor of the KL loss's dtype (`compute_dtype` of index_q's) on `anchor`'s device."""
     dtype = compute_dtype(index_q.dtype)
-    _tensor("grad_loss", grad_loss, 0, "[] (a scalar)")
-    _dtype("grad_loss", grad_loss, (dtype,), str(dtype))
-    _same_device("grad_loss", grad_loss, "q", q)
+    _tensor(name, x, 0, layout)
+    _dtype(name, x, (dtype,), str(dtype))
+    _same_device(name, x, anchor_name, anchor)

@@ -88,17 +88,20 @@ def test_index_loss_traces_in_one_graph_with_the_same_gradients(fused):
         inputs[3].requires_grad_()
         inputs[4].requires_grad_()
         results, values = [], []
-        for fn in (compiled, _loss_with_index_loss):
+        # The eager call always takes the fused node (a sink given, to read its value).
+        for fn, loss_value in ((compiled, torch.zeros(()) if fused else None), (_loss_with_index_loss, torch.zeros(()))):
             leaves = [x.detach().clone().requires_grad_() for x in inputs[:5]]
-            loss_value = torch.zeros(()) if fused else None
             loss = fn(*leaves, *inputs[5:], loss_value)
-            results.append([*torch.autograd.grad(loss, leaves)])
+            grads = torch.autograd.grad(loss, leaves)
+            # A fused node's loss holds the placeholder 0; the backward writes the value.
+            total = loss.detach() if loss_value is None else loss.detach() + 0.5 * loss_value
+            results.append([total, *grads])
             values.append(loss_value)
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-        assert results[1][3].abs().sum() > 0 and results[1][4].abs().sum() > 0  # the index inputs' gradients
+        assert results[1][4].abs().sum() > 0 and results[1][5].abs().sum() > 0  # the index inputs' gradients
+        assert values[1].item() > 0
         if fused:
-            assert values[1].item() > 0
             torch.testing.assert_close(values[0], values[1], rtol=1e-6, atol=1e-6)
     assert counter.frame_count == 1
     targets = " ".join(str(node.target) for node in counter.graphs[0].graph.nodes if node.op == "call_function")

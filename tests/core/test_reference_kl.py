@@ -446,6 +446,31 @@ def test_msa_attention_index_loss_is_the_kl_of_its_own_selection_and_lse(monkeyp
         assert torch.equal(a, b)
 
 
+def test_msa_attention_index_loss_under_torch_func_matches_the_fused_gradient():
+    """torch.func takes the loss computed in the forward: its value and gradient are the fused
+    node's, and a value sink it cannot serve is refused by name."""
+    q, k, v, index_q, index_k, _, docs = _problem(**CASE)
+
+    def kl(index_q, index_k):
+        return torch_msa.msa_attention(q.detach(), k.detach(), v.detach(), index_q, index_k, *docs, topk=2,
+                                       block_size=BLOCK, index_loss=True).kl
+
+    leaves = [x.detach().clone().requires_grad_() for x in (index_q, index_k)]
+    fused = torch_msa.msa_attention(q.detach(), k.detach(), v.detach(), *leaves, *docs, topk=2, block_size=BLOCK,
+                                    index_loss=True)
+    assert fused.kl.item() == 0  # the fused node's placeholder
+    fused.kl.backward()
+    grads, value = torch.func.grad_and_value(kl, argnums=(0, 1))(index_q.detach(), index_k.detach())
+    torch.testing.assert_close(value, fused.kl_value, rtol=1e-6, atol=0)
+    for got, want in zip(grads, (leaves[0].grad, leaves[1].grad), strict=True):
+        assert want.abs().sum() > 0
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8)
+    with pytest.raises(ValueError, match="index_loss_value: not served under torch.func"):
+        torch.func.grad(lambda iq: torch_msa.msa_attention(
+            q.detach(), k.detach(), v.detach(), iq, index_k.detach(), *docs, topk=2, block_size=BLOCK,
+            index_loss=True, index_loss_value=torch.zeros((), dtype=value.dtype)).kl)(index_q.detach())
+
+
 def test_msa_attention_index_loss_with_the_other_fields_and_without_queries():
     """Outside training (no grad) the loss is computed in the forward: `kl` and `kl_value` hold it
     at once, and a given `index_loss_value` receives it."""
@@ -464,6 +489,10 @@ def test_msa_attention_index_loss_with_the_other_fields_and_without_queries():
     with pytest.raises(TypeError, match="loss_value: expected dtype torch.float32"):
         torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True,
                                 index_loss_value=torch.zeros((), dtype=torch.float64))
+    with torch.no_grad(), pytest.raises(ValueError, match="index_loss_value: expected a 0-D tensor"):
+        # Checked on the path that computes the loss in the forward too.
+        torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True,
+                                index_loss_value=torch.zeros(2))
     without_kl = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, topk=2, block_size=BLOCK,
                                          return_lse=True)
     assert without_kl.kl is None

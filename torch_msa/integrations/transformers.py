@@ -233,9 +233,9 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
         """The 0-D tensor that receives this forward's sparse KL value (`msa_attention`'s
         `index_loss_value`): one per forward of the text model, so that a recomputation under
         gradient checkpointing, whose backward fills the first forward's, reuses it. None under
-        torch.compile: a tensor made inside the compiled graph cannot receive the compiled
-        backward's write (the KL is then computed in the forward)."""
-        if torch.compiler.is_compiling():
+        torch.compile (a tensor made inside the compiled graph cannot receive the compiled
+        backward's write) and torch.func transforms: the KL is then computed in the forward."""
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             return None
         slot = self.__dict__.setdefault("_latest_index_loss", _LatestIndexLoss())
         if slot.value_sink is None:

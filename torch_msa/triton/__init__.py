@@ -35,7 +35,7 @@ import importlib.util
 import torch
 
 from ..backends import Backend, UnsupportedInputs, register_backend
-from ..index_loss import separate
+from ..index_loss import by_registry, separate
 from ..query_windows import forward_in_windows
 
 NAME = "triton"
@@ -146,7 +146,10 @@ BACKEND = Backend(
     name=NAME,
     ops={"select_blocks": select_blocks, "plan": plan, "forward": forward, "backward": backward,
          "indexer_kl": indexer_kl, "indexer_kl_backward": indexer_kl_backward,
-         "backward_with_index_loss": functools.partial(separate, backward, indexer_kl, indexer_kl_backward)},
+         # The KL ops through the registry: index inputs these kernels decline fall back alone, after
+         # this backend's attention backward.
+         "backward_with_index_loss": functools.partial(
+             separate, backward, by_registry("indexer_kl"), by_registry("indexer_kl_backward"))},
     priority=10,
     device_types=("cuda",),
     available=available,

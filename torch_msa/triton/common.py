@@ -129,7 +129,8 @@ def locate_queries(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_q
 @triton.jit
 def program_item(item_start, item_end):
     """The schedule item of a program of a KV-outer kernel (`program_id(0)`) and its entries
-    `start .. end - 1`; a caller returns at once when the item is empty (`start >= end`)."""
+    `start .. end - 1`; an empty item (`start >= end`) has none, and the caller either returns at
+    once or masks every load and store of it off."""
     item = tl.program_id(0)
     return item, tl.load(item_start + item), tl.load(item_end + item)
 

@@ -54,6 +54,7 @@ from ..schedule import entries_per_item
 from . import kl_kernel
 from .backward_deterministic_kernel import item_schedule, reduce_item_rows
 from .kl_kernel import (
+    ForwardPartials,
     backward_coefficient,
     check_inputs,
     finish_forward,
@@ -88,6 +89,24 @@ def _windows(documents, num_queries: int, num_keys: int, per_query: int):
     `query_windows.PARTIAL_BYTES`."""
     window = max(1, query_windows.PARTIAL_BYTES // max(1, per_query))
     return query_windows.query_windows(documents, num_queries, num_keys, window)
+
+
+def _windowed(partials: ForwardPartials, block_indices, documents, num_keys, block_size, items_of, index_dim):
+    """Per window of queries (`_windows`, sized for `items_of` entries per item):
+    `(start, stop, window_partials, schedule, bucket_first_item, entry_rows, item_rows)`, the
+    window's own partials (`partials` itself when one window takes every query) and its
+    `_workspaces`. Once the caller is done with a window, its partials are copied into `partials`."""
+    num_index_heads, num_queries, topk = block_indices.shape
+    per_query = partial_bytes_per_query(num_index_heads, topk, index_dim, block_size, items_of)
+    for start, stop, window in _windows(documents, num_queries, num_keys, per_query):
+        whole = stop - start == num_queries
+        window_partials = partials if whole else forward_partials(num_index_heads, stop - start, topk,
+                                                                  block_indices.device)
+        yield (start, stop, window_partials,
+               *_workspaces(block_indices[:, start:stop].contiguous(), window, num_keys, block_size, items_of, index_dim))
+        if not whole:
+            for full, part in zip(partials, window_partials, strict=True):
+                full[:, start:stop] = part
 
 
 def _workspaces(block_indices, documents, num_keys, block_size, items_of, index_dim):
@@ -126,18 +145,11 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size
     if num_queries > 0 and num_keys > 0 and topk > 0:
         q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
         items_of = forward_entries_per_item(num_heads, num_kv_heads)
-        per_query = partial_bytes_per_query(num_index_heads, topk, index_dim, block_size, items_of)
-        for start, stop, window in _windows(documents, num_queries, num_keys, per_query):
-            whole = stop - start == num_queries
-            window_partials = partials if whole else forward_partials(num_index_heads, stop - start, topk, device)
-            schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
-                block_indices[:, start:stop].contiguous(), window, num_keys, block_size, items_of, index_dim)
+        for start, stop, window_partials, schedule, bucket_first_item, entry_rows, item_rows in _windowed(
+                partials, block_indices, documents, num_keys, block_size, items_of, index_dim):
             launch_forward(q[start:stop], k, lse[start:stop], index_q[start:stop], index_k, window_partials,
                            (entry_rows, item_rows), schedule, topk, block_size, softmax_scale, index_softmax_scale,
                            deterministic=True)
-            if not whole:
-                for full, part in zip(partials, window_partials, strict=True):
-                    full[:, start:stop] = part
             teacher_index_keys[start:stop] = entry_rows.sum(2)
             # Windows in turn: a fixed order.
             teacher_index_queries += _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys,
@@ -203,18 +215,11 @@ def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices,
         index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
         teacher = teacher.contiguous()
         items_of = backward_entries_per_item(num_index_heads)
-        per_query = partial_bytes_per_query(num_index_heads, topk, index_dim, block_size, items_of)
-        for start, stop, window in _windows(documents, num_queries, num_keys, per_query):
-            whole = stop - start == num_queries
-            window_partials = partials if whole else forward_partials(num_index_heads, stop - start, topk, device)
-            schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
-                block_indices[:, start:stop].contiguous(), window, num_keys, block_size, items_of, index_dim)
+        for start, stop, window_partials, schedule, bucket_first_item, entry_rows, item_rows in _windowed(
+                partials, block_indices, documents, num_keys, block_size, items_of, index_dim):
             window_teacher, window_index_q = teacher[start:stop], index_q[start:stop]
             launch_forward_from_teacher(window_teacher, window_index_q, index_k, window_partials, schedule, topk,
                                         block_size, index_softmax_scale)
-            if not whole:
-                for full, part in zip(partials, window_partials, strict=True):
-                    full[:, start:stop] = part
             _, student_lse, mass = finish_forward(window_partials, torch.float32)
             launch_backward(window_index_q, index_k, student_lse, mass, coefficient, (entry_rows, item_rows), schedule,
                             topk, block_size, index_softmax_scale, deterministic=True, teacher=window_teacher)
