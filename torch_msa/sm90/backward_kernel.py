@@ -55,27 +55,23 @@ per tile. Measured speed, what bounds it and what is left to gain: docs/performa
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float16, Float32, Int32, Int64
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
-from ..cute_dsl.compat import LayoutEnum, SmemAllocator
+from ..cute_dsl.compat import SmemAllocator
 from ..cute_dsl.ptx import bulk_reduce_add_f32, red_add_f32x2
-from .blocks_kernel import BlocksKernel
+from .blocks_kernel import K_MAJOR, MN_MAJOR, BlocksKernel, thread_and_warp
 from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, LOG2_E, TILE_ROWS, TOKENS_PER_TILE, ScheduleOperands
 from .mask import key_hidden, zero_keys_past
-from .pipeline import consumer_state, producer_state, tma_load_pipeline
+from .pipeline import consumer_state, producer_state
 from .softmax import probability, quad_sum
 from .tile_scheduler import Item, ItemScheduler
 from .tiles import (
     accumulator_as_operand_a,
     accumulator_rows_cols,
-    key_block_tma,
     load_key_blocks,
+    load_next_tile,
     load_token_tile,
-    query_rows,
-    token_box_layout,
-    token_rows_tma,
     token_tile_partition,
 )
 
@@ -96,10 +92,7 @@ class Sm90BackwardKernel(BlocksKernel):
 
     @cute.jit
     def __call__(
-        self,
-        mQ: cute.Tensor,  # [Tq, Hq, 128]
-        mK: cute.Tensor,  # [Tk, Hkv, 128]
-        mV: cute.Tensor,  # [Tk, Hkv, 128]
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,  # `BlocksKernel`
         mdO: cute.Tensor,  # [Tq, Hq, 128]
         mLse: cute.Tensor,  # fp32 [Tq, Hq], natural log
         mDelta: cute.Tensor,  # fp32 [Tq, Hq]
@@ -110,59 +103,38 @@ class Sm90BackwardKernel(BlocksKernel):
         *schedule_and_scalars,  # `BlocksKernel`: the schedule, then topk, scale_log2, softmax_scale, grid_size, stream
     ):
         schedule, (topk, scale_log2, softmax_scale, grid_size, stream) = self.split_schedule(schedule_and_scalars)
-        dtype = mQ.element_type
-        self.dtype = dtype
-        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        self.dtype = mQ.element_type
         # S^T = K Q^T, dP^T = V dO^T: M = 128 keys (64 per warpgroup), N = 64 rows, K = 128 dims.
-        mma_sdp = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (2, 1, 1), (KEYS_PER_WARPGROUP, TILE_ROWS)
-        )
+        mma_sdp = self.tiled_mma(K_MAJOR, (2, 1, 1), (KEYS_PER_WARPGROUP, TILE_ROWS))
         # dV += P^T dO, dK += dS^T Q: M = 128 keys, N = 128 dims, K = 64 rows; A from registers.
-        mma_dkv = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (2, 1, 1), (KEYS_PER_WARPGROUP, HEAD_DIM),
-            warpgroup.OperandSource.RMEM,
-        )
+        mma_dkv = self.tiled_mma(MN_MAJOR, (2, 1, 1), (KEYS_PER_WARPGROUP, HEAD_DIM), warpgroup.OperandSource.RMEM)
         # dQ = dS K: M = 64 rows, N = 128 dims (64 per warpgroup), K = 128 keys.
-        mma_dq = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 2, 1), (TILE_ROWS, HEAD_DIM // 2)
-        )
-        row_major = LayoutEnum.ROW_MAJOR
+        mma_dq = self.tiled_mma(MN_MAJOR, (1, 2, 1), (TILE_ROWS, HEAD_DIM // 2))
         sdp_tiler = (BLOCK_SIZE, TILE_ROWS, HEAD_DIM)
         # K and V: (key, dim) tiles; Q and dO: (row, dim) tiles; dS: (row, key). All K-major
         # with the 128-byte swizzle; the GEMMs that need them transposed read them through
         # views with the modes swapped (MN-major).
-        sK_layout = sm90_utils.make_smem_layout_a(row_major, sdp_tiler, dtype, 1)
-        sQ_layout = sm90_utils.make_smem_layout_b(row_major, sdp_tiler, dtype, TILE_STAGES)
-        sdS_layout = sm90_utils.make_smem_layout_a(row_major, (TILE_ROWS, HEAD_DIM, BLOCK_SIZE), dtype, 1)
+        sK_layout = self.operand_a_tiles(sdp_tiler, 1)
+        sQ_layout = self.operand_b_tiles(sdp_tiler, TILE_STAGES)
+        sdS_layout = self.operand_a_tiles((TILE_ROWS, HEAD_DIM, BLOCK_SIZE), 1)
 
-        ((tma_atom_K, tma_K), (tma_atom_V, tma_V)), self.kv_bytes = key_block_tma(
-            mK, mV, sK_layout, self.num_kv_heads
+        (tma_atom_K, tma_K), (tma_atom_V, tma_V), (tma_atom_Q, tma_Q), token_rows = self.key_and_query_tma(
+            mK, mV, mQ, sK_layout, sQ_layout
         )
-        token_rows = token_box_layout(sQ_layout)
-        tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = token_rows_tma(tma_load, query_rows(mQ, self.num_heads), token_rows)
-        tma_atom_dO, tma_dO = token_rows_tma(tma_load, query_rows(mdO, self.num_heads), token_rows)
-        self.tile_bytes = 2 * cute.size_in_bytes(dtype, cute.select(sQ_layout, mode=[0, 1]))
-
-        @cute.struct
-        class SharedStorage:
-            # 1024-byte alignment keeps the 128-byte swizzle pattern of every tile intact.
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, TILE_ROWS * HEAD_DIM], 1024]
-            # Per row of a tile: lse (log2 domain), delta, and the last key it sees (-1: none);
-            # two buffers, the next tile's rows are staged while this one is computed.
-            sLse: cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES]
-            sDelta: cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES]
-            sLast: cute.struct.MemRange[Int32, TILE_ROWS * TILE_STAGES]
-            # The full and empty barriers of the K/V and the Q/dO pipelines.
-            kv_barriers: cute.struct.MemRange[Int64, 2]
-            tile_barriers: cute.struct.MemRange[Int64, 2 * TILE_STAGES]
-
-        self.shared_storage = SharedStorage
+        tma_atom_dO, tma_dO = self.query_tma(mdO, token_rows)
+        self.tile_bytes = 2 * cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        self.shared_storage = self.make_shared_storage(
+            {"sK": sK_layout, "sV": sK_layout, "sQ": sQ_layout, "sdO": sQ_layout, "sdS": sdS_layout},
+            {
+                "sdQ": cute.struct.Align[cute.struct.MemRange[Float32, TILE_ROWS * HEAD_DIM], 1024],
+                # Per row of a tile: lse (log2 domain), delta, and the last key it sees (-1: none);
+                # two buffers, the next tile's rows are staged while this one is computed.
+                "sLse": cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES],
+                "sDelta": cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES],
+                "sLast": cute.struct.MemRange[Int32, TILE_ROWS * TILE_STAGES],
+            },
+            TILE_STAGES,
+        )
         self.kernel(
             mma_sdp, mma_dkv, mma_dq, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             mLse, mDelta, mdQ, mdK, mdV, mTeacher, schedule, topk, scale_log2, softmax_scale, sQ_layout, sK_layout,
@@ -197,8 +169,7 @@ class Sm90BackwardKernel(BlocksKernel):
         sK_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, warp = thread_and_warp()
 
         storage = SmemAllocator().allocate(self.shared_storage)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -218,13 +189,9 @@ class Sm90BackwardKernel(BlocksKernel):
         sKt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0, 2]))
         sdSt = cute.make_tensor(sdS.iterator, cute.select(sdS.layout, mode=[1, 0, 2]))
 
-        if tidx == 0:
-            for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V):
-                cpasync.prefetch_descriptor(atom)
-        kv_pipeline = tma_load_pipeline(storage.kv_barriers.data_ptr(), 1, self.kv_bytes, CONSUMER_WARPS)
-        tile_pipeline = tma_load_pipeline(storage.tile_barriers.data_ptr(), TILE_STAGES, self.tile_bytes, CONSUMER_WARPS)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
+        kv_pipeline, tile_pipeline = self.load_pipelines(
+            storage, tidx, (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V), TILE_STAGES, self.tile_bytes, CONSUMER_WARPS
+        )
 
         # Q and dO: 16-row token blocks of the [Tq * Hq, 128] views into a tile's 4 token slots.
         tQsQ, tQgQ = token_tile_partition(tma_atom_Q, tma_Q, sQ, TILE_STAGES)
@@ -273,12 +240,8 @@ class Sm90BackwardKernel(BlocksKernel):
         for index in cutlass.range(items.first, items.count, items.stride, unroll=1):
             item = items.item(index)
             if warp == 0:
-                load_key_blocks(kv_pipeline, kv_load, key_copies, item.kv_head, item.key_row)
-                kv_load.advance()
-                load_token_tile(
-                    tile_pipeline, tile_load, tile_copies, items, item.start, item.end, self.num_kv_heads, item.kv_head
-                )
-                tile_load.advance()
+                kv_load = load_key_blocks(kv_pipeline, kv_load, key_copies, item)
+                tile_load = load_token_tile(tile_pipeline, tile_load, tile_copies, items, item, item.start, self.num_kv_heads)
             if tidx >= THREADS - TILE_ROWS:
                 self.stage_row(
                     sLse, sDelta, sLast, mLse, mDelta, items, item, item.start, tidx - (THREADS - TILE_ROWS),
@@ -297,12 +260,7 @@ class Sm90BackwardKernel(BlocksKernel):
                     # Loaded here, so the latency of the schedule read hides behind the GEMMs.
                     teacher_row = self.teacher_row(items, first, item.end, item.kv_head)
                 if warp == 0:
-                    if tile + 1 < item.num_tiles:
-                        load_token_tile(
-                            tile_pipeline, tile_load, tile_copies, items, first + TOKENS_PER_TILE, item.end,
-                            self.num_kv_heads, item.kv_head,
-                        )
-                        tile_load.advance()
+                    tile_load = load_next_tile(tile_pipeline, tile_load, tile_copies, items, item, tile, first, self.num_kv_heads)
                 stage = tile_read.index
                 tile_pipeline.consumer_wait(tile_read)
                 if tile == 0:

@@ -46,25 +46,22 @@ on a given GPU, what was measured and what is left to gain: docs/performance.md.
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..cute_dsl.compat import LayoutEnum, SmemAllocator
-from .blocks_kernel import BlocksKernel
+from ..cute_dsl.compat import SmemAllocator
+from .blocks_kernel import K_MAJOR, MN_MAJOR, BlocksKernel, thread_and_warp
 from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS, TOKENS_PER_TILE, ScheduleOperands
 from .mask import hide_scores_past, zero_keys_past
-from .pipeline import consumer_state, producer_state, tma_load_pipeline
+from .pipeline import consumer_state, producer_state
 from .softmax import block_softmax_row
 from .tile_scheduler import ItemScheduler
 from .tiles import (
     accumulator_as_operand_a,
     accumulator_rows_cols,
-    key_block_tma,
     load_key_blocks,
+    load_next_tile,
     load_token_tile,
-    query_rows,
-    token_box_layout,
     token_rows_tma,
     token_tile_partition,
 )
@@ -80,56 +77,33 @@ class Sm90ForwardKernel(BlocksKernel):
 
     @cute.jit
     def __call__(
-        self,
-        mQ: cute.Tensor,  # [Tq, Hq, 128]
-        mK: cute.Tensor,  # [Tk, Hkv, 128]
-        mV: cute.Tensor,  # [Tk, Hkv, 128]
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,  # `BlocksKernel`
         mPartialOut: cute.Tensor,  # [Tq * Hkv * topk * 16, 128]
         mPartialLse: cute.Tensor,  # fp32 [Tq * Hkv * topk * 16]
         *schedule_and_scalars,  # `BlocksKernel`: the schedule, then topk, scale_log2, grid_size, stream
     ):
         schedule, (topk, scale_log2, grid_size, stream) = self.split_schedule(schedule_and_scalars)
-        dtype = mQ.element_type
-        self.dtype = dtype
-        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        self.dtype = mQ.element_type
         # S = Q K^T: M = 64 rows, N = 128 keys, K = 128 dims. O = P V: N = 128 dims, K = 128 keys.
-        mma_qk = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1), (TILE_ROWS, BLOCK_SIZE)
-        )
-        mma_pv = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 1, 1), (TILE_ROWS, HEAD_DIM),
-            warpgroup.OperandSource.RMEM,
-        )
-        row_major = LayoutEnum.ROW_MAJOR
+        mma_qk = self.tiled_mma(K_MAJOR, (1, 1, 1), (TILE_ROWS, BLOCK_SIZE))
+        mma_pv = self.tiled_mma(MN_MAJOR, (1, 1, 1), (TILE_ROWS, HEAD_DIM), warpgroup.OperandSource.RMEM)
         qk_tiler = (TILE_ROWS, BLOCK_SIZE, HEAD_DIM)
-        sQ_layout = sm90_utils.make_smem_layout_a(row_major, qk_tiler, dtype, self.q_stages)
+        sQ_layout = self.operand_a_tiles(qk_tiler, self.q_stages)
         # K and V are both (key, dim) tiles with dims contiguous; P V reads V transposed.
-        sK_layout = sm90_utils.make_smem_layout_b(row_major, qk_tiler, dtype, 1)
-
-        ((tma_atom_K, tma_K), (tma_atom_V, tma_V)), self.kv_bytes = key_block_tma(
-            mK, mV, sK_layout, self.num_kv_heads
-        )
-        token_rows = token_box_layout(sQ_layout)
-        tma_atom_Q, tma_Q = token_rows_tma(cpasync.CopyBulkTensorTileG2SOp(), query_rows(mQ, self.num_heads), token_rows)
+        sK_layout = self.operand_b_tiles(qk_tiler, 1)
         # The partial outputs leave through a one-stage tile laid out like a Q stage, one
         # token's 16 rows per TMA store into its (query, KV head, slot) rows.
-        sO_layout = sm90_utils.make_smem_layout_a(row_major, qk_tiler, dtype, 1)
+        sO_layout = self.operand_a_tiles(qk_tiler, 1)
+
+        (tma_atom_K, tma_K), (tma_atom_V, tma_V), (tma_atom_Q, tma_Q), token_rows = self.key_and_query_tma(
+            mK, mV, mQ, sK_layout, sQ_layout
+        )
         tma_atom_O, tma_O = token_rows_tma(cpasync.CopyBulkTensorTileS2GOp(), mPartialOut, token_rows)
-        self.q_bytes = cute.size_in_bytes(dtype, cute.select(sQ_layout, mode=[0, 1]))
-
-        @cute.struct
-        class SharedStorage:
-            # 1024-byte alignment keeps the 128-byte swizzle pattern of every tile intact.
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sO_layout)], 1024]
-            # The full and empty barriers of the K/V and the Q pipelines. Last, so that no
-            # alignment padding precedes the tiles: two CTAs' 113 KiB must fit an SM's 228 KiB.
-            kv_barriers: cute.struct.MemRange[Int64, 2]
-            q_barriers: cute.struct.MemRange[Int64, 2 * self.q_stages]
-
-        self.shared_storage = SharedStorage
+        self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        # No alignment padding precedes the tiles: two CTAs' 113 KiB must fit an SM's 228 KiB.
+        self.shared_storage = self.make_shared_storage(
+            {"sK": sK_layout, "sV": sK_layout, "sQ": sQ_layout, "sO": sO_layout}, {}, self.q_stages
+        )
         self.kernel(
             mma_qk, mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
             mPartialLse, schedule, topk, scale_log2, sQ_layout, sK_layout, sO_layout,
@@ -156,8 +130,7 @@ class Sm90ForwardKernel(BlocksKernel):
         sK_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, warp = thread_and_warp()
         lane = tidx % 32
 
         storage = SmemAllocator().allocate(self.shared_storage)
@@ -167,14 +140,9 @@ class Sm90ForwardKernel(BlocksKernel):
         # V as the (dim, key) B operand of P V: the same bytes, modes swapped (MN-major).
         sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-
-        if tidx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
-                cpasync.prefetch_descriptor(atom)
-        kv_pipeline = tma_load_pipeline(storage.kv_barriers.data_ptr(), 1, self.kv_bytes, CONSUMER_WARPS)
-        q_pipeline = tma_load_pipeline(storage.q_barriers.data_ptr(), self.q_stages, self.q_bytes, CONSUMER_WARPS)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
+        kv_pipeline, q_pipeline = self.load_pipelines(
+            storage, tidx, (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O), self.q_stages, self.q_bytes, CONSUMER_WARPS
+        )
 
         # Q: 16-row token blocks of the [Tq * Hq, 128] view into the 4 token slots of a tile;
         # the partial outputs: the 4 token slots of the output tile into 16-row blocks of the
@@ -194,10 +162,9 @@ class Sm90ForwardKernel(BlocksKernel):
         cO = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HEAD_DIM)))
         acc_S = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
         acc_O = cute.make_rmem_tensor(cO.shape, self.acc_dtype)
-        s_rc = cute.make_tensor(acc_S.iterator, accumulator_rows_cols(acc_S.layout))
-        o_rc = cute.make_tensor(acc_O.iterator, accumulator_rows_cols(acc_O.layout))
-        cS_rc = cute.make_tensor(cS.iterator, accumulator_rows_cols(cS.layout))
-        cO_rc = cute.make_tensor(cO.iterator, accumulator_rows_cols(cO.layout))
+        s_rc, o_rc, cS_rc, cO_rc = (
+            cute.make_tensor(x.iterator, accumulator_rows_cols(x.layout)) for x in (acc_S, acc_O, cS, cO)
+        )
         rP = cute.make_rmem_tensor(cS.shape, self.dtype)
         tOrP = cute.make_tensor(rP.iterator, accumulator_as_operand_a(rP.layout))
         rows_per_thread = cute.size(s_rc, mode=[0])
@@ -208,22 +175,13 @@ class Sm90ForwardKernel(BlocksKernel):
         for index in cutlass.range(items.first, items.count, items.stride, unroll=1):
             item = items.item(index)
             if warp == 0:
-                load_key_blocks(kv_pipeline, kv_load, key_copies, item.kv_head, item.key_row)
-                kv_load.advance()
-                load_token_tile(
-                    q_pipeline, q_load, q_copies, items, item.start, item.end, self.num_kv_heads, item.kv_head
-                )
-                q_load.advance()
+                kv_load = load_key_blocks(kv_pipeline, kv_load, key_copies, item)
+                q_load = load_token_tile(q_pipeline, q_load, q_copies, items, item, item.start, self.num_kv_heads)
 
             for tile in cutlass.range(item.num_tiles, unroll=1):
                 first = item.start + tile * TOKENS_PER_TILE
                 if warp == 0:
-                    if tile + 1 < item.num_tiles:
-                        load_token_tile(
-                            q_pipeline, q_load, q_copies, items, first + TOKENS_PER_TILE, item.end,
-                            self.num_kv_heads, item.kv_head,
-                        )
-                        q_load.advance()
+                    q_load = load_next_tile(q_pipeline, q_load, q_copies, items, item, tile, first, self.num_kv_heads)
                 q_pipeline.consumer_wait(q_read)
                 if tile == 0:
                     kv_pipeline.consumer_wait(kv_read)

@@ -2,6 +2,11 @@
 (rows, cols) or reused as a register A operand, the per-token TMA boxes of a 64-row operand
 tile, and the TMA loads of a key block and of a tile's token boxes.
 
+The loads advance the pipeline state whose stage they fill and return it, and the kernels assign
+it back (`state = load_token_tile(..., state, ...)`): the CuTe DSL carries a value out of a
+run-time branch or loop only where the kernel's own code writes to it (an assignment, or a
+method call on it), so a state advanced inside a called function alone would be lost.
+
 These are device code, so this module imports cutlass at the top; only the kernel modules
 (`forward_kernel.py`, `backward_kernel.py`) import it. The constants are `common.py`'s, the
 module the host side reads them from too.
@@ -77,32 +82,45 @@ def load_key_block(
 
 
 @cute.jit
-def load_token_tile(
-    load_pipeline, state, copies, items, first: Int32, end: Int32, num_kv_heads: cutlass.Constexpr[int],
-    kv_head: Int32,
-):
-    """Acquire stage `state.index` of `load_pipeline` and fill it with the tile of entries `first ..
-    first + 3` (`items.tile_entry`: slots past `end` repeat the first): for each `(atom, token
-    blocks, slots)` of `copies`, one TMA box per token, its 16 heads of `kv_head` (block `token *
-    num_kv_heads + kv_head` of the `[T * Hq / 16]` token blocks) into the slot's 16 rows. All of
-    warp 0 calls it: a TMA copy elects one lane of a converged warp."""
+def load_token_tile(load_pipeline, state, copies, items, item, first: Int32, num_kv_heads: cutlass.Constexpr[int]):
+    """Acquire stage `state.index` of `load_pipeline`, fill it with the tile of `item`'s entries
+    `first .. first + 3` (`items.tile_entry`: slots past the item's end repeat the first), and
+    advance `state`: for each `(atom, token blocks, slots)` of `copies`, one TMA box per token, its
+    16 heads of the item's KV head (block `token * num_kv_heads + kv_head` of the `[T * Hq / 16]`
+    token blocks) into the slot's 16 rows. All of warp 0 calls it: a TMA copy elects one lane of
+    a converged warp. Returns `state` (the module docstring says why)."""
     load_pipeline.producer_acquire(state)
     barrier = load_pipeline.producer_get_barrier(state)
     for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
-        block = items.token(items.tile_entry(first, slot, end)) * num_kv_heads + kv_head
+        block = items.token(items.tile_entry(first, slot, item.end)) * num_kv_heads + item.kv_head
         for atom, blocks, slots in copies:
             cute.copy(atom, blocks[None, block, 0], slots[None, slot, 0, state.index], tma_bar_ptr=barrier)
+    state.advance()
+    return state
 
 
 @cute.jit
-def load_key_blocks(load_pipeline, state, copies, kv_head: Int32, key_row: Int32):
-    """Acquire stage `state.index` of `load_pipeline` and fill it with one key block per `(atom,
-    TMA view, tile)` of `copies` (K and V): keys `key_row .. key_row + 127` of `kv_head`. All of
-    warp 0 calls it."""
+def load_next_tile(
+    load_pipeline, state, copies, items, item, tile: Int32, first: Int32, num_kv_heads: cutlass.Constexpr[int]
+):
+    """`load_token_tile` of the tile after tile `tile` of `item` (entries `first ..`), when the
+    item has one. Returns `state`."""
+    if tile + 1 < item.num_tiles:
+        state = load_token_tile(load_pipeline, state, copies, items, item, first + TOKENS_PER_TILE, num_kv_heads)
+    return state
+
+
+@cute.jit
+def load_key_blocks(load_pipeline, state, copies, item):
+    """Acquire stage `state.index` of `load_pipeline`, fill it with one key block per `(atom,
+    TMA view, tile)` of `copies` (K and V): keys `key_row .. key_row + 127` of `item`'s KV head,
+    and advance `state`. All of warp 0 calls it. Returns `state` (the module docstring says why)."""
     load_pipeline.producer_acquire(state)
     barrier = load_pipeline.producer_get_barrier(state)
     for atom, rows, tile in copies:
-        load_key_block(atom, rows, tile, kv_head, key_row, barrier)
+        load_key_block(atom, rows, tile, item.kv_head, item.key_row, barrier)
+    state.advance()
+    return state
 
 
 def key_block_tma(mK: cute.Tensor, mV: cute.Tensor, key_tile_layout: cute.ComposedLayout, num_kv_heads: int):
