@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..schedule import Schedule, plan_schedule
-from .common import LOG2_E, dot_precision, item_horizon, locate_queries, tile_shape
+from .common import LOG2_E, dot_precision, item_horizon, locate_queries, program_token_group, tile_shape
 from .launch import LaunchConfig, launch
 
 ITEM_TILES = 64  # query tiles (of the tuned tile of `common.TILE_ROWS` rows) per schedule item
@@ -158,11 +158,8 @@ def msa_bwd_dq_kernel(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    token, kv_head, heads, head_ok = program_token_group(GROUP, GROUP_P2)
     dims = tl.arange(0, DIM)
-    heads = tl.arange(0, GROUP_P2)
-    head_ok = heads < GROUP
     query_head = kv_head * GROUP + heads
     pos = tl.load(position + token)
     first_key = tl.load(key_start + token)

@@ -127,6 +127,17 @@ def locate_queries(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_q
 
 
 @triton.jit
+def program_token_group(GROUP: tl.constexpr, GROUP_P2: tl.constexpr):
+    """The query token (`program_id(0)`, int64) and KV head (`program_id(1)`) of a program that
+    takes one token's `GROUP` query heads of one KV head, and their lanes: `(token, kv_head,
+    heads [GROUP_P2], head_ok)`, `head_ok` false on the lanes past `GROUP`."""
+    token = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    heads = tl.arange(0, GROUP_P2)
+    return token, kv_head, heads, heads < GROUP
+
+
+@triton.jit
 def program_item(item_start, item_end):
     """The schedule item of a program of a KV-outer kernel (`program_id(0)`) and its entries
     `start .. end - 1`; an empty item (`start >= end`) has none, and the caller either returns at

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..contract import compute_dtype
 from ..schedule import schedule_for
-from .common import LN_2, LOG2_E, TILE_ROWS, dot_precision, item_horizon, program_item, tile_shape
+from .common import LN_2, LOG2_E, TILE_ROWS, dot_precision, item_horizon, program_item, program_token_group, tile_shape
 from .launch import LaunchConfig, launch
 
 # Tuned on SM90 first; fewer rows and no pipelining for devices with less shared memory.
@@ -95,11 +95,8 @@ def msa_fwd_combine_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     TOPK: tl.constexpr, DIM: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    heads = tl.arange(0, GROUP_P2)
+    token, kv_head, heads, head_ok = program_token_group(GROUP, GROUP_P2)
     dims = tl.arange(0, DIM)
-    head_ok = heads < GROUP
     base = (token * NUM_KV_HEADS + kv_head) * TOPK * GROUP
     best = tl.full((GROUP_P2,), float("-inf"), tl.float32)
     for slot in range(TOPK):
