@@ -40,8 +40,10 @@ makes the patched indexers HF's again.
 Training the indexer: `use_torch_msa(model, index_loss="sparse")` (or `"dense"` for the dense
 warm-up) makes every sparse layer compute the index branch's KL loss on each forward, and
 `index_losses(model)` returns them, one per sparse layer, for the training loop to add
-(`loss + kl_coeff * sum(index_losses(model))`). The indexer reads detached hidden states, so the
-KL trains the index projections and norms and gives the trunk no gradient
+(`loss + kl_coeff * sum(index_losses(model))`). In stage-2 training the backward computes the
+KLs (one fused node per layer, as `torch_msa.msa_attention(..., index_loss=True)`), so their
+values are read after it with `index_loss_values(model)`. The indexer reads detached hidden
+states, so the KL trains the index projections and norms and gives the trunk no gradient
 (`detach_index_inputs=False` lets it through).
 
 Supported: training, prefill and decoding from a `DynamicCache` (`generate`; padded batches
