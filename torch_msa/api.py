@@ -503,7 +503,7 @@ def msa_attention(
         ValueError: a shape, head count, head dim, index head count, `topk`, `block_size` or host
             int outside the contract, index inputs whose rows or device do not match q and k, a
             `cu_seqlens` / fragment argument without its partner, or `index_loss_value` without
-            `index_loss`; the message names it.
+            `index_loss`, not 0-D, or given under a torch.func transform; the message names it.
         torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve an op on
             the inputs' device.
     """
