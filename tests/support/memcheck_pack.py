@@ -10,8 +10,8 @@ M3 heads, bf16; documents of 300, 0, 1, 1500, 129 tokens and one with Lq < Lk; 3
 ids replaced by random values in [-2^30, 2^30), repeats and ids far past every document. Runs the
 selection, the plan, the forward, the backward, the KL loss and the KL fused into the backward (the
 last three default and deterministic);
-then the same ops on query fragments of these documents with junk fragment fields (a document id
-out of range, a start past its document, a negative start).
+then the same ops and the dense-support KL on query fragments of these documents with junk
+fragment fields (a document id out of range, a start past its document, a negative start).
 """
 import torch
 
@@ -74,6 +74,10 @@ for deterministic in (False, True):
     torch.use_deterministic_algorithms(deterministic)
     loss = torch_msa.indexer_kl_loss(q.detach(), k.detach(), lse.detach(), iq, ik, sel, *frag_args, **fragments)
     loss.backward()
+    # The dense-support KL (its key-tile-outer kernels walk fragments run by run), on the pack and
+    # on the junk fragments.
+    torch_msa.indexer_kl_loss_dense(q.detach(), k.detach(), iq, ik, *docs).backward()
+    torch_msa.indexer_kl_loss_dense(q.detach(), k.detach(), iq, ik, *frag_args, **fragments).backward()
 torch.use_deterministic_algorithms(False)
 torch.cuda.synchronize()
 print("sanitize run done:", {op: torch_msa.resolve(op, q.device).name for op in torch_msa.backends.OPS},

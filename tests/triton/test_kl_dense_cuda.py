@@ -127,3 +127,38 @@ def test_m3_deterministic_dense_forward_is_bitwise_and_close_to_the_default(layo
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(torch.isinf(a), torch.isinf(b)), name
         assert _relative_error(a.nan_to_num(neginf=0), b.nan_to_num(neginf=0)) < 1e-4, name
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_m3_query_fragments_match_reference(deterministic, request):
+    """A context-parallel rank's zigzag share of a pack (the first and last quarter of one
+    document, the middle of another) as query fragments over the documents' whole keys: forward
+    and backward against the reference, with the default forward and the deterministic one."""
+    from torch_msa.testing import fragments
+    from torch_msa.triton import kl_dense_kernel
+
+    if deterministic:
+        request.getfixturevalue("deterministic_algorithms")
+    frag = fragments((3000, 1096), ((0, 0, 750), (1, 274, 548), (0, 2250, 750)), "cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    num_queries, num_keys = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    q, k = tensor(num_queries, HEADS, DIM), tensor(num_keys, KV_HEADS, DIM)
+    index_q, index_k = tensor(num_queries, KV_HEADS, INDEX_DIM), tensor(num_keys, 1, INDEX_DIM)
+    documents = Documents(*frag.op_args, *frag.tensors)
+    got = kl_dense_kernel.indexer_kl_dense(q, k, None, index_q, index_k, documents, *SCALES)
+    want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", q, k, None, index_q, index_k, None, *frag.op_args,
+                                                      128, *SCALES, *frag.tensors))
+    torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=1e-5)
+    names = ("teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
+    for name, a, b in zip(names, got[1:], want[1:], strict=True):
+        assert _relative_error(a.nan_to_num(neginf=0), b.nan_to_num(neginf=0)) < 1e-3, name
+    grad_loss = torch.tensor(1.0, device="cuda")
+    expected = reference_kl.indexer_kl_backward(*backend_arguments(
+        "indexer_kl_backward", grad_loss, index_q, index_k, *want[2:], None, *frag.op_args, 128, SCALES[1], *frag.tensors))
+    actual = kl_dense_kernel.indexer_kl_dense_backward(grad_loss, index_q, index_k, *got[2:], documents, SCALES[1])
+    for name, a, b in zip(("d index_q", "d index_k"), actual, expected):
+        assert _relative_error(a, b) < 1e-2, (name, _relative_error(a, b))

@@ -168,7 +168,8 @@ def _deterministic(kernel_spec):
     return deterministic_spec
 
 
-DOCUMENT_TABLES = {"key_start": "*i64", "position": "*i64", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
+DOCUMENT_TABLES = {"key_start": "*i64", "position": "*i64", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
+                   "fragment_documents": "*i32", "fragment_starts": "*i32"}
 
 
 def _kl_dense_teacher_lse(config):
@@ -194,7 +195,7 @@ def _kl_dense_teacher_queries(config):
     types |= {"teacher_lse": "*fp32", "teacher_index_queries": "*fp32", "qk_scale": "fp32"}
     constants = dict(NUM_HEADS=M3["num_heads"], NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, TOKENS=config.rows,
                      BLOCK_N=config.block_n, DIM=M3["dim"], INDEX_DIM=M3["index_dim"], PRECISION="tf32",
-                     INDEX_PRECISION="tf32", SPLIT=True)
+                     INDEX_PRECISION="tf32", SPLIT=True, FRAGMENTS=True)
     return kl_dense_kernel.msa_kl_dense_teacher_queries_kernel, types, constants
 
 
@@ -206,6 +207,8 @@ def _kl_dense_grad(kernel):
         types |= {"index_scale": "fp32"}
         constants = dict(NUM_KV_HEADS=M3["index_heads"], TOKENS=config.rows, BLOCK_N=config.block_n,
                          INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32")
+        if "FRAGMENTS" in kernel.arg_names:  # the key-tile-outer kernel; its fragment loop costs the most
+            constants["FRAGMENTS"] = True
         return kernel, types, constants
 
     return kernel_spec

@@ -41,9 +41,9 @@ length adds when it accumulates dQ with atomics (`Hq D T^2 / (2 BLOCK_N)`, 34 G)
 `teacher_index_queries` order-dependent in its last bits, so under
 `torch.use_deterministic_algorithms(True)` the forward pays for that key-outer pass instead
 (`msa_kl_dense_teacher_queries_kernel`: one more teacher pass, no atomics, no more memory) and
-every output has a fixed summation order. It then declines query fragments (the key pass walks
-each document's queries as one causal suffix, like the key-gradient kernel), which the reference
-serves.
+every output has a fixed summation order. The key-tile-outer kernels (that pass and the key
+gradient) walk the queries that may see their tile run by run: the document's queries, or, with
+query fragments, each fragment of the tile's document in fragment order (`_query_run`).
 
 Memory: `O(T (Hq + Hi Di))` fp32 outputs; no buffer grows with `T x T`.
 
@@ -268,24 +268,48 @@ def _key_tile(cu_seqlens_k, num_keys, num_docs, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _key_tile_rows(doc, doc_key_start, doc_key_end, first_pos, cu_seqlens_q, cu_seqlens_k, num_queries,
-                   BLOCK_N: tl.constexpr):
+def _key_tile_rows(doc_key_start, doc_key_end, first_pos, BLOCK_N: tl.constexpr):
     """A non-empty key tile's key positions, packed rows (int64; rows past the document repeat
-    its first), which are real (`key_ok`), and the run `[first_query, query_end)` of its
-    document's queries that may see it (the document's queries are its keys' causal suffix)."""
+    its first) and which are real (`key_ok`)."""
     key_pos = first_pos + tl.arange(0, BLOCK_N)
     key_row = (doc_key_start + key_pos).to(tl.int64)
     key_ok = key_row < doc_key_end
-    key_row = tl.where(key_ok, key_row, doc_key_start)
-    doc_query_start = tl.load(cu_seqlens_q + doc)
-    doc_query_end = tl.load(cu_seqlens_q + doc + 1)
-    query_end = tl.minimum(doc_query_end, num_queries)
-    # Local query t sits at position (Lk - Lq) + t: start at the first that sees this tile (the
-    # masks decide; this only skips queries that see none of it).
-    doc_keys = tl.load(cu_seqlens_k + doc + 1) - doc_key_start
-    unseeing = tl.maximum(0, first_pos - doc_keys + (doc_query_end - doc_query_start))
-    first_query = tl.maximum(doc_query_start + unseeing, 0)
-    return key_pos, key_row, key_ok, first_query, query_end
+    return key_pos, tl.where(key_ok, key_row, doc_key_start), key_ok
+
+
+@triton.jit
+def _query_runs(doc, num_runs, FRAGMENTS: tl.constexpr):
+    """The query runs `[lo, hi)` a key tile of document `doc` walks: the document's own queries,
+    or, with fragments, every fragment (`_query_run` empties those of other documents)."""
+    if FRAGMENTS:
+        lo = 0
+        hi = num_runs
+    else:
+        lo = doc
+        hi = doc + 1
+    return lo, hi
+
+
+@triton.jit
+def _query_run(run, doc, doc_key_start, first_pos, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
+               num_queries, FRAGMENTS: tl.constexpr):
+    """Query rows `[first_query, query_end)` of run `run` that may see the key tile at
+    `first_pos` of document `doc`. A run's local query `i` sits at key position `start + i`:
+    without fragments the run is the document's queries, the causal suffix of its keys
+    (`start = Lk - Lq`); with fragments it is fragment `run` (`start = fragment_starts[run]`),
+    empty unless it belongs to `doc`. Queries before the first that can see the tile are skipped
+    (the masks decide the rest)."""
+    run_start = tl.load(cu_seqlens_q + run)
+    run_end = tl.load(cu_seqlens_q + run + 1)
+    if FRAGMENTS:
+        start = tl.load(fragment_starts + run)
+    else:
+        start = tl.load(cu_seqlens_k + doc + 1) - doc_key_start - (run_end - run_start)
+    first_query = tl.maximum(run_start + tl.maximum(0, first_pos - start), 0)
+    query_end = tl.minimum(run_end, num_queries)
+    if FRAGMENTS:
+        query_end = tl.where(tl.load(fragment_documents + run) == doc, query_end, first_query)
+    return first_query, query_end
 
 
 @triton.jit
@@ -302,43 +326,47 @@ def _seeing_queries(key_start, position, doc_key_start, first, query_end, TOKENS
 
 @triton.jit
 def msa_kl_dense_teacher_queries_kernel(
-    q, k, teacher_lse, index_q, key_start, position, cu_seqlens_q, cu_seqlens_k, teacher_index_queries,
-    num_queries, num_keys, num_docs, qk_scale,
+    q, k, teacher_lse, index_q, key_start, position, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
+    teacher_index_queries, num_queries, num_keys, num_docs, num_runs, qk_scale,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_iq_token, stride_iq_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_N: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
-    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr, FRAGMENTS: tl.constexpr,
 ):
     """`teacher_index_queries` of one key tile, with no atomics: the tile's teacher probabilities
     recomputed for every KV head and every query that sees the tile, reduced in registers."""
     doc, doc_key_start, doc_key_end, first_pos = _key_tile(cu_seqlens_k, num_keys, num_docs, BLOCK_N)
     if (doc_key_start + first_pos >= doc_key_end) | (doc_key_start < 0):
         return
-    key_pos, key_row, key_ok, first_query, query_end = _key_tile_rows(
-        doc, doc_key_start, doc_key_end, first_pos, cu_seqlens_q, cu_seqlens_k, num_queries, BLOCK_N)
+    key_pos, key_row, key_ok = _key_tile_rows(doc_key_start, doc_key_end, first_pos, BLOCK_N)
+    runs_lo, runs_hi = _query_runs(doc, num_runs, FRAGMENTS)
     dims = tl.arange(0, DIM)
     index_dims = tl.arange(0, INDEX_DIM)
     acc = tl.zeros((BLOCK_N, INDEX_DIM), tl.float32)
     for kv_head in range(0, NUM_KV_HEADS):
         keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
                        mask=key_ok[:, None], other=0.0)
-        for first in range(first_query, query_end, TOKENS):
-            token, real, pos = _seeing_queries(key_start, position, doc_key_start, first, query_end, TOKENS)
-            index_queries = tl.load(
-                index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + index_dims[None, :],
-                mask=real[:, None], other=0.0)
-            # Transposed (`[keys, queries]`), the loss kernel's teacher: the group's heads in turn.
-            teacher = tl.zeros((BLOCK_N, TOKENS), tl.float32)
-            for group_head in tl.range(0, GROUP):
-                head = kv_head * GROUP + group_head
-                queries = tl.load(q + token[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
-                                  mask=real[:, None], other=0.0)
-                shift = _finite_or_zero(tl.load(teacher_lse + token * NUM_HEADS + head, mask=real, other=0.0) * LOG2_E)
-                scores = tl.dot(keys, tl.trans(queries), input_precision=PRECISION) * qk_scale
-                teacher += tl.exp2(scores - shift[None, :])
-            visible = (key_pos[:, None] <= pos[None, :]) & key_ok[:, None]
-            teacher = tl.where(visible, teacher * (1.0 / GROUP), 0.0)
-            acc = weighted_dot(teacher, index_queries, acc, SPLIT, INDEX_PRECISION)
+        for run in range(runs_lo, runs_hi):
+            first_query, query_end = _query_run(run, doc, doc_key_start, first_pos, cu_seqlens_q, cu_seqlens_k,
+                                                fragment_documents, fragment_starts, num_queries, FRAGMENTS)
+            for first in range(first_query, query_end, TOKENS):
+                token, real, pos = _seeing_queries(key_start, position, doc_key_start, first, query_end, TOKENS)
+                index_queries = tl.load(
+                    index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + index_dims[None, :],
+                    mask=real[:, None], other=0.0)
+                # Transposed (`[keys, queries]`), the loss kernel's teacher: the group's heads in turn.
+                teacher = tl.zeros((BLOCK_N, TOKENS), tl.float32)
+                for group_head in tl.range(0, GROUP):
+                    head = kv_head * GROUP + group_head
+                    queries = tl.load(q + token[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
+                                      mask=real[:, None], other=0.0)
+                    shift = _finite_or_zero(
+                        tl.load(teacher_lse + token * NUM_HEADS + head, mask=real, other=0.0) * LOG2_E)
+                    scores = tl.dot(keys, tl.trans(queries), input_precision=PRECISION) * qk_scale
+                    teacher += tl.exp2(scores - shift[None, :])
+                visible = (key_pos[:, None] <= pos[None, :]) & key_ok[:, None]
+                teacher = tl.where(visible, teacher * (1.0 / GROUP), 0.0)
+                acc = weighted_dot(teacher, index_queries, acc, SPLIT, INDEX_PRECISION)
     tl.store(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :], acc, mask=key_ok[:, None])
 
 
@@ -384,34 +412,37 @@ def msa_kl_dense_query_grad_kernel(
 @triton.jit
 def msa_kl_dense_key_grad_kernel(
     index_q, index_k, index_lse, teacher_mass, teacher_index_queries, coefficient, d_index_k,
-    key_start, position, cu_seqlens_q, cu_seqlens_k,
-    num_queries, num_keys, num_docs, index_scale,
+    key_start, position, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
+    num_queries, num_keys, num_docs, num_runs, index_scale,
     stride_iq_token, stride_iq_head, stride_ik_token,
     NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_DIM: tl.constexpr,
-    INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr, FRAGMENTS: tl.constexpr,
 ):
     doc, doc_key_start, doc_key_end, first_pos = _key_tile(cu_seqlens_k, num_keys, num_docs, BLOCK_N)
     if (doc_key_start + first_pos >= doc_key_end) | (doc_key_start < 0):
         return
-    key_pos, key_row, key_ok, first_query, query_end = _key_tile_rows(
-        doc, doc_key_start, doc_key_end, first_pos, cu_seqlens_q, cu_seqlens_k, num_queries, BLOCK_N)
+    key_pos, key_row, key_ok = _key_tile_rows(doc_key_start, doc_key_end, first_pos, BLOCK_N)
+    runs_lo, runs_hi = _query_runs(doc, num_runs, FRAGMENTS)
     index_dims = tl.arange(0, INDEX_DIM)
     index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + index_dims[None, :],
                          mask=key_ok[:, None], other=0.0)
     acc = tl.zeros((BLOCK_N, INDEX_DIM), tl.float32)
     for kv_head in range(0, NUM_KV_HEADS):
-        for first in range(first_query, query_end, TOKENS):
-            token, real, pos = _seeing_queries(key_start, position, doc_key_start, first, query_end, TOKENS)
-            pair = token * NUM_KV_HEADS + kv_head
-            index_queries = tl.load(
-                index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + index_dims[None, :],
-                mask=real[:, None], other=0.0)
-            student_shift = _finite_or_zero(tl.load(index_lse + pair, mask=real, other=0.0) * LOG2_E)
-            mass = tl.load(teacher_mass + pair, mask=real, other=0.0)
-            logits = tl.dot(index_keys, tl.trans(index_queries), input_precision=INDEX_PRECISION) * index_scale
-            visible = (key_pos[:, None] <= pos[None, :]) & key_ok[:, None]
-            weights = tl.where(visible, tl.exp2(logits - student_shift[None, :]) * mass[None, :], 0.0)
-            acc = weighted_dot(weights, index_queries, acc, SPLIT, INDEX_PRECISION)
+        for run in range(runs_lo, runs_hi):
+            first_query, query_end = _query_run(run, doc, doc_key_start, first_pos, cu_seqlens_q, cu_seqlens_k,
+                                                fragment_documents, fragment_starts, num_queries, FRAGMENTS)
+            for first in range(first_query, query_end, TOKENS):
+                token, real, pos = _seeing_queries(key_start, position, doc_key_start, first, query_end, TOKENS)
+                pair = token * NUM_KV_HEADS + kv_head
+                index_queries = tl.load(
+                    index_q + token[:, None] * stride_iq_token + kv_head * stride_iq_head + index_dims[None, :],
+                    mask=real[:, None], other=0.0)
+                student_shift = _finite_or_zero(tl.load(index_lse + pair, mask=real, other=0.0) * LOG2_E)
+                mass = tl.load(teacher_mass + pair, mask=real, other=0.0)
+                logits = tl.dot(index_keys, tl.trans(index_queries), input_precision=INDEX_PRECISION) * index_scale
+                visible = (key_pos[:, None] <= pos[None, :]) & key_ok[:, None]
+                weights = tl.where(visible, tl.exp2(logits - student_shift[None, :]) * mass[None, :], 0.0)
+                acc = weighted_dot(weights, index_queries, acc, SPLIT, INDEX_PRECISION)
     teacher_queries = tl.load(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :],
                               mask=key_ok[:, None], other=0.0)
     grad = tl.load(coefficient) * (acc - teacher_queries)
@@ -426,6 +457,16 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def _tiles_per_doc(max_seqlen: int, num_rows: int, tile: int) -> int:
     return triton.cdiv(max(1, min(max_seqlen, num_rows)), tile)
+
+
+def _key_documents(documents) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The key-tile-outer kernels' documents: how many (`cu_seqlens_k`'s, which with fragments
+    are not `cu_seqlens_q`'s) and the contiguous fragment tensors (without fragments, any int32
+    pointer: the kernels do not read it)."""
+    fragment_documents, fragment_starts = documents.fragments
+    if fragment_documents is None or fragment_starts is None:
+        fragment_documents = fragment_starts = documents.cu_seqlens_q
+    return documents.cu_seqlens_k.numel() - 1, (fragment_documents.contiguous(), fragment_starts.contiguous())
 
 
 def indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale, index_softmax_scale):
@@ -449,9 +490,6 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale, inde
     check_inputs(q, k, index_q)
     # Decided per call, like the backward's kernels.
     deterministic = torch.are_deterministic_algorithms_enabled()
-    if deterministic and documents.has_fragments:
-        raise UnsupportedInputs("query fragments under deterministic algorithms: the Triton dense KL forward's key "
-                                "pass walks each document's queries as one causal suffix")
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     index_dim = index_q.shape[-1]
@@ -475,6 +513,7 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale, inde
     cu_seqlens_q, cu_seqlens_k = documents.cu_seqlens_q.contiguous(), documents.cu_seqlens_k.contiguous()
     max_seqlen_q, max_seqlen_k = documents.max_seqlen_q, documents.max_seqlen_k
     docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, *documents.fragments)
+    num_key_docs, fragments = _key_documents(documents)
     group = num_heads // num_kv_heads
     qk_scale, index_scale = softmax_scale * LOG2_E.value, index_softmax_scale * LOG2_E.value
     precision, index_precision = dot_precision(q.dtype), dot_precision(index_q.dtype)
@@ -508,13 +547,13 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale, inde
 
     def launch_teacher_queries(config):
         tiles = _tiles_per_doc(max_seqlen_k, num_keys, config.block_n)
-        msa_kl_dense_teacher_queries_kernel[(num_docs * tiles,)](
-            q, k, teacher_lse, index_q, docs.key_start, docs.position, cu_seqlens_q, cu_seqlens_k,
-            teacher_index_queries, num_queries, num_keys, num_docs, qk_scale,
+        msa_kl_dense_teacher_queries_kernel[(num_key_docs * tiles,)](
+            q, k, teacher_lse, index_q, docs.key_start, docs.position, cu_seqlens_q, cu_seqlens_k, *fragments,
+            teacher_index_queries, num_queries, num_keys, num_key_docs, num_docs, qk_scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), index_q.stride(0), index_q.stride(1),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, TOKENS=config.rows, BLOCK_N=config.block_n,
             DIM=dim, INDEX_DIM=index_dim, PRECISION=precision, INDEX_PRECISION=index_precision,
-            SPLIT=split_weights(index_q.dtype),
+            SPLIT=split_weights(index_q.dtype), FRAGMENTS=documents.has_fragments,
             **config.options,
         )
 
@@ -536,12 +575,8 @@ def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
         d index_q[t, r] = c (M[t, r] sum_J P_s(j) index_k[j] - teacher_index_keys[t, r])
         d index_k[j] = c (sum_(t, r): j in J M[t, r] P_s(t, j) index_q[t, r] - teacher_index_queries[j])
 
-    with `c = grad_loss * index_softmax_scale / (Tq * Hi)`. Deterministic (no atomics). Query
-    fragments are declined: the key-gradient kernel walks each document's queries as one run.
+    with `c = grad_loss * index_softmax_scale / (Tq * Hi)`. Deterministic (no atomics).
     """
-    if documents.has_fragments:
-        raise UnsupportedInputs("query fragments (fragment_documents given): the Triton dense KL backward walks each "
-                                "document's queries as one causal suffix")
     check_dtype_and_group("index_q", index_q.dtype)
     index_dim = index_q.shape[-1]
     _check_dim("index head dim", index_dim)
@@ -560,7 +595,8 @@ def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
     documents = documents.map_tensors(torch.Tensor.contiguous)
     cu_seqlens_q, cu_seqlens_k = documents.cu_seqlens_q, documents.cu_seqlens_k
     max_seqlen_q, max_seqlen_k = documents.max_seqlen_q, documents.max_seqlen_k
-    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
+    docs = locate_queries(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, *documents.fragments)
+    num_key_docs, fragments = _key_documents(documents)
     coefficient = (grad_loss.float() * (index_softmax_scale / (num_queries * num_kv_heads))).reshape(1)
     index_scale = index_softmax_scale * LOG2_E.value
     index_precision = dot_precision(index_q.dtype)
@@ -580,13 +616,13 @@ def indexer_kl_dense_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
 
     def launch_key_grad(config):
         tiles = _tiles_per_doc(max_seqlen_k, num_keys, config.block_n)
-        msa_kl_dense_key_grad_kernel[(num_docs * tiles,)](
+        msa_kl_dense_key_grad_kernel[(num_key_docs * tiles,)](
             index_q, index_k, index_lse, teacher_mass, teacher_index_queries, coefficient, d_index_k,
-            docs.key_start, docs.position, cu_seqlens_q, cu_seqlens_k,
-            num_queries, num_keys, num_docs, index_scale,
+            docs.key_start, docs.position, cu_seqlens_q, cu_seqlens_k, *fragments,
+            num_queries, num_keys, num_key_docs, num_docs, index_scale,
             index_q.stride(0), index_q.stride(1), index_k.stride(0),
             NUM_KV_HEADS=num_kv_heads, TOKENS=config.rows, BLOCK_N=config.block_n, INDEX_DIM=index_dim,
-            INDEX_PRECISION=index_precision, SPLIT=split_weights(index_q.dtype),
+            INDEX_PRECISION=index_precision, SPLIT=split_weights(index_q.dtype), FRAGMENTS=documents.has_fragments,
             **config.options,
         )
 

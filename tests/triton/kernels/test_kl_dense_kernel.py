@@ -140,7 +140,7 @@ def test_dense_loss_and_gradients_match_float64(case, with_lse):
         _close(a, b, 4 * tolerance, name)
 
 
-def test_kernels_decline_what_they_do_not_serve(monkeypatch):
+def test_kernels_decline_what_they_do_not_serve():
     q, k = torch.zeros(4, 2, 64, device=DEVICE), torch.zeros(4, 1, 64, device=DEVICE)
     index_q = torch.zeros(4, 1, 16, device=DEVICE)
     with pytest.raises(UnsupportedInputs, match="index head dim 24"):
@@ -149,12 +149,6 @@ def test_kernels_decline_what_they_do_not_serve(monkeypatch):
         kl_dense_kernel.check_inputs(torch.zeros(4, 2, 48, device=DEVICE), k, index_q)
     with pytest.raises(UnsupportedInputs, match="float64"):
         kl_dense_kernel.check_inputs(q.double(), k.double(), index_q)
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
-    fragments = (torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE))
-    with pytest.raises(UnsupportedInputs, match="query fragments under deterministic algorithms"):
-        kl_dense_kernel.indexer_kl_dense(q, k, None, index_q, torch.zeros(4, 1, 16, device=DEVICE),
-                                         Documents(cu, cu, 4, 4, *fragments), 0.125, 0.25)
 
 
 @pytest.mark.parametrize("with_lse", [False, True], ids=["lse-computed", "lse-given"])
@@ -214,20 +208,41 @@ def test_a_non_finite_document_changes_no_other_documents_outputs_or_gradients(p
                                        msg=lambda m, name=name, rows=rows: f"{name} {rows}: {m}")
 
 
-def test_fragments_forward_matches_reference_and_backward_declines():
-    """Query fragments sharing their documents' keys: the forward against the reference; the
-    backward declines them (its key kernel walks each document's queries as one run)."""
-    frag = testing.fragments((150, 0, 1, 90), ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40)), DEVICE)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_fragments_match_the_reference_forward_and_backward(deterministic, request):
+    """Query fragments out of document order, several sharing one document's keys (and an empty
+    and a 1-token one): the forward's outputs and both index gradients against the reference,
+    with the default forward and the deterministic one (key-tile-outer teacher pass), which also
+    repeats bitwise."""
+    if deterministic:
+        request.getfixturevalue("deterministic_algorithms")
+    frag = testing.fragments((150, 0, 1, 90), ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 110, 40), (3, 0, 40),
+                                                (0, 60, 50), (1, 0, 0)), DEVICE)
     num_queries, num_keys = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
-    q = torch.randn(num_queries, 4, 64, device=DEVICE)
-    k = torch.randn(num_keys, 2, 64, device=DEVICE)
-    index_q, index_k = torch.randn(num_queries, 2, 16, device=DEVICE), torch.randn(num_keys, 1, 16, device=DEVICE)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(num_queries, 4, 64, generator=g).to(DEVICE)
+    k = torch.randn(num_keys, 2, 64, generator=g).to(DEVICE)
+    index_q = torch.randn(num_queries, 2, 16, generator=g).to(DEVICE)
+    index_k = torch.randn(num_keys, 1, 16, generator=g).to(DEVICE)
     args = (q, k, None, index_q, index_k)
-    got = kl_dense_kernel.indexer_kl_dense(*args, Documents(*frag.op_args, *frag.tensors), 0.125, 0.25)
+    documents = Documents(*frag.op_args, *frag.tensors)
+
+    def run():
+        forward = kl_dense_kernel.indexer_kl_dense(*args, documents, 0.125, 0.25)
+        grads = kl_dense_kernel.indexer_kl_dense_backward(torch.ones((), device=DEVICE), index_q, index_k,
+                                                          *forward[2:], documents, 0.25)
+        return (*forward, *grads)
+
+    got = run()
     want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args, None, *frag.op_args, 64, 0.125, 0.25, *frag.tensors))
-    names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
-    for name, actual, expected in zip(names, got, want):
-        _close(actual, expected, 2e-4, name)
-    with pytest.raises(UnsupportedInputs, match="query fragments"):
-        kl_dense_kernel.indexer_kl_dense_backward(torch.ones((), device=DEVICE), index_q, index_k, *got[2:],
-                                                  Documents(*frag.op_args, *frag.tensors), 0.25)
+    want_grads = reference_kl.indexer_kl_backward(
+        *backend_arguments("indexer_kl_backward", torch.ones((), device=DEVICE), index_q, index_k, *want[2:], None,
+                           *frag.op_args, 64, 0.25, *frag.tensors))
+    names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries",
+             "d index_q", "d index_k")
+    assert want[5].abs().sum() > 0 and want_grads[1].abs().sum() > 0
+    for name, actual, expected in zip(names, got, (*want, *want_grads), strict=True):
+        _close(actual, expected.reshape(actual.shape), 2e-4, name)
+    if deterministic:
+        for name, a, b in zip(names, got, run(), strict=True):
+            assert torch.equal(a, b), name
