@@ -94,28 +94,25 @@ def check_inputs(q, k, index_q) -> None:
 
 
 @triton.jit
-def _tile_queries(key_start, position, start, end, TOKENS: tl.constexpr):
-    """The tile's query rows (int64; padded rows repeat `start`), which are real, their key
-    positions (`-1`: sees no key) and the packed row of their document's first key."""
-    token = start + tl.arange(0, TOKENS)
-    real = token < end
-    token = tl.where(real, token, start).to(tl.int64)
-    tile_key_start = tl.load(key_start + start)
-    # A row of another document (malformed cu_seqlens) would need other keys: it sees none.
-    same = tl.load(key_start + token) == tile_key_start
-    pos = tl.where(real & same, tl.load(position + token), -1)
-    return token, real, pos, tile_key_start
-
-
-@triton.jit
-def _tile_start(cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS: tl.constexpr):
-    """`(start, end)` rows of the program's query tile; the last tiles of a document see the
-    most keys, so they are launched first."""
+def _query_tile(key_start, position, cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS: tl.constexpr):
+    """The program's query tile: `TOKENS` consecutive queries of one document (or fragment), the
+    last tiles of a document launched first since they see the most keys. Returns whether it is
+    empty, its query rows (int64; padded rows repeat the first), which are real, their key
+    positions (`-1`: sees no key), the packed row of their document's first key and the last
+    position any of them sees. An empty tile reads nothing."""
     pid = tl.program_id(0)
     doc = pid % num_docs
     end = tl.minimum(tl.load(cu_seqlens_q + doc + 1), num_queries)
     start = tl.load(cu_seqlens_q + doc) + (tiles_per_doc - 1 - pid // num_docs) * TOKENS
-    return start, end
+    empty = (start >= end) | (start < 0)
+    token = start + tl.arange(0, TOKENS)
+    real = (token < end) & (not empty)
+    token = tl.where(real, token, start).to(tl.int64)
+    tile_key_start = tl.load(key_start + start, mask=not empty, other=-1)
+    # A row of another document (malformed cu_seqlens) would need other keys: it sees none.
+    same = tl.load(key_start + token, mask=real, other=-1) == tile_key_start
+    pos = tl.where(real & same, tl.load(position + token, mask=real, other=-1), -1)
+    return empty, token, real, pos, tile_key_start, tl.max(pos, axis=0)
 
 
 @triton.jit
@@ -140,12 +137,13 @@ def msa_kl_dense_teacher_lse_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
     DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """`teacher_lse` of one query tile and head: the log-sum-exp of its scores over the tile's
+    visible keys."""
     head = tl.program_id(1)
-    start, end = _tile_start(cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS)
-    if (start >= end) | (start < 0):
+    empty, token, real, pos, tile_key_start, last = _query_tile(key_start, position, cu_seqlens_q, num_queries, num_docs,
+                                                                tiles_per_doc, TOKENS)
+    if empty:
         return
-    token, real, pos, tile_key_start = _tile_queries(key_start, position, start, end, TOKENS)
-    last = tl.max(pos, axis=0)
     lowest = tl.min(tl.where(real, pos, last), axis=0)
     dims = tl.arange(0, DIM)
     offsets = tl.arange(0, BLOCK_N)
@@ -188,11 +186,10 @@ def msa_kl_dense_loss_kernel(
     """`DETERMINISTIC`: `teacher_index_queries` is not touched (`msa_kl_dense_teacher_queries_kernel`
     computes it without atomics)."""
     kv_head = tl.program_id(1)
-    start, end = _tile_start(cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS)
-    if (start >= end) | (start < 0):
+    empty, token, real, pos, tile_key_start, last = _query_tile(key_start, position, cu_seqlens_q, num_queries, num_docs,
+                                                                tiles_per_doc, TOKENS)
+    if empty:
         return
-    token, real, pos, tile_key_start = _tile_queries(key_start, position, start, end, TOKENS)
-    last = tl.max(pos, axis=0)
     dims = tl.arange(0, DIM)
     index_dims = tl.arange(0, INDEX_DIM)
     offsets = tl.arange(0, BLOCK_N)
@@ -379,12 +376,13 @@ def msa_kl_dense_query_grad_kernel(
     NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_DIM: tl.constexpr,
     INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """`d_index_q` of one query tile and index head: the student's probabilities over the visible
+    keys times their index keys, against the teacher's index keys."""
     kv_head = tl.program_id(1)
-    start, end = _tile_start(cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS)
-    if (start >= end) | (start < 0):
+    empty, token, real, pos, tile_key_start, last = _query_tile(key_start, position, cu_seqlens_q, num_queries, num_docs,
+                                                                tiles_per_doc, TOKENS)
+    if empty:
         return
-    token, real, pos, tile_key_start = _tile_queries(key_start, position, start, end, TOKENS)
-    last = tl.max(pos, axis=0)
     index_dims = tl.arange(0, INDEX_DIM)
     offsets = tl.arange(0, BLOCK_N)
     pair = token * NUM_KV_HEADS + kv_head
