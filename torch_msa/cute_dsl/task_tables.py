@@ -20,7 +20,7 @@ for how torch tensors are handed to the CuTe kernels.
 """
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -63,6 +63,43 @@ class TaskTables(NamedTuple):
     workspace_rows: int
     doc_aligned_start: torch.Tensor
     num_keys: int
+
+
+class TaskOperands(NamedTuple):
+    """The task-table kernel's tensors, int32 each, in launch order (its scalars `topk` and
+    `num_keys` follow): what it reads of the schedule (`torch_msa.schedule.Schedule`'s tensors of
+    these names), the documents' key boundaries `cu_seqlens_k`, then `TaskTables`' tensors of these
+    names: the aligned document starts, which it reads, and the tables it writes. The host launches
+    them as torch tensors (`task_operands`); the kernel receives them as CuTe tensors."""
+
+    entry_query: Any
+    item_bucket: Any
+    item_start: Any
+    item_end: Any
+    bucket_head: Any
+    bucket_key_row: Any
+    bucket_block: Any
+    position: Any
+    num_items: Any
+    num_buckets: Any
+    cu_seqlens_k: Any
+    doc_aligned_start: Any
+    task_meta: Any
+    task_qrows: Any
+    task_qpos: Any
+    bucket_task_ptr: Any
+
+
+# The inner shapes of the `TaskOperands` that are not `[N]`, as `compile_task_kernel` describes them.
+TASK_OPERAND_INNER = {"task_meta": (4,), "task_qrows": (TASK_ROWS,), "task_qpos": (TASK_ROWS,)}
+
+
+def task_operands(schedule, cu_seqlens_k: torch.Tensor, tables: TaskTables) -> TaskOperands:
+    """The `TaskOperands` of `build_tasks`' launch: `schedule`'s tensors, `cu_seqlens_k`, `tables`'."""
+    return TaskOperands(**{
+        name: cu_seqlens_k if name == "cu_seqlens_k" else getattr(schedule if name in schedule._fields else tables, name)
+        for name in TaskOperands._fields
+    })
 
 
 def workspace_rows(num_keys: int, num_docs: int) -> int:
@@ -142,11 +179,7 @@ def build_tasks(
         num_keys=num_keys,
     )
     _compiled_task_kernel()(
-        schedule.entry_query, schedule.item_bucket, schedule.item_start, schedule.item_end,
-        schedule.bucket_head, schedule.bucket_key_row, schedule.bucket_block, schedule.position,
-        schedule.num_items, schedule.num_buckets, aligned_operand(cu_seqlens_k), aligned_starts,
-        tables.task_meta, tables.task_qrows, tables.task_qpos, tables.bucket_task_ptr,
-        block_indices.shape[-1], num_keys,
+        *task_operands(schedule, aligned_operand(cu_seqlens_k), tables), block_indices.shape[-1], num_keys
     )
     return tables
 
@@ -228,12 +261,8 @@ def compile_task_kernel(arch: str | None = None, dump_dir: str | None = None):
 
     from .task_tables_kernel import TaskKernel
 
-    index = torch.int32
-    inputs = [fake_rows(index) for _ in range(12)]
-    outputs = [fake_rows(index, (4,)), fake_rows(index, (TASK_ROWS,)), fake_rows(index, (TASK_ROWS,)), fake_rows(index)]
-    return compile_kernel(
-        TaskKernel(), *inputs, *outputs, cutlass.Int32(1), cutlass.Int32(1), arch=arch, dump_dir=dump_dir,
-    )
+    fakes = [fake_rows(torch.int32, TASK_OPERAND_INNER.get(name, ())) for name in TaskOperands._fields]
+    return compile_kernel(TaskKernel(), *fakes, cutlass.Int32(1), cutlass.Int32(1), arch=arch, dump_dir=dump_dir)
 
 
 def compile_align_kernel(dtype: torch.dtype, row_elements: int, arch: str | None = None, dump_dir: str | None = None):

@@ -18,7 +18,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from .cute_io import ACCESS_BYTES
-from .task_tables import TASK_ROWS, THREADS_PER_CTA, WORKSPACE_ALIGNMENT
+from .task_tables import TASK_ROWS, THREADS_PER_CTA, WORKSPACE_ALIGNMENT, TaskOperands
 
 
 @cute.jit
@@ -56,39 +56,25 @@ class TaskKernel:
     """
 
     @cute.jit
-    def __call__(
-        self, entry_query: cute.Tensor, item_bucket: cute.Tensor, item_start: cute.Tensor,
-        item_end: cute.Tensor, bucket_head: cute.Tensor, bucket_key_row: cute.Tensor,
-        bucket_block: cute.Tensor, position: cute.Tensor, num_items: cute.Tensor,
-        num_buckets: cute.Tensor, cu_seqlens_k: cute.Tensor, doc_aligned_start: cute.Tensor,
-        task_meta: cute.Tensor, task_qrows: cute.Tensor, task_qpos: cute.Tensor,
-        bucket_task_ptr: cute.Tensor, topk: Int32, num_keys: Int32, stream: cuda.CUstream,
-    ):
-        threads = cutlass.max(task_meta.shape[0], bucket_task_ptr.shape[0])
-        self.kernel(
-            entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row,
-            bucket_block, position, num_items, num_buckets, cu_seqlens_k, doc_aligned_start,
-            task_meta, task_qrows, task_qpos, bucket_task_ptr, topk, num_keys,
-        ).launch(
+    def __call__(self, *operands_and_scalars):
+        """The `TaskOperands` (CuTe tensors, in order), then `topk` and `num_keys` (Int32), the stream last."""
+        count = len(TaskOperands._fields)
+        operands = TaskOperands(*operands_and_scalars[:count])
+        topk, num_keys, stream = operands_and_scalars[count:]
+        threads = cutlass.max(operands.task_meta.shape[0], operands.bucket_task_ptr.shape[0])
+        self.kernel(operands, topk, num_keys).launch(
             grid=[cute.ceil_div(threads, THREADS_PER_CTA), 1, 1], block=[THREADS_PER_CTA, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(
-        self, entry_query: cute.Tensor, item_bucket: cute.Tensor, item_start: cute.Tensor,
-        item_end: cute.Tensor, bucket_head: cute.Tensor, bucket_key_row: cute.Tensor,
-        bucket_block: cute.Tensor, position: cute.Tensor, num_items: cute.Tensor,
-        num_buckets: cute.Tensor, cu_seqlens_k: cute.Tensor, doc_aligned_start: cute.Tensor,
-        task_meta: cute.Tensor, task_qrows: cute.Tensor, task_qpos: cute.Tensor,
-        bucket_task_ptr: cute.Tensor, topk: Int32, num_keys: Int32,
-    ):
+    def kernel(self, operands: TaskOperands, topk: Int32, num_keys: Int32):
         thread, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         task = cta * THREADS_PER_CTA + thread
-        if task < task_meta.shape[0]:
-            bucket = item_bucket[task]
-            first_entry = item_start[task]
-            num_rows = item_end[task] - first_entry
+        if task < operands.task_meta.shape[0]:
+            bucket = operands.item_bucket[task]
+            first_entry = operands.item_start[task]
+            num_rows = operands.item_end[task] - first_entry
             meta = cute.make_rmem_tensor(cute.make_layout(4), Int32)
             query_rows = cute.make_rmem_tensor(cute.make_layout(TASK_ROWS), Int32)
             positions = cute.make_rmem_tensor(cute.make_layout(TASK_ROWS), Int32)
@@ -96,30 +82,33 @@ class TaskKernel:
             query_rows.fill(-1)
             positions.fill(-1)
             if num_rows > 0:
-                key_row = bucket_key_row[bucket]
-                document = last_document_at_or_before(cu_seqlens_k, key_row, num_keys)
-                workspace = doc_aligned_start[doc_aligned_start.shape[0] - 1]
-                aligned_row = doc_aligned_start[document] + key_row - clamped(cu_seqlens_k[document], num_keys)
-                meta[0] = bucket_head[bucket]
+                key_row = operands.bucket_key_row[bucket]
+                document = last_document_at_or_before(operands.cu_seqlens_k, key_row, num_keys)
+                workspace = operands.doc_aligned_start[operands.doc_aligned_start.shape[0] - 1]
+                aligned_row = (
+                    operands.doc_aligned_start[document] + key_row - clamped(operands.cu_seqlens_k[document], num_keys)
+                )
+                meta[0] = operands.bucket_head[bucket]
                 # Only malformed cu_seqlens_k can move a block off its document; even then
                 # the tile it names stays inside the workspace.
                 meta[1] = clamped(aligned_row, workspace - WORKSPACE_ALIGNMENT)
-                meta[2] = bucket_block[bucket]
+                meta[2] = operands.bucket_block[bucket]
                 meta[3] = num_rows
                 for row in cutlass.range_constexpr(TASK_ROWS):
                     if row < num_rows:
-                        token = entry_query[first_entry + row] // topk
+                        token = operands.entry_query[first_entry + row] // topk
                         query_rows[row] = token
-                        positions[row] = position[token]
-                previous_bucket = item_bucket[cutlass.max(task - 1, Int32(0))]
+                        positions[row] = operands.position[token]
+                previous_bucket = operands.item_bucket[cutlass.max(task - 1, Int32(0))]
                 if task == 0 or previous_bucket != bucket:
-                    bucket_task_ptr[bucket] = task
-            cute.autovec_copy(meta, task_meta[task, None])
-            cute.autovec_copy(query_rows, task_qrows[task, None])
-            cute.autovec_copy(positions, task_qpos[task, None])
-        if task < bucket_task_ptr.shape[0]:
-            if task >= num_buckets[0]:
-                bucket_task_ptr[task] = num_items[0]
+                    operands.bucket_task_ptr[bucket] = task
+            cute.autovec_copy(meta, operands.task_meta[task, None])
+            cute.autovec_copy(query_rows, operands.task_qrows[task, None])
+            cute.autovec_copy(positions, operands.task_qpos[task, None])
+        if task < operands.bucket_task_ptr.shape[0]:
+            if task >= operands.num_buckets[0]:
+                operands.bucket_task_ptr[task] = operands.num_items[0]
+
 
 class AlignKernel:
     """One CTA per 128-row block of the workspace: the block lies in one document's padded

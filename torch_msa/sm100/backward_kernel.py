@@ -54,6 +54,7 @@ the kernel, after `require_cute_dsl()`.
 """
 
 import functools
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -67,6 +68,56 @@ from ..cute_dsl import token_tiles
 from ..cute_dsl.compat import SmemAllocator
 from ..cute_dsl.ptx import red_add_f32x4
 from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, NUM_KV_HEADS, NUM_Q_HEADS, TILE, TOKENS_PER_TASK
+
+
+class Gemms(NamedTuple):
+    """The tcgen05 tiled MMAs of the five GEMMs (module docstring)."""
+
+    s: cute.TiledMma  # S^T = K Q^T
+    dp: cute.TiledMma  # dP^T = V dO^T
+    dv: cute.TiledMma  # dV += P^T dO (A from TMEM)
+    dk: cute.TiledMma  # dK += dS^T Q
+    dq: cute.TiledMma  # dQ = dS K
+
+
+class SharedTiles(NamedTuple):
+    """The MMA operand tiles in shared memory, each `(MMA, MMA_M or MMA_N, MMA_K, stages)`: K, V and
+    dS^T (one stage), Q (`q_stages`), dO (`do_stages`), then the MN-major views of the same bytes
+    that the other GEMMs read (dS over dS^T, K^T over K, Q^T over Q, dO^T over dO)."""
+
+    sK: cute.Tensor
+    sV: cute.Tensor
+    sQ: cute.Tensor
+    sdO: cute.Tensor
+    sdSt: cute.Tensor
+    sdS: cute.Tensor
+    sKt: cute.Tensor
+    sQt: cute.Tensor
+    sdOt: cute.Tensor
+
+
+class TmemTiles(NamedTuple):
+    """The fp32 accumulators in tensor memory (columns `Sm100BackwardKernel.tmem_*`; dP^T and dQ share
+    theirs) and P^T, the bf16 A operand of the dV GEMM over S^T's columns."""
+
+    tS: cute.Tensor
+    tdP: cute.Tensor
+    tdQ: cute.Tensor
+    tdV: cute.Tensor
+    tdK: cute.Tensor
+    tPt: cute.Tensor
+
+
+class Tasks(NamedTuple):
+    """The task tables (`task_tables.TaskTables`, int32) and the rows `[lo, hi)` of them this CTA walks:
+    `meta` `[max_tasks, 4]` rows `(kv_head, aligned_key_row, block_id, num_rows)`, `qrows` and `qpos`
+    `[max_tasks, 8]` the query token and the position of each token slot."""
+
+    meta: cute.Tensor
+    qrows: cute.Tensor
+    qpos: cute.Tensor
+    lo: Int32
+    hi: Int32
 
 
 class Sm100BackwardKernel:
@@ -276,6 +327,7 @@ class Sm100BackwardKernel:
         per_cta = (num_tasks + grid - 1) // grid
         row_lo = cutlass.min(cta * per_cta, num_tasks)
         row_hi = cutlass.min(row_lo + per_cta, num_tasks)
+        tasks = Tasks(mTaskMeta, mTaskQRows, mTaskQPos, row_lo, row_hi)
 
         if warp_idx == self.load_warp:
             for atom in (tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO):
@@ -295,6 +347,11 @@ class Sm100BackwardKernel:
         sKt = cute.make_tensor(cute.recast_ptr(sK.iterator, sKt_layout.inner), sKt_layout.outer)
         sQt = cute.make_tensor(cute.recast_ptr(sQ.iterator, sQt_layout.inner), sQt_layout.outer)
         sdOt = cute.make_tensor(cute.recast_ptr(sdO.iterator, sdOt_layout.inner), sdOt_layout.outer)
+        tiles = SharedTiles(sK, sV, sQ, sdO, sdSt, sdS, sKt, sQt, sdOt)
+        gemms = Gemms(mma_s, mma_dp, mma_dv, mma_dk, mma_dq)
+        # The load warp's TMAs: K and V tiles (each the A operand of its GEMM), Q and dO token tiles.
+        key_copies = ((mma_s, tma_atom_K, tma_K, sK), (mma_dp, tma_atom_V, tma_V, sV))
+        token_copies = ((tma_atom_Q, tma_Q, sQ), (tma_atom_dO, tma_dO, sdO))
 
         scalars = (
             storage.lse_log2.get_tensor(cute.make_layout((TILE, self.scalar_stages))),
@@ -323,33 +380,23 @@ class Sm100BackwardKernel:
             )[None, None, None, 0]
             tPt = cute.make_tensor(cute.recast_ptr(tS.iterator, dtype=self.io_dtype), tPt_fragment.layout)
 
+            tmem_tiles = TmemTiles(tS, tdP, tdQ, tdV, tdK, tPt)
+
             if warp_idx == self.load_warp:
                 cute.arch.setmaxregister_decrease(self.misc_registers)
-                self.load(
-                    mma_s, mma_dp, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO,
-                    sK, sV, sQ, sdO, mTaskMeta, mTaskQRows, row_lo, row_hi, pipes,
-                )
+                self.load(key_copies, token_copies, tasks, pipes)
             elif warp_idx == self.scalar_warp:
                 cute.arch.setmaxregister_decrease(self.misc_registers)
-                self.gather_scalars(
-                    mLSE, mDelta, mTaskMeta, mTaskQRows, mTaskQPos, scalars, row_lo, row_hi, pipes
-                )
+                self.gather_scalars(mLSE, mDelta, scalars, tasks, pipes)
             elif warp_idx == self.mma_warp:
                 cute.arch.setmaxregister_decrease(self.misc_registers)
-                self.mma(
-                    mma_s, mma_dp, mma_dv, mma_dk, mma_dq, sK, sV, sQ, sdO, sdSt, sdS, sKt, sQt, sdOt,
-                    tS, tdP, tdQ, tdV, tdK, tPt, mTaskMeta, row_lo, row_hi, pipes,
-                )
+                self.mma(gemms, tiles, tmem_tiles, tasks, pipes)
             elif warp_idx < len(self.compute_warps):
                 cute.arch.setmaxregister_increase(self.compute_registers)
-                self.compute(
-                    mma_dv, tS, tdP, tPt, sdSt, scalars, mTaskMeta, softmax_scale, row_lo, row_hi, pipes,
-                )
+                self.compute(mma_dv, tmem_tiles, sdSt, scalars, softmax_scale, tasks, pipes)
             elif warp_idx <= self.reduce_warps[-1]:
                 cute.arch.setmaxregister_increase(self.reduce_registers)
-                self.reduce(
-                    tdQ, tdV, tdK, mdQ, mdK, mdV, scalars, mTaskMeta, softmax_scale, row_lo, row_hi, pipes
-                )
+                self.reduce(tmem_tiles, (mdQ, mdK, mdV), scalars, softmax_scale, tasks, pipes)
             else:
                 cute.arch.setmaxregister_decrease(self.misc_registers)
 
@@ -426,16 +473,16 @@ class Sm100BackwardKernel:
         return head_differs | (mTaskMeta[row_a, 1] != mTaskMeta[row_b, 1])
 
     @cute.jit
-    def _segment_bounds(self, mTaskMeta: cute.Tensor, row: Int32, row_lo: Int32, row_hi: Int32):
+    def _segment_bounds(self, tasks: Tasks, row: Int32):
         """`(starts, ends)`: whether task `row` opens / closes a segment of this CTA."""
         previous = row - 1
-        if row == row_lo:
+        if row == tasks.lo:
             previous = row
         following = row + 1
-        if row == row_hi - 1:
+        if row == tasks.hi - 1:
             following = row
-        starts = (row == row_lo) | self._bucket_differs(mTaskMeta, previous, row)
-        ends = (row == row_hi - 1) | self._bucket_differs(mTaskMeta, row, following)
+        starts = (row == tasks.lo) | self._bucket_differs(tasks.meta, previous, row)
+        ends = (row == tasks.hi - 1) | self._bucket_differs(tasks.meta, row, following)
         return starts, ends
 
     # -----------------------------------------------------------------------------------
@@ -443,70 +490,53 @@ class Sm100BackwardKernel:
     # -----------------------------------------------------------------------------------
 
     @cute.jit
-    def load(
-        self,
-        mma_s: cute.TiledMma,
-        mma_dp: cute.TiledMma,
-        tma_atom_K: cute.CopyAtom,
-        tma_K: cute.Tensor,
-        tma_atom_V: cute.CopyAtom,
-        tma_V: cute.Tensor,
-        tma_atom_Q: cute.CopyAtom,
-        tma_Q: cute.Tensor,
-        tma_atom_dO: cute.CopyAtom,
-        tma_dO: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        sQ: cute.Tensor,
-        sdO: cute.Tensor,
-        mTaskMeta: cute.Tensor,
-        mTaskQRows: cute.Tensor,
-        row_lo: Int32,
-        row_hi: Int32,
-        pipes,
-    ):
-        """TMA producer: K/V once per segment, the gathered Q and dO tiles of every task."""
+    def load(self, key_copies, token_copies, tasks: Tasks, pipes):
+        """TMA producer: K/V once per segment, the gathered Q and dO tiles of every task.
+
+        `key_copies`: `(tiled MMA, atom, TMA view, tile)` of K and of V, each a (key row, d, kv head)
+        view loaded into the one-stage A operand tile of its MMA. `token_copies`: `(atom, TMA view,
+        tiles)` of Q and of dO, each a `[Tq * 64, 128]` view gathered into its staged tiles."""
         # K/V: (M, K, L) tiles of the operand; coordinates (key row block, 0, kv head).
         tile_mk = cute.select(self.mma_tiler, mode=[0, 2])
-        gK = mma_s.get_slice(0).partition_A(cute.local_tile(tma_K, tile_mk, (None, None, None)))
-        gV = mma_dp.get_slice(0).partition_A(cute.local_tile(tma_V, tile_mk, (None, None, None)))
         one_cta = cute.make_layout(1)
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, one_cta, cute.group_modes(sK, 0, 3), cute.group_modes(gK, 0, 3)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, one_cta, cute.group_modes(sV, 0, 3), cute.group_modes(gV, 0, 3)
-        )
+        key_loads = []  # (atom, tile slots, source blocks) of K, then V
+        for tiled_mma, atom, view, tile in key_copies:
+            blocks = tiled_mma.get_slice(0).partition_A(cute.local_tile(view, tile_mk, (None, None, None)))
+            slots, blocks = cpasync.tma_partition(
+                atom, 0, one_cta, cute.group_modes(tile, 0, 3), cute.group_modes(blocks, 0, 3)
+            )
+            key_loads.append((atom, slots, blocks))
         # Q/dO: 16-row token blocks of the [Tq * 64, 128] views into the 8 token slots of a
         # (128 x 128) tile; the tiles are viewed as plain (row, col, stage) to cut them.
-        tQsQ, tQgQ = token_tiles.token_tile_partition(tma_atom_Q, tma_Q, sQ, TILE, self.q_stages)
-        tdOsdO, tdOgdO = token_tiles.token_tile_partition(tma_atom_dO, tma_dO, sdO, TILE, self.do_stages)
+        (atom_Q, view_Q, sQ), (atom_dO, view_dO, sdO) = token_copies
+        tQsQ, tQgQ = token_tiles.token_tile_partition(atom_Q, view_Q, sQ, TILE, self.q_stages)
+        tdOsdO, tdOgdO = token_tiles.token_tile_partition(atom_dO, view_dO, sdO, TILE, self.do_stages)
 
         kv_pipe, q_pipe, do_pipe = pipes["kv"], pipes["q"], pipes["do"]
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
-        for row in cutlass.range(row_lo, row_hi, unroll=1):
-            kv_head = mTaskMeta[row, 0]
-            starts, _ = self._segment_bounds(mTaskMeta, row, row_lo, row_hi)
+        for row in cutlass.range(tasks.lo, tasks.hi, unroll=1):
+            kv_head = tasks.meta[row, 0]
+            starts, _ = self._segment_bounds(tasks, row)
             if starts:
-                key_block = mTaskMeta[row, 1] // TILE
+                key_block = tasks.meta[row, 1] // TILE
                 kv_pipe.producer_acquire(kv_state)
                 barrier = kv_pipe.producer_get_barrier(kv_state)
-                cute.copy(tma_atom_K, tKgK[None, key_block, 0, kv_head], tKsK[None, 0], tma_bar_ptr=barrier)
-                cute.copy(tma_atom_V, tVgV[None, key_block, 0, kv_head], tVsV[None, 0], tma_bar_ptr=barrier)
+                for atom, slots, blocks in key_loads:
+                    cute.copy(atom, blocks[None, key_block, 0, kv_head], slots[None, 0], tma_bar_ptr=barrier)
                 kv_state.advance()
 
             q_pipe.producer_acquire(q_state)
             self._gather_tile(
-                tma_atom_Q, tQgQ, tQsQ[None, None, 0, q_state.index], q_pipe.producer_get_barrier(q_state),
-                mTaskQRows, row, kv_head,
+                atom_Q, tQgQ, tQsQ[None, None, 0, q_state.index], q_pipe.producer_get_barrier(q_state),
+                tasks.qrows, row, kv_head,
             )
             q_state.advance()
             do_pipe.producer_acquire(do_state)
             self._gather_tile(
-                tma_atom_dO, tdOgdO, tdOsdO[None, None, 0, do_state.index], do_pipe.producer_get_barrier(do_state),
-                mTaskQRows, row, kv_head,
+                atom_dO, tdOgdO, tdOsdO[None, None, 0, do_state.index], do_pipe.producer_get_barrier(do_state),
+                tasks.qrows, row, kv_head,
             )
             do_state.advance()
 
@@ -537,12 +567,8 @@ class Sm100BackwardKernel:
         self,
         mLSE: cute.Tensor,
         mDelta: cute.Tensor,
-        mTaskMeta: cute.Tensor,
-        mTaskQRows: cute.Tensor,
-        mTaskQPos: cute.Tensor,
         scalars,
-        row_lo: Int32,
-        row_hi: Int32,
+        tasks: Tasks,
         pipes,
     ):
         """Per task: lse * log2(e) and delta of the 128 rows, tokens and positions of the 8 slots."""
@@ -553,9 +579,9 @@ class Sm100BackwardKernel:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.scalar_stages)
         # Lane l fills tile rows 4l..4l+3: slot l // 4, heads 4 (l % 4) .. 4 (l % 4) + 3.
         slot = lane // 4
-        for row in cutlass.range(row_lo, row_hi, unroll=1):
-            head_base = mTaskMeta[row, 0] * HEADS_PER_KV + (lane % 4) * 4
-            token = mTaskQRows[row, slot]
+        for row in cutlass.range(tasks.lo, tasks.hi, unroll=1):
+            head_base = tasks.meta[row, 0] * HEADS_PER_KV + (lane % 4) * 4
+            token = tasks.qrows[row, slot]
             scalar_pipe.producer_acquire(state)
             for k in cutlass.range_constexpr(4):
                 lse_log2 = Float32(0.0)
@@ -566,45 +592,21 @@ class Sm100BackwardKernel:
                 sLSE[lane * 4 + k, state.index] = lse_log2
                 sDelta[lane * 4 + k, state.index] = delta
             if lane < TOKENS_PER_TASK:
-                sQRows[lane, state.index] = mTaskQRows[row, lane]
-                sQPos[lane, state.index] = mTaskQPos[row, lane]
+                sQRows[lane, state.index] = tasks.qrows[row, lane]
+                sQPos[lane, state.index] = tasks.qpos[row, lane]
             scalar_pipe.producer_commit(state)
             state.advance()
 
     @cute.jit
-    def mma(
-        self,
-        mma_s: cute.TiledMma,
-        mma_dp: cute.TiledMma,
-        mma_dv: cute.TiledMma,
-        mma_dk: cute.TiledMma,
-        mma_dq: cute.TiledMma,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        sQ: cute.Tensor,
-        sdO: cute.Tensor,
-        sdSt: cute.Tensor,
-        sdS: cute.Tensor,
-        sKt: cute.Tensor,
-        sQt: cute.Tensor,
-        sdOt: cute.Tensor,
-        tS: cute.Tensor,
-        tdP: cute.Tensor,
-        tdQ: cute.Tensor,
-        tdV: cute.Tensor,
-        tdK: cute.Tensor,
-        tPt: cute.Tensor,
-        mTaskMeta: cute.Tensor,
-        row_lo: Int32,
-        row_hi: Int32,
-        pipes,
-    ):
+    def mma(self, gemms: Gemms, tiles: SharedTiles, tmem_tiles: TmemTiles, tasks: Tasks, pipes):
         """Issues the five GEMMs of every task (one thread of this warp issues tcgen05.mma)."""
-        rK, rQ = mma_s.make_fragment_A(sK), mma_s.make_fragment_B(sQ)
-        rV, rdO = mma_dp.make_fragment_A(sV), mma_dp.make_fragment_B(sdO)
-        rdOt = mma_dv.make_fragment_B(sdOt)
-        rdSt, rQt = mma_dk.make_fragment_A(sdSt), mma_dk.make_fragment_B(sQt)
-        rdS, rKt = mma_dq.make_fragment_A(sdS), mma_dq.make_fragment_B(sKt)
+        mma_s, mma_dp, mma_dv, mma_dk, mma_dq = gemms
+        tS, tdP, tdQ, tdV, tdK, tPt = tmem_tiles
+        rK, rQ = mma_s.make_fragment_A(tiles.sK), mma_s.make_fragment_B(tiles.sQ)
+        rV, rdO = mma_dp.make_fragment_A(tiles.sV), mma_dp.make_fragment_B(tiles.sdO)
+        rdOt = mma_dv.make_fragment_B(tiles.sdOt)
+        rdSt, rQt = mma_dk.make_fragment_A(tiles.sdSt), mma_dk.make_fragment_B(tiles.sQt)
+        rdS, rKt = mma_dq.make_fragment_A(tiles.sdS), mma_dq.make_fragment_B(tiles.sKt)
 
         consumer, producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
         kv_state = pipeline.make_pipeline_state(consumer, 1)
@@ -618,8 +620,8 @@ class Sm100BackwardKernel:
         operand_state = pipeline.make_pipeline_state(consumer, 1)  # pipes p, ds
         dkdv_state = pipeline.make_pipeline_state(producer, 1)
 
-        for row in cutlass.range(row_lo, row_hi, unroll=1):
-            starts, ends = self._segment_bounds(mTaskMeta, row, row_lo, row_hi)
+        for row in cutlass.range(tasks.lo, tasks.hi, unroll=1):
+            starts, ends = self._segment_bounds(tasks, row)
             if starts:
                 pipes["kv"].consumer_wait(kv_state)
 
@@ -696,19 +698,16 @@ class Sm100BackwardKernel:
     def compute(
         self,
         mma_dv: cute.TiledMma,
-        tS: cute.Tensor,
-        tdP: cute.Tensor,
-        tPt: cute.Tensor,
+        tmem_tiles: TmemTiles,
         sdSt: cute.Tensor,
         scalars,
-        mTaskMeta: cute.Tensor,
         softmax_scale: Float32,
-        row_lo: Int32,
-        row_hi: Int32,
+        tasks: Tasks,
         pipes,
     ):
         """P^T and dS^T of every task; thread = key (TMEM lane), warpgroup = 64 query rows."""
         sLSE, sDelta, sQPos, sQRows = scalars
+        tS, tdP, tPt = tmem_tiles.tS, tmem_tiles.tdP, tmem_tiles.tPt
         tidx = cute.arch.thread_idx()[0]
         key = tidx % TILE
         half = tidx // TILE  # 0: query rows 0..63, 1: rows 64..127
@@ -751,8 +750,8 @@ class Sm100BackwardKernel:
         ds_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         scalar_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.scalar_stages)
 
-        for row in cutlass.range(row_lo, row_hi, unroll=1):
-            key_position = mTaskMeta[row, 2] * BLOCK_SIZE + key
+        for row in cutlass.range(tasks.lo, tasks.hi, unroll=1):
+            key_position = tasks.meta[row, 2] * BLOCK_SIZE + key
             pipes["scalar"].consumer_wait(scalar_state)
             stage = scalar_state.index
 
@@ -818,21 +817,17 @@ class Sm100BackwardKernel:
     @cute.jit
     def reduce(
         self,
-        tdQ: cute.Tensor,
-        tdV: cute.Tensor,
-        tdK: cute.Tensor,
-        mdQ: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
+        tmem_tiles: TmemTiles,
+        accumulators,
         scalars,
-        mTaskMeta: cute.Tensor,
         softmax_scale: Float32,
-        row_lo: Int32,
-        row_hi: Int32,
+        tasks: Tasks,
         pipes,
     ):
-        """Atomically adds each task's dQ rows and each segment's dK/dV rows (thread = TMEM lane)."""
+        """Atomically adds each task's dQ rows and each segment's dK/dV rows (thread = TMEM lane)
+        into `accumulators`, the fp32 `(mdQ, mdK, mdV)`."""
         _, _, _, sQRows = scalars
+        mdQ, mdK, mdV = accumulators
         lane = cute.arch.thread_idx()[0] % TILE
         load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), self.acc_dtype)
 
@@ -841,9 +836,9 @@ class Sm100BackwardKernel:
             copy = tcgen05.make_tmem_copy(load_atom, tmem).get_slice(lane)
             return copy, copy.partition_S(tmem)
 
-        dq_copy, tTR_dQ = lane_rows(tdQ)
-        dv_copy, tTR_dV = lane_rows(tdV)
-        dk_copy, tTR_dK = lane_rows(tdK)
+        dq_copy, tTR_dQ = lane_rows(tmem_tiles.tdQ)
+        dv_copy, tTR_dV = lane_rows(tmem_tiles.tdV)
+        dk_copy, tTR_dK = lane_rows(tmem_tiles.tdK)
         # 128 fp32 per thread: row `lane` of an accumulator, in column order.
         row_shape = dq_copy.partition_D(cute.make_identity_tensor((TILE, HEAD_DIM))).shape
         values = cute.make_rmem_tensor(row_shape, self.acc_dtype)
@@ -851,9 +846,9 @@ class Sm100BackwardKernel:
         scalar_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.scalar_stages)
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         dkdv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        for row in cutlass.range(row_lo, row_hi, unroll=1):
-            _, ends = self._segment_bounds(mTaskMeta, row, row_lo, row_hi)
-            kv_head = mTaskMeta[row, 0]
+        for row in cutlass.range(tasks.lo, tasks.hi, unroll=1):
+            _, ends = self._segment_bounds(tasks, row)
+            kv_head = tasks.meta[row, 0]
 
             # dQ row `lane` = token slot lane // 16, query head 16 kv_head + lane % 16.
             pipes["scalar"].consumer_wait(scalar_state)
@@ -871,7 +866,7 @@ class Sm100BackwardKernel:
 
             if ends:
                 # dK/dV row `lane` = key row `aligned_key_row + lane` of this kv head.
-                kv_row = (Int64(mTaskMeta[row, 1]) + lane) * NUM_KV_HEADS + kv_head
+                kv_row = (Int64(tasks.meta[row, 1]) + lane) * NUM_KV_HEADS + kv_head
                 pipes["dkdv"].consumer_wait(dkdv_state)
                 cute.copy(dv_copy, tTR_dV, values)
                 self._add_row(mdV, kv_row, values, Float32(1.0))

@@ -26,16 +26,7 @@ import torch
 
 from ..backends import UnsupportedInputs
 from ..cute_dsl import require_cute_dsl, sm_count
-from ..schedule import schedule_for
-from .common import (
-    BLOCK_SIZE,
-    HEAD_DIM,
-    HEADS_PER_KV,
-    LOG2_E,
-    SCHEDULE_OPERANDS,
-    check_served,
-    schedule_tensors,
-)
+from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, blocks_operands, check_served, compile_blocks, launch, step_schedule
 
 # Q, dO and the lse/delta rows are addressed with 32-bit row indices (query x head).
 MAX_QUERY_ROWS = 2**31 - 1
@@ -85,7 +76,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
     num_keys, num_kv_heads, _ = k.shape
     require_cute_dsl()
     from ..cute_dsl.cute_io import aligned_operand
-    from ..triton.stages import bucket_key_count, compute_delta
+    from ..triton.stages import compute_delta
 
     topk = block_indices.shape[-1]
     device = q.device
@@ -105,27 +96,20 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
         lse = lse.contiguous()
         delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
         compute_delta(grad_out, out, grad_lse, delta, (device, q.dtype, dim, block_size, HEADS_PER_KV, topk))
-        schedule = schedule_for(block_indices, documents, num_keys, BLOCK_SIZE, num_heads, plan)
-        key_count = bucket_key_count(schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)
+        schedule, key_count = step_schedule(block_indices, documents, num_keys, num_heads, plan)
         launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk, softmax_scale,
                       teacher=teacher)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
-# The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).
-# Dim 0 is dynamic; `compile_blocks_kernel` describes each with `fake_rows` and `launch_blocks`
-# passes the tensors in this order, so the two cannot disagree (and the compiled function checks
-# every tensor against its description when it is called). The deterministic variant stores
-# dK/dV into per-item workspace rows `[items * 128, D]` instead of adding to `[Tk, Hkv, D]`, and
-# its dq_acc is not read. The teacher `[Tq * Hkv * topk, 128]` is written only by the variants
-# that emit it; the others are passed one unread row.
 def operands(num_kv_heads: int, deterministic: bool = False):
+    """The kernel's tensor operands (`common.blocks_operands`). The deterministic variant stores dK/dV
+    into per-item workspace rows `[items * 128, D]` instead of adding to `[Tk, Hkv, D]`, and its
+    dq_acc is not read. The teacher `[Tq * Hkv * topk, 128]` is written only by the variants that
+    emit it; the others are passed one unread row."""
     num_heads = HEADS_PER_KV * num_kv_heads
     key_rows = (HEAD_DIM,) if deterministic else (num_kv_heads, HEAD_DIM)
-    return (
-        ("q", (num_heads, HEAD_DIM), None),
-        ("k", (num_kv_heads, HEAD_DIM), None),
-        ("v", (num_kv_heads, HEAD_DIM), None),
+    return blocks_operands(num_kv_heads, (
         ("grad_out", (num_heads, HEAD_DIM), None),
         ("lse", (num_heads,), torch.float32),
         ("delta", (num_heads,), torch.float32),
@@ -133,8 +117,7 @@ def operands(num_kv_heads: int, deterministic: bool = False):
         ("dk_acc", key_rows, torch.float32),
         ("dv_acc", key_rows, torch.float32),
         ("teacher", (BLOCK_SIZE,), TEACHER_DTYPE),
-        *SCHEDULE_OPERANDS,
-    )
+    ))
 
 
 def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk,
@@ -148,14 +131,11 @@ def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedul
     tensors = {
         "q": q, "k": k, "v": v, "grad_out": grad_out, "lse": lse, "delta": delta,
         "dq_acc": dq_acc, "dk_acc": dk_acc, "dv_acc": dv_acc, "teacher": teacher.view(-1, BLOCK_SIZE),
-        **schedule_tensors(schedule, key_count),
     }
     num_kv_heads = k.shape[1]
-    grid = max(1, min(schedule.item_start.numel(), sm_count(q.device)))
-    _compiled(q.dtype, num_kv_heads, deterministic, emit_teacher)(
-        *(tensors[name] for name, _, _ in operands(num_kv_heads, deterministic)),
-        topk, softmax_scale * LOG2_E, softmax_scale, grid,
-    )
+    # Its own scalar: softmax_scale, which scales dQ and dK.
+    launch(_compiled(q.dtype, num_kv_heads, deterministic, emit_teacher), operands(num_kv_heads, deterministic), tensors,
+           schedule, key_count, topk, softmax_scale, (softmax_scale,), sm_count(q.device))
 
 
 @functools.cache
@@ -182,14 +162,9 @@ def compile_blocks_kernel(
     require_cute_dsl()
     import cutlass
 
-    from ..cute_dsl.cute_io import compile_kernel, fake_rows
     from .backward_kernel import Sm90BackwardKernel
 
-    fakes = [
-        fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads, deterministic)
-    ]
-    return compile_kernel(
-        Sm90BackwardKernel(num_kv_heads, deterministic, emit_teacher), *fakes,
-        cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(1),
-        arch=arch, dump_dir=dump_dir, listings=listings,
+    return compile_blocks(
+        Sm90BackwardKernel(num_kv_heads, deterministic, emit_teacher), operands(num_kv_heads, deterministic), dtype,
+        (cutlass.Float32(1.0),), arch, dump_dir, listings,  # its own scalar: softmax_scale
     )

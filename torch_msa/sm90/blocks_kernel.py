@@ -3,8 +3,9 @@
 Both are KV-outer kernels over the step's plan for `num_kv_heads` KV heads of 16 query heads each,
 with fp32 accumulators. Their `cute.jit` host functions take the same argument list around their
 own tensors: first q `[Tq, Hq, 128]`, k and v `[Tk, Hkv, 128]`, then their own tensors, then the
-schedule's tensors in `ScheduleOperands` order, then their scalars, the stream last (the order
-`forward_host.operands` / `backward_host.operands` launch them in).
+schedule's tensors in `ScheduleOperands` order, then the scalars topk and scale_log2, their own
+scalars and the grid size, the stream last (the order `common.blocks_operands` describes and
+`common.launch` passes them in).
 
 What the base holds is what both build the same way: their wgmmas (`tiled_mma`) and the
 shared-memory tiles of their operands (`operand_a_tiles`, `operand_b_tiles`), the TMA of the

@@ -23,16 +23,7 @@ import torch
 from ..backends import UnsupportedInputs
 from ..contract import compute_dtype
 from ..cute_dsl import require_cute_dsl, sm_count
-from ..schedule import schedule_for
-from .common import (
-    BLOCK_SIZE,
-    HEAD_DIM,
-    HEADS_PER_KV,
-    LOG2_E,
-    SCHEDULE_OPERANDS,
-    check_served,
-    schedule_tensors,
-)
+from .common import HEAD_DIM, HEADS_PER_KV, blocks_operands, check_served, compile_blocks, launch, step_schedule
 
 CTAS_PER_SM = 2  # shared memory: K, V, two Q tiles and the output tile are 113 KiB
 
@@ -70,7 +61,7 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     check_rows(q.shape[0], k.shape[1], block_indices.shape[-1])
     require_cute_dsl()
     from ..cute_dsl.cute_io import aligned_operand
-    from ..triton.stages import bucket_key_count, combine
+    from ..triton.stages import combine
 
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
@@ -81,8 +72,7 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
         return out.zero_(), lse.fill_(-math.inf)
     # TMA reads whole 16-byte aligned rows.
     q, k, v = (aligned_operand(x) for x in (q, k, v))
-    schedule = schedule_for(block_indices, documents, num_keys, BLOCK_SIZE, num_heads, plan)
-    key_count = bucket_key_count(schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)
+    schedule, key_count = step_schedule(block_indices, documents, num_keys, num_heads, plan)
     rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
     partial_out = torch.empty((rows, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((rows,), -math.inf, dtype=torch.float32, device=q.device)
@@ -91,32 +81,17 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     return out, lse
 
 
-# The kernel's tensor operands in launch order: (name, inner shape, dtype or None for q's dtype).
-# Dim 0 is dynamic; `compile_blocks_kernel` describes each with `fake_rows` and `launch_blocks`
-# passes the tensors in this order, so the two cannot disagree (and the compiled function checks
-# every tensor against its description when it is called).
 def operands(num_kv_heads: int):
-    return (
-        ("q", (HEADS_PER_KV * num_kv_heads, HEAD_DIM), None),
-        ("k", (num_kv_heads, HEAD_DIM), None),
-        ("v", (num_kv_heads, HEAD_DIM), None),
-        ("partial_out", (HEAD_DIM,), None),
-        ("partial_lse", (), torch.float32),
-        *SCHEDULE_OPERANDS,
-    )
+    """The kernel's tensor operands (`common.blocks_operands`); its own: the partial outputs and their lse."""
+    return blocks_operands(num_kv_heads, (("partial_out", (HEAD_DIM,), None), ("partial_lse", (), torch.float32)))
 
 
 def launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale) -> None:
     """Launch the blocks kernel: fills the partials of every scheduled (query, slot)."""
-    tensors = {
-        "q": q, "k": k, "v": v, "partial_out": partial_out, "partial_lse": partial_lse,
-        **schedule_tensors(schedule, key_count),
-    }
+    tensors = {"q": q, "k": k, "v": v, "partial_out": partial_out, "partial_lse": partial_lse}
     num_kv_heads = k.shape[1]
-    grid = max(1, min(schedule.item_start.numel(), CTAS_PER_SM * sm_count(q.device)))
-    _compiled(q.dtype, num_kv_heads)(
-        *(tensors[name] for name, _, _ in operands(num_kv_heads)), topk, softmax_scale * LOG2_E, grid,
-    )
+    launch(_compiled(q.dtype, num_kv_heads), operands(num_kv_heads), tensors, schedule, key_count, topk, softmax_scale, (),
+           CTAS_PER_SM * sm_count(q.device))
 
 
 @functools.cache
@@ -137,13 +112,6 @@ def compile_blocks_kernel(
     """`cute.compile` the blocks kernel (`arch=None`: this host's GPU) on fake tensors with dynamic
     leading extents. `dump_dir` keeps the cubin there, and with `listings` the PTX and SASS too."""
     require_cute_dsl()
-    import cutlass
-
-    from ..cute_dsl.cute_io import compile_kernel, fake_rows
     from .forward_kernel import Sm90ForwardKernel
 
-    fakes = [fake_rows(dtype if want is None else want, inner) for _, inner, want in operands(num_kv_heads)]
-    return compile_kernel(
-        Sm90ForwardKernel(num_kv_heads), *fakes, cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(1),
-        arch=arch, dump_dir=dump_dir, listings=listings,
-    )
+    return compile_blocks(Sm90ForwardKernel(num_kv_heads), operands(num_kv_heads), dtype, (), arch, dump_dir, listings)
