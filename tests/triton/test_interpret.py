@@ -1,7 +1,8 @@
 """Run `tests/triton/kernels` (the Triton kernels vs the reference) under the Triton interpreter on CPU.
 
 The interpreter is chosen when triton is imported, so the cases run in a fresh interpreter
-process with `TRITON_INTERPRET=1`; every commit thereby tests the kernels' logic without a GPU.
+process with `TRITON_INTERPRET=1`, one process per kernel test file (so that the files spread over
+the test workers); every commit thereby tests the kernels' logic without a GPU.
 """
 
 import os
@@ -14,12 +15,19 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (it ships with Linux x86_64 torch)")
 
 ROOT = Path(__file__).resolve().parents[2]
+KERNEL_TESTS = sorted(path.name for path in (ROOT / "tests" / "triton" / "kernels").glob("test_*.py"))
 
 
-def test_triton_kernels_under_the_interpreter():
+def test_the_kernel_test_files_are_found():
+    # An empty list would leave the parametrised test below with nothing to run, silently.
+    assert {"test_kernels.py", "test_kl_dense_kernel.py"} <= set(KERNEL_TESTS), KERNEL_TESTS
+
+
+@pytest.mark.parametrize("test_file", KERNEL_TESTS)
+def test_triton_kernels_under_the_interpreter(test_file):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton/kernels"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/triton/kernels/{test_file}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     tail = (result.stdout + result.stderr)[-4000:]
