@@ -2,8 +2,9 @@
 
 CI proves, with the oldest and the newest served CuTe DSL release (`.ci/run` runs this file with
 both), that the kernels *lower* for `sm_90a`: the CuTe DSL traces them, NVVM emits PTX and
-ptxas assembles a cubin, and the machine code holds what the design says (the forward: wgmma from
-shared memory for `Q K^T` and from registers for `P V`, TMA loads and stores; the backward: five
+ptxas assembles a cubin, and the machine code holds what the design says (the forward: a producer
+and two consumer warpgroups with their register split, wgmma from shared memory for `Q K^T` and
+from registers for `P V`, kept asynchronous, TMA loads and stores; the backward: five
 wgmma GEMMs, dQ by bulk reduce-add, dK/dV by vector atomics; neither spills to local memory).
 Also on any host: the modules import without the CuTe DSL and the backend declines
 configurations it does not serve; what each launch passes is `tests/sm90/test_host_path.py`'s.
@@ -26,11 +27,21 @@ from torch_msa.backends import UnsupportedInputs
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 K_STEPS = 128 // 16  # K = 128 (dims for Q K^T, keys for P V) in steps of the 16-bit wgmma's K = 16
+# The forward issues each GEMM at two sites: Q K^T for an item's first tile and with the pending
+# tile's P V; P V there and for the item's last tile.
+FORWARD_GEMM_SITES = 2
 # TMA loads in the compiled loop: K and V tiles (two 64-column boxes each) once per item, and a
-# Q tile of 4 tokens (two boxes each) at the item's start and for the next tile.
-TMA_LOADS = 2 * 2 + 2 * 4 * 2
-# TMA stores: the output tile's 4 tokens, two boxes each.
-TMA_STORES = 4 * 2
+# Q tile of 4 tokens (two boxes each) per tile.
+TMA_LOADS = 2 * 2 + 4 * 2
+# TMA stores: a warp's token (two boxes), where a pending tile's output is written and where the
+# item's last is.
+TMA_STORES = 2 * 2
+# wgmma waits: after an item's first Q K^T; after the pending tile's P V and after the next Q K^T;
+# after the item's last P V. ptxas keeps the wgmmas asynchronous only when it can prove that
+# every accumulator read follows its wait; otherwise it waits after every wgmma.
+FORWARD_WGMMA_WAITS = 4
+# The producer warpgroup gives registers to the two consumer warpgroups.
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 
 
 # The backward per tile: S^T = K Q^T and dP^T = V dO^T (64 x 64 per warpgroup, K = 128 dims),
@@ -109,31 +120,48 @@ def test_ptx_has_both_wgmmas_and_the_tma_copies(sm90_build):
     ptx = _listing(dump_dir, ".ptx")
     qk = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+,", ptx)
     pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{[^}]*\}, %rd\d+,", ptx)
-    assert len(qk) == K_STEPS, "Q K^T: both operands from shared memory"
-    assert len(pv) == K_STEPS, "P V: P from registers"
+    assert len(qk) == FORWARD_GEMM_SITES * K_STEPS, "Q K^T: both operands from shared memory"
+    assert len(pv) == FORWARD_GEMM_SITES * K_STEPS, "P V: P from registers"
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx)) == TMA_LOADS
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)) == TMA_STORES
     # V rows past a document's end are zeroed by ordinary stores that the tensor cores read next.
     assert "fence.proxy.async.shared::cta" in ptx
 
 
-@pytest.mark.parametrize("build", ["sm90_build", "sm90_backward_build"])
+@pytest.mark.parametrize(
+    "build, kv_stages, tile_stages, arm_sites, release_sites",
+    [("sm90_build", 2, 4, 2, 3), ("sm90_backward_build", 1, 2, 3, 2)],
+)
 @requires_cute
-def test_loads_run_on_two_pipelines_with_full_and_empty_barriers(build, request):
-    """`sm90/pipeline.py`: K/V (one stage) and the token tiles (two stages), each stage with a full
-    and an empty barrier; the producer arms a full barrier with the TMA's bytes (three call sites:
-    K/V, an item's first tile, the next tile) and every consumer warp releases a stage by a plain
-    arrive on its empty barrier (two call sites: the tile's stage and the item's K/V)."""
+def test_loads_run_on_two_pipelines_with_full_and_empty_barriers(
+    build, kv_stages, tile_stages, arm_sites, release_sites, request
+):
+    """`sm90/pipeline.py`: K/V and the token tiles, each stage with a full and an empty barrier; the
+    producer arms a full barrier with the TMA's bytes (the forward: K/V and each tile; the
+    backward: K/V, an item's first tile and the next tile) and every consumer warp releases a stage
+    by a plain arrive on its empty barrier (the forward: a tile's Q stage at its two `Q K^T` sites
+    and the item's K/V; the backward: the tile's stage and the item's K/V)."""
     ptx = _listing(request.getfixturevalue(build), ".ptx")
-    assert ptx.count("mbarrier.init.shared.b64") == 2 * (1 + 2)
-    assert ptx.count("mbarrier.arrive.expect_tx.shared.b64") == 3
-    assert ptx.count("mbarrier.arrive.shared.b64") == 2
+    assert ptx.count("mbarrier.init.shared.b64") == 2 * (kv_stages + tile_stages)
+    assert ptx.count("mbarrier.arrive.expect_tx.shared.b64") == arm_sites
+    assert ptx.count("mbarrier.arrive.shared.b64") == release_sites
+
+
+@requires_cute
+def test_forward_is_warp_specialised_with_asynchronous_wgmmas(sm90_build):
+    """Three warpgroups: the producer gives up registers, the consumers take them; the wgmmas are
+    waited for only where the code waits (no serialisation by ptxas)."""
+    ptx, sass = _listing(sm90_build, ".ptx"), _listing(sm90_build, ".sass")
+    assert ".reqntid 384, 1, 1" in ptx
+    assert re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx) == [str(PRODUCER_REGISTERS)]
+    assert re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx) == [str(CONSUMER_REGISTERS)]
+    assert len(re.findall(r"\bWARPGROUP\.DEPBAR\b", sass)) == FORWARD_WGMMA_WAITS
 
 
 @requires_cute
 def test_sass_has_hgmma_and_no_spills(sm90_build):
     sass = _listing(sm90_build, ".sass")
-    assert len(re.findall(r"\bHGMMA\.64x128x16\.F32\.BF16\b", sass)) == 2 * K_STEPS
+    assert len(re.findall(r"\bHGMMA\.64x128x16\.F32\.BF16\b", sass)) == 2 * FORWARD_GEMM_SITES * K_STEPS
     assert len(re.findall(r"\bUTMALDG\.[23]D\b", sass)) == TMA_LOADS
     assert len(re.findall(r"\bUTMASTG\.[23]D\b", sass)) == TMA_STORES
     assert not re.findall(r"\b(STL|LDL)\b", sass)

@@ -1,11 +1,11 @@
 """The SM90 CuTe DSL forward against the reference, on a compute capability 9.0 GPU.
 
 M3 shapes (Hq = 64, Hkv = 4, D = 128, block 128, top-16): a 1K document, a pack with empty and
-one-token documents, an Lq < Lk pack, junk ids, a skewed selection, NaN in one document, bf16 and
-fp16, query fragments, given plans of any item size, query windows (bounded partials), a 32K document (partials past 2**31
-elements, against the Triton forward), CUDA-graph replay, `torch.compile(fullgraph=True)`,
-`torch.library.opcheck` and dispatch through `torch.ops.msa.forward`. Skipped without such a GPU
-or the CuTe DSL.
+one-token documents, an Lq < Lk pack, a 1M-token document on sampled rows, junk ids, a skewed
+selection, NaN in one document, bf16 and fp16, query fragments, given plans of any item size,
+query windows (bounded partials), a 32K document (partials past 2**31 elements, against the
+Triton forward), CUDA-graph replay, `torch.compile(fullgraph=True)`, `torch.library.opcheck` and
+dispatch through `torch.ops.msa.forward`. Skipped without such a GPU or the CuTe DSL.
 """
 
 import math
@@ -135,6 +135,51 @@ def test_long_document_past_32_bit_element_offsets():
 
     inputs = _inputs([32768], [32768], torch.bfloat16, seed=6)
     _check(_sm90(*inputs), triton_forward(*backend_arguments("forward", *inputs, BLOCK, SCALE)))
+
+
+def test_a_million_token_document_on_sampled_rows():
+    """One 1M-token document through the backend's forward (query windows bound the partials; an
+    index-branch selection, since a random one would need a 1M x 8192 draw): 48 rows spread over
+    the document, every KV head, against a float64 gather of the keys their blocks select. Its 37
+    GiB go back to the device before the checks, so that the tests sharing the GPU keep theirs."""
+    try:
+        sampled = _million_token_rows()
+    finally:
+        torch.cuda.empty_cache()
+    for token, head, out, want_out, lse, want_lse in sampled:
+        error = (out - want_out).norm() / want_out.norm()
+        assert error < 1e-2, (token, head, error.item())
+        torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=1e-4)
+
+
+def _million_token_rows():
+    """`(token, KV head, out, reference out, lse, reference lse)` (float64, that head's 16 query
+    heads) of the 1M-token test's sampled rows; the inputs die with this call."""
+    import torch_msa
+    from torch_msa import sm90
+
+    num_tokens = 1 << 20
+    generator = torch.Generator(device="cuda").manual_seed(9)
+
+    def tensor(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+
+    q, k, v = tensor(num_tokens, HQ, D), tensor(num_tokens, HKV, D), tensor(num_tokens, HKV, D)
+    cu = torch.tensor([0, num_tokens], dtype=torch.int32, device="cuda")
+    blocks = torch_msa.select_blocks(tensor(num_tokens, HKV, 128), tensor(num_tokens, 1, 128), cu, cu,
+                                     num_tokens, num_tokens, topk=TOPK, block_size=BLOCK)
+    out, lse = sm90.forward(*backend_arguments("forward", q, k, v, blocks, cu, cu, num_tokens, num_tokens, BLOCK,
+                                               SCALE))
+    sampled = []
+    for token in torch.linspace(0, num_tokens - 1, 48).round().long().tolist():
+        for head in range(HKV):
+            ids = sorted({b for b in blocks[head, token].tolist() if 0 <= b <= token // BLOCK})
+            keys = torch.cat([torch.arange(b * BLOCK, min(b * BLOCK + BLOCK, token + 1)) for b in ids]).cuda()
+            heads = slice(head * (HQ // HKV), (head + 1) * (HQ // HKV))
+            scores = SCALE * q[token, heads].double() @ k[keys, head].double().T
+            sampled.append((token, head, out[token, heads].double(), torch.softmax(scores, dim=-1) @ v[keys, head].double(),
+                            lse[token, heads].double(), torch.logsumexp(scores, dim=-1)))
+    return sampled
 
 
 def test_query_windows_bound_the_partials_and_equal_one_call(monkeypatch):

@@ -133,6 +133,7 @@ class Sm90BackwardKernel(BlocksKernel):
                 "sDelta": cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES],
                 "sLast": cute.struct.MemRange[Int32, TILE_ROWS * TILE_STAGES],
             },
+            1,
             TILE_STAGES,
         )
         self.kernel(
@@ -190,7 +191,8 @@ class Sm90BackwardKernel(BlocksKernel):
         sdSt = cute.make_tensor(sdS.iterator, cute.select(sdS.layout, mode=[1, 0, 2]))
 
         kv_pipeline, tile_pipeline = self.load_pipelines(
-            storage, tidx, (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V), TILE_STAGES, self.tile_bytes, CONSUMER_WARPS
+            storage, tidx, (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V), (1, CONSUMER_WARPS),
+            (TILE_STAGES, self.tile_bytes, CONSUMER_WARPS),
         )
 
         # Q and dO: 16-row token blocks of the [Tq * Hq, 128] views into a tile's 4 token slots.
@@ -266,7 +268,8 @@ class Sm90BackwardKernel(BlocksKernel):
                 if tile == 0:
                     kv_pipeline.consumer_wait(kv_read)
                     if item.key_count < BLOCK_SIZE:
-                        zero_keys_past(sK, item.key_count, tidx)
+                        zero_keys_past(sK[None, None, 0], item.key_count, tidx)
+                        cute.arch.barrier()
 
                 # S^T = K Q^T, dP^T = V dO^T
                 warpgroup.fence()

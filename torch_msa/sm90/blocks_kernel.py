@@ -89,11 +89,11 @@ class BlocksKernel:
         """The TMA load of a `[T, Hq, 128]` tensor's token boxes (`tiles.query_rows`) as `token_layout`."""
         return token_rows_tma(cpasync.CopyBulkTensorTileG2SOp(), query_rows(mX, self.num_heads), token_layout)
 
-    def make_shared_storage(self, tiles: dict, fields: dict, tile_stages: int):
+    def make_shared_storage(self, tiles: dict, fields: dict, kv_stages: int, tile_stages: int):
         """The `cute.struct` of the kernel's shared memory, in this order: a `dtype` tile per entry
         of `tiles` (name: staged tile layout), 1024-byte aligned, which keeps the 128-byte swizzle
         pattern of every tile intact; the kernel's other `fields` (name: struct member); then the
-        full and empty barriers of the one-stage K/V pipeline (`kv_barriers`) and of the
+        full and empty barriers of the `kv_stages`-stage K/V pipeline (`kv_barriers`) and of the
         `tile_stages`-stage token tile pipeline (`tile_barriers`), last, so that no alignment
         padding precedes the tiles."""
         members = {
@@ -101,22 +101,27 @@ class BlocksKernel:
             for name, layout in tiles.items()
         }
         members.update(fields)
-        members["kv_barriers"] = cute.struct.MemRange[Int64, 2]
+        members["kv_barriers"] = cute.struct.MemRange[Int64, 2 * kv_stages]
         members["tile_barriers"] = cute.struct.MemRange[Int64, 2 * tile_stages]
         return cute.struct(type("SharedStorage", (), {"__annotations__": members}))
 
     @cute.jit
-    def load_pipelines(self, storage, tidx, atoms: tuple, tile_stages: int, tile_bytes: int, consumer_warps: int):
+    def load_pipelines(self, storage, tidx, atoms: tuple, kv: tuple, tiles: tuple):
         """Thread 0 prefetches the TMA descriptors of `atoms`; then the kernel's two TMA load
-        pipelines on `storage`'s barriers (`make_shared_storage`): K/V, one stage of `kv_bytes`, and
-        the token tiles, `tile_stages` of `tile_bytes`, each consumed by `consumer_warps` warps.
+        pipelines on `storage`'s barriers (`make_shared_storage`): K/V, `kv = (stages, consumer
+        warps)`, each stage `kv_bytes`, and the token tiles, `tiles = (stages, bytes per stage,
+        consumer warps)`; a stage is released once each of its consumer warps has arrived.
         Returns `(kv_pipeline, tile_pipeline)` once their barriers are initialised and, after a
         CTA barrier, visible to every thread."""
         if tidx == 0:
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
-        kv_pipeline = tma_load_pipeline(storage.kv_barriers.data_ptr(), 1, self.kv_bytes, consumer_warps)
-        tile_pipeline = tma_load_pipeline(storage.tile_barriers.data_ptr(), tile_stages, tile_bytes, consumer_warps)
+        kv_stages, kv_consumer_warps = kv
+        tile_stages, tile_bytes, tile_consumer_warps = tiles
+        kv_pipeline = tma_load_pipeline(storage.kv_barriers.data_ptr(), kv_stages, self.kv_bytes, kv_consumer_warps)
+        tile_pipeline = tma_load_pipeline(
+            storage.tile_barriers.data_ptr(), tile_stages, tile_bytes, tile_consumer_warps
+        )
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
         return kv_pipeline, tile_pipeline

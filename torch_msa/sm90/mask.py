@@ -37,12 +37,11 @@ def hide_scores_past(scores_rc: cute.Tensor, coords_rc: cute.Tensor, row: cutlas
 
 
 @cute.jit
-def zero_keys_past(tile: cute.Tensor, key_count: Int32, tidx: Int32):
-    """Zero keys `key_count ..` of a (key, dim, 1) tile (another document's, or TMA fill), thread
-    `tidx < 128` taking key `tidx`, then make the stores visible to the tensor cores; every thread
-    of the CTA calls it (it ends with a CTA barrier)."""
-    if tidx < BLOCK_SIZE and tidx >= key_count:
+def zero_keys_past(tile: cute.Tensor, key_count: Int32, thread: Int32):
+    """Zero keys `key_count ..` of a (key, dim) tile (another document's, or TMA fill), thread
+    `thread < 128` taking key `thread`, and fence the stores for the tensor cores' reads. The
+    caller's barrier over the threads that called it then orders the stores before those reads."""
+    if thread < BLOCK_SIZE and thread >= key_count:
         for d in cutlass.range(HEAD_DIM, unroll_full=True):
-            tile[tidx, d, 0] = tile.element_type(0.0)
+            tile[thread, d] = tile.element_type(0.0)
     cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier()

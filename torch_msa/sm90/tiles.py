@@ -69,16 +69,18 @@ def token_box_layout(tile_layout: cute.ComposedLayout) -> cute.ComposedLayout:
 
 @cute.jit
 def load_key_block(
-    tma_atom: cute.CopyAtom, tma_rows: cute.Tensor, tile: cute.Tensor, kv_head: Int32, key_row: Int32, barrier
+    tma_atom: cute.CopyAtom, tma_rows: cute.Tensor, tile: cute.Tensor, stage: Int32, kv_head: Int32, key_row: Int32,
+    barrier,
 ):
-    """One TMA box into `tile`: keys `key_row .. key_row + 127` of `kv_head` from the `(key, dim,
-    kv head)` TMA view `tma_rows` (past the packed keys: zeros), completing on `barrier`."""
+    """One TMA box into stage `stage` of the staged (key, dim, stage) `tile`: keys `key_row ..
+    key_row + 127` of `kv_head` from the `(key, dim, kv head)` TMA view `tma_rows` (past the packed
+    keys: zeros), completing on `barrier`."""
     rows = cute.domain_offset((key_row, 0), tma_rows[None, None, kv_head])
     block = cute.local_tile(rows, (BLOCK_SIZE, HEAD_DIM), (0, 0))
     tile_smem, tile_gmem = cpasync.tma_partition(
         tma_atom, 0, cute.make_layout(1), cute.group_modes(tile, 0, 2), cute.group_modes(block, 0, 2)
     )
-    cute.copy(tma_atom, tile_gmem, tile_smem[None, 0], tma_bar_ptr=barrier)
+    cute.copy(tma_atom, tile_gmem, tile_smem[None, stage], tma_bar_ptr=barrier)
 
 
 @cute.jit
@@ -118,7 +120,7 @@ def load_key_blocks(load_pipeline, state, copies, item):
     load_pipeline.producer_acquire(state)
     barrier = load_pipeline.producer_get_barrier(state)
     for atom, rows, tile in copies:
-        load_key_block(atom, rows, tile, item.kv_head, item.key_row, barrier)
+        load_key_block(atom, rows, tile, state.index, item.kv_head, item.key_row, barrier)
     state.advance()
     return state
 
