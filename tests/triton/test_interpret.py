@@ -20,7 +20,7 @@ KERNEL_TESTS = sorted(path.name for path in (ROOT / "tests" / "triton" / "kernel
 
 def test_the_kernel_test_files_are_found():
     # An empty list would leave the parametrised test below with nothing to run, silently.
-    assert {"test_kernels.py", "test_kl_dense_kernel.py"} <= set(KERNEL_TESTS), KERNEL_TESTS
+    assert {"test_attention_kernels.py", "test_selection_kernel.py", "test_kl_dense_kernel.py"} <= set(KERNEL_TESTS), KERNEL_TESTS
 
 
 @pytest.mark.parametrize("test_file", KERNEL_TESTS)

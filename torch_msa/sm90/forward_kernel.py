@@ -325,8 +325,10 @@ class Sm90ForwardKernel(BlocksKernel):
             inverse = Float32(1.0) / row_sum[r]
             for c in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
                 o_rc[r, c] = o_rc[r, c] * inverse
-        # The TMA has read this warp's previous output out of its rows.
+        # The TMA has read this warp's previous output out of its rows: the lane that issued the
+        # store waits for it, and the warp for that lane.
         cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()
         tOsO.store(acc_O.load().to(self.dtype))
         # The generic-proxy stores of the warp's threads before the TMA reads the rows.
         cute.arch.fence_proxy("async.shared", space="cta")

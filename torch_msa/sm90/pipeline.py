@@ -1,11 +1,14 @@
 """The TMA load pipelines of the SM90 kernels, on `cutlass.pipeline`.
 
-Each kernel loads a key block's K and V once per item (a one-stage pipeline) and its per-token
-operand tiles (Q; Q and dO) ahead of the tile that reads them (a two-stage pipeline). Warp 0 is
-the producer: `producer_acquire` waits until every consumer warp has released the stage (its
-`empty` barrier) and arms the stage's `full` barrier with the bytes the TMA will write; the TMA
-copies complete on that barrier. Every warp consumes: `consumer_wait` on `full`, and
-`consumer_release` (one arrive per warp) once the GEMMs that read the stage have completed.
+Each kernel loads a key block's K and V once per item (a pipeline of one stage in the backward,
+two in the forward, so that the next item's block loads during this one) and its per-token
+operand tiles (Q; Q and dO) ahead of the tiles that read them (two stages in the backward, four
+in the forward: two per consumer warpgroup). Warp 0 is the producer: `producer_acquire` waits
+until every consumer warp of the stage has released it (its `empty` barrier) and arms the
+stage's `full` barrier with the bytes the TMA will write; the TMA copies complete on that
+barrier. The consumer warps (every warp in the backward; the two consumer warpgroups' in the
+forward, each Q stage read by one of them) `consumer_wait` on `full`, and `consumer_release` (one
+arrive per warp) once the GEMMs that read the stage have completed.
 
 Device code: this module imports cutlass at the top, and only the kernel modules import it.
 """

@@ -4,23 +4,20 @@ Against a float64 computation of the loss written here from the math (dense `[Tq
 fine at these sizes), with the index gradients taken by autograd through it, and against
 `torch_msa.reference_kl` for the outputs it has. Run natively on a CUDA host, or on CPU under the
 Triton interpreter by `tests/triton/test_interpret.py`; fp32 and fp16 only (the interpreter's
-bf16 `tl.dot` is wrong, see `test_kernels.py`).
+bf16 `tl.dot` is wrong, see `test_attention_kernels.py`).
 """
 
-import os
 
 import pytest
 import torch
 
 from tests.support.documents import Documents, backend_arguments
+from tests.support.triton_kernels import DEVICE, require_a_device
 from torch_msa import reference_kl, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.triton import kl_dense_kernel
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETING else "cuda"
-if not INTERPRETING and not torch.cuda.is_available():
-    pytest.skip("needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter", allow_module_level=True)
+require_a_device()
 
 # (q lengths, k lengths, Hq, Hkv, D, Di, dtype, strided inputs)
 CASES = {

@@ -3,26 +3,23 @@ small shapes, bitwise repeats, and the backend's choice of it under deterministi
 
 Run natively on a CUDA host, or on CPU under the Triton interpreter by
 `tests/triton/test_interpret.py`; fp32 and fp16 only (the interpreter's bf16 `tl.dot` is wrong,
-see `test_kernels.py`). Cases marked `split` shrink the items to 16 or 32 entries, so that one
+see `test_attention_kernels.py`). Cases marked `split` shrink the items to 16 or 32 entries, so that one
 key block is split over several items and the fixed-order reduction sums more than one item per
 bucket.
 """
 
-import os
 
 import pytest
 import torch
 
 import torch_msa.triton as triton_backend
 from tests.support.documents import backend_arguments
+from tests.support.triton_kernels import DEVICE, require_a_device
 from torch_msa import query_windows, reference, reference_kl, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.triton import kl_deterministic, kl_kernel
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETING else "cuda"
-if not INTERPRETING and not torch.cuda.is_available():
-    pytest.skip("needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter", allow_module_level=True)
+require_a_device()
 
 FORWARD_NAMES = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
 BACKWARD_NAMES = ("d index_q", "d index_k")

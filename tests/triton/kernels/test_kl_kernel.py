@@ -3,23 +3,20 @@
 
 Run natively on a CUDA host, or on CPU under the Triton interpreter by
 `tests/triton/test_interpret.py`; fp32 and fp16 only (the interpreter's bf16 `tl.dot` is wrong,
-see `test_kernels.py`).
+see `test_attention_kernels.py`).
 """
 
-import os
 
 import pytest
 import torch
 
 from tests.support.documents import backend_arguments
+from tests.support.triton_kernels import DEVICE, require_a_device
 from torch_msa import reference, reference_kl, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.triton import kl_deterministic, kl_kernel
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETING else "cuda"
-if not INTERPRETING and not torch.cuda.is_available():
-    pytest.skip("needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter", allow_module_level=True)
+require_a_device()
 
 # (q lengths, k lengths, Hq, Hkv, D, Di, block, topk, dtype)
 CASES = {

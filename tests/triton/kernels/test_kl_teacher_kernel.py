@@ -4,25 +4,22 @@ and of `kl_deterministic.py`) against the reference's at small shapes, on an fp1
 
 Run natively on a CUDA host, or on CPU under the Triton interpreter by
 `tests/triton/test_interpret.py`; fp32 and fp16 index inputs only (the interpreter's bf16
-`tl.dot` is wrong, see `test_kernels.py`). Every case has junk ids (repeats, ids far past the
+`tl.dot` is wrong, see `test_attention_kernels.py`). Every case has junk ids (repeats, ids far past the
 horizon or near the int32 limit, -1 in a first slot), which the kernels must neither read nor
 count.
 """
 
-import os
 
 import pytest
 import torch
 
 from tests.support.documents import Documents
+from tests.support.triton_kernels import DEVICE, require_a_device
 from torch_msa import query_windows, reference, reference_kl, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.triton import kl_deterministic, kl_kernel
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETING else "cuda"
-if not INTERPRETING and not torch.cuda.is_available():
-    pytest.skip("needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter", allow_module_level=True)
+require_a_device()
 
 HEADS, KV_HEADS, DIM, BLOCK, TOPK = 4, 2, 64, 64, 3
 SCALE = DIM**-0.5

@@ -1,0 +1,163 @@
+"""The Triton forward and backward kernels against the reference at small shapes: document packs
+with empty and 1-token documents, `Lq < Lk`, junk ids, a given plan, query fragments, query
+windows.
+
+On a CUDA host these run the compiled kernels; on CPU they run under the Triton interpreter
+(`TRITON_INTERPRET=1`, set by `tests/triton/test_interpret.py` for a subprocess per file, because
+the interpreter must be chosen before triton is imported). The interpreter does not compute bf16
+`tl.dot` correctly (triton 3.8), so the small cases use fp32 and fp16; bf16 is covered at M3
+shapes by `tests/triton/test_cuda.py`.
+"""
+
+import pytest
+import torch
+
+from tests.support.documents import Documents, backend_arguments, documents_of
+from tests.support.triton_kernels import (
+    ATTENTION_CASES,
+    DEVICE,
+    TOLERANCE,
+    close,
+    junk_indices,
+    layout,
+    require_a_device,
+)
+from torch_msa import reference, testing
+from torch_msa.schedule import build_schedule, pack
+from torch_msa.triton import (
+    backward_deterministic,
+    backward_kernel,
+    forward_kernel,
+    plan_kernel,
+    select_kernel,
+)
+
+require_a_device()
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_forward_and_backward_match_reference(case):
+    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES[case]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(q_lens, k_lens)
+    block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+    out_ref, lse_ref = reference.forward(*backend_arguments("forward", q, k, v, *args))
+    out, lse = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args))
+    tolerance = TOLERANCE[dtype]
+    close(out, out_ref, tolerance, "out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), tolerance, "lse")
+
+    grad_out = torch.randn_like(q)
+    grad_lse = torch.randn(num_queries, num_heads, device=DEVICE)
+    expected = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse))
+    actual = backward_kernel.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, grad_lse))
+    for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        close(got, want, 4 * tolerance, name)
+
+
+def test_backward_without_grad_lse_matches_reference():
+    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES["suffix-pack-group3"]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(q_lens, k_lens)
+    block_indices = testing.random_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, 0.3)
+    out, lse = reference.forward(*backend_arguments("forward", q, k, v, *args))
+    grad_out = torch.randn_like(q)
+    for got, want in zip(backward_kernel.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args)),
+                         reference.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args))):
+        close(got, want, 1e-4, "gradient")
+
+
+def test_forward_and_backward_read_a_given_plan():
+    """A plan of any item size (here 8, the kernels build 128 for this shape) gives the results
+    of the reference."""
+    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES["pack-empty-and-1-token"]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(q_lens, k_lens)
+    block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+    plan = plan_kernel.plan(block_indices, documents_of(cu_q, cu_k), num_keys, block_size, 8)
+    out_ref, lse_ref = reference.forward(*backend_arguments("forward", q, k, v, *args))
+    out, _ = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args, plan))
+    close(out, out_ref, TOLERANCE[dtype], "out")
+    grad_out = torch.randn_like(q)
+    expected = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args))
+    actual = backward_kernel.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, None, plan))
+    for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
+        close(got, want, 4 * TOLERANCE[dtype], name)
+
+
+def test_fragments_match_reference():
+    """Query fragments sharing their documents' keys (out of order, several per document, an
+    empty and a 1-token document, junk ids and an out-of-range document id): every kernel against
+    the reference, and the plan against the reference's tables."""
+    lengths = (150, 0, 1, 90)
+    pieces = ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40), (0, 100, 20))
+    frag = testing.fragments(lengths, pieces, DEVICE)
+    num_heads, num_kv_heads, dim, block_size, topk, dtype = 4, 2, 64, 64, 3, torch.float32
+    num_queries, num_keys = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+    fragments = frag.tensors
+    index_q = torch.randn(num_queries, num_kv_heads, 32, device=DEVICE, dtype=dtype)
+    index_k = torch.randn(num_keys, 1, 32, device=DEVICE, dtype=dtype)
+    select_args = (index_q, index_k, *frag.op_args, topk, block_size, *fragments)
+    assert torch.equal(select_kernel.select_blocks(*backend_arguments("select_blocks", *select_args)),
+                       reference.select_blocks(*backend_arguments("select_blocks", *select_args)))
+
+    block_indices = testing.random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, num_kv_heads, topk, block_size,
+                                                 None, *fragments)
+    block_indices[-1, ::3, 0] = 10_000
+    for entries_per_item in (1, 16):
+        documents = Documents(*frag.op_args, *fragments)
+        expected = pack(build_schedule(block_indices, documents, num_keys, block_size, entries_per_item))
+        got = plan_kernel.plan(block_indices, documents, num_keys, block_size, entries_per_item)
+        assert torch.equal(got, expected)
+    unknown = Documents(*frag.op_args, torch.tensor([3, 0, 2, 0, 7, 0], dtype=torch.int32, device=DEVICE), fragments[1])
+    assert torch.equal(plan_kernel.plan(block_indices, unknown, num_keys, block_size, 8),
+                       pack(build_schedule(block_indices, unknown, num_keys, block_size, 8)))
+
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    args = (block_indices, *frag.op_args, block_size, dim**-0.5)
+    out_ref, lse_ref = reference.forward(*backend_arguments("forward", q, k, v, *args, None, *fragments))
+    out, lse = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args, None, *fragments))
+    close(out, out_ref, TOLERANCE[dtype], "out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))  # a junk local slot leaves a query no key
+    close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[dtype], "lse")
+    grad_out = torch.randn_like(q)
+    expected = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, None, None,
+                                                     *fragments))
+    for module in (backward_kernel, backward_deterministic):
+        actual = module.backward(*backend_arguments("backward", grad_out, q, k, v, out_ref, lse_ref, *args, None, None,
+                                                    *fragments))
+        for name, got, want in zip(("dq", "dk", "dv"), actual, expected):
+            close(got, want, 4 * TOLERANCE[dtype], f"{module.__name__} {name}")
+
+
+def test_forward_in_query_windows_equals_one_call(monkeypatch):
+    """The backend's forward with its partials bounded to 17 queries at a time (several windows,
+    with junk ids and a pack with empty and 1-token documents) equals one kernel call."""
+    import torch_msa.triton as triton_backend
+    from torch_msa import query_windows
+
+    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES["pack-empty-and-1-token"]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(q_lens, k_lens)
+    block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+    expected = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args))
+    monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 17 * query_windows.partial_bytes_per_query(num_heads, topk, dim,
+                                                                                                   dtype))
+    out, lse = triton_backend.forward(*backend_arguments("forward", q, k, v, *args))
+    # Each window groups other queries into a program's tile, so only the rounding may differ.
+    close(out, expected[0], 1e-5, "out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(expected[1]))
+    close(lse.nan_to_num(neginf=0), expected[1].nan_to_num(neginf=0), 1e-5, "lse")

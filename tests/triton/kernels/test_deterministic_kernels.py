@@ -1,0 +1,82 @@
+"""The Triton deterministic backward against the reference at small shapes, and bitwise repeats.
+
+On a CUDA host these run the compiled kernels; on CPU they run under the Triton interpreter
+(`TRITON_INTERPRET=1`, set by `tests/triton/test_interpret.py` for a subprocess per file, because
+the interpreter must be chosen before triton is imported). The interpreter does not compute bf16
+`tl.dot` correctly (triton 3.8), so the small cases use fp32 and fp16; bf16 is covered at M3
+shapes by `tests/triton/test_cuda.py`.
+"""
+
+import pytest
+import torch
+
+from tests.support.documents import backend_arguments, documents_of
+from tests.support.triton_kernels import (
+    ATTENTION_CASES,
+    DEVICE,
+    TOLERANCE,
+    close,
+    junk_indices,
+    layout,
+    require_a_device,
+)
+from torch_msa import reference, testing
+from torch_msa.schedule import build_schedule
+from torch_msa.triton import (
+    backward_deterministic,
+    backward_deterministic_kernel,
+    backward_kernel,
+    common,
+)
+
+require_a_device()
+
+
+DETERMINISTIC_CASES = ("pack-empty-and-1-token", "suffix-pack-group3")
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES)
+def test_deterministic_backward_matches_reference_and_repeats_bitwise(case, monkeypatch):
+    """Junk and repeated ids, grad_lse, a pack with an empty and a 1-token document, Lq < Lk.
+
+    Items of one tile split every bucket the queries share, so the reduction of dK/dV sums
+    several items whose last positions differ."""
+    monkeypatch.setattr(backward_deterministic_kernel, "ITEM_TILES", 1)
+    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES[case]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(q_lens, k_lens)
+    block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    entries_per_item = common.tile_shape(num_heads, num_kv_heads,
+                                         backward_kernel.DETERMINISTIC_BLOCKS_CONFIGS[0].rows)[0]
+    bucket_sizes = build_schedule(block_indices, documents_of(cu_q, cu_k), num_keys, block_size,
+                                  entries_per_item).bucket_ptr.diff()
+    assert (bucket_sizes > entries_per_item).any(), "no bucket is split over several items"
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+    out, lse = reference.forward(*backend_arguments("forward", q, k, v, *args))
+    grad_out = torch.randn_like(q)
+    grad_lse = torch.randn(num_queries, num_heads, device=DEVICE)
+    expected = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args, grad_lse))
+    first = backward_deterministic.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args, grad_lse))
+    second = backward_deterministic.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args, grad_lse))
+    for name, got, again, want in zip(("dq", "dk", "dv"), first, second, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        close(got, want, 4 * TOLERANCE[dtype], name)
+        assert torch.equal(got, again), f"{name} differs between two runs"
+
+
+def test_deterministic_backward_of_a_skewed_selection_without_grad_lse(monkeypatch):
+    """Every query picks block 0 and its newest blocks: block 0's bucket spans many items."""
+    monkeypatch.setattr(backward_deterministic_kernel, "ITEM_TILES", 1)
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout([150, 60], [300, 60])
+    num_heads, num_kv_heads, dim, block_size, topk = 4, 1, 64, 64, 3
+    block_indices = testing.skewed_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=torch.float16)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, 0.3)
+    out, lse = reference.forward(*backend_arguments("forward", q, k, v, *args))
+    grad_out = torch.randn_like(q)
+    expected = reference.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args))
+    grads = backward_deterministic.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args))
+    for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
+        close(got, want, 4 * TOLERANCE[torch.float16], name)

@@ -1,0 +1,104 @@
+"""Non-finite inputs in one document change no other document's results: the Triton forward,
+backward (both modes) and selection kernels.
+
+On a CUDA host these run the compiled kernels; on CPU they run under the Triton interpreter
+(`TRITON_INTERPRET=1`, set by `tests/triton/test_interpret.py` for a subprocess per file, because
+the interpreter must be chosen before triton is imported). The interpreter does not compute bf16
+`tl.dot` correctly (triton 3.8), so the small cases use fp32 and fp16; bf16 is covered at M3
+shapes by `tests/triton/test_cuda.py`.
+"""
+
+import pytest
+import torch
+
+from tests.support.documents import Documents, backend_arguments
+from tests.support.triton_kernels import (
+    DEVICE,
+    INTERPRETING,
+    POISONED_DOC,
+    doc_rows,
+    layout,
+    poison,
+    require_a_device,
+)
+from torch_msa.triton import (
+    backward_deterministic,
+    backward_kernel,
+    forward_kernel,
+    select_kernel,
+)
+
+require_a_device()
+
+
+# Three documents whose key ends are not block-aligned: the last block of document 0 holds the
+# keys of documents 1 and 2, and document 1's only block holds keys of document 2.
+POISON_LAYOUT = ([50, 40, 30], [70, 40, 30])
+
+
+def _assert_other_docs_unchanged(name, got, want, rows_per_doc, exact):
+    for doc, rows in enumerate(rows_per_doc):
+        if doc == POISONED_DOC or not rows:
+            continue
+        part, clean = got[rows.start:rows.stop], want[rows.start:rows.stop]
+        assert part.isfinite().all(), f"{name} of document {doc} has non-finite values"
+        if exact:
+            assert torch.equal(part, clean), f"{name} of document {doc} changed"
+        else:  # the default backward adds with atomics: order-dependent in the last bits on a GPU
+            torch.testing.assertclose(part, clean, rtol=1e-5, atol=1e-5, msg=f"{name} of document {doc} changed")
+
+
+@pytest.mark.parametrize("poisoned", ["q", "k", "v", "grad_out", "grad_lse"])
+def test_a_non_finite_document_changes_no_other_document(poisoned):
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(*POISON_LAYOUT)
+    query_rows, key_rows = doc_rows(cu_q), doc_rows(cu_k)
+    num_heads, num_kv_heads, dim, block_size, topk = 2, 1, 64, 64, 2
+    generator = torch.Generator().manual_seed(1)
+    clean = {
+        "q": torch.randn(num_queries, num_heads, dim, generator=generator),
+        "k": torch.randn(num_keys, num_kv_heads, dim, generator=generator),
+        "v": torch.randn(num_keys, num_kv_heads, dim, generator=generator),
+        "grad_out": torch.randn(num_queries, num_heads, dim, generator=generator),
+        "grad_lse": torch.randn(num_queries, num_heads, generator=generator),
+    }
+    clean = {name: x.to(DEVICE) for name, x in clean.items()}
+    rows = (key_rows if poisoned in ("k", "v") else query_rows)[POISONED_DOC]
+    dirty = dict(clean, **{poisoned: poison(clean[poisoned], rows)})
+    # Every query reads every block it may (topk >= its visible blocks), so each tail block is read.
+    block_indices = torch.arange(topk, dtype=torch.int32, device=DEVICE)
+    block_indices = block_indices.expand(num_kv_heads, num_queries, topk).contiguous()
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+
+    def run(x):
+        out, lse = forward_kernel.forward(*backend_arguments("forward", x["q"], x["k"], x["v"], *args))
+        backward_args = (x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args, x["grad_lse"])
+        grads = backward_kernel.backward(*backend_arguments("backward", *backward_args))
+        deterministic = backward_deterministic.backward(*backend_arguments("backward", *backward_args))
+        return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads)),
+                **dict(zip(("deterministic dq", "deterministic dk", "deterministic dv"), deterministic))}
+
+    want, got = run(clean), run(dirty)
+    for name in ("out", "lse"):
+        _assert_other_docs_unchanged(name, got[name], want[name], query_rows, exact=True)
+    for name, rows_per_doc in (("dq", query_rows), ("dk", key_rows), ("dv", key_rows)):
+        _assert_other_docs_unchanged(name, got[name], want[name], rows_per_doc, exact=INTERPRETING)
+        _assert_other_docs_unchanged(f"deterministic {name}", got[f"deterministic {name}"],
+                                     want[f"deterministic {name}"], rows_per_doc, exact=True)
+
+
+@pytest.mark.parametrize("poisoned", ["index_q", "index_k"])
+def test_a_non_finite_document_changes_no_other_documents_selection(poisoned):
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout([50, 140, 30], [70, 140, 30])
+    generator = torch.Generator().manual_seed(2)
+    clean = {"index_q": torch.randn(num_queries, 2, 32, generator=generator).to(DEVICE),
+             "index_k": torch.randn(num_keys, 1, 32, generator=generator).to(DEVICE)}
+    rows = (doc_rows(cu_k) if poisoned == "index_k" else doc_rows(cu_q))[POISONED_DOC]
+    dirty = dict(clean, **{poisoned: poison(clean[poisoned], rows)})
+
+    def run(x):
+        return select_kernel.select_blocks(x["index_q"], x["index_k"], Documents(cu_q, cu_k, max_q, max_k), 3, 64)
+
+    want, got = run(clean), run(dirty)
+    for doc, rows in enumerate(doc_rows(cu_q)):
+        if doc != POISONED_DOC:
+            assert torch.equal(got[:, rows.start:rows.stop], want[:, rows.start:rows.stop]), f"document {doc}"

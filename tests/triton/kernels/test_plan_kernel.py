@@ -1,0 +1,117 @@
+"""The Triton plan, query-location and bucket-key-count kernels against their reference tables.
+
+On a CUDA host these run the compiled kernels; on CPU they run under the Triton interpreter
+(`TRITON_INTERPRET=1`, set by `tests/triton/test_interpret.py` for a subprocess per file, because
+the interpreter must be chosen before triton is imported). The interpreter does not compute bf16
+`tl.dot` correctly (triton 3.8), so the small cases use fp32 and fp16; bf16 is covered at M3
+shapes by `tests/triton/test_cuda.py`.
+"""
+
+import pytest
+import torch
+
+from tests.support.documents import documents_of
+from tests.support.triton_kernels import (
+    DEVICE,
+    junk_indices,
+    layout,
+    require_a_device,
+)
+from torch_msa import testing
+from torch_msa.schedule import build_schedule, pack
+from torch_msa.triton import (
+    common,
+    plan_kernel,
+)
+
+require_a_device()
+
+
+# (q lengths, k lengths, Hkv, block, topk); each with junk ids mixed in.
+PLAN_CASES = {
+    "pack-empty-and-1-token": ([40, 0, 1, 90], [140, 5, 1, 90], 2, 64, 4),
+    "suffix-pack-topk-16": ([5, 200], [300, 260], 3, 64, 16),
+    "one-doc-block-128": ([300], [300], 1, 128, 3),
+}
+
+
+@pytest.mark.parametrize("entries_per_item", [1, 16])
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_plan_build_equals_reference_tables(case, entries_per_item):
+    q_lens, k_lens, num_kv_heads, block_size, topk = PLAN_CASES[case]
+    cu_q, cu_k, _, num_keys, _, _ = layout(q_lens, k_lens)
+    block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    expected = pack(build_schedule(block_indices, documents_of(cu_q, cu_k), num_keys, block_size, entries_per_item))
+    got = plan_kernel.plan(block_indices, documents_of(cu_q, cu_k), num_keys, block_size, entries_per_item)
+    assert torch.equal(got, expected)
+    # Strided selections and boundaries are read through their strides.
+    strided = block_indices.transpose(0, 1).contiguous().transpose(0, 1)
+    cu_q_strided, cu_k_strided = (torch.stack((cu, -cu), 1)[:, 0] for cu in (cu_q, cu_k))
+    assert torch.equal(
+        plan_kernel.plan(strided, documents_of(cu_q_strided, cu_k_strided), num_keys, block_size, entries_per_item), expected)
+
+
+def test_plan_build_equals_reference_on_malformed_documents():
+    # (cu_seqlens_q, cu_seqlens_k, Tk): unsorted boundaries, a document past the keys, no
+    # documents, no keys, and overlapping documents with more key blocks than the bucket bound.
+    cases = (
+        ([0, 90, 40, 131], [0, 140, 100, 236], 236),
+        ([0, 50, 131], [0, 60, 400], 236),
+        ([0], [0], 236),
+        ([0, 131], [0, 0], 0),
+        ([0, 200, 200, 400, 400, 600], [0, 200, 1, 200, 2, 200], 200),
+    )
+    for q_bounds, k_bounds, num_keys in cases:
+        cu_q = torch.tensor(q_bounds, dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor(k_bounds, dtype=torch.int32, device=DEVICE)
+        block_indices = torch.randint(-2, 5, (2, max(131, q_bounds[-1]), 4), dtype=torch.int32, device=DEVICE)
+        expected = pack(build_schedule(block_indices, documents_of(cu_q, cu_k), num_keys, 64, 8))
+        assert torch.equal(plan_kernel.plan(block_indices, documents_of(cu_q, cu_k), num_keys, 64, 8), expected), q_bounds
+
+
+def test_located_queries_equal_the_documents_rule():
+    """`common.locate_queries` (one kernel; the selection, the KL losses and the deterministic dQ
+    read it) gives `documents.locate_queries`'s tables: well-formed and malformed boundaries
+    (unsorted, past the keys, none, no keys, overlapping), strided boundaries, and fragments with an
+    out-of-range document."""
+    from torch_msa.documents import locate_queries
+
+    cases = (
+        ([0, 40, 40, 41, 131], [0, 140, 145, 146, 236], 236, 131),
+        ([0, 90, 40, 131], [0, 140, 100, 236], 236, 131),
+        ([0, 50, 131], [0, 60, 400], 236, 140),
+        ([0], [0], 236, 20),
+        ([0, 131], [0, 0], 0, 131),
+        ([0, 200, 200, 400, 400, 600], [0, 200, 1, 200, 2, 200], 200, 600),
+    )
+    for q_bounds, k_bounds, num_keys, num_queries in cases:
+        cu_q, cu_k = (torch.tensor(bounds, dtype=torch.int32, device=DEVICE) for bounds in (q_bounds, k_bounds))
+        expected = locate_queries(cu_q, cu_k, num_queries, num_keys)
+        for got in (common.locate_queries(cu_q, cu_k, num_queries, num_keys),
+                    common.locate_queries(*(torch.stack((cu, -cu), 1)[:, 0] for cu in (cu_q, cu_k)), num_queries, num_keys)):
+            assert got.key_start.dtype == got.position.dtype == torch.int64
+            assert torch.equal(got.key_start, expected.key_start) and torch.equal(got.position, expected.position), q_bounds
+    frag = testing.fragments((150, 0, 1, 90), ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40)), DEVICE)
+    num_queries, num_keys = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+    documents, starts = frag.tensors
+    for fragment_documents in (documents, torch.tensor([3, 0, 7, 0, -1], dtype=torch.int32, device=DEVICE)):
+        args = (frag.cu_seqlens_q, frag.cu_seqlens_k, num_queries, num_keys, fragment_documents, starts)
+        got, expected = common.locate_queries(*args), locate_queries(*args)
+        assert torch.equal(got.key_start, expected.key_start) and torch.equal(got.position, expected.position)
+    empty = common.locate_queries(frag.cu_seqlens_q, frag.cu_seqlens_k, 0, num_keys)
+    assert empty.key_start.shape == empty.position.shape == (0,)
+
+
+def test_bucket_key_counts_equal_the_reference():
+    """`plan_kernel.bucket_key_count` (one kernel; the SM90 kernels read it) gives
+    `schedule.bucket_key_count`'s counts, for block rows of well-formed documents, of empty ones,
+    past every document and before the first, and over unsorted boundaries."""
+    from torch_msa.schedule import bucket_key_count
+
+    rows = torch.tensor([0, 128, 200, 201, 329, 457, 499, 500, 900, -3, 0, 64], dtype=torch.int32, device=DEVICE)
+    for bounds in ([0, 200, 200, 201, 500], [0], [0, 300, 100, 500], [10, 20]):
+        cu_k = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+        for block_size in (64, 128):
+            got = plan_kernel.bucket_key_count(rows, cu_k, block_size)
+            assert got.dtype == torch.int32 and torch.equal(got, bucket_key_count(rows, cu_k, block_size)), bounds
+    assert plan_kernel.bucket_key_count(rows[:0], cu_k, 128).shape == (0,)
