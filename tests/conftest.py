@@ -12,7 +12,10 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip the tests marked `cuda` (pyproject.toml declares the marker) on a host without CUDA."""
+    """Run the tests marked `slow` first, so that the workers of `pytest -n` start the long ones
+    early and finish together; skip the tests marked `cuda` on a host without CUDA (pyproject.toml
+    declares both markers)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")

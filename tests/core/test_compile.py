@@ -139,6 +139,7 @@ def test_one_document_defaults_trace_symbolically():
     assert counter.frame_count == 1
 
 
+@pytest.mark.slow
 def test_inductor_matches_eager():
     torch._dynamo.reset()
     inputs = _inputs([90, 0, 243], [150, 7, 243])

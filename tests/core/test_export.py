@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import expecttest
+import pytest
 import torch
 
 import torch_msa
@@ -124,6 +125,7 @@ return [v6]""")
             x = _inputs(tokens, seed=tokens)
             torch.testing.assert_close(loaded(*x), Attention()(*x))
 
+    @pytest.mark.slow
     def test_aoti_package_roundtrip(self):
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()

@@ -74,6 +74,7 @@ def test_custom_scale():
     _compare(*inputs, 64, atol=1e-10, rtol=1e-10, scale=0.3)
 
 
+@pytest.mark.slow
 def test_m3_topology_with_selection():
     """M3 heads and blocks (64/4/128, block 128, top-16) where selection bites (> 2048 keys)."""
     cu_q, cu_k = cu_seqlens([96, 32], [2300, 32])

@@ -267,6 +267,7 @@ def test_dense_loss_spans_keys_with_bounded_memory(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_gradcheck_fp64():
     q, k, v, index_q, index_k, block_indices, docs = _problem(
         q_lens=(2, 0, 1, 20), k_lens=(70, 3, 1, 20), heads=4, kv_heads=2, dim=64, index_dim=4, topk=2,

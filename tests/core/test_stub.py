@@ -263,6 +263,7 @@ def test_stub_after_torch_msa_is_a_no_op(stub_library):
     assert out.strip().splitlines()[-1] == "[2, 130, 2]"
 
 
+@pytest.mark.slow
 def test_aoti_package_with_stub(stub_library, tmp_path):
     """The stub's purpose end to end: an AOTInductor package loaded where torch_msa was not
     imported says what to do; without the stub the same load/run names no remedy."""

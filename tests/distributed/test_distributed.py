@@ -207,6 +207,7 @@ def _spawn(world_size, device_type="cpu", dtype=torch.float64, tolerance=1e-10, 
                  nprocs=world_size, join=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_context_parallel_matches_one_process(world_size):
     _spawn(world_size)

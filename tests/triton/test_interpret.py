@@ -23,6 +23,7 @@ def test_the_kernel_test_files_are_found():
     assert {"test_attention_kernels.py", "test_selection_kernel.py", "test_kl_dense_kernel.py"} <= set(KERNEL_TESTS), KERNEL_TESTS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("test_file", KERNEL_TESTS)
 def test_triton_kernels_under_the_interpreter(test_file):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")

@@ -1,7 +1,8 @@
 """Every Triton kernel fits the shared memory of every architecture the backend serves.
 
-Without a GPU: each kernel is compiled for sm_80, sm_86, sm_89, sm_90, sm_100 and sm_120 with
-Triton's own compiler (and the ptxas it ships) at the M3 configuration (bf16, Hq=64, Hkv=4,
+Without a GPU: each kernel is compiled for sm_80, sm_86, sm_90, sm_100 and sm_120 (and sm_89,
+whose 16-bit code and shared memory are sm_86's: one kernel's PTX checks that) with Triton's own
+compiler (and the ptxas it ships) at the M3 configuration (bf16, Hq=64, Hkv=4,
 D=128, block 128, topk 16, Hi=4, Di=128), walking its launch configurations in the order the
 backend tries them at run time (`torch_msa/triton/launch.py`). One of them must fit the
 architecture's limit of shared memory per block, and on sm_90 the tuned first one must. The
@@ -13,6 +14,7 @@ The launch-time fallback itself (a configuration refused with `OutOfResources`, 
 then the reference) is tested without compiling anything.
 """
 
+import re
 import warnings
 
 import pytest
@@ -44,6 +46,9 @@ TARGETS = {
     "sm_120": (120, 101_376),
 }
 TUNED_TARGET = "sm_90"
+# Ada compiles 16-bit dots as Ampere does and has sm_86's shared memory, so its fit is sm_86's.
+SAME_AS = {"sm_89": "sm_86"}
+COMPILED_TARGETS = [target for target in TARGETS if target not in SAME_AS]
 
 M3 = dict(num_heads=64, num_kv_heads=4, dim=128, block_size=128, topk=16, index_heads=4, index_dim=128)
 GROUP = M3["num_heads"] // M3["num_kv_heads"]
@@ -245,6 +250,11 @@ KERNELS = {
 
 def _shared_memory(kernel, config, capability):
     """Bytes of shared memory the kernel needs with `config`, compiled for `capability`."""
+    return _compile(kernel, config, capability).metadata.shared
+
+
+def _compile(kernel, config, capability):
+    """The kernel compiled with `config` for `capability`."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -256,17 +266,16 @@ def _shared_memory(kernel, config, capability):
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                if signature[name].startswith("*") or name.startswith("stride")}
     source = ASTSource(fn, signature, constexprs=constants, attrs=aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=config.options)
-    return compiled.metadata.shared
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=config.options)
 
 
 # (kernel, target) pairs no configuration fits: launch() declines there and the registry runs the reference.
 UNSERVED = {(kernel, target) for kernel in ("msa_kl_fwd_kernel", "msa_kl_fwd_kernel (deterministic)")
-            for target in ("sm_86", "sm_89", "sm_120")}
+            for target in ("sm_86", "sm_120")}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", COMPILED_TARGETS)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_launch_configuration_fits_every_target(kernel, target):
     capability, limit = TARGETS[target]
@@ -283,6 +292,18 @@ def test_a_launch_configuration_fits_every_target(kernel, target):
     assert (kernel, target) not in UNSERVED, f"{kernel} now fits {target}: serve it there ({tried[-1]})"
     if target == TUNED_TARGET:
         assert len(tried) == 1, f"the tuned configuration of {kernel} no longer fits {target}: {tried}"
+
+
+@pytest.mark.parametrize("target, same_as", SAME_AS.items())
+def test_a_target_checked_as_another_compiles_to_its_code(target, same_as):
+    """The attention forward's tuned configuration gives the same shared memory and, but for the
+    target line, the same PTX for `target` as for the architecture whose fit stands for its."""
+    config = KERNELS["msa_fwd_blocks_kernel"][1][0]
+    assert TARGETS[target][1] == TARGETS[same_as][1]
+    compiled = [_compile("msa_fwd_blocks_kernel", config, TARGETS[name][0]) for name in (target, same_as)]
+    assert compiled[0].metadata.shared == compiled[1].metadata.shared
+    ptx = [re.sub(r"^\.target sm_\d+a?$", "", c.asm["ptx"], flags=re.M) for c in compiled]
+    assert ptx[0] == ptx[1]
 
 
 # --- the launch-time fallback ------------------------------------------------------------------
