@@ -1,8 +1,11 @@
 """What the Triton kernel tests (`tests/triton/kernels/`) share: the device they run on, the layouts
 and selections they build, their tolerance check and the non-finite poison of one document.
 
-On CPU the files run under the Triton interpreter (`TRITON_INTERPRET=1`, which
-`tests/triton/test_interpret.py` sets for a subprocess per file); otherwise on CUDA.
+On a CUDA host the files run the compiled kernels; on CPU they run under the Triton interpreter
+(`TRITON_INTERPRET=1`, set by `tests/triton/test_interpret.py` for a subprocess per file, because
+the interpreter must be chosen before triton is imported). The interpreter does not compute bf16
+`tl.dot` correctly (triton 3.8), so the small cases use fp32 and fp16; bf16 is covered at M3
+shapes by `tests/triton/test_cuda.py`.
 """
 
 import os

@@ -2,11 +2,7 @@
 with empty and 1-token documents, `Lq < Lk`, junk ids, a given plan, query fragments, query
 windows.
 
-On a CUDA host these run the compiled kernels; on CPU they run under the Triton interpreter
-(`TRITON_INTERPRET=1`, set by `tests/triton/test_interpret.py` for a subprocess per file, because
-the interpreter must be chosen before triton is imported). The interpreter does not compute bf16
-`tl.dot` correctly (triton 3.8), so the small cases use fp32 and fp16; bf16 is covered at M3
-shapes by `tests/triton/test_cuda.py`.
+Where and how they run, and why in fp32 and fp16: `tests/support/triton_kernels.py`.
 """
 
 import pytest
@@ -35,8 +31,9 @@ from torch_msa.triton import (
 require_a_device()
 
 
-@pytest.mark.parametrize("case", ATTENTION_CASES)
-def test_forward_and_backward_match_reference(case):
+def _junk_problem(case):
+    """Random q, k, v of `ATTENTION_CASES[case]` and the ops' arguments after them: a selection
+    with junk ids, the documents, the block size and the scale `D^-0.5`."""
     q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES[case]
     cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(q_lens, k_lens)
     block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
@@ -44,6 +41,15 @@ def test_forward_and_backward_match_reference(case):
     k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
     v = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+    return q, k, v, args
+
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_forward_and_backward_match_reference(case):
+    q, k, v, args = _junk_problem(case)
+    num_queries, num_heads, _ = q.shape
+    dtype = q.dtype
     out_ref, lse_ref = reference.forward(*backend_arguments("forward", q, k, v, *args))
     out, lse = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args))
     tolerance = TOLERANCE[dtype]
@@ -77,14 +83,10 @@ def test_backward_without_grad_lse_matches_reference():
 def test_forward_and_backward_read_a_given_plan():
     """A plan of any item size (here 8, the kernels build 128 for this shape) gives the results
     of the reference."""
-    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES["pack-empty-and-1-token"]
-    cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(q_lens, k_lens)
-    block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
-    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
-    k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
-    v = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
-    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
-    plan = plan_kernel.plan(block_indices, documents_of(cu_q, cu_k), num_keys, block_size, 8)
+    q, k, v, args = _junk_problem("pack-empty-and-1-token")
+    block_indices, cu_q, cu_k, _, _, block_size, _ = args
+    dtype = q.dtype
+    plan = plan_kernel.plan(block_indices, documents_of(cu_q, cu_k), k.shape[0], block_size, 8)
     out_ref, lse_ref = reference.forward(*backend_arguments("forward", q, k, v, *args))
     out, _ = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args, plan))
     close(out, out_ref, TOLERANCE[dtype], "out")
@@ -147,12 +149,9 @@ def test_forward_in_query_windows_equals_one_call(monkeypatch):
     import torch_msa.triton as triton_backend
     from torch_msa import query_windows
 
-    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES["pack-empty-and-1-token"]
-    cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(q_lens, k_lens)
-    block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
-    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
-    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
-    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+    q, k, v, args = _junk_problem("pack-empty-and-1-token")
+    _, num_heads, dim = q.shape
+    dtype, topk = q.dtype, args[0].shape[-1]
     expected = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args))
     monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 17 * query_windows.partial_bytes_per_query(num_heads, topk, dim,
                                                                                                    dtype))

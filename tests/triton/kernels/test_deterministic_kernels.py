@@ -1,10 +1,6 @@
 """The Triton deterministic backward against the reference at small shapes, and bitwise repeats.
 
-On a CUDA host these run the compiled kernels; on CPU they run under the Triton interpreter
-(`TRITON_INTERPRET=1`, set by `tests/triton/test_interpret.py` for a subprocess per file, because
-the interpreter must be chosen before triton is imported). The interpreter does not compute bf16
-`tl.dot` correctly (triton 3.8), so the small cases use fp32 and fp16; bf16 is covered at M3
-shapes by `tests/triton/test_cuda.py`.
+Where and how they run, and why in fp32 and fp16: `tests/support/triton_kernels.py`.
 """
 
 import pytest

@@ -4,7 +4,7 @@ Against a float64 computation of the loss written here from the math (dense `[Tq
 fine at these sizes), with the index gradients taken by autograd through it, and against
 `torch_msa.reference_kl` for the outputs it has. Run natively on a CUDA host, or on CPU under the
 Triton interpreter by `tests/triton/test_interpret.py`; fp32 and fp16 only (the interpreter's
-bf16 `tl.dot` is wrong, see `test_attention_kernels.py`).
+bf16 `tl.dot` is wrong, see `tests/support/triton_kernels.py`).
 """
 
 

@@ -3,7 +3,7 @@ small shapes, bitwise repeats, and the backend's choice of it under deterministi
 
 Run natively on a CUDA host, or on CPU under the Triton interpreter by
 `tests/triton/test_interpret.py`; fp32 and fp16 only (the interpreter's bf16 `tl.dot` is wrong,
-see `test_attention_kernels.py`). Cases marked `split` shrink the items to 16 or 32 entries, so that one
+see `tests/support/triton_kernels.py`). Cases marked `split` shrink the items to 16 or 32 entries, so that one
 key block is split over several items and the fixed-order reduction sums more than one item per
 bucket.
 """

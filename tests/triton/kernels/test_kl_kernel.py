@@ -3,7 +3,7 @@
 
 Run natively on a CUDA host, or on CPU under the Triton interpreter by
 `tests/triton/test_interpret.py`; fp32 and fp16 only (the interpreter's bf16 `tl.dot` is wrong,
-see `test_attention_kernels.py`).
+see `tests/support/triton_kernels.py`).
 """
 
 

@@ -4,7 +4,7 @@ and of `kl_deterministic.py`) against the reference's at small shapes, on an fp1
 
 Run natively on a CUDA host, or on CPU under the Triton interpreter by
 `tests/triton/test_interpret.py`; fp32 and fp16 index inputs only (the interpreter's bf16
-`tl.dot` is wrong, see `test_attention_kernels.py`). Every case has junk ids (repeats, ids far past the
+`tl.dot` is wrong, see `tests/support/triton_kernels.py`). Every case has junk ids (repeats, ids far past the
 horizon or near the int32 limit, -1 in a first slot), which the kernels must neither read nor
 count.
 """
