@@ -11,6 +11,9 @@ D=128, block 128, top-16, bf16, index heads 4 x 128; `--heads` sets other head c
 * dense causal SDPA forced to cuDNN and to flash (the math backend on CPU): the baseline;
 * fla's `parallel_nsa` selected-block attention (optional package `fla-core`);
 * FlexAttention with the exact MSA mask, heads folded into the query axis;
+* cuDNN frontend's block-sparse attention (blocks of 128 and, forward only, 64), on the
+  tile-shared selections of `--selection tiled`, where it computes what MSA computes at each
+  query tile's last row (optional package `nvidia-cudnn-frontend`);
 * torch_msa: `select_blocks`, the shared schedule, `msa::forward`, `msa::backward`, and the
   whole `select -> forward -> backward` step,
 

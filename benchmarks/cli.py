@@ -64,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=int, help=f"timed calls; the median is reported (default {DEFAULT_ITERS})")
     parser.add_argument("--selection", choices=SELECTIONS, default="index",
                         help="index: torch_msa.select_blocks on random index inputs; skewed: every token "
-                             "picks block 0 and its newest blocks (load imbalance). Default: index")
+                             "picks block 0 and its newest blocks (load imbalance); tiled: the index selection "
+                             "shared by each 128-query tile (its last query's), the case cuDNN's block-sparse "
+                             "attention can express, which then runs as a peer. Default: index")
     parser.add_argument("--row-budget", type=float, default=20.0, metavar="SECONDS",
                         help="cap of the timed part of one measurement: slower ones get fewer runs (at "
                              f"least {MIN_RUNS}, marked *); 0 disables (default 20)")

@@ -12,7 +12,8 @@
   without a plan (so each builds its own, as a caller without a plan pays).
 * `select+fwd+bwd`: `select_blocks -> sparse_attention -> autograd backward`, the number the
   speedup targets use; its peak device memory above the inputs is recorded too. Under the skewed
-  selection the step still runs `select_blocks` but attends with the skewed indices.
+  and tile-shared selections the step still runs `select_blocks` but attends with the problem's
+  indices.
 
 Whichever backend the registry resolves serves the ops. The pure-PyTorch reference is an oracle,
 not a fast path: on CUDA its phases are skipped above `max_reference_tokens` tokens so that a
@@ -95,16 +96,16 @@ def msa_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
 
         skip = too_slow("select_blocks", "forward", "backward")
         leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
-        skewed = inputs.selection == "skewed"
+        given = inputs.selection != "index"
 
         def step():
             chosen = inputs.select()
-            if skewed:
+            if given:
                 chosen = block_indices
             out = torch_msa.sparse_attention(*leaves, chosen, *documents, block_size=block_size)
             return torch.autograd.grad(out, leaves, inputs.grad_out)
 
-        note = skip or ("select_blocks runs, then the skewed indices are attended" if skewed else "")
+        note = skip or (f"select_blocks runs, then the {inputs.selection} indices are attended" if given else "")
         yield Measurement("select+fwd+bwd", None if skip else step, work.msa_step, note, track_memory=True)
 
     return Subject(IMPL, PHASES, measurements)

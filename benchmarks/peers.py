@@ -7,6 +7,14 @@
   our block indices as `[1, T, Hkv, topk]` int64; its compression branch is not run.
 * FlexAttention with the exact MSA mask, heads folded into the query axis (`flex_mask.py`),
   compiled on CUDA; on CPU it runs eagerly and forward only (FlexAttention has no CPU backward).
+* cuDNN frontend's block-sparse attention (`cudnn.block_sparse_attention`, package
+  `nvidia-cudnn-frontend` >= 1.32, CuTe DSL kernels for SM90-SM120) on tile-shared selections
+  (`--selection tiled`), the only ones it expresses: one list of key blocks per 128-query tile
+  and query head. It attends non-causally inside a block, so on the tile's own block it computes
+  the masked half too (about 3% more pairs at top-16); its rate counts MSA's FLOPs. The blk128
+  kernels run forward and backward; the blk64 forward (each 128-key block as two of 64) is timed
+  too. Its backward serves one KV head per query head only, so K/V are expanded to Hq heads
+  first, and its dK/dV are per query head (the sum over a KV head's group is not timed).
 
 Backward phases reuse one forward's autograd graph (`retain_graph=True`), so only the backward
 is timed. Layout copies (folding heads for FlexAttention, transposing the indices for fla) are
@@ -29,6 +37,8 @@ DENSE_PHASES = ("fwd", "bwd")
 FLEX_PHASES = ("mask", "fwd", "bwd")
 DENSE_BACKENDS = ("cudnn", "flash", "math")
 FLA_INSTALL = "pip install fla-core"
+BSA_INSTALL = "pip install 'nvidia-cudnn-frontend>=1.32' 'nvidia-cutlass-dsl>=4.6.2'"
+BSA_PHASES = {128: ("fwd", "bwd"), 64: ("fwd",)}
 
 
 def _sdpa_backend(name: str):
@@ -181,3 +191,83 @@ def flex_subject(inputs: Inputs) -> Subject:
                           work.msa_backward, note)
 
     return Subject(impl, FLEX_PHASES, measurements)
+
+
+def _bsa_block_lists(inputs: Inputs, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """BSA's metadata of the problem's tile-shared selection at BSA block size `block` (128, or
+    64 with each key block split in two): int32 `[B, Hq, L / block, 2 * topk or topk]` key block
+    ids per query tile and head, ascending, the slots past the tile's count holding 0, and the
+    counts `[B, Hq, L / block]`."""
+    shape, lengths = inputs.shape, inputs.spec.lengths
+    batch, length = len(lengths), lengths[0]
+    tile_last = torch.arange(shape.block_size - 1, length + shape.block_size - 1, shape.block_size,
+                             device=inputs.q.device).clamp(max=length - 1)
+    starts = torch.tensor([0, *lengths[:-1]], device=inputs.q.device).cumsum(0)
+    rows = inputs.block_indices[:, (starts[:, None] + tile_last[None, :]).flatten()]  # [Hkv, B * tiles, topk]
+    rows = rows.view(shape.kv_heads, batch, -1, shape.topk)
+    # Ascending, the unused slots (-1) last.
+    unused = torch.iinfo(torch.int32).max
+    rows = torch.where(rows < 0, unused, rows).sort(dim=-1).values
+    counts = (rows != unused).sum(-1, dtype=torch.int32)
+    if block != shape.block_size:
+        split = shape.block_size // block
+        rows = torch.where(rows[..., None] == unused, unused, rows[..., None] * split + torch.arange(split, device=rows.device))
+        rows = rows.flatten(-2).repeat_interleave(split, dim=2)[:, :, : length // block]
+        counts = counts.repeat_interleave(split, dim=2)[:, :, : length // block] * split
+    rows = torch.where(rows == unused, 0, rows)
+    # One list per query head: the heads of a KV head share its selection.
+    rows = rows.repeat_interleave(shape.group, dim=0).permute(1, 0, 2, 3).contiguous()
+    return rows.to(torch.int32), counts.repeat_interleave(shape.group, dim=0).permute(1, 0, 2).contiguous()
+
+
+def bsa_subject(inputs: Inputs, block: int = 128) -> Subject:
+    """cuDNN frontend's block-sparse attention at BSA block size `block` (128 or 64) on the
+    problem's tile-shared selection (CUDA, SM90-SM120, `nvidia-cudnn-frontend`)."""
+    impl, phases = f"cuDNN BSA blk{block}", BSA_PHASES[block]
+    shape, lengths = inputs.shape, inputs.spec.lengths
+    if inputs.q.device.type != "cuda":
+        return Subject(impl, phases, skip_reason="cuDNN's block-sparse attention needs CUDA")
+    if inputs.selection != "tiled":
+        return Subject(impl, phases, skip_reason="it takes one selection per 128-query tile: run with --selection tiled")
+    if len(set(lengths)) != 1 or lengths[0] % shape.block_size:
+        return Subject(impl, phases, skip_reason=f"it runs equal documents of a multiple of {shape.block_size} tokens "
+                                                 f"as one batch; got {lengths[:4]}{'...' if len(lengths) > 4 else ''}")
+    if shape.block_size != 128 or shape.head_dim != 128:
+        return Subject(impl, phases, skip_reason=f"it serves blocks of 128 keys and D = 128, got block "
+                                                 f"{shape.block_size}, D {shape.head_dim}")
+    try:
+        from cudnn.block_sparse_attention import api as bsa
+    except Exception as error:  # noqa: BLE001  (absent, or broken against this torch/CuTe DSL: skip the peer)
+        return Subject(impl, phases, skip_reason=f"cudnn.block_sparse_attention not importable "
+                                                 f"({type(error).__name__}: {error}); {BSA_INSTALL}")
+
+    def measurements():
+        batch, length, scale = len(lengths), lengths[0], shape.head_dim ** -0.5
+        block_lists, counts = _bsa_block_lists(inputs, block)
+        capacity = block_lists.shape[-1]
+        q = inputs.q.view(batch, length, shape.query_heads, shape.head_dim)
+        k, v = (x.view(batch, length, shape.kv_heads, shape.head_dim) for x in (inputs.k, inputs.v))
+        note = "non-causal inside the own block; FLOPs counted as MSA's"
+
+        def forward(keys, values):
+            return bsa.block_sparse_attention_forward(q, keys, values, block_lists, capacity, q2k_block_nums=counts,
+                                                      sparse_block_size=block, softmax_scale=scale, layout="bshd")
+
+        yield Measurement("fwd", lambda: forward(k, v), inputs.work.msa_forward, note)
+        if "bwd" not in phases:
+            return
+        expanded_k, expanded_v = (x.repeat_interleave(shape.group, dim=2) for x in (k, v))
+        result = forward(expanded_k, expanded_v)
+        out, lse = result["o_tensor"], result["lse_tensor"]
+        grad_out = inputs.grad_out.view_as(q)
+
+        def backward():
+            return bsa.block_sparse_attention_backward(grad_out, q, expanded_k, expanded_v, out, lse, block_lists,
+                                                       capacity, q2k_block_nums=counts, softmax_scale=scale,
+                                                       sparse_block_size=block, layout="bshd")
+
+        yield Measurement("bwd", backward, inputs.work.msa_backward,
+                          f"{note}; K/V expanded to {shape.query_heads} heads (its backward is MHA only), "
+                          "dK/dV per query head")
+
+    return Subject(impl, phases, measurements)

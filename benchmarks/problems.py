@@ -17,7 +17,7 @@ from torch_msa.testing import skewed_block_indices
 
 from .flops import Work, work
 
-SELECTIONS = ("index", "skewed")
+SELECTIONS = ("index", "skewed", "tiled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +122,22 @@ class Inputs:
                                        block_size=self.shape.block_size)
 
 
+def tile_shared(block_indices: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The selection in which every query tile (the `block_size` queries of one key block of a
+    document) takes the row of its last query: int32 `[Hkv, T, topk]` like `block_indices`.
+
+    That query sees every block of the tile's rows (none lies past its own), so the result is a
+    valid selection, and it is what a block-sparse kernel with one list per query tile (cuDNN's
+    BSA) can express.
+    """
+    tokens = block_indices.shape[1]
+    token = torch.arange(tokens, device=block_indices.device)
+    document = torch.searchsorted(cu_seqlens, token, right=True) - 1
+    start, end = cu_seqlens[document].long(), cu_seqlens[document + 1].long()
+    tile_last = start + ((token - start) // block_size + 1) * block_size - 1
+    return block_indices[:, torch.minimum(tile_last, end - 1)].contiguous()
+
+
 def make_inputs(spec: ProblemSpec, shape: Shape, device: torch.device, selection: str, seed: int) -> Inputs:
     """Random unit-normal bf16 inputs (drawn on `device`, seeded) and the chosen selection."""
     if selection not in SELECTIONS:
@@ -140,9 +156,11 @@ def make_inputs(spec: ProblemSpec, shape: Shape, device: torch.device, selection
     grad_out = normal(tokens, shape.query_heads, shape.head_dim)
     index_q = normal(tokens, shape.kv_heads, shape.index_dim)
     index_k = normal(tokens, 1, shape.index_dim)
-    if selection == "index":
+    if selection in ("index", "tiled"):
         block_indices = torch_msa.select_blocks(index_q, index_k, cu_seqlens, cu_seqlens, max(spec.lengths),
                                                 max(spec.lengths), topk=shape.topk, block_size=shape.block_size)
+        if selection == "tiled":
+            block_indices = tile_shared(block_indices, cu_seqlens, shape.block_size)
     else:
         # Every token picks block 0 and its newest blocks: the load-imbalance case.
         block_indices = skewed_block_indices(cu_seqlens, cu_seqlens, shape.kv_heads, shape.topk, shape.block_size)

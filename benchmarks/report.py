@@ -6,7 +6,8 @@ import os
 
 from .results import OK, BenchResult, ProblemResult, Row
 
-PLOT_IMPLS = ("cudnn dense", "flash dense", "math dense", "fla parallel_nsa", "FlexAttention", "torch_msa")
+PLOT_IMPLS = ("cudnn dense", "flash dense", "math dense", "fla parallel_nsa", "FlexAttention", "cuDNN BSA blk128",
+              "torch_msa")
 
 
 def format_rate(value: float | None) -> str:

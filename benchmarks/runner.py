@@ -131,6 +131,7 @@ def subjects(inputs, config: Config) -> list[Subject]:
             found.append(peers.dense_subject(inputs, "flash"))
     if not config.skip_peers:
         found += [peers.fla_subject(inputs), peers.flex_subject(inputs)]
+        found += [peers.bsa_subject(inputs, 128), peers.bsa_subject(inputs, 64)]
     found.append(msa.msa_subject(inputs, config.max_reference_tokens))
     return found
 

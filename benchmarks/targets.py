@@ -13,7 +13,9 @@ from .report import format_rate
 from .results import OK, BenchResult, ProblemResult
 
 REACHED, NOT_REACHED, NOT_MEASURED = "reached", "not reached", "not measured"
-MSA, CUDNN, FLA = "torch_msa", "cudnn dense", "fla parallel_nsa"
+MSA, CUDNN, FLA, BSA = "torch_msa", "cudnn dense", "fla parallel_nsa", "cuDNN BSA blk128"
+# torch_msa's fwd+bwd within this factor of cuDNN BSA's time, on the selections both express.
+BSA_TIME_FACTOR = 1.2
 STEP = "select+fwd+bwd"
 MEMORY_PROBLEMS = ("T=131072", "pack 8x16384")
 # The rate goals of torch_msa's phases, TF/s.
@@ -130,6 +132,9 @@ def evaluate(result: BenchResult) -> list[Outcome]:
                _ratio(CUDNN, "fwd+bwd", STEP), only="T=131072"),
         _judge(result, "forward >= 4x fla parallel_nsa (same indices)", 4.0, "x", _ratio(FLA, "fwd", "fwd")),
         _judge(result, "backward >= 3x fla parallel_nsa (same indices)", 3.0, "x", _ratio(FLA, "bwd", "bwd")),
+        # Judged as a speedup, like the others: BSA's time over torch_msa's, at least 1 / factor.
+        _judge(result, f"fwd+bwd within {BSA_TIME_FACTOR}x of {BSA}'s time (--selection tiled)", 1 / BSA_TIME_FACTOR,
+               "x", _ratio(BSA, "fwd+bwd", "fwd+bwd")),
         _memory(result),
     ]
 

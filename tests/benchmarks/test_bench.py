@@ -128,6 +128,48 @@ def test_skewed_selection_picks_block_zero_and_the_newest_blocks():
                               inputs.cu_seqlens, topk=3, block_size=64)
 
 
+def test_the_tiled_selection_gives_each_query_tile_its_last_querys_row():
+    lengths = (200, 130, 64)
+    index = make_inputs(ProblemSpec(lengths, pack=True), SMALL, CPU, "index", seed=2)
+    tiled = make_inputs(ProblemSpec(lengths, pack=True), SMALL, CPU, "tiled", seed=2)
+    start = 0
+    for length in lengths:
+        for position in range(length):
+            last = min((position // 64 + 1) * 64, length) - 1
+            assert torch.equal(tiled.block_indices[:, start + position], index.block_indices[:, start + last])
+        start += length
+    torch_msa.validate_inputs(tiled.q, tiled.k, tiled.v, tiled.block_indices, tiled.cu_seqlens, tiled.cu_seqlens,
+                              topk=3, block_size=64)
+    # The first token of a tile with earlier blocks selects more than its own index row would allow.
+    assert not torch.equal(tiled.block_indices, index.block_indices)
+
+
+@pytest.mark.parametrize("block", [64, 32])
+def test_bsa_block_lists_are_the_tiles_selections_ascending_per_query_head(block):
+    shape = Shape(query_heads=8, kv_heads=2, head_dim=64, index_dim=32, block_size=64, topk=5)
+    inputs = make_inputs(ProblemSpec((448,) * 2, pack=True), shape, CPU, "tiled", seed=3)
+    lists, counts = peers._bsa_block_lists(inputs, block)
+    split = 64 // block
+    assert lists.shape == (2, 8, 448 // block, 5 * split) and lists.dtype == counts.dtype == torch.int32
+    for document in range(2):
+        for head in range(8):
+            for tile in range(448 // block):
+                token = document * 448 + min((tile // split + 1) * 64, 448) - 1
+                chosen = sorted(b * split + s for b in set(inputs.block_indices[head // 4, token].tolist()) if b >= 0
+                                for s in range(split))
+                count = counts[document, head, tile].item()
+                assert lists[document, head, tile, :count].tolist() == chosen
+                assert lists[document, head, tile, count:].eq(0).all()
+
+
+def test_cudnn_bsa_is_a_peer_only_where_it_can_run():
+    inputs = make_inputs(ProblemSpec((256,)), SMALL, CPU, "tiled", seed=0)
+    subject = peers.bsa_subject(inputs, 128)
+    assert subject.impl == "cuDNN BSA blk128" and subject.phases == ("fwd", "bwd")
+    assert "needs CUDA" in subject.skip_reason
+    assert peers.bsa_subject(inputs, 64).phases == ("fwd",)
+
+
 def test_inputs_use_torch_msa_selection():
     inputs = make_inputs(ProblemSpec((100, 150), pack=True), SMALL, CPU, "index", seed=3)
     assert torch.equal(inputs.block_indices, inputs.select())
@@ -396,13 +438,13 @@ def test_cli_on_cpu_prints_the_table_and_targets_and_writes_json(tmp_path, capsy
             f"no row {impl} {phase}:\n{stdout}"
     assert "skipped" in stdout and "fla's Triton kernels need CUDA" in stdout
     target_lines = [line for line in stdout.splitlines() if line.startswith("  [")]
-    assert len(target_lines) == 9
+    assert len(target_lines) == len(targets.evaluate(BenchResult({}, [])))
     assert all(line.split("]")[0][3:] in (targets.REACHED, targets.NOT_REACHED, targets.NOT_MEASURED)
                for line in target_lines)
     assert "[not measured] select+fwd+bwd >= 10x cuDNN dense fwd+bwd at T=64K" in stdout
-    # stderr is not a terminal here: no row lines, one line for the problem's 13 phases (2 math
-    # dense, 2 fla, 3 FlexAttention, 6 torch_msa).
-    assert re.fullmatch(r"\[1/1\] T=128: 13/13 in \d+:\d\d\n", captured.err), captured.err
+    # stderr is not a terminal here: no row lines, one line for the problem's 16 phases (2 math
+    # dense, 2 fla, 3 FlexAttention, 2 + 1 cuDNN BSA, 6 torch_msa).
+    assert re.fullmatch(r"\[1/1\] T=128: 16/16 in \d+:\d\d\n", captured.err), captured.err
     topk_line = next(line for line in target_lines if "top-k under 10% of selection" in line)
     assert "[not measured]" not in topk_line and "T=128 " in topk_line
 
@@ -424,7 +466,7 @@ def test_cli_on_cpu_prints_the_table_and_targets_and_writes_json(tmp_path, capsy
     assert row["tflops"] == pytest.approx(problem["work"]["msa_forward"] / (row["ms"] * 1e-3) / 1e12)
     assert row["peak_fraction"] is None  # a CPU has no known peak rate
     assert row["speedup_vs_baseline"] > 0
-    assert len(data["targets"]) == 9 and {"target", "verdict", "detail", "values"} <= set(data["targets"][0])
+    assert len(data["targets"]) == len(target_lines) and {"target", "verdict", "detail", "values"} <= set(data["targets"][0])
     assert (out / "bench.txt").read_text().count("torch_msa ") >= 5
     png = out / "bench.png"
     assert png.exists() == ("wrote " + str(png) in stdout)
@@ -622,6 +664,9 @@ def test_every_peer_runs_on_cuda(tmp_path, capsys):
         for row in problem["rows"]:
             if row["impl"] == "fla parallel_nsa" and not fla_installed:
                 assert row["status"] == SKIPPED
+            elif row["impl"].startswith("cuDNN BSA"):
+                # The index selection differs from token to token inside a query tile.
+                assert row["status"] == SKIPPED and "--selection tiled" in row["note"], row
             elif row["impl"] == "torch_msa" and row["phase"] == "schedule" and row["status"] == SKIPPED:
                 continue
             elif row["impl"] == "FlexAttention" and row["phase"] == "bwd" and row["status"] == ERROR:
@@ -650,6 +695,42 @@ def test_compiled_flex_and_fla_compute_msa_on_cuda():
         out = ParallelNSAFunction.apply(inputs.q[None], inputs.k[None], inputs.v[None], indices, 16, 128,
                                         128 ** -0.5, inputs.cu_seqlens.to(torch.int64))
         torch.testing.assert_close(out[0], reference, atol=2e-2, rtol=2e-2)
+
+
+def _bsa_importable() -> bool:
+    try:
+        from cudnn.block_sparse_attention import api  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+@pytest.mark.cuda
+def test_cudnn_bsa_computes_msa_at_each_tiles_last_query_on_cuda():
+    """BSA attends non-causally inside a block; a tile's last query sees its whole own block
+    under MSA too, so there the two agree, at both BSA block sizes. The runner then times it."""
+    if not _bsa_importable():
+        pytest.skip(f"cudnn.block_sparse_attention is not importable; {peers.BSA_INSTALL}")
+    from cudnn.block_sparse_attention import api as bsa
+
+    inputs = make_inputs(ProblemSpec((2048,) * 2, pack=True), M3, torch.device("cuda"), "tiled", seed=6)
+    reference, _ = torch.ops.msa.forward(inputs.q, inputs.k, inputs.v, inputs.block_indices, *inputs.document_args,
+                                         128, 128 ** -0.5)
+    tile_last = torch.arange(127, 4096, 128, device="cuda")
+    for block in (128, 64):
+        lists, counts = peers._bsa_block_lists(inputs, block)
+        out = bsa.block_sparse_attention_forward(
+            inputs.q.view(2, 2048, 64, 128), inputs.k.view(2, 2048, 4, 128), inputs.v.view(2, 2048, 4, 128), lists,
+            lists.shape[-1], q2k_block_nums=counts, sparse_block_size=block, softmax_scale=128 ** -0.5,
+            layout="bshd")["o_tensor"].reshape(4096, 64, 128)
+        torch.testing.assert_close(out[tile_last], reference[tile_last], atol=2e-2, rtol=2e-2)
+    result = ProblemResult(inputs.spec, inputs.work, "cudnn dense")
+    progress = Progress("pack 2x2048", 3)
+    config = _config(device=torch.device("cuda"), shape=M3, selection="tiled")
+    for block in (128, 64):
+        runner.run_subject(peers.bsa_subject(inputs, block), result, config, progress)
+    assert {(r.impl, r.phase): r.status for r in result.rows} == {
+        ("cuDNN BSA blk128", "fwd"): OK, ("cuDNN BSA blk128", "bwd"): OK, ("cuDNN BSA blk64", "fwd"): OK}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA host the command would run the benchmark")
