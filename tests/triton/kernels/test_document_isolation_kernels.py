@@ -41,7 +41,7 @@ def _assert_other_docs_unchanged(name, got, want, rows_per_doc, exact):
         if exact:
             assert torch.equal(part, clean), f"{name} of document {doc} changed"
         else:  # the default backward adds with atomics: order-dependent in the last bits on a GPU
-            torch.testing.assertclose(part, clean, rtol=1e-5, atol=1e-5, msg=f"{name} of document {doc} changed")
+            torch.testing.assert_close(part, clean, rtol=1e-5, atol=1e-5, msg=f"{name} of document {doc} changed")
 
 
 @pytest.mark.parametrize("poisoned", ["q", "k", "v", "grad_out", "grad_lse"])
