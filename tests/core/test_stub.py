@@ -5,6 +5,7 @@ loaded library (and an imported torch_msa) cannot be unloaded from the test proc
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -60,7 +61,11 @@ def stub_library(tmp_path_factory) -> Path:
 
     if not is_ninja_available():
         pytest.skip("C++ stub tests need ninja (torch.utils.cpp_extension.load builds with it)")
-    build_dir = tmp_path_factory.mktemp("msa_stub_build")
+    # The xdist workers of one run share the build: torch's load() takes a lock in its build
+    # directory, so the second worker waits and then finds the library built.
+    shared = "PYTEST_XDIST_WORKER" in os.environ
+    build_dir = (tmp_path_factory.getbasetemp().parent if shared else tmp_path_factory.getbasetemp()) / "msa_stub_build"
+    build_dir.mkdir(exist_ok=True)
     proc = _python(
         """
         import sys

@@ -4,6 +4,8 @@ backward (both modes) and selection kernels.
 Where and how they run, and why in fp32 and fp16: `tests/support/triton_kernels.py`.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -44,10 +46,21 @@ def _assert_other_docs_unchanged(name, got, want, rows_per_doc, exact):
             torch.testing.assert_close(part, clean, rtol=1e-5, atol=1e-5, msg=f"{name} of document {doc} changed")
 
 
-@pytest.mark.parametrize("poisoned", ["q", "k", "v", "grad_out", "grad_lse"])
-def test_a_non_finite_document_changes_no_other_document(poisoned):
+def _run_attention(x, args):
+    """Forward, backward and deterministic backward of the tensors in `x`."""
+    out, lse = forward_kernel.forward(*backend_arguments("forward", x["q"], x["k"], x["v"], *args))
+    backward_args = (x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args, x["grad_lse"])
+    grads = backward_kernel.backward(*backend_arguments("backward", *backward_args))
+    deterministic = backward_deterministic.backward(*backend_arguments("backward", *backward_args))
+    return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads)),
+            **dict(zip(("deterministic dq", "deterministic dk", "deterministic dv"), deterministic))}
+
+
+@functools.cache
+def _clean_attention():
+    """The clean problem of POISON_LAYOUT, its kernel arguments and results (run once for every
+    poisoned input)."""
     cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(*POISON_LAYOUT)
-    query_rows, key_rows = doc_rows(cu_q), doc_rows(cu_k)
     num_heads, num_kv_heads, dim, block_size, topk = 2, 1, 64, 64, 2
     generator = torch.Generator().manual_seed(1)
     clean = {
@@ -58,22 +71,18 @@ def test_a_non_finite_document_changes_no_other_document(poisoned):
         "grad_lse": torch.randn(num_queries, num_heads, generator=generator),
     }
     clean = {name: x.to(DEVICE) for name, x in clean.items()}
-    rows = (key_rows if poisoned in ("k", "v") else query_rows)[POISONED_DOC]
-    dirty = dict(clean, **{poisoned: poison(clean[poisoned], rows)})
     # Every query reads every block it may (topk >= its visible blocks), so each tail block is read.
     block_indices = torch.arange(topk, dtype=torch.int32, device=DEVICE)
     block_indices = block_indices.expand(num_kv_heads, num_queries, topk).contiguous()
     args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+    return clean, args, doc_rows(cu_q), doc_rows(cu_k), _run_attention(clean, args)
 
-    def run(x):
-        out, lse = forward_kernel.forward(*backend_arguments("forward", x["q"], x["k"], x["v"], *args))
-        backward_args = (x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args, x["grad_lse"])
-        grads = backward_kernel.backward(*backend_arguments("backward", *backward_args))
-        deterministic = backward_deterministic.backward(*backend_arguments("backward", *backward_args))
-        return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads)),
-                **dict(zip(("deterministic dq", "deterministic dk", "deterministic dv"), deterministic))}
 
-    want, got = run(clean), run(dirty)
+@pytest.mark.parametrize("poisoned", ["q", "k", "v", "grad_out", "grad_lse"])
+def test_a_non_finite_document_changes_no_other_document(poisoned):
+    clean, args, query_rows, key_rows, want = _clean_attention()
+    rows = (key_rows if poisoned in ("k", "v") else query_rows)[POISONED_DOC]
+    got = _run_attention(dict(clean, **{poisoned: poison(clean[poisoned], rows)}), args)
     for name in ("out", "lse"):
         _assert_other_docs_unchanged(name, got[name], want[name], query_rows, exact=True)
     for name, rows_per_doc in (("dq", query_rows), ("dk", key_rows), ("dv", key_rows)):

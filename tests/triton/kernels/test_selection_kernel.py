@@ -10,6 +10,7 @@ from tests.support import dense
 from tests.support.documents import Documents, backend_arguments
 from tests.support.triton_kernels import (
     DEVICE,
+    INTERPRETING,
     layout,
     require_a_device,
 )
@@ -26,10 +27,14 @@ SELECT_CASES = {
     "suffix-non-pow2-dim": ([30, 170], [400, 170], 3, 48, 64, 3),
     "block128-topk-beyond": ([300], [300], 4, 128, 128, 16),
 }
+# Under the interpreter (on CPU, half a minute a run) the block-128 case runs in fp16 only: the
+# other cases cover the fp32 loads and precision there.
+SELECT_RUNS = [(case, dtype) for case in SELECT_CASES for dtype in (torch.float32, torch.float16)
+               if not (INTERPRETING and case == "block128-topk-beyond" and dtype == torch.float32)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", SELECT_CASES)
+@pytest.mark.parametrize("case, dtype", SELECT_RUNS,
+                         ids=[f"{case}-{str(dtype).removeprefix('torch.')}" for case, dtype in SELECT_RUNS])
 def test_selection_matches_reference(case, dtype):
     q_lens, k_lens, num_heads, index_dim, block_size, topk = SELECT_CASES[case]
     cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(q_lens, k_lens)
