@@ -135,3 +135,7 @@ def _table_line(row: dict) -> str:
     return (f"{row['tokens']:>8} {row['step_ms']:>10.1f} {row['step_tflops']:>6.0f} {row['peak_above_inputs_gib']:>9.2f} "
             f"{row['peak_above_inputs_kib_per_token']:>9.1f} {dense_text:>15} {speedup:>8}")
 
+
+
+if __name__ == "__main__":
+    sys.exit(main())
