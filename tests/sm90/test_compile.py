@@ -55,6 +55,8 @@ BACKWARD_TMA_LOADS = 2 * 2 + 2 * 2 * 4 * 2
 # each, two dims per atomic.
 BACKWARD_BULK_REDUCES = 4
 BACKWARD_VECTOR_ATOMICS = 2 * 2 * 32 // 2
+# dS^T: a thread's 64 keys x 64 rows share (32 values) as four x4 transposing matrix stores.
+DS_MATRIX_STORES = 4
 
 
 def _build(tmp_path_factory, module: str, options: str = ""):
@@ -179,6 +181,8 @@ def test_backward_ptx_has_its_gemms_bulk_reduces_and_atomics(sm90_backward_build
     bulk = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
     assert ptx.count(bulk) == BACKWARD_BULK_REDUCES
     assert ptx.count("red.global.add.v2.f32") == BACKWARD_VECTOR_ATOMICS
+    # dS^T leaves the accumulators by transposing matrix stores, not 32 scalar 16-bit stores.
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == DS_MATRIX_STORES
     # No scalar atomics: dQ leaves by the bulk reduce only.
     assert not re.findall(r"\b(atom|red)\.global(\.\w+)*\.add\.f32\b", ptx)
 

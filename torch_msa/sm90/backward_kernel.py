@@ -23,8 +23,8 @@ Design
   the critical path they would stall every tile);
   `dV += P^T dO` and `dK += dS^T Q` with P^T and dS^T as register A operands and dO, Q read
   through transposed views of their tiles, the fp32 dK/dV accumulators living for the whole
-  item; dS^T goes to shared memory and `dQ = dS K` (warpgroup w computes dims 64 w .. 64 w + 63,
-  K read through a transposed view).
+  item; dS^T goes to shared memory as dS (transposing `stmatrix`, four per thread and tile) and
+  `dQ = dS K` (warpgroup w computes dims 64 w .. 64 w + 63, K read through a transposed view).
 * **dQ leaves as whole tiles.** The scaled fp32 tile goes to shared memory and then, per token,
   one `cp.reduce.async.bulk .add.f32` of 8 KiB (a token's 16 heads x 128 dims are contiguous in
   the fp32 accumulator `[Tq, Hq, D]`) while the next tile is computed: no per-element atomics.
@@ -212,7 +212,12 @@ class Sm90BackwardKernel(BlocksKernel):
         tKrQ = mma_dkv.make_fragment_B(thr_dkv.partition_B(sQt))
         tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
         tQrK = mma_dq.make_fragment_B(thr_dq.partition_B(sKt))
-        tdSsdS = thr_sdp.partition_C(sdSt[None, None, 0])
+        # dS^T leaves the accumulator layout by transposing 8 x 8 matrix stores (keys contiguous).
+        dS_store = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
+            mma_sdp,
+        ).get_slice(tidx)
+        tdSsdS = dS_store.partition_D(sdSt[None, None, 0])
         tdQsdQ = thr_dq.partition_C(sdQ)
 
         cS = thr_sdp.partition_C(cute.make_identity_tensor((BLOCK_SIZE, TILE_ROWS)))
@@ -325,7 +330,7 @@ class Sm90BackwardKernel(BlocksKernel):
                     cute.arch.barrier()
                 else:
                     # dS to shared memory, for dQ = dS K.
-                    tdSsdS.store(rdS.load())
+                    cute.copy(dS_store, dS_store.retile(rdS), tdSsdS)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     if warp == 0:
                         # The previous tile's dQ has left the dQ tile.

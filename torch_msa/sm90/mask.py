@@ -42,6 +42,8 @@ def zero_keys_past(tile: cute.Tensor, key_count: Int32, thread: Int32):
     `thread < 128` taking key `thread`, and fence the stores for the tensor cores' reads. The
     caller's barrier over the threads that called it then orders the stores before those reads."""
     if thread < BLOCK_SIZE and thread >= key_count:
-        for d in cutlass.range(HEAD_DIM, unroll_full=True):
+        # A rolled loop: unrolled, its 128 swizzled addresses would be hoisted out of the kernel's
+        # loops and held in registers (or spilled) for stores that run once per partial block.
+        for d in cutlass.range(HEAD_DIM, unroll=1):
             tile[thread, d] = tile.element_type(0.0)
     cute.arch.fence_proxy("async.shared", space="cta")
