@@ -51,9 +51,9 @@ BACKWARD_RS_STEPS = 2 * (64 // 16)
 # TMA loads: K and V once per item (two boxes each); Q and dO of 4 tokens (two boxes each) at the
 # item's start and for the next tile.
 BACKWARD_TMA_LOADS = 2 * 2 + 2 * 2 * 4 * 2
-# dQ: one bulk reduce-add per token of the tile; dK and dV: a thread's 2 key rows x 32 dims of
-# each, two dims per atomic.
-BACKWARD_BULK_REDUCES = 4
+# dQ: one bulk reduce-add per warp (its token's 16 heads x 64 dims); dK and dV: a thread's 2 key
+# rows x 32 dims of each, two dims per atomic.
+BACKWARD_BULK_REDUCES = 1
 BACKWARD_VECTOR_ATOMICS = 2 * 2 * 32 // 2
 # dS^T: a thread's 64 keys x 64 rows share (32 values) as four x4 transposing matrix stores.
 DS_MATRIX_STORES = 4

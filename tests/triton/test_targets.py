@@ -82,6 +82,12 @@ def _backward_delta(config):
     return backward_kernel.msa_bwd_delta_kernel, types, constants
 
 
+def _backward_ungroup_dq(config):
+    types = {"dq_acc": "*fp32", "dq": "*bf16"}
+    constants = dict(HEADS=GROUP, GROUPS=M3["dim"] // 8, WIDTH=8)
+    return backward_kernel.msa_bwd_ungroup_dq_kernel, types, constants
+
+
 def _backward_blocks(config):
     tokens, group_p2 = common.tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
     types = dict.fromkeys(("q", "k", "v", "grad_out"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
@@ -228,6 +234,7 @@ KERNELS = {
     "msa_fwd_blocks_kernel": (_forward_blocks, forward_kernel.BLOCKS_CONFIGS),
     "msa_fwd_combine_kernel": (_forward_combine, forward_kernel.COMBINE_CONFIGS),
     "msa_bwd_delta_kernel": (_backward_delta, backward_kernel.DELTA_CONFIGS),
+    "msa_bwd_ungroup_dq_kernel": (_backward_ungroup_dq, backward_kernel.UNGROUP_CONFIGS),
     "msa_bwd_blocks_kernel": (_backward_blocks, backward_kernel.BLOCKS_CONFIGS),
     "msa_bwd_blocks_kernel (deterministic)": (_deterministic_key_blocks, backward_kernel.DETERMINISTIC_BLOCKS_CONFIGS),
     "msa_bwd_key_reduce_kernel": (_deterministic_key_reduce, backward_deterministic_kernel.KEY_REDUCE_CONFIGS),

@@ -7,7 +7,8 @@ any work.
 * **`backward`**: `delta = rowsum(dO * O) - grad_lse` (Triton, `torch_msa.triton.stages.compute_delta`),
   the step's plan (or a new one), zeroed fp32 accumulators for dQ, dK and dV, one launch of the
   kernel on a persistent grid of one CTA per SM (capped by the item count), which adds into them
-  with atomics, then the casts to the inputs' dtype.
+  with atomics, then the casts to the inputs' dtype (dQ's by the Triton stage `ungroup_dq`, which
+  also undoes the kernel's dim grouping, `common.DQ_DIM_GROUP`).
 * The bitwise-reproducible backward (for `torch.use_deterministic_algorithms(True)`) is
   `backward_deterministic.py`: the kernel's deterministic variant (`launch_blocks(...,
   deterministic=True)`) stores each item's dK/dV in the item's own workspace rows, and the Triton
@@ -26,7 +27,17 @@ import torch
 
 from ..backends import UnsupportedInputs
 from ..cute_dsl import require_cute_dsl, sm_count
-from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, blocks_operands, check_served, compile_blocks, launch, step_schedule
+from .common import (
+    BLOCK_SIZE,
+    DQ_DIM_GROUP,
+    HEAD_DIM,
+    HEADS_PER_KV,
+    blocks_operands,
+    check_served,
+    compile_blocks,
+    launch,
+    step_schedule,
+)
 
 # Q, dO and the lse/delta rows are addressed with 32-bit row indices (query x head).
 MAX_QUERY_ROWS = 2**31 - 1
@@ -76,7 +87,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
     num_keys, num_kv_heads, _ = k.shape
     require_cute_dsl()
     from ..cute_dsl.cute_io import aligned_operand
-    from ..triton.stages import compute_delta
+    from ..triton.stages import compute_delta, ungroup_dq
 
     topk = block_indices.shape[-1]
     device = q.device
@@ -99,7 +110,9 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
         schedule, key_count = step_schedule(block_indices, documents, num_keys, num_heads, plan)
         launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk, softmax_scale,
                       teacher=teacher)
-    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=device)
+    ungroup_dq(dq_acc, dq, HEADS_PER_KV, DQ_DIM_GROUP, (device, q.dtype, dim))
+    return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
 def operands(num_kv_heads: int, deterministic: bool = False):

@@ -11,7 +11,7 @@ Design
 * **Work.** The step's plan, walked as in the forward (`tile_scheduler.py`): items of one KV
   head's key block and the (query, slot) entries that chose it, taken four tokens (a 64-row tile
   of 4 tokens x 16 heads) at a time.
-* **CTA.** Two warpgroups (256 threads), one CTA per SM (177 KiB of shared memory). Warp 0
+* **CTA.** Two warpgroups (256 threads), one CTA per SM (193 KiB of shared memory). Warp 0
   produces the TMA load pipelines (`pipeline.py`): the block's K and V once per item (two TMA
   boxes) and, per tile, Q and dO (one 16 x 128 TMA box per token each, two stages: the next tile
   loads while this one is computed; a stage is released once the tile's dK/dV GEMMs have read it).
@@ -25,9 +25,13 @@ Design
   through transposed views of their tiles, the fp32 dK/dV accumulators living for the whole
   item; dS^T goes to shared memory as dS (transposing `stmatrix`, four per thread and tile) and
   `dQ = dS K` (warpgroup w computes dims 64 w .. 64 w + 63, K read through a transposed view).
-* **dQ leaves as whole tiles.** The scaled fp32 tile goes to shared memory and then, per token,
-  one `cp.reduce.async.bulk .add.f32` of 8 KiB (a token's 16 heads x 128 dims are contiguous in
-  the fp32 accumulator `[Tq, Hq, D]`) while the next tile is computed: no per-element atomics.
+* **dQ leaves by warps.** A warp holds one token's 16 heads x 64 dims of the tile's dQ (its
+  warpgroup's half of the dims): it stores them, scaled, to its own 4 KiB of the fp32 dQ tile in
+  shared memory and adds them with one `cp.reduce.async.bulk .add.f32` to the accumulator
+  `[Tq, Hq, D]` (a token's 16 heads x 128 dims of one KV head are contiguous there) while the
+  next tile is computed: no per-element atomics, no barrier. Tile and accumulator group each
+  token's dims by 8 (`common.DQ_DIM_GROUP`: `[16 dim groups, 16 heads, 8 dims]`), so a warp's
+  share is contiguous and its 8-byte stores are free of bank conflicts; the host's cast ungroups.
 * **dK/dV** are added once per item (several items may share a block) with 8-byte vector atomics
   into fp32 accumulators `[Tk, Hkv, D]`, for the keys inside the block's document only.
 * **Document isolation under NaN.** Masks are selects, never products (a hidden key's NaN dP
@@ -49,8 +53,9 @@ Design
 Traffic per token (M3, bf16, top-16, long documents): its 64 entries read Q and dO once each,
 2 x 256 KiB, and add 64 dQ tiles of 8 KiB (512 KiB, reduced in L2); K/V are read once per item.
 The five GEMMs of a tile do 10.5 MFLOP on 48 KiB of operands read (Q, dO) and 8 KiB reduced.
-Both warpgroups work on the same tile, so they pass its phases in lockstep, with two CTA barriers
-per tile. Measured speed, what bounds it and what is left to gain: docs/performance.md.
+Both warpgroups work on the same tile and meet once per tile, at the CTA barrier before dQ = dS K
+(which needs both warpgroups' dS); dS is double-buffered by the Q/dO stage, so no barrier guards
+its reuse. Measured speed, what bounds it and what is left to gain: docs/performance.md.
 """
 
 import cutlass
@@ -61,7 +66,16 @@ from cutlass.cute.nvgpu import warpgroup
 from ..cute_dsl.compat import SmemAllocator
 from ..cute_dsl.ptx import bulk_reduce_add_f32, red_add_f32x2
 from .blocks_kernel import K_MAJOR, MN_MAJOR, BlocksKernel, thread_and_warp
-from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, LOG2_E, TILE_ROWS, TOKENS_PER_TILE, ScheduleOperands
+from .common import (
+    BLOCK_SIZE,
+    DQ_DIM_GROUP,
+    HEAD_DIM,
+    HEADS_PER_KV,
+    LOG2_E,
+    TILE_ROWS,
+    TOKENS_PER_TILE,
+    ScheduleOperands,
+)
 from .mask import key_hidden, zero_keys_past
 from .pipeline import consumer_state, producer_state
 from .softmax import probability, quad_sum
@@ -96,7 +110,7 @@ class Sm90BackwardKernel(BlocksKernel):
         mdO: cute.Tensor,  # [Tq, Hq, 128]
         mLse: cute.Tensor,  # fp32 [Tq, Hq], natural log
         mDelta: cute.Tensor,  # fp32 [Tq, Hq]
-        mdQ: cute.Tensor,  # fp32 [Tq, Hq, 128], added to
+        mdQ: cute.Tensor,  # fp32 [Tq, Hq, 128], added to; each (token, KV head) block dim-grouped
         mdK: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
         mdV: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
         mTeacher: cute.Tensor,  # fp16 [Tq * Hkv * topk, 128], written with `emit_teacher`
@@ -116,7 +130,7 @@ class Sm90BackwardKernel(BlocksKernel):
         # views with the modes swapped (MN-major).
         sK_layout = self.operand_a_tiles(sdp_tiler, 1)
         sQ_layout = self.operand_b_tiles(sdp_tiler, TILE_STAGES)
-        sdS_layout = self.operand_a_tiles((TILE_ROWS, HEAD_DIM, BLOCK_SIZE), 1)
+        sdS_layout = self.operand_a_tiles((TILE_ROWS, HEAD_DIM, BLOCK_SIZE), TILE_STAGES)
 
         (tma_atom_K, tma_K), (tma_atom_V, tma_V), (tma_atom_Q, tma_Q), token_rows = self.key_and_query_tma(
             mK, mV, mQ, sK_layout, sQ_layout
@@ -178,7 +192,11 @@ class Sm90BackwardKernel(BlocksKernel):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(cute.make_layout((TILE_ROWS, HEAD_DIM), stride=(HEAD_DIM, 1)))
+        # (row, dim), a row being (token, head): each token's block is [dim groups, 16 heads, 8 dims].
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(
+            ((HEADS_PER_KV, TOKENS_PER_TILE), (DQ_DIM_GROUP, HEAD_DIM // DQ_DIM_GROUP)),
+            stride=((DQ_DIM_GROUP, HEADS_PER_KV * HEAD_DIM), (1, HEADS_PER_KV * DQ_DIM_GROUP)),
+        ))
         rows_layout = cute.make_layout((TILE_ROWS, TILE_STAGES))
         sLse = storage.sLse.get_tensor(rows_layout)
         sDelta = storage.sDelta.get_tensor(rows_layout)
@@ -217,7 +235,6 @@ class Sm90BackwardKernel(BlocksKernel):
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
             mma_sdp,
         ).get_slice(tidx)
-        tdSsdS = dS_store.partition_D(sdSt[None, None, 0])
         tdQsdQ = thr_dq.partition_C(sdQ)
 
         cS = thr_sdp.partition_C(cute.make_identity_tensor((BLOCK_SIZE, TILE_ROWS)))
@@ -259,13 +276,15 @@ class Sm90BackwardKernel(BlocksKernel):
             acc_dK.fill(0.0)
             acc_dV.fill(0.0)
 
-            # A tile's row buffer and dS tile are reused two (rows) or one (dS) tiles later; the
-            # barriers of every tile order each reuse after the last read.
+            # A tile's row buffer and dS tile are those of its Q/dO stage, reused two tiles
+            # later: the barrier of the tile between orders each reuse after the last read.
             for tile in cutlass.range(item.num_tiles, unroll=1):
                 first = item.start + tile * TOKENS_PER_TILE
+                # Loaded here, so the latency of the schedule reads hides behind the GEMMs.
                 if cutlass.const_expr(self.emit_teacher):
-                    # Loaded here, so the latency of the schedule read hides behind the GEMMs.
                     teacher_row = self.teacher_row(items, first, item.end, item.kv_head)
+                if cutlass.const_expr(not self.deterministic):
+                    dq_row = self.dq_row(items, first, item.end, item.kv_head, warp)
                 if warp == 0:
                     tile_load = load_next_tile(tile_pipeline, tile_load, tile_copies, items, item, tile, first, self.num_kv_heads)
                 stage = tile_read.index
@@ -329,27 +348,27 @@ class Sm90BackwardKernel(BlocksKernel):
                     warpgroup.wait_group(0)
                     cute.arch.barrier()
                 else:
-                    # dS to shared memory, for dQ = dS K.
-                    cute.copy(dS_store, dS_store.retile(rdS), tdSsdS)
+                    # dS to shared memory, for dQ = dS K, which needs both warpgroups' keys: the
+                    # tile's one CTA barrier.
+                    cute.copy(dS_store, dS_store.retile(rdS), dS_store.partition_D(sdSt[None, None, stage]))
                     cute.arch.fence_proxy("async.shared", space="cta")
-                    if warp == 0:
-                        # The previous tile's dQ has left the dQ tile.
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
                     cute.arch.barrier()
                     warpgroup.fence()
                     mma_dq.set(warpgroup.Field.ACCUMULATE, False)
                     for k in cutlass.range_constexpr(cute.size(tQrdS, mode=[2])):
-                        cute.gemm(mma_dq, acc_dQ, tQrdS[None, None, k, 0], tQrK[None, None, k, 0], acc_dQ)
+                        cute.gemm(mma_dq, acc_dQ, tQrdS[None, None, k, stage], tQrK[None, None, k, 0], acc_dQ)
                         mma_dq.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
 
+                    # Each warp stores and reduces its own share of the dQ tile, so no barrier:
+                    # its previous share has left, its stores precede the TMA engine's reads.
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.sync_warp()
                     tdQsdQ.store(acc_dQ.load() * softmax_scale)
-                    # The generic-proxy stores of every thread before the TMA engine reads the tile.
                     cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier()
-                    if warp == 0:
-                        self.reduce_dq(sdQ, mdQ, items, first, item.end, item.kv_head)
+                    cute.arch.sync_warp()
+                    self.reduce_dq(sdQ, mdQ, dq_row, warp)
                 # Every GEMM that reads the tile's Q and dO has completed.
                 tile_pipeline.consumer_release(tile_read)
                 tile_read.advance()
@@ -364,8 +383,7 @@ class Sm90BackwardKernel(BlocksKernel):
                 self.add_keys(mdK, acc_dK, dk_rc, cKV_rc, item, softmax_scale)
                 self.add_keys(mdV, acc_dV, dv_rc, cKV_rc, item, Float32(1.0))
         # Shared memory must outlive the TMA engine's reads of the last dQ tile.
-        if warp == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def stage_row(
@@ -390,20 +408,32 @@ class Sm90BackwardKernel(BlocksKernel):
         sLast[row, buffer] = last
 
     @cute.jit
-    def reduce_dq(
-        self, sdQ: cute.Tensor, mdQ: cute.Tensor, items: ItemScheduler, first: Int32, end: Int32, kv_head: Int32,
-    ):
-        """Add the dQ tile's token blocks (those before `end`) into the fp32 accumulator, one bulk
-        reduce-add of 16 heads x 128 dims each, then close the bulk group."""
-        token_bytes = HEADS_PER_KV * HEAD_DIM * 4
+    def dq_row(self, items: ItemScheduler, first: Int32, end: Int32, kv_head: Int32, warp: Int32) -> Int64:
+        """The offset in the fp32 dQ accumulator of warp `warp`'s share of the tile of entries
+        `first ..`: its token's (`warp % 4`) block of 16 heads x 128 dims, plus its warpgroup's
+        half of the dims; -1 past `end` (nothing to add)."""
+        entry = first + warp % TOKENS_PER_TILE
+        row = Int64(-1)
+        if entry < end:
+            token = Int64(items.token(entry))
+            row = (token * self.num_heads + kv_head * HEADS_PER_KV) * HEAD_DIM + self.dq_half(warp)
+        return row
+
+    def dq_half(self, warp):
+        """The offset of warp `warp`'s half of the dims (its warpgroup's) within a token's dQ block,
+        the same in the tile and the accumulator (the dim groups are outermost)."""
+        return (warp // TOKENS_PER_TILE) * (HEAD_DIM // 2) * HEADS_PER_KV
+
+    @cute.jit
+    def reduce_dq(self, sdQ: cute.Tensor, mdQ: cute.Tensor, row: Int64, warp: Int32):
+        """Add warp `warp`'s share of the dQ tile (16 heads x 64 dims of its token, contiguous in
+        the tile's and the accumulator's order) at accumulator offset `row` (nothing if negative)
+        with one bulk reduce-add, then close the warp's bulk group."""
+        share = HEADS_PER_KV * HEAD_DIM // 2
         with cute.arch.elect_one():
-            for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
-                entry = first + slot
-                if entry < end:
-                    token = Int64(items.token(entry))
-                    row = token * self.num_heads + kv_head * HEADS_PER_KV
-                    source = (sdQ.iterator + slot * HEADS_PER_KV * HEAD_DIM).toint()
-                    bulk_reduce_add_f32((mdQ.iterator + row * HEAD_DIM).toint(), source, Int32(token_bytes))
+            if row >= 0:
+                source = (sdQ.iterator + (warp % TOKENS_PER_TILE) * HEADS_PER_KV * HEAD_DIM + self.dq_half(warp)).toint()
+                bulk_reduce_add_f32((mdQ.iterator + row).toint(), source, Int32(share * 4))
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit

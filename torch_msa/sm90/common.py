@@ -29,6 +29,11 @@ TOKENS_PER_TILE = 4  # one warp per token: 4 x 16 heads = the 64 rows of one wgm
 TILE_ROWS = TOKENS_PER_TILE * HEADS_PER_KV
 SERVED_DTYPES = (torch.bfloat16, torch.float16)
 LOG2_E = math.log2(math.e)
+# The backward's dQ order: each (token, KV head) block of 16 heads x 128 dims, in its shared-memory
+# dQ tile and its fp32 dQ accumulator, is laid out [128 / 8 dim groups, 16 heads, 8 dims]. A
+# warp's wgmma accumulator fragment holds 8 rows x 8 dims per register pair, so each 8-byte store
+# of a warp fills 256 contiguous bytes, free of bank conflicts; the host's cast ungroups.
+DQ_DIM_GROUP = 8
 
 
 def check_served(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int) -> None:

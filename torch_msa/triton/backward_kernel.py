@@ -1,6 +1,8 @@
 """`msa::backward` in Triton: KV-outer, dK/dV on chip, dQ through fp32 atomics.
 
 `msa_bwd_delta_kernel` computes `delta = rowsum(dO * O) - grad_lse` per (query, head) in fp32.
+`msa_bwd_ungroup_dq_kernel` casts a dQ accumulator whose blocks are dim-grouped (the SM90
+backward's) to dQ in natural order.
 
 `msa_bwd_blocks_kernel` takes one schedule item (a KV head's key block and a run of the queries that
 chose it) and one `BLOCK_N`-key slice of the block: it loads that K/V slice once, walks the
@@ -43,6 +45,7 @@ DETERMINISTIC_BLOCKS_CONFIGS = (
     LaunchConfig(rows=64, block_n=32, num_stages=1),
 )
 DELTA_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4, rows=64),)
+UNGROUP_CONFIGS = (LaunchConfig(num_stages=1, num_warps=4),)
 
 
 @triton.jit
@@ -64,6 +67,17 @@ def msa_bwd_delta_kernel(
     if HAS_GRAD_LSE:
         result -= tl.load(grad_lse + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(delta + rows, result, mask=row_ok)
+
+
+@triton.jit
+def msa_bwd_ungroup_dq_kernel(dq_acc, dq, HEADS: tl.constexpr, GROUPS: tl.constexpr, WIDTH: tl.constexpr):
+    # One block of HEADS x (GROUPS * WIDTH): dq[head, group * WIDTH + w] = dq_acc[group, head, w].
+    base = tl.program_id(0).to(tl.int64) * (HEADS * GROUPS * WIDTH)
+    head = tl.arange(0, HEADS)[:, None, None]
+    group = tl.arange(0, GROUPS)[None, :, None]
+    width = tl.arange(0, WIDTH)[None, None, :]
+    values = tl.load(dq_acc + base + (group * HEADS + head) * WIDTH + width)
+    tl.store(dq + base + (head * GROUPS + group) * WIDTH + width, values.to(dq.dtype.element_ty))
 
 
 @triton.jit
@@ -194,6 +208,29 @@ def compute_delta(grad_out, out, grad_lse, delta, shape_key) -> None:
         )
 
     launch("msa_bwd_delta_kernel", shape_key, DELTA_CONFIGS, launch_delta)
+
+
+def ungroup_dq(dq_acc: torch.Tensor, dq: torch.Tensor, block_heads: int, width: int, shape_key) -> None:
+    """Write `dq` from the fp32 accumulator `dq_acc`, in which each block of `block_heads`
+    consecutive heads of a token is laid out `[D / width, block_heads, width]` (dims grouped by
+    `width`), cast to `dq`'s dtype.
+
+    Args:
+        dq_acc: fp32 `[Tq, Hq, D]`, contiguous, `Hq` a multiple of `block_heads`; read.
+        dq: `[Tq, Hq, D]`, contiguous, any float dtype; written in natural order.
+        block_heads, width: powers of two, `width` dividing `D`.
+        shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
+    """
+    num_queries, num_heads, dim = dq_acc.shape
+    num_blocks = num_queries * (num_heads // block_heads)
+    if num_blocks == 0:
+        return
+
+    def launch_ungroup(config):
+        msa_bwd_ungroup_dq_kernel[(num_blocks,)](dq_acc, dq, HEADS=block_heads, GROUPS=dim // width, WIDTH=width,
+                                                 **config.options)
+
+    launch("msa_bwd_ungroup_dq_kernel", shape_key, UNGROUP_CONFIGS, launch_ungroup)
 
 
 def launch_blocks(q, k, v, grad_out, lse, delta, outputs, schedule, topk, block_size, softmax_scale, configs, name,

@@ -19,6 +19,8 @@ Forward:
 Backward (`dS = P (dP - delta)` needs `delta` first; the key pass is each backend's own):
 
 * `compute_delta`: `delta = rowsum(dO * O) - grad_lse`, fp32.
+* `ungroup_dq`: dQ in natural order and the inputs' dtype from an accumulator whose blocks of
+  heads group the dims (the SM90 backward's `[D / 8, 16 heads, 8]`).
 * `key_workspace` (a `KeyWorkspace`): the schedule of a deterministic backward and the per-item
   dK/dV slots its key pass stores into;
 * `reduce_key_workspace`: the slots summed per key in a fixed (item) order, into dK/dV;
@@ -35,7 +37,7 @@ Importing this module imports triton.
 """
 
 from .backward_deterministic_kernel import KeyWorkspace, key_workspace, query_dq, reduce_key_workspace
-from .backward_kernel import compute_delta
+from .backward_kernel import compute_delta, ungroup_dq
 from .deterministic_stages import DeterministicBackward
 from .deterministic_stages import begin as deterministic_begin
 from .deterministic_stages import finish as deterministic_finish
@@ -43,4 +45,4 @@ from .forward_kernel import combine
 from .plan_kernel import bucket_key_count
 
 __all__ = ["DeterministicBackward", "KeyWorkspace", "bucket_key_count", "combine", "compute_delta",
-           "deterministic_begin", "deterministic_finish", "key_workspace", "query_dq", "reduce_key_workspace"]
+           "deterministic_begin", "deterministic_finish", "key_workspace", "query_dq", "reduce_key_workspace", "ungroup_dq"]

@@ -80,6 +80,19 @@ def test_backward_without_grad_lse_matches_reference():
         close(got, want, 1e-4, "gradient")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_ungroup_dq_restores_natural_order(dtype):
+    """The SM90 backward's dQ accumulator groups each 16-head block's dims by 8: `[D / 8, 16, 8]`."""
+    num_queries, num_heads, dim, block_heads, width = 3, 32, 128, 16, 8
+    natural = torch.randn(num_queries, num_heads, dim, device=DEVICE)
+    grouped = natural.view(num_queries, num_heads // block_heads, block_heads, dim // width, width).transpose(2, 3)
+    dq = torch.full_like(natural, float("nan"), dtype=dtype)
+    backward_kernel.ungroup_dq(grouped.contiguous().view_as(natural), dq, block_heads, width, (DEVICE, dtype, dim))
+    assert torch.equal(dq, natural.to(dtype))
+    empty = torch.empty(0, num_heads, dim, device=DEVICE)
+    backward_kernel.ungroup_dq(empty, empty.to(dtype), block_heads, width, (DEVICE, dtype, dim))
+
+
 def test_forward_and_backward_read_a_given_plan():
     """A plan of any item size (here 8, the kernels build 128 for this shape) gives the results
     of the reference."""
