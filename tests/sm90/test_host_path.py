@@ -70,11 +70,13 @@ def check_call(compiled_args, call_args) -> None:
 
 @dataclasses.dataclass
 class Recorder:
-    """The compiles (`kernels`), the stand-in Triton stages called (`stages`), and the key counts
-    the `bucket_key_count` stage returns, by the data pointer of its `bucket_key_row`."""
+    """The compiles (`kernels`), the stand-in Triton stages called (`stages`) and the arguments of
+    the last call of each (`stage_args`), and the key counts the `bucket_key_count` stage returns,
+    by the data pointer of its `bucket_key_row`."""
 
     kernels: list = dataclasses.field(default_factory=list)
     stages: list = dataclasses.field(default_factory=list)
+    stage_args: dict = dataclasses.field(default_factory=dict)
     key_count: dict = dataclasses.field(default_factory=dict)
 
 
@@ -102,12 +104,14 @@ def recorded(monkeypatch):
     def stand_in(name, result=None):
         def stage(*args):
             recorder.stages.append(name)
+            recorder.stage_args[name] = args
             return result(*args) if result else None
         monkeypatch.setattr(stages, name, stage)
 
     stand_in("bucket_key_count", lambda rows, cu, block_size: recorder.key_count[rows.data_ptr()])
     stand_in("combine")
     stand_in("compute_delta")
+    stand_in("ungroup_dq")
     yield recorder
     for module in (forward_host, backward_host):
         module._compiled.cache_clear()
@@ -171,7 +175,7 @@ def test_backward_with_a_plan_launches_its_tensors_unconverted_after_a_few_aten_
     (kernel,) = recorded.kernels
     with CountOps() as counted:
         dq, dk, dv = backward_host.backward(*backend_arguments("backward", *args))
-    assert len(kernel.calls) == 2 and recorded.stages == ["compute_delta", "bucket_key_count"] * 2
+    assert len(kernel.calls) == 2 and recorded.stages == ["compute_delta", "bucket_key_count", "ungroup_dq"] * 2
     call = kernel.calls[-1]
     assert call[0] is q and call[3] is grad_out and call[4] is lse
     dq_acc, dk_acc, dv_acc = call[6:9]
@@ -183,12 +187,15 @@ def test_backward_with_a_plan_launches_its_tensors_unconverted_after_a_few_aten_
     grid = min(schedule.item_start.numel(), 132)
     assert call[-4:] == (TOPK, pytest.approx(DIM**-0.5 * 1.4426950408889634), pytest.approx(DIM**-0.5), grid)
     assert (dq.dtype, dk.dtype, dv.dtype) == (torch.bfloat16,) * 3
-    # One zero fill for the three accumulators, delta, the plan's views, the unwritten teacher row
-    # and the three casts.
+    # dQ leaves the kernel's dim-grouped accumulator through the ungrouping cast.
+    ungroup_acc, ungroup_dq, block_heads, width, _ = recorded.stage_args["ungroup_dq"]
+    assert ungroup_acc is dq_acc and ungroup_dq is dq and (block_heads, width) == (16, 8)
+    # One zero fill for the three accumulators, delta, the plan's views, the unwritten teacher row,
+    # dq and the two casts of dK and dV.
     names = [str(op) for op in counted.calls]
     assert names == ["aten.zeros.default", "aten.split_with_sizes.default", *["aten.view.default"] * 3,
                      "aten.empty.memory_format", "aten.split_with_sizes.default", "aten.empty.memory_format",
-                     "aten.view.default", *["aten._to_copy.default"] * 3], names
+                     "aten.view.default", "aten.empty.memory_format", *["aten._to_copy.default"] * 2], names
 
 
 @requires_cute
