@@ -94,6 +94,8 @@ CONSUMER_WARPS = THREADS // 32
 KEYS_PER_WARPGROUP = BLOCK_SIZE // 2
 # Q and dO tiles are fetched two at a time: the next tile loads while this one is computed.
 TILE_STAGES = 2
+# A warp's share of a tile's dQ, in fp32 elements: its token's 16 heads x its warpgroup's 64 dims.
+DQ_SHARE = HEADS_PER_KV * HEAD_DIM // 2
 
 
 class Sm90BackwardKernel(BlocksKernel):
@@ -284,7 +286,7 @@ class Sm90BackwardKernel(BlocksKernel):
                 if cutlass.const_expr(self.emit_teacher):
                     teacher_row = self.teacher_row(items, first, item.end, item.kv_head)
                 if cutlass.const_expr(not self.deterministic):
-                    dq_row = self.dq_row(items, first, item.end, item.kv_head, warp)
+                    dq_offset = self.dq_offset(items, first, item.end, item.kv_head, warp)
                 if warp == 0:
                     tile_load = load_next_tile(tile_pipeline, tile_load, tile_copies, items, item, tile, first, self.num_kv_heads)
                 stage = tile_read.index
@@ -368,7 +370,7 @@ class Sm90BackwardKernel(BlocksKernel):
                     tdQsdQ.store(acc_dQ.load() * softmax_scale)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.sync_warp()
-                    self.reduce_dq(sdQ, mdQ, dq_row, warp)
+                    self.reduce_dq(sdQ, mdQ, dq_offset, warp)
                 # Every GEMM that reads the tile's Q and dO has completed.
                 tile_pipeline.consumer_release(tile_read)
                 tile_read.advance()
@@ -408,32 +410,31 @@ class Sm90BackwardKernel(BlocksKernel):
         sLast[row, buffer] = last
 
     @cute.jit
-    def dq_row(self, items: ItemScheduler, first: Int32, end: Int32, kv_head: Int32, warp: Int32) -> Int64:
-        """The offset in the fp32 dQ accumulator of warp `warp`'s share of the tile of entries
-        `first ..`: its token's (`warp % 4`) block of 16 heads x 128 dims, plus its warpgroup's
-        half of the dims; -1 past `end` (nothing to add)."""
+    def dq_offset(self, items: ItemScheduler, first: Int32, end: Int32, kv_head: Int32, warp: Int32) -> Int64:
+        """The element offset in the fp32 dQ accumulator of warp `warp`'s share of the tile of
+        entries `first ..`: its token's (`warp % 4`) block of 16 heads x 128 dims, plus its
+        warpgroup's half of the dims; -1 past `end` (nothing to add)."""
         entry = first + warp % TOKENS_PER_TILE
-        row = Int64(-1)
+        offset = Int64(-1)
         if entry < end:
             token = Int64(items.token(entry))
-            row = (token * self.num_heads + kv_head * HEADS_PER_KV) * HEAD_DIM + self.dq_half(warp)
-        return row
+            offset = (token * self.num_heads + kv_head * HEADS_PER_KV) * HEAD_DIM + self.dq_half(warp)
+        return offset
 
     def dq_half(self, warp):
         """The offset of warp `warp`'s half of the dims (its warpgroup's) within a token's dQ block,
         the same in the tile and the accumulator (the dim groups are outermost)."""
-        return (warp // TOKENS_PER_TILE) * (HEAD_DIM // 2) * HEADS_PER_KV
+        return (warp // TOKENS_PER_TILE) * DQ_SHARE
 
     @cute.jit
-    def reduce_dq(self, sdQ: cute.Tensor, mdQ: cute.Tensor, row: Int64, warp: Int32):
+    def reduce_dq(self, sdQ: cute.Tensor, mdQ: cute.Tensor, offset: Int64, warp: Int32):
         """Add warp `warp`'s share of the dQ tile (16 heads x 64 dims of its token, contiguous in
-        the tile's and the accumulator's order) at accumulator offset `row` (nothing if negative)
-        with one bulk reduce-add, then close the warp's bulk group."""
-        share = HEADS_PER_KV * HEAD_DIM // 2
+        the tile's and the accumulator's order) at accumulator element `offset` (nothing if
+        negative) with one bulk reduce-add, then close the warp's bulk group."""
         with cute.arch.elect_one():
-            if row >= 0:
+            if offset >= 0:
                 source = (sdQ.iterator + (warp % TOKENS_PER_TILE) * HEADS_PER_KV * HEAD_DIM + self.dq_half(warp)).toint()
-                bulk_reduce_add_f32((mdQ.iterator + row).toint(), source, Int32(share * 4))
+                bulk_reduce_add_f32((mdQ.iterator + offset).toint(), source, Int32(DQ_SHARE * 4))
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
