@@ -15,7 +15,7 @@ import torch_msa
 from torch_msa.contract import M3, Shape
 from torch_msa.testing import pick_device
 
-from . import msa, peers, report, targets
+from . import msa, peers, report, targets, trained_selection
 from .devices import device_peak
 from .problems import SELECTIONS, ProblemSpec, parse_pack, parse_seqlens
 from .results import COMPLETE, INTERRUPTED, RUNNING, BenchResult, ProblemResult
@@ -66,7 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="index: torch_msa.select_blocks on random index inputs; skewed: every token "
                              "picks block 0 and its newest blocks (load imbalance); tiled: the index selection "
                              "shared by each 128-query tile (its last query's), the case cuDNN's block-sparse "
-                             "attention can express, which then runs as a peer. Default: index")
+                             "attention can express, which then runs as a peer; trained: the selections of a "
+                             "trained index branch on held-out text (benchmarks/trained_selection.py; a document "
+                             "longer than the trained ones becomes a pack of trained-length documents). "
+                             "Default: index")
     parser.add_argument("--row-budget", type=float, default=20.0, metavar="SECONDS",
                         help="cap of the timed part of one measurement: slower ones get fewer runs (at "
                              f"least {MIN_RUNS}, marked *); 0 disables (default 20)")
@@ -101,6 +104,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     problems = [ProblemSpec((length,)) for length in seqlens or []]
     if pack is not None:
         problems.append(ProblemSpec(pack, pack=True))
+    if args.selection == "trained":
+        try:
+            trained_length = min(trained_selection.load().lengths)
+        except ValueError as error:
+            parser.error(str(error))
+        problems = [ProblemSpec(split, pack=p.pack or split != p.lengths)
+                    for p in problems for split in [trained_selection.split_beyond_trained(p.lengths, trained_length)]]
     if not problems:
         parser.error("argument --seqlens/--pack: nothing to run")
     args.problems = tuple(problems)

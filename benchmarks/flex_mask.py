@@ -29,16 +29,16 @@ _BITS_PER_WORD = 16  # int32 words, bits 0..15: no sign bit involved when bits a
 
 @dataclasses.dataclass(frozen=True)
 class MaskStats:
-    """Mean KV blocks per query tile: `partial` (masked) and `full`; `tokens_per_tile` tokens share a tile."""
+    """Mean KV blocks per query tile of the BlockMask: `partial` (masked) and `full`; `tokens_per_tile`
+    tokens share a tile. (The selection's own union statistics: `torch_msa.selection_stats`.)"""
 
     partial: float
     full: float
     tokens_per_tile: int
 
-    def describe(self, topk: int) -> str:
-        union = self.partial + self.full
-        return (f"union of {self.tokens_per_tile} tokens: {union:.1f} KV blocks per {TILE_ROWS}-row tile "
-                f"({union / topk:.1f}x the {topk} a token reads), {self.full:.1f} full")
+    def describe(self) -> str:
+        return (f"BlockMask of {self.tokens_per_tile}-token tiles: {self.partial:.1f} masked and {self.full:.1f} "
+                f"full KV blocks per {TILE_ROWS}-row tile")
 
 
 def fold_query_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:

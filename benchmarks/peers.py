@@ -167,7 +167,7 @@ def flex_subject(inputs: Inputs) -> Subject:
 
         yield Measurement("mask", build, None, "built from the block indices (no dense mask evaluation)")
         block_mask, stats = build()
-        note = stats.describe(shape.topk) + ("" if on_cuda else "; eager (not compiled) on CPU")
+        note = stats.describe() + ("" if on_cuda else "; eager (not compiled) on CPU")
         q = fold_query_heads(inputs.q, shape.kv_heads)
         k, v = kv_heads_first(inputs.k), kv_heads_first(inputs.v)
         if on_cuda:

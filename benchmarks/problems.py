@@ -13,11 +13,13 @@ import torch
 import torch_msa
 from torch_msa.contract import Shape
 from torch_msa.documents import locate_queries
+from torch_msa.selection_stats import selection_sharing
 from torch_msa.testing import skewed_block_indices
 
+from . import trained_selection
 from .flops import Work, work
 
-SELECTIONS = ("index", "skewed", "tiled")
+SELECTIONS = ("index", "skewed", "tiled", "trained")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +163,9 @@ def make_inputs(spec: ProblemSpec, shape: Shape, device: torch.device, selection
                                                 max(spec.lengths), topk=shape.topk, block_size=shape.block_size)
         if selection == "tiled":
             block_indices = tile_shared(block_indices, cu_seqlens, shape.block_size)
+    elif selection == "trained":
+        block_indices = trained_selection.selection_for(trained_selection.load(), spec.lengths, shape.kv_heads,
+                                                        shape.topk, shape.block_size).to(device)
     else:
         # Every token picks block 0 and its newest blocks: the load-imbalance case.
         block_indices = skewed_block_indices(cu_seqlens, cu_seqlens, shape.kv_heads, shape.topk, shape.block_size)
@@ -170,3 +175,14 @@ def make_inputs(spec: ProblemSpec, shape: Shape, device: torch.device, selection
         key_start=docs.key_start, position=docs.position,
         work=work(shape, spec.lengths, block_indices, docs.position),
     )
+
+
+def describe_sharing(inputs: Inputs) -> str:
+    """The selection's union statistics (`torch_msa.selection_stats`): blocks per 8-token group and
+    per 128-token tile, and the share of (token, slot) pairs in blocks the whole group selects."""
+    groups = {size: selection_sharing(inputs.block_indices, inputs.cu_seqlens, group_size=size,
+                                      block_size=inputs.shape.block_size).overall for size in (8, 128)}
+    parts = [f"{size}-token groups read {stats.union_mean:.1f} blocks (p90 {stats.union_p90:.0f}), "
+             f"{stats.shared_pairs:.0%} of their (token, slot) pairs shared" for size, stats in groups.items()]
+    return (f"{inputs.selection} selection: " + "; ".join(parts)
+            + f"; block 0 in {groups[8].block0:.0%} of the rows with a choice")

@@ -19,9 +19,9 @@ import torch
 from torch_msa._progress import Progress
 from torch_msa.contract import Shape
 
-from . import msa, peers
+from . import msa, peers, trained_selection
 from .devices import l2_bytes
-from .problems import ProblemSpec, make_inputs
+from .problems import ProblemSpec, describe_sharing, make_inputs
 from .report import format_rate
 from .results import ERROR, OK, OOM, SKIPPED, ProblemResult, Row
 from .subject import Measurement, Subject
@@ -153,6 +153,9 @@ def run_problem(spec: ProblemSpec, config: Config, result: ProblemResult | None 
         free_memory(config.device)
         return result
     result.work = inputs.work
+    if config.selection == "trained":
+        result.notes.append(trained_selection.describe(trained_selection.load(), spec.lengths, config.shape.kv_heads))
+    result.notes.append(describe_sharing(inputs))
     input_bytes = sum(x.numel() * x.element_size() for x in (inputs.q, inputs.k, inputs.v))
     l2 = l2_bytes(config.device)
     if l2 is not None and input_bytes < 2 * l2:

@@ -28,11 +28,12 @@ REFERENCE_LAYOUTS = pytest.mark.parametrize(
 )
 
 
-def random_problem(q_lens, k_lens, dtype, selection="random", seed=0, generator=None, device="cuda"):
+def random_problem(q_lens, k_lens, dtype, selection="random", seed=0, generator=None, device="cuda", kv_heads=HKV):
     """`(q, k, v, block_indices, cu_q, cu_k, max_q, max_k)` of documents `q_lens` / `k_lens` at M3
-    shapes: standard normal q, k, v in `dtype`, and random selections (or, with
-    `selection="skewed"`, every query reading block 0 of its document). Draws from `generator`
-    when given (the caller may draw more from it), else from one seeded with `seed`."""
+    shapes (`HQ // HKV` query heads per KV head, `kv_heads` KV heads): standard normal q, k, v in
+    `dtype`, and random selections (or, with `selection="skewed"`, every query reading block 0 of
+    its document). Draws from `generator` when given (the caller may draw more from it), else from
+    one seeded with `seed`."""
     generator = torch.Generator().manual_seed(seed) if generator is None else generator
     cu_q, cu_k = cu_seqlens(q_lens, k_lens, device=device)
     num_queries, num_keys = sum(q_lens), sum(k_lens)
@@ -40,11 +41,12 @@ def random_problem(q_lens, k_lens, dtype, selection="random", seed=0, generator=
     def tensor(*shape):
         return torch.randn(*shape, generator=generator).to(device, dtype)
 
-    q, k, v = tensor(num_queries, HQ, D), tensor(num_keys, HKV, D), tensor(num_keys, HKV, D)
+    q = tensor(num_queries, HQ // HKV * kv_heads, D)
+    k, v = tensor(num_keys, kv_heads, D), tensor(num_keys, kv_heads, D)
     if selection == "skewed":
-        blocks = skewed_block_indices(cu_q, cu_k, HKV, TOPK, BLOCK)
+        blocks = skewed_block_indices(cu_q, cu_k, kv_heads, TOPK, BLOCK)
     else:
-        blocks = random_block_indices(cu_q, cu_k, HKV, TOPK, BLOCK, generator=generator).to(device)
+        blocks = random_block_indices(cu_q, cu_k, kv_heads, TOPK, BLOCK, generator=generator).to(device)
     return q, k, v, blocks, cu_q, cu_k, max(q_lens, default=0), max(k_lens, default=0)
 
 
