@@ -41,7 +41,7 @@ _Fragments = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 class AttentionOutput(NamedTuple):
-    """What `sparse_attention(..., return_lse=True)` returns.
+    """What `sparse_attention(..., return_lse=True)` and `msa_attention(..., return_lse=True)` return.
 
     Attributes:
         out: `[Tq, Hq, D]` in q's dtype.
@@ -55,38 +55,108 @@ class AttentionOutput(NamedTuple):
     lse: torch.Tensor
 
 
-class MSAAttentionOutput(NamedTuple):
-    """What `msa_attention(...)` returns with `return_lse`, `return_block_indices` and/or `index_loss`.
+class MSABlocksOutput(NamedTuple):
+    """What `msa_attention(..., return_block_indices=True)` returns: fields as in `MSAAttentionOutput`."""
 
-    A field whose flag was not set is None. Read the fields by name (`result.lse`): fields may be
-    added after the existing ones, so the tuple's length and positional unpacking are not part of
-    the contract.
+    out: torch.Tensor
+    block_indices: torch.Tensor
+
+
+class MSALseBlocksOutput(NamedTuple):
+    """What `msa_attention(..., return_lse=True, return_block_indices=True)` returns: fields as in
+    `MSAAttentionOutput`."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    block_indices: torch.Tensor
+
+
+class MSAIndexLossOutput(NamedTuple):
+    """What `msa_attention(..., index_loss=True)` returns: fields as in `MSAAttentionOutput`."""
+
+    out: torch.Tensor
+    kl: torch.Tensor
+    kl_value: torch.Tensor
+
+
+class MSALseIndexLossOutput(NamedTuple):
+    """What `msa_attention(..., return_lse=True, index_loss=True)` returns: fields as in
+    `MSAAttentionOutput`."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    kl: torch.Tensor
+    kl_value: torch.Tensor
+
+
+class MSABlocksIndexLossOutput(NamedTuple):
+    """What `msa_attention(..., return_block_indices=True, index_loss=True)` returns: fields as in
+    `MSAAttentionOutput`."""
+
+    out: torch.Tensor
+    block_indices: torch.Tensor
+    kl: torch.Tensor
+    kl_value: torch.Tensor
+
+
+class MSAAttentionOutput(NamedTuple):
+    """What `msa_attention(..., return_lse=True, return_block_indices=True, index_loss=True)` returns.
+
+    `msa_attention` returns exactly the fields asked for, in this order: `out`, then `lse` with
+    `return_lse`, `block_indices` with `return_block_indices`, `kl` and `kl_value` with
+    `index_loss`. Each combination is its own named tuple (`AttentionOutput`, `MSABlocksOutput`,
+    `MSALseBlocksOutput`, `MSAIndexLossOutput`, `MSALseIndexLossOutput`,
+    `MSABlocksIndexLossOutput`, this one for all three flags), so the result unpacks positionally
+    (`out, lse = msa_attention(..., return_lse=True)`) and reads by name (`result.lse`) alike.
 
     Attributes:
         out: `[Tq, Hq, D]` in q's dtype.
-        lse: with `return_lse`, `[Tq, Hq]` as in `AttentionOutput.lse`; otherwise None.
-        block_indices: with `return_block_indices`, the int32 `[Hkv, Tq, topk]` selection the
-            attention used (head-major; valid ids first, `-1` after), the input of
-            `indexer_kl_loss`; otherwise None.
-        kl: with `index_loss`, the index branch's KL loss on this call's own selection and lse
-            (a 0-D tensor as `indexer_kl_loss` returns it, differentiable in `index_q` and
-            `index_k` only); in training a placeholder of value 0 whose loss the backward
-            computes (`msa_attention`); otherwise None.
-        kl_value: with `index_loss`, a 0-D tensor without autograd history that holds the
-            loss's value: at once where the forward computes the loss, once the backward has run
-            where the backward does; otherwise None.
+        lse: `[Tq, Hq]` as in `AttentionOutput.lse`.
+        block_indices: the int32 `[Hkv, Tq, topk]` selection the attention used (head-major;
+            valid ids first, `-1` after), the input of `indexer_kl_loss`.
+        kl: the index branch's KL loss on this call's own selection and lse (a 0-D tensor as
+            `indexer_kl_loss` returns it, differentiable in `index_q` and `index_k` only); in
+            training a placeholder of value 0 whose loss the backward computes (`msa_attention`).
+        kl_value: a 0-D tensor without autograd history that holds the loss's value: at once
+            where the forward computes the loss, once the backward has run where the backward does.
     """
 
     out: torch.Tensor
-    lse: torch.Tensor | None = None
-    block_indices: torch.Tensor | None = None
-    kl: torch.Tensor | None = None
-    kl_value: torch.Tensor | None = None
+    lse: torch.Tensor
+    block_indices: torch.Tensor
+    kl: torch.Tensor
+    kl_value: torch.Tensor
+
+
+MSAResult = (AttentionOutput | MSABlocksOutput | MSALseBlocksOutput | MSAIndexLossOutput | MSALseIndexLossOutput
+             | MSABlocksIndexLossOutput | MSAAttentionOutput)
+"""Any of `msa_attention`'s results with a flag set (the type of a call whose flags are plain bools)."""
+
+_MSA_RESULT_TYPES: dict[tuple[bool, bool, bool], type[MSAResult]] = {
+    # (return_lse, return_block_indices, index_loss): the result's type; its fields say what it holds.
+    (True, False, False): AttentionOutput,
+    (False, True, False): MSABlocksOutput,
+    (True, True, False): MSALseBlocksOutput,
+    (False, False, True): MSAIndexLossOutput,
+    (True, False, True): MSALseIndexLossOutput,
+    (False, True, True): MSABlocksIndexLossOutput,
+    (True, True, True): MSAAttentionOutput,
+}
+
+
+def _msa_result(out: torch.Tensor, *, return_lse: bool, return_block_indices: bool, index_loss: bool,
+                **fields: torch.Tensor) -> torch.Tensor | MSAResult:
+    """`out` alone without a flag; otherwise the named tuple of `out` and exactly the asked fields,
+    in `MSAAttentionOutput`'s order, taken by name from `fields` (which may hold more)."""
+    if not (return_lse or return_block_indices or index_loss):
+        return out
+    result_type = _MSA_RESULT_TYPES[return_lse, return_block_indices, index_loss]
+    return result_type(out, *(fields[name] for name in result_type._fields[1:]))
 
 
 # torch.export.save and AOTInductor packages serialise a program's output structure; a named
 # tuple needs a registered name for that, or a program that returns one could not be saved.
-for _output in (AttentionOutput, MSAAttentionOutput):
+for _output in _MSA_RESULT_TYPES.values():
     torch.utils._pytree._register_namedtuple(_output, serialized_type_name=f"torch_msa.{_output.__name__}")
 
 
@@ -367,7 +437,8 @@ def msa_attention(
     cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
-    return_lse: Literal[False] = ..., return_block_indices: Literal[False] = ..., index_loss: Literal[False] = ...,
+    return_lse: Literal[False] = ..., return_block_indices: Literal[False] = ...,
+    index_loss: Literal[False] = ...,
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
     index_loss_value: None = ...,
 ) -> torch.Tensor: ...
@@ -379,10 +450,11 @@ def msa_attention(
     cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
-    return_lse: Literal[True], return_block_indices: bool = ..., index_loss: bool = ...,
+    return_lse: Literal[True], return_block_indices: Literal[False] = ...,
+    index_loss: Literal[False] = ...,
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
-    index_loss_value: torch.Tensor | None = ...,
-) -> MSAAttentionOutput: ...
+    index_loss_value: None = ...,
+) -> AttentionOutput: ...
 
 
 @overload
@@ -391,10 +463,11 @@ def msa_attention(
     cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
-    return_lse: bool = ..., return_block_indices: Literal[True], index_loss: bool = ...,
+    return_lse: Literal[False] = ..., return_block_indices: Literal[True],
+    index_loss: Literal[False] = ...,
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
-    index_loss_value: torch.Tensor | None = ...,
-) -> MSAAttentionOutput: ...
+    index_loss_value: None = ...,
+) -> MSABlocksOutput: ...
 
 
 @overload
@@ -403,7 +476,60 @@ def msa_attention(
     cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
     max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
-    return_lse: bool = ..., return_block_indices: bool = ..., index_loss: Literal[True],
+    return_lse: Literal[True], return_block_indices: Literal[True],
+    index_loss: Literal[False] = ...,
+    fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+    index_loss_value: None = ...,
+) -> MSALseBlocksOutput: ...
+
+
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: Literal[False] = ..., return_block_indices: Literal[False] = ...,
+    index_loss: Literal[True],
+    fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+    index_loss_value: torch.Tensor | None = ...,
+) -> MSAIndexLossOutput: ...
+
+
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: Literal[True], return_block_indices: Literal[False] = ...,
+    index_loss: Literal[True],
+    fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+    index_loss_value: torch.Tensor | None = ...,
+) -> MSALseIndexLossOutput: ...
+
+
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: Literal[False] = ..., return_block_indices: Literal[True],
+    index_loss: Literal[True],
+    fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
+    index_loss_value: torch.Tensor | None = ...,
+) -> MSABlocksIndexLossOutput: ...
+
+
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = ..., cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: Literal[True], return_block_indices: Literal[True],
+    index_loss: Literal[True],
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
     index_loss_value: torch.Tensor | None = ...,
 ) -> MSAAttentionOutput: ...
@@ -418,7 +544,7 @@ def msa_attention(
     return_lse: bool = ..., return_block_indices: bool = ..., index_loss: bool = ...,
     fragment_documents: torch.Tensor | None = ..., fragment_starts: torch.Tensor | None = ...,
     index_loss_value: torch.Tensor | None = ...,
-) -> torch.Tensor | MSAAttentionOutput: ...
+) -> torch.Tensor | MSAResult: ...
 
 
 def msa_attention(
@@ -441,7 +567,7 @@ def msa_attention(
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
     index_loss_value: torch.Tensor | None = None,
-) -> torch.Tensor | MSAAttentionOutput:
+) -> torch.Tensor | MSAResult:
     """MiniMax Sparse Attention: `select_blocks` (no gradient) then `sparse_attention`.
 
     The selection gives `index_q` and `index_k` no gradient. With `index_loss=True` the result's
@@ -490,12 +616,16 @@ def msa_attention(
             one is made here.
 
     Returns:
-        Without a flag, `out [Tq, Hq, D]` in q's dtype. With any, an
-        `MSAAttentionOutput(out, lse, block_indices, kl, kl_value)` whose fields not asked for are None:
-        `lse [Tq, Hq]` as in `sparse_attention`, `block_indices` int32 `[Hkv, Tq, topk]`
-        (head-major) as in `select_blocks`, `kl` a 0-D tensor as `indexer_kl_loss` returns it
-        (fp32, fp64 for fp64 index inputs; 0 when `Tq == 0`) and `kl_value` the tensor that holds
-        its value (see above).
+        Without a flag, `out [Tq, Hq, D]` in q's dtype. With any, a named tuple of `out` and
+        exactly the fields asked for, in this order, so it unpacks as asked (`out, lse =
+        msa_attention(..., return_lse=True)`; `out, kl, kl_value = msa_attention(...,
+        index_loss=True)`) and reads by name: `lse [Tq, Hq]` as in `sparse_attention` with
+        `return_lse`, `block_indices` int32 `[Hkv, Tq, topk]` (head-major) as in `select_blocks`
+        with `return_block_indices`, and with `index_loss` both `kl`, a 0-D tensor as
+        `indexer_kl_loss` returns it (fp32, fp64 for fp64 index inputs; 0 when `Tq == 0`), and
+        `kl_value`, the tensor that holds its value (see above). The type names the fields:
+        `AttentionOutput(out, lse)`, `MSABlocksOutput(out, block_indices)`, ...,
+        `MSAAttentionOutput(out, lse, block_indices, kl, kl_value)` with all three flags.
 
     Raises:
         TypeError: an argument of the wrong type or dtype (`index_loss` not a bool included); the
@@ -521,16 +651,15 @@ def msa_attention(
     block_indices = torch.ops.msa.select_blocks(index_q.detach(), index_k.detach(), *docs, topk, block_size, *fragments)
     plan = _plan_for(q, k, block_indices, docs, block_size, fragments)
     scale = _scale(q, softmax_scale)
-    kl = kl_value = None
+    losses: dict[str, torch.Tensor] = {}
     if index_loss:
         out, lse, kl, kl_value = _attention_with_index_loss(q, k, v, index_q, index_k, block_indices, docs,
                                                             block_size, scale, plan, fragments, index_loss_value)
+        losses = {"kl": kl, "kl_value": kl_value}
     else:
         out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, scale, plan, *fragments)
-        if not (return_lse or return_block_indices):
-            return out
-    return MSAAttentionOutput(out, lse if return_lse else None, block_indices if return_block_indices else None, kl,
-                              kl_value)
+    return _msa_result(out, return_lse=return_lse, return_block_indices=return_block_indices, index_loss=index_loss,
+                       lse=lse, block_indices=block_indices, **losses)
 
 
 def _attention_with_index_loss(q, k, v, index_q, index_k, block_indices, docs: _Documents, block_size: int,

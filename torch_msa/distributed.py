@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import api
-from .api import MSAAttentionOutput
+from .api import AttentionOutput, MSABlocksOutput, MSALseBlocksOutput, MSAResult
 from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK, INDEX_DTYPE
 
 # Recent torch (2.14 here) names the tensor collectives `*_single` and deprecates the old names,
@@ -379,8 +379,8 @@ def msa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
     layout: ContextParallelLayout, group: dist.ProcessGroup | None = ..., *,
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
-    return_lse: Literal[True], return_block_indices: bool = ...,
-) -> MSAAttentionOutput: ...
+    return_lse: Literal[True], return_block_indices: Literal[False] = ...,
+) -> AttentionOutput: ...
 
 
 @overload
@@ -388,8 +388,17 @@ def msa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
     layout: ContextParallelLayout, group: dist.ProcessGroup | None = ..., *,
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
-    return_lse: bool = ..., return_block_indices: Literal[True],
-) -> MSAAttentionOutput: ...
+    return_lse: Literal[False] = ..., return_block_indices: Literal[True],
+) -> MSABlocksOutput: ...
+
+
+@overload
+def msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    layout: ContextParallelLayout, group: dist.ProcessGroup | None = ..., *,
+    topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
+    return_lse: Literal[True], return_block_indices: Literal[True],
+) -> MSALseBlocksOutput: ...
 
 
 @overload
@@ -398,7 +407,7 @@ def msa_attention(
     layout: ContextParallelLayout, group: dist.ProcessGroup | None = ..., *,
     topk: int = ..., block_size: int = ..., softmax_scale: float | None = ...,
     return_lse: bool = ..., return_block_indices: bool = ...,
-) -> torch.Tensor | MSAAttentionOutput: ...
+) -> torch.Tensor | AttentionOutput | MSABlocksOutput | MSALseBlocksOutput: ...
 
 
 def msa_attention(
@@ -415,7 +424,7 @@ def msa_attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     return_block_indices: bool = False,
-) -> torch.Tensor | MSAAttentionOutput:
+) -> torch.Tensor | MSAResult:
     """`torch_msa.msa_attention` for this rank's tokens, reading the keys of the whole group.
 
     All-gathers the index keys, then starts the all-gathers of K and V and selects the local
@@ -436,10 +445,12 @@ def msa_attention(
 
     Returns:
         As `torch_msa.msa_attention` returns them, for the local tokens: `out [Tl, Hq, D]` in q's
-        dtype, or with either flag a `torch_msa.MSAAttentionOutput` whose fields not asked for
-        are None (`lse [Tl, Hq]`, token-major, as in `torch_msa.sparse_attention`;
-        `block_indices` int32 `[Hkv, Tl, topk]`, head-major, document-local ids). `index_q` and
-        `index_k` get no gradient here: train them with `torch_msa.distributed.indexer_kl_loss`.
+        dtype, or with a flag a named tuple of `out` and exactly the fields asked for, in this
+        order, so `out, lse = msa_attention(..., return_lse=True)` unpacks it
+        (`AttentionOutput`, `MSABlocksOutput`, `MSALseBlocksOutput`): `lse [Tl, Hq]`,
+        token-major, as in `torch_msa.sparse_attention`; `block_indices` int32
+        `[Hkv, Tl, topk]`, head-major, document-local ids. `index_q` and `index_k` get no
+        gradient here: train them with `torch_msa.distributed.indexer_kl_loss`.
 
     Raises:
         TypeError: `layout` is not a `ContextParallelLayout`, or an input is not a tensor or has
@@ -456,9 +467,8 @@ def msa_attention(
     keys, values = _gather(layout, group, keys_values, k, v)
     out, lse = api.sparse_attention(q, keys, values, block_indices, *layout._documents(), block_size=block_size,
                                     softmax_scale=softmax_scale, return_lse=True, **layout._fragments())
-    if not (return_lse or return_block_indices):
-        return out
-    return MSAAttentionOutput(out, lse if return_lse else None, block_indices if return_block_indices else None)
+    return api._msa_result(out, return_lse=return_lse, return_block_indices=return_block_indices, index_loss=False,
+                           lse=lse, block_indices=block_indices)
 
 
 def _share_of_the_mean(loss, layout):

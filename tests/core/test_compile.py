@@ -57,7 +57,7 @@ def _loss_from_named_fields(q, k, v, index_q, index_k, cu_q, cu_k, max_q, max_k)
 
 
 def test_named_output_fields_trace_in_one_graph():
-    """MSAAttentionOutput's and AttentionOutput's fields feed the loss inside one fullgraph graph."""
+    """msa_attention's and sparse_attention's named fields feed the loss inside one fullgraph graph."""
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(_loss_from_named_fields, backend=counter, fullgraph=True, dynamic=True)
@@ -108,19 +108,26 @@ def test_index_loss_traces_in_one_graph_with_the_same_gradients(fused):
     assert ("msa.forward_with_index_loss" if fused else "msa.indexer_kl") in targets
 
 
-def test_a_compiled_function_returns_the_named_tuple():
+def test_a_compiled_function_unpacks_and_returns_the_results_as_asked():
+    """Inside one fullgraph graph a result unpacks into the fields asked for, and a compiled
+    function returns the eager call's named tuples, of the same types, field for field."""
+
     def attention(q, k, v, index_q, index_k):
-        return torch_msa.msa_attention(q, k, v, index_q, index_k, topk=2, block_size=64, return_lse=True)
+        out, lse = torch_msa.msa_attention(q, k, v, index_q, index_k, topk=2, block_size=64, return_lse=True)
+        with_loss = torch_msa.msa_attention(q, k, v, index_q, index_k, topk=2, block_size=64,
+                                            return_block_indices=True, index_loss=True)
+        return out * 2, lse, with_loss
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     args = [x.detach() for x in _inputs([300], [300])[:5]]
     got = torch.compile(attention, backend=counter, fullgraph=True)(*args)
     want = attention(*args)
-    assert type(got) is torch_msa.MSAAttentionOutput and got.block_indices is None
-    torch.testing.assert_close(got.out, want.out, rtol=0, atol=0)
-    torch.testing.assert_close(got.lse, want.lse, rtol=0, atol=0)
-    assert counter.frame_count == 1
+    assert [type(x) for x in got] == [torch.Tensor, torch.Tensor, torch_msa.MSABlocksIndexLossOutput]
+    for got_field, want_field in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want),
+                                     strict=True):
+        torch.testing.assert_close(got_field, want_field, rtol=0, atol=0)
+    assert got[2].kl.item() > 0 and counter.frame_count == 1
 
 
 def test_one_document_defaults_trace_symbolically():

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import typing
 
 
 def test_import_is_light():
@@ -42,7 +43,9 @@ def test_public_names_resolve():
 
     missing = [name for name in torch_msa.__all__ if not hasattr(torch_msa, name)]
     assert not missing, missing
-    assert {"AttentionOutput", "MSAAttentionOutput"} <= set(torch_msa.__all__)
-    # Named fields are the contract; these are their names and order.
+    results = typing.get_args(torch_msa.MSAResult)
+    assert {"AttentionOutput", "MSAResult", *(t.__name__ for t in results)} <= set(torch_msa.__all__)
+    # The fields are the contract, by name and by position.
     assert torch_msa.AttentionOutput._fields == ("out", "lse")
-    assert torch_msa.MSAAttentionOutput._fields[:4] == ("out", "lse", "block_indices", "kl")
+    assert torch_msa.MSAAttentionOutput._fields == ("out", "lse", "block_indices", "kl", "kl_value")
+    assert len(results) == 7 and all(t._fields[0] == "out" for t in results)

@@ -4,6 +4,7 @@ The oracle below is written from the definition (spec, section 6) on full `[H, T
 tensors, with autograd for the gradients; it shares nothing with `torch_msa.reference_kl`.
 """
 
+import functools
 import math
 import warnings
 
@@ -382,8 +383,7 @@ def test_msa_attention_returns_what_the_loss_needs_and_warns_once(monkeypatch):
     with pytest.warns(UserWarning, match="indexer_kl_loss"):
         attn = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, return_lse=True,
                                        return_block_indices=True)
-    assert isinstance(attn, torch_msa.MSAAttentionOutput)
-    out, lse, block_indices = attn.out, attn.lse, attn.block_indices
+    out, lse, block_indices = attn
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out_only = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK)
@@ -393,11 +393,60 @@ def test_msa_attention_returns_what_the_loss_needs_and_warns_once(monkeypatch):
     assert torch.equal(lse, expected_lse)
     only_ids = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, topk=2, block_size=BLOCK,
                                        return_block_indices=True)
-    assert only_ids.lse is None and torch.equal(only_ids.block_indices, block_indices)
-    assert torch.equal(only_ids.out, out)
+    assert torch.equal(only_ids.block_indices, block_indices) and torch.equal(only_ids.out, out)
     only_lse = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, topk=2, block_size=BLOCK,
                                        return_lse=True)
-    assert only_lse.block_indices is None and torch.equal(only_lse.lse, lse) and torch.equal(only_lse.out, out)
+    assert torch.equal(only_lse.lse, lse) and torch.equal(only_lse.out, out)
+
+
+_FULL_RESULT = dict(return_lse=True, return_block_indices=True, index_loss=True)
+
+
+# (flags, the result's type, its fields in order): every combination of msa_attention's flags.
+_RESULTS = [
+    (dict(return_lse=True), torch_msa.AttentionOutput, ("out", "lse")),
+    (dict(return_block_indices=True), torch_msa.MSABlocksOutput, ("out", "block_indices")),
+    (dict(return_lse=True, return_block_indices=True), torch_msa.MSALseBlocksOutput, ("out", "lse", "block_indices")),
+    (dict(index_loss=True), torch_msa.MSAIndexLossOutput, ("out", "kl", "kl_value")),
+    (dict(return_lse=True, index_loss=True), torch_msa.MSALseIndexLossOutput, ("out", "lse", "kl", "kl_value")),
+    (dict(return_block_indices=True, index_loss=True), torch_msa.MSABlocksIndexLossOutput,
+     ("out", "block_indices", "kl", "kl_value")),
+    (_FULL_RESULT, torch_msa.MSAAttentionOutput, ("out", "lse", "block_indices", "kl", "kl_value")),
+]
+
+
+@pytest.mark.parametrize("flags, result_type, fields", _RESULTS, ids=[t.__name__ for _, t, _ in _RESULTS])
+def test_msa_attention_returns_exactly_the_fields_asked_for_in_order(flags, result_type, fields):
+    """`out`, then `lse`, `block_indices`, `kl` and `kl_value` as their flags ask: the result
+    unpacks positionally into exactly those and reads them by name, with the full result's values."""
+    q, k, v, index_q, index_k, _, docs = _problem(**CASE)
+    index_q, index_k = index_q.detach(), index_k.detach()
+    call = functools.partial(torch_msa.msa_attention, q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK)
+    with torch.no_grad():  # the loss computed in the forward: kl and kl_value hold it at once
+        result, full = call(**flags), call(**_FULL_RESULT)
+    assert type(result) is result_type and result._fields == fields and len(result) == len(fields)
+    assert isinstance(result, torch_msa.MSAResult)
+    for name, value in zip(fields, result, strict=True):
+        assert value is getattr(result, name)
+        assert torch.equal(value, getattr(full, name)), name
+
+
+def test_msa_attention_unpacks_as_flash_attention_does():
+    q, k, v, index_q, index_k, _, docs = _problem(**CASE)
+    index_q, index_k = index_q.detach(), index_k.detach()
+    call = functools.partial(torch_msa.msa_attention, q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK)
+    with torch.no_grad():
+        plain = call()
+        out, lse = call(return_lse=True)
+        out_too, block_indices = call(return_block_indices=True)
+        out_again, kl, kl_value = call(index_loss=True)
+        *_, expected_kl, _ = call(**_FULL_RESULT)
+    assert type(plain) is torch.Tensor and plain.shape == q.shape
+    assert torch.equal(out, plain) and torch.equal(out_too, plain) and torch.equal(out_again, plain)
+    _, expected_lse = torch_msa.sparse_attention(q, k, v, block_indices, *docs, block_size=BLOCK, return_lse=True)
+    assert torch.equal(lse, expected_lse)
+    assert torch.equal(block_indices, torch_msa.select_blocks(index_q, index_k, *docs, topk=2, block_size=BLOCK))
+    assert kl.item() > 0 and torch.equal(kl, kl_value) and torch.equal(kl, expected_kl)
 
 
 def test_msa_attention_index_loss_is_the_kl_of_its_own_selection_and_lse(monkeypatch):
@@ -410,7 +459,7 @@ def test_msa_attention_index_loss_is_the_kl_of_its_own_selection_and_lse(monkeyp
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the index inputs get a gradient: no warning
         attn = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True)
-    assert attn.lse is None and attn.block_indices is None
+    assert type(attn) is torch_msa.MSAIndexLossOutput
     assert attn.kl.dim() == 0 and attn.kl.dtype == torch.float32 and attn.kl.item() == 0
     assert attn.kl_value.dim() == 0 and not attn.kl_value.requires_grad and attn.kl_value.item() == 0
     with torch.no_grad():
@@ -496,7 +545,7 @@ def test_msa_attention_index_loss_with_the_other_fields_and_without_queries():
                                 index_loss_value=torch.zeros(2))
     without_kl = torch_msa.msa_attention(q, k, v, index_q.detach(), index_k.detach(), *docs, topk=2, block_size=BLOCK,
                                          return_lse=True)
-    assert without_kl.kl is None
+    assert "kl" not in without_kl._fields
 
     q, k, v, index_q, index_k, _, docs = _problem((0,), (9,), 4, 2, 64, 16, 2, dtype=torch.float64)
     empty = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, topk=2, block_size=BLOCK, index_loss=True)

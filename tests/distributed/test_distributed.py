@@ -8,6 +8,7 @@ sparse and dense KL losses (summed over the ranks) and their index_q / index_k g
 fp64 both sides agree to rounding.
 """
 
+import functools
 import itertools
 import os
 import tempfile
@@ -82,10 +83,9 @@ def _single_process(x, lengths):
 def _context_parallel(x, layout, group):
     """The same quantities from the ranks' shares; each rank returns its local ones."""
     local = _leaves({name: layout.shard(x[name]) for name in ("q", "k", "v", "index_q", "index_k")})
-    attn = cp.msa_attention(local["q"], local["k"], local["v"], local["index_q"], local["index_k"], layout, group,
-                            topk=TOPK, block_size=BLOCK, return_lse=True, return_block_indices=True)
-    assert isinstance(attn, torch_msa.MSAAttentionOutput)
-    out, lse, block_indices = attn.out, attn.lse, attn.block_indices
+    out, lse, block_indices = cp.msa_attention(local["q"], local["k"], local["v"], local["index_q"], local["index_k"],
+                                               layout, group, topk=TOPK, block_size=BLOCK, return_lse=True,
+                                               return_block_indices=True)
     loss = (out * layout.shard(x["grad_out"])).sum() + (lse * layout.shard(x["grad_lse"])).sum()
     dq, dk, dv = torch.autograd.grad(loss, (local["q"], local["k"], local["v"]))
     kl = cp.indexer_kl_loss(local["q"].detach(), local["k"].detach(), lse.detach(), local["index_q"],
@@ -153,9 +153,8 @@ def _check_checkpointed_layer(lengths, device, dtype, tolerance):
     grad_out, grad_lse = layout.shard(x["grad_out"]), layout.shard(x["grad_lse"])
 
     def layer_loss(q, k, v, index_q, index_k):
-        attn = cp.msa_attention(q, k, v, index_q, index_k, layout, topk=TOPK, block_size=BLOCK, return_lse=True)
-        assert attn.block_indices is None  # not asked for
-        return (attn.out * grad_out).sum() + (attn.lse * grad_lse).sum()
+        out, lse = cp.msa_attention(q, k, v, index_q, index_k, layout, topk=TOPK, block_size=BLOCK, return_lse=True)
+        return (out * grad_out).sum() + (lse * grad_lse).sum()
 
     inputs = [local[name] for name in ("q", "k", "v", "index_q", "index_k")]
     plain = torch.autograd.grad(layer_loss(*inputs), inputs[:3])
@@ -217,6 +216,34 @@ def test_context_parallel_matches_one_process(world_size):
 def test_context_parallel_on_one_gpu_through_gloo():
     # NCCL refuses two ranks on one device; gloo takes CUDA tensors. fp32: the fast kernels serve it.
     _spawn(2, device_type="cuda", dtype=torch.float32, tolerance=2e-5, cases=("mixed", "one-document"))
+
+
+def test_results_unpack_as_asked_in_a_one_rank_group(tmp_path):
+    """`distributed.msa_attention` returns exactly the fields asked for, in order, as
+    `torch_msa.msa_attention` does, with its values (one gloo rank in this process: no spawn)."""
+    lengths = [70, 0, 2]  # two blocks, an empty document, a short one: small, for a quick check
+    x = _pack(lengths, "cpu", torch.float64, seed=0)
+    inputs = [x[name] for name in ("q", "k", "v", "index_q", "index_k")]
+    cu = torch.tensor(_cu(lengths), dtype=torch.int32)
+    layout = cp.load_balanced_layout(cu, 1, 0)
+    want_out, want_lse, want_ids = torch_msa.msa_attention(*inputs, cu, cu, max(lengths), max(lengths), topk=TOPK,
+                                                           block_size=BLOCK, return_lse=True, return_block_indices=True)
+    call = functools.partial(cp.msa_attention, *(layout.shard(t) for t in inputs), layout, topk=TOPK, block_size=BLOCK)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        plain = call()
+        out, lse = call(return_lse=True)
+        out_too, block_indices = call(return_block_indices=True)
+        both = call(return_lse=True, return_block_indices=True)
+    finally:
+        dist.destroy_process_group()
+    assert type(plain) is torch.Tensor
+    assert type(both) is torch_msa.MSALseBlocksOutput and len(both) == 3
+    for got in (plain, out, out_too, both.out):
+        torch.testing.assert_close(got, layout.shard(want_out), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, layout.shard(want_lse), rtol=1e-10, atol=1e-10)
+    assert torch.equal(block_indices, both.block_indices) and torch.equal(lse, both.lse)
+    assert torch.equal(_sorted_ids(block_indices), _sorted_ids(layout.shard(want_ids, dim=1)))
 
 
 # Layout unit tests: no processes.
