@@ -3,7 +3,7 @@
     python examples/train_long_context.py --out run                  # H200: the documented run
     python examples/train_long_context.py --out run                  # again: continues where it stopped
     python examples/train_long_context.py --out run --report         # JSON summary and plot of a run
-    python examples/train_long_context.py --out tiny --tiny --device cpu   # a minute on a CPU
+    python examples/train_long_context.py --out tiny --tiny --device cpu   # every arm, a few minutes on a CPU
 
 The model is a byte-level decoder of our own, inside the kernels' contract: 16 query heads over one KV
 head of dim 128 per layer, blocks of 128 keys, top-16, one index head per KV head (index_q and
