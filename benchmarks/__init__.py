@@ -24,7 +24,8 @@ performance goals (`targets`).
 
 Modules: `flops` (formulas), `problems` (layouts, inputs, selections), `timing` (how one
 measurement is timed), `flex_mask` (the BlockMask), `peers` and `msa` (what is timed),
-`runner`, `results`, `targets`, `devices` (peak rates, L2), `report` (table, JSON, PNG), `cli`.
+`runner`, `results`, `targets`, `devices` (peak rates, L2), `report` (table, JSON, PNG), `cli`,
+and `command` (what every command shares: its arguments checked, its end on Ctrl-C).
 Separate commands: `python -m benchmarks.deterministic` (the backward with and without
 `torch.use_deterministic_algorithms(True)`), `python -m benchmarks.kl` (the KL loss against
 the attention step), `python -m benchmarks.overhead` (what each eager call costs the host

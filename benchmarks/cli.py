@@ -13,9 +13,8 @@ import torch
 
 import torch_msa
 from torch_msa.contract import M3, Shape
-from torch_msa.testing import pick_device
 
-from . import msa, peers, report, targets, trained_selection
+from . import command, msa, peers, report, targets, trained_selection
 from .devices import device_peak
 from .problems import SELECTIONS, ProblemSpec, parse_pack, parse_seqlens
 from .results import COMPLETE, INTERRUPTED, RUNNING, BenchResult, ProblemResult
@@ -28,7 +27,7 @@ CPU_SEQLENS = (512,)
 CPU_QUICK_SEQLENS = (128,)
 DEFAULT_WARMUP, DEFAULT_ITERS = 5, 20
 QUICK_WARMUP, QUICK_ITERS = 3, 10
-CPU_QUICK_WARMUP, CPU_QUICK_ITERS = 0, 1
+CPU_QUICK_WARMUP, CPU_QUICK_ITERS = 0, 3  # the median of 3 interleaved rounds (the first pays the first calls)
 MIN_RUNS = 10  # a measurement cut by --row-budget keeps at least this many timed runs
 
 
@@ -50,8 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                              "2x4K,8K; 'none' for no pack. Given alone, no single document runs")
     parser.add_argument("--quick", action="store_true",
                         help=f"on CUDA: 8K and 64K only, no pack, {QUICK_WARMUP} warm-ups and {QUICK_ITERS} runs; "
-                             f"on CPU: a smoke test of {CPU_QUICK_SEQLENS[0]} tokens, one run each, no peers "
-                             "but the dense baseline (explicit options still win)")
+                             f"on CPU: a smoke test of {CPU_QUICK_SEQLENS[0]} tokens, the median of {CPU_QUICK_ITERS} "
+                             "interleaved runs of each phase, no peers but the dense baseline (explicit options "
+                             "still win)")
     parser.add_argument("--heads", metavar="HQ/HKV", default=f"{M3.query_heads}/{M3.kv_heads}",
                         help="query and KV heads, e.g. 16/1 for one of 4 tensor-parallel shards of M3; the index "
                              f"heads follow the KV heads (default {M3.query_heads}/{M3.kv_heads})")
@@ -60,8 +60,11 @@ def _parser() -> argparse.ArgumentParser:
                                                           "(default: bench_out)")
     parser.add_argument("--skip-peers", action="store_true",
                         help="run only torch_msa and the dense baseline (cuDNN on CUDA, math on CPU)")
-    parser.add_argument("--warmup", type=int, help=f"untimed calls before timing (default {DEFAULT_WARMUP})")
-    parser.add_argument("--iters", type=int, help=f"timed calls; the median is reported (default {DEFAULT_ITERS})")
+    parser.add_argument("--warmup", type=command.at_least(0),
+                        help=f"untimed calls before timing (default {DEFAULT_WARMUP})")
+    parser.add_argument("--iters", type=command.at_least(1),
+                        help=f"timed calls; the median is reported (default {DEFAULT_ITERS}). On CPU the phases "
+                             "are timed interleaved: this many rounds, each timing every phase once")
     parser.add_argument("--selection", choices=SELECTIONS, default="index",
                         help="index: torch_msa.select_blocks on random index inputs; skewed: every token "
                              "picks block 0 and its newest blocks (load imbalance); tiled: the index selection "
@@ -70,10 +73,10 @@ def _parser() -> argparse.ArgumentParser:
                              "trained index branch on held-out text (benchmarks/trained_selection.py; a document "
                              "longer than the trained ones becomes a pack of trained-length documents). "
                              "Default: index")
-    parser.add_argument("--row-budget", type=float, default=20.0, metavar="SECONDS",
+    parser.add_argument("--row-budget", type=command.at_least(0.0, float), default=20.0, metavar="SECONDS",
                         help="cap of the timed part of one measurement: slower ones get fewer runs (at "
                              f"least {MIN_RUNS}, marked *); 0 disables (default 20)")
-    parser.add_argument("--max-reference-tokens", type=int, default=8192, metavar="T",
+    parser.add_argument("--max-reference-tokens", type=command.at_least(0), default=8192, metavar="T",
                         help="on CUDA, skip torch_msa phases served by the slow reference backend above "
                              "this many tokens (default 8192)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
@@ -83,10 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = _parser()
     args = parser.parse_args(argv)
-    try:
-        args.device = pick_device(args.device)
-    except ValueError as error:
-        parser.error(str(error))
+    args.device = command.device(parser, args.device)
     try:
         args.shape = parse_heads(args.heads)
         seqlens = parse_seqlens(args.seqlens) if args.seqlens is not None else None
@@ -120,12 +120,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.warmup = (CPU_QUICK_WARMUP if on_cpu else QUICK_WARMUP) if args.quick else DEFAULT_WARMUP
     if args.iters is None:
         args.iters = (CPU_QUICK_ITERS if on_cpu else QUICK_ITERS) if args.quick else DEFAULT_ITERS
-    if args.warmup < 0:
-        parser.error(f"argument --warmup: expected >= 0, got {args.warmup}")
-    if args.iters < 1:
-        parser.error(f"argument --iters: expected >= 1, got {args.iters}")
-    if args.row_budget < 0:
-        parser.error(f"argument --row-budget: expected >= 0 seconds, got {args.row_budget}")
     return args
 
 
@@ -184,6 +178,7 @@ def _meta(args, argv) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": name,
         "device_type": device.type,
+        "capability": list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": _version("triton"),
@@ -197,6 +192,7 @@ def _meta(args, argv) -> dict:
         "shape_text": describe_shape(shape),
         "selection": args.selection,
         "timing": {"warmup": args.warmup, "iters": args.iters, "statistic": "median",
+                   "interleaved": device.type != "cuda",
                    "clock": "CUDA events" if device.type == "cuda" else "time.perf_counter",
                    "row_budget_s": args.row_budget or None, "inputs_rotated": False},
         "peak_tflops": None if peak is None else peak.tflops,
@@ -218,7 +214,8 @@ def _header(meta: dict, args) -> str:
         f"  torch_msa  {meta['torch_msa']} ({meta['git_commit'] or 'not a git checkout'})   {served}",
         f"  shapes     {meta['shape_text']}",
         f"  selection  {meta['selection']}",
-        f"  timing     {timing['clock']}, {timing['warmup']} warm-ups, median of {timing['iters']} runs "
+        f"  timing     {timing['clock']}, {timing['warmup']} warm-ups, median of {timing['iters']} runs"
+        f"{', interleaved (one run of every phase per round)' if timing['interleaved'] else ''} "
         f"(budget {timing['row_budget_s'] or 'none'} s per measurement); inputs not rotated (a problem whose "
         "q, k, v fit twice in the L2 says so)",
         *warning,
@@ -227,27 +224,30 @@ def _header(meta: dict, args) -> str:
 
 def _write_text_outputs(result: BenchResult, header: str, out: str) -> str:
     """Write bench.json and bench.txt for what has run so far; returns the table and target lines."""
-    outcomes = targets.evaluate(result)
-    text = report.format_table(result) + "\n\n" + targets.format_outcomes(outcomes)
-    report.write_json(result, outcomes, os.path.join(out, "bench.json"))
+    not_judged = targets.why_not_judged(result.meta)
+    outcomes = [] if not_judged else targets.evaluate(result)
+    text = report.format_table(result) + "\n\n" + targets.format_outcomes(outcomes, not_judged)
+    report.write_json(result, outcomes, os.path.join(out, "bench.json"), not_judged)
     status = "" if result.status == COMPLETE else f"\nstatus: {result.status} (partial results)"
     with open(os.path.join(out, "bench.txt"), "w") as handle:
         handle.write(header + "\n" + text + status + "\n")
     return text
 
 
+@command.exits_on_interrupt
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    command.output_directory(_parser(), args.out)
     meta = _meta(args, argv)
     config = Config(device=args.device, problems=args.problems, shape=args.shape, selection=args.selection,
                     warmup=args.warmup, iters=args.iters, budget_s=args.row_budget or None, min_runs=MIN_RUNS,
                     skip_peers=args.skip_peers, max_reference_tokens=args.max_reference_tokens, seed=args.seed)
     header = _header(meta, args)
     print(header, flush=True)
-    os.makedirs(args.out, exist_ok=True)
     result = BenchResult(meta, [], status=RUNNING)
     json_path = os.path.join(args.out, "bench.json")
+    text_path = os.path.join(args.out, "bench.txt")
     try:
         for index, spec in enumerate(config.problems, 1):
             problem = ProblemResult(spec, None, config.baseline)
@@ -261,15 +261,17 @@ def main(argv=None) -> int:
             result.problems[-1].notes.append("interrupted (KeyboardInterrupt): the phases after its last row did not run")
         result.status = INTERRUPTED
         _write_text_outputs(result, header, args.out)
-        print(f"interrupted: the partial results are in {json_path} and {os.path.join(args.out, 'bench.txt')}",
-              file=sys.stderr, flush=True)
-        return 130  # the shell's code for a command stopped by SIGINT
+        return command.interrupted(f"the partial results are in {json_path} and {text_path}")
     result.status = COMPLETE
     text = _write_text_outputs(result, header, args.out)
     print(text)
-    png = os.path.join(args.out, "bench.png")
-    why_not = report.write_plot(result, png, targets.rate_goals(result))
     print()
-    print(f"wrote {json_path} and {os.path.join(args.out, 'bench.txt')}")
+    print(f"wrote {json_path} and {text_path}", flush=True)
+    png = os.path.join(args.out, "bench.png")
+    try:
+        why_not = report.write_plot(result, png, targets.rate_goals(result))
+    except KeyboardInterrupt:
+        return command.interrupted(f"while drawing {png}, not written; the results are complete in {json_path} "
+                                   f"and {text_path}")
     print(f"plot: {why_not}" if why_not else f"wrote {png}")
     return 0

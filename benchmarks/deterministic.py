@@ -15,6 +15,7 @@ kernel, tried first in place of the tuned list (for retuning on a new device).
 
 import argparse
 import contextlib
+import sys
 
 import torch
 
@@ -22,8 +23,8 @@ import torch_msa
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.contract import M3
 from torch_msa.ops import backend_arguments
-from torch_msa.testing import pick_device
 
+from . import command
 from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_seqlens
 from .timing import free_memory, measure
 
@@ -110,28 +111,25 @@ def _kl_step(inputs, lse):
     return step
 
 
-def main(argv=None) -> list[dict]:
+@command.exits_on_interrupt
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.deterministic", description=__doc__.split("\n")[0])
     parser.add_argument("--seqlens", nargs="+", default=list(DEFAULT_SEQLENS), metavar="T",
                         help=f"single-document lengths (default: {' '.join(DEFAULT_SEQLENS)})")
     parser.add_argument("--selection", choices=SELECTIONS, default="index")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=command.at_least(0), default=3)
+    parser.add_argument("--iters", type=command.at_least(1), default=10)
     parser.add_argument("--kl", action="store_true", help="also time the sparse KL loss's forward and backward")
     parser.add_argument("--profile", action="store_true", help="print each kernel's device time of one call")
     parser.add_argument("--sweep", action="store_true",
                         help="time the deterministic backward with each candidate configuration of its dQ kernel")
     args = parser.parse_args(argv)
-    try:
-        device = pick_device(args.device)
-        seqlens = parse_seqlens(args.seqlens)
-    except ValueError as error:
-        parser.error(str(error))
+    seqlens = command.parsed(parser, parse_seqlens, args.seqlens)
+    device = command.device(parser, args.device)
     if args.sweep and device.type != "cuda":
         parser.error(f"--sweep times the Triton kernels: it needs a CUDA device, not {device}")
 
-    rows = []
     print(f"msa::backward, M3 shapes, bf16, {args.selection} selection, on {device}")
     print(f"{'T':>7} {'default ms':>11} {'TF/s':>6} {'deterministic ms':>17} {'TF/s':>6} {'speed share':>12}")
     for length in seqlens:
@@ -151,11 +149,8 @@ def main(argv=None) -> list[dict]:
                 if args.profile:
                     kernels[deterministic] = _kernel_times(backward, device)
         flops = inputs.work.msa_backward
-        row = dict(tokens=length, default_ms=times[False], deterministic_ms=times[True],
-                   speed_share=times[False] / times[True])
-        rows.append(row)
         print(f"{length:>7} {times[False]:>11.3f} {flops / times[False] / 1e9:>6.0f} {times[True]:>17.3f} "
-              f"{flops / times[True] / 1e9:>6.0f} {row['speed_share']:>11.0%}")
+              f"{flops / times[True] / 1e9:>6.0f} {times[False] / times[True]:>11.0%}")
         for deterministic, name in ((False, "default"), (True, "deterministic")):
             for kernel, ms in kernels.get(deterministic, []):
                 print(f"          {name:>13} {ms:9.3f} ms  {kernel[:100]}")
@@ -164,16 +159,14 @@ def main(argv=None) -> list[dict]:
             for deterministic in (False, True):
                 with deterministic_algorithms(deterministic):
                     kl_times[deterministic] = measure(kl_step, device, args.warmup, args.iters).median_ms
-            row.update(kl_default_ms=kl_times[False], kl_deterministic_ms=kl_times[True],
-                       kl_speed_share=kl_times[False] / kl_times[True])
             print(f"{'KL loss':>7} {kl_times[False]:>11.3f} {'':>6} {kl_times[True]:>17.3f} {'':>6} "
-                  f"{row['kl_speed_share']:>11.0%}")
+                  f"{kl_times[False] / kl_times[True]:>11.0%}")
         if args.sweep:
             _sweep(backward_arguments, device, args.warmup, args.iters)
         del inputs, out, lse, backward_arguments
         free_memory(device)
-    return rows
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -37,6 +37,7 @@ from torch_msa._progress import Progress
 from torch_msa.contract import M3, Shape
 from torch_msa.testing import pick_device
 
+from . import command
 from .results import RUNNING, run_recorded, write_record
 from .timing import free_memory, measure
 
@@ -197,21 +198,29 @@ def _meta(args, argv, device) -> dict:
     }
 
 
+@command.exits_on_interrupt
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kl", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqlen", type=int, nargs="+", default=[32768, 65536], help="tokens (one document)")
+    parser.add_argument("--seqlen", type=command.at_least(1), nargs="+", default=[32768, 65536],
+                        help="tokens (one document)")
     parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
-    parser.add_argument("--documents", type=int, default=1,
+    parser.add_argument("--documents", type=command.at_least(1), default=1,
                         help="pack each length as this many equal documents (sparse rows only)")
     parser.add_argument("--dense", action="store_true", help="also time the dense warm-up loss against SDPA")
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=command.at_least(1), default=10)
     parser.add_argument("--out", default="bench_out", help="directory of kl.json (default: bench_out)")
     args = parser.parse_args(argv)
-    device = pick_device(args.device)
+    uneven = [tokens for tokens in args.seqlen if tokens % args.documents]
+    if uneven:
+        parser.error(f"argument --seqlen: expected multiples of --documents {args.documents}, got {uneven}")
+    if args.dense and args.documents != 1:
+        parser.error(f"argument --documents: expected 1 with --dense (the dense rows take one document), "
+                     f"got {args.documents}")
+    device = command.device(parser, args.device)
+    command.output_directory(parser, args.out)
     meta = _meta(args, argv, device)
     print("backends:", meta["backends"])
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "kl.json")
     record: dict = {"status": RUNNING, "partial": True, "meta": meta, "lengths": []}
     names = SPARSE_ROWS + (DENSE_ROWS if args.dense else ())

@@ -18,15 +18,13 @@ import torch
 
 from torch_msa._progress import Progress
 from torch_msa.contract import M3
-from torch_msa.testing import pick_device
 
+from . import command
 from .msa import msa_subject
 from .peers import dense_subject
 from .problems import ProblemSpec, make_inputs, parse_length, parse_seqlens
-from .results import RUNNING, run_recorded, write_record
+from .results import RUNNING, STEP, run_recorded, write_record
 from .timing import free_memory, is_out_of_memory, measure
-
-STEP = "select+fwd+bwd"
 
 
 def _measurement(subject, phase):
@@ -70,23 +68,22 @@ def measure_length(tokens: int, device, iters: int, dense: bool) -> dict:
     return row
 
 
+@command.exits_on_interrupt
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.long_context", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlens", nargs="+", default=["128K", "256K", "512K", "1M"], metavar="T",
                         help="document lengths (K = 1024, M = 1024K; default 128K 256K 512K 1M)")
     parser.add_argument("--dense-up-to", default="256K", metavar="T",
                         help="time cuDNN dense fwd+bwd up to this length, extrapolate past it (default 256K; 0: never)")
-    parser.add_argument("--iters", type=int, default=3, help="timed steps per length (default 3)")
+    parser.add_argument("--iters", type=command.at_least(1), default=3, help="timed steps per length (default 3)")
     parser.add_argument("--device", help="a CUDA device (default: cuda)")
     parser.add_argument("--out", default="bench_out", help="directory of long_context.json (default: bench_out)")
     args = parser.parse_args(argv)
-    device = pick_device(args.device)
-    if device.type != "cuda":
-        print("python -m benchmarks.long_context: needs a CUDA device (its lengths take tens of GiB)", file=sys.stderr)
-        return 2
-    lengths = parse_seqlens(args.seqlens)
-    dense_limit = parse_length(args.dense_up_to, "--dense-up-to") if args.dense_up_to != "0" else 0
-    os.makedirs(args.out, exist_ok=True)
+    lengths = command.parsed(parser, parse_seqlens, args.seqlens)
+    dense_limit = command.parsed(parser, parse_length, args.dense_up_to, "--dense-up-to") \
+        if args.dense_up_to.strip() != "0" else 0
+    command.output_directory(parser, args.out)
+    device = command.cuda_device(parser, args.device, "its lengths take tens of GiB")
     path = os.path.join(args.out, "long_context.json")
     rows: list[dict] = []
     record = {"status": RUNNING, "partial": True, "device": torch.cuda.get_device_name(device), "rows": rows}

@@ -32,6 +32,7 @@ import torch
 import torch_msa
 from torch_msa.contract import M3
 
+from . import command
 from .problems import ProblemSpec, make_inputs, parse_seqlens
 
 WARMUPS = 3
@@ -154,20 +155,18 @@ def measure(tokens: int, device: torch.device, iters: int) -> list[dict]:
     return rows
 
 
+@command.exits_on_interrupt
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("seqlens", nargs="*", default=["4K", "8K"], metavar="T",
                         help="document lengths (K = 1024; default 4K 8K)")
-    parser.add_argument("--iters", type=int, default=20, help="measured calls per number (default 20)")
+    parser.add_argument("--iters", type=command.at_least(1), default=20,
+                        help="measured calls per number (default 20)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("python -m benchmarks.overhead: needs a CUDA device", file=sys.stderr)
-        return 2
-    if args.iters < 1:
-        parser.error(f"argument --iters: expected at least 1, got {args.iters}")
-    device = torch.device("cuda")
+    lengths = command.parsed(parser, parse_seqlens, args.seqlens, "argument T")
+    device = command.cuda_device(parser, None, "it times GPU kernels and the host work that launches them")
     print(f"{'T':>6} {'call':<20} {'host ms':>8} {'GPU ms':>8} {'launches':>8} {'wall ms':>8} {'graph ms':>9}")
-    for tokens in parse_seqlens(args.seqlens):
+    for tokens in lengths:
         for row in measure(tokens, device, args.iters):
             graph = f"{row['graph_ms']:9.3f}" if "graph_ms" in row else f"{'-':>9} ({row['graph_error']})"
             print(f"{tokens:>6} {row['call']:<20} {row['host_ms']:8.3f} {row['gpu_ms']:8.3f} {row['launches']:8.0f} "

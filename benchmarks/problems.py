@@ -59,9 +59,10 @@ def parse_length(text: str, argument: str) -> int:
     return value
 
 
-def parse_seqlens(texts: list[str]) -> list[int]:
-    """`["8K,32K", "64K"]` -> `[8192, 32768, 65536]` (commas or separate arguments)."""
-    return [parse_length(item, "--seqlens") for text in texts for item in text.split(",") if item.strip()]
+def parse_seqlens(texts: list[str], argument: str = "--seqlens") -> list[int]:
+    """`["8K,32K", "64K"]` -> `[8192, 32768, 65536]` (commas or separate arguments); an error
+    names `argument`."""
+    return [parse_length(item, argument) for text in texts for item in text.split(",") if item.strip()]
 
 
 def parse_pack(text: str) -> tuple[int, ...] | None:

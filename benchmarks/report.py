@@ -69,10 +69,12 @@ def _format_row(problem: ProblemResult, row: Row, peak_tflops: float | None) -> 
             f"{percent:>8} {ratio:>9}  {note}").rstrip()
 
 
-def write_json(result: BenchResult, outcomes, path: str) -> None:
+def write_json(result: BenchResult, outcomes, path: str, targets_not_judged: str | None = None) -> None:
+    """The result, the goals' `outcomes` and, when they were not judged, why not (`targets.why_not_judged`)."""
     data = result.to_json()
     data["targets"] = [{"target": o.label, "verdict": o.verdict, "detail": o.detail, "values": o.values}
                        for o in outcomes]
+    data["targets_not_judged"] = targets_not_judged
     with open(path, "w") as handle:
         json.dump(_finite(data), handle, indent=1, allow_nan=False)
         handle.write("\n")
@@ -93,7 +95,7 @@ def write_plot(result: BenchResult, path: str, goals: dict[str, float] | None = 
     """Write the PNG; returns why it was not written (matplotlib missing, nothing timed) or None.
 
     `goals` maps a phase (`fwd`, `bwd`) to a TF/s goal drawn as a line on its panel
-    (`targets.rate_goals`: none for a run that is not on a GPU)."""
+    (`targets.rate_goals`: none for a run that is not on the device the goals are set for)."""
     try:
         import matplotlib
 

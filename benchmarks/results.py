@@ -20,6 +20,13 @@ OK, OOM, SKIPPED, ERROR = "ok", "OOM", "skipped", "error"
 COMPLETE, RUNNING, INTERRUPTED = "complete", "running", "interrupted"
 # The baseline phase each phase is compared with (phases absent here have no ratio).
 BASELINE_PHASE = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "fwd+bwd", "select+fwd+bwd": "fwd+bwd"}
+# torch_msa's training step and the phases it is made of, each also timed alone.
+STEP, STEP_PARTS = "select+fwd+bwd", ("select", "fwd", "bwd")
+# How far the step's median and the sum of its parts' medians may lie apart (as a ratio, either
+# way) before the problem is noted as not adding up. They differ a little by construction (`fwd`
+# and `bwd` each build the plan the step builds once; the step adds autograd's work): timed
+# interleaved on one thread of a shared 2-core CPU (T=128, M3), the step took 0.93x the sum.
+STEP_TOLERANCE = 1.5
 
 
 @dataclasses.dataclass
@@ -85,6 +92,22 @@ class ProblemResult:
                         flops=flops, note="sum of the fwd and bwd medians", derived=True,
                         capped=forward.capped or backward.capped)
             self.rows.insert(self.rows.index(backward) + 1, total)
+
+    def note_step_mismatch(self, impl: str = "torch_msa") -> None:
+        """Add a note when `impl`'s step and the sum of its parts (`STEP_PARTS`), all timed, lie
+        more than `STEP_TOLERANCE` apart: the machine's load changed while they ran, so its rows
+        do not compare with each other as they should."""
+        step, parts = self.timed(impl, STEP), [self.timed(impl, phase) for phase in STEP_PARTS]
+        if step is None or None in parts:
+            return
+        total = sum(part.ms for part in parts)
+        ratio = step.ms / total
+        if 1 / STEP_TOLERANCE <= ratio <= STEP_TOLERANCE:
+            return
+        self.notes.append(
+            f"the phases do not add up: {impl}'s {STEP} took {step.ms:.3f} ms, {ratio:.2f}x the "
+            f"{' + '.join(STEP_PARTS)} of {total:.3f} ms (expected within {STEP_TOLERANCE}x): the machine's load "
+            "changed while they ran, so compare this problem's rows with care (more --iters give steadier medians)")
 
 
 @dataclasses.dataclass

@@ -5,12 +5,20 @@ next. Inside a problem the subjects run in turn (dense baseline first), and each
 is timed by `timing.measure`. Running out of memory, or any other failure, is recorded for the
 phase (and for the phases of that subject that could then not run) and the run goes on.
 
-Each problem is one stage of a `torch_msa._progress.Progress` on stderr, a step per phase: on a
-terminal the live line and each row as it is recorded, elsewhere one line per problem; error
-tracebacks are printed on every stream.
+On CUDA each phase is timed `iters` times in a row: CUDA events time the device, which the load
+of the host barely moves. Elsewhere the clock is the host's, which other processes slow down by
+turns, so the problem's phases are timed interleaved: `iters` rounds through every subject,
+each phase timed once per round (the warm-ups in the first), and a row's median is over its
+rounds. A change of load then falls on every phase alike, and the phases of a step add up to
+the step; where they still do not (`ProblemResult.note_step_mismatch`), the problem says so.
+
+Each problem is one stage of a `torch_msa._progress.Progress` on stderr, a step per phase and
+round: on a terminal the live line and each row once its runs are done, elsewhere one line per
+problem; error tracebacks are printed on every stream.
 """
 
 import dataclasses
+import statistics
 import sys
 import traceback
 
@@ -25,7 +33,7 @@ from .problems import ProblemSpec, describe_sharing, make_inputs
 from .report import format_rate
 from .results import ERROR, OK, OOM, SKIPPED, ProblemResult, Row
 from .subject import Measurement, Subject
-from .timing import free_memory, is_out_of_memory, measure
+from .timing import free_memory, is_out_of_memory, measure, runs_within_budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,15 +54,35 @@ class Config:
     def baseline(self) -> str:
         return "cudnn dense" if self.device.type == "cuda" else "math dense"
 
+    @property
+    def interleaved(self) -> bool:
+        """Whether the phases are timed in rounds (see the module docstring): off CUDA."""
+        return self.device.type != "cuda"
+
+    @property
+    def rounds(self) -> int:
+        return self.iters if self.interleaved else 1
+
 
 def _describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
 
 
-def _record(progress: Progress, result: ProblemResult, row: Row) -> None:
-    """Append `row` to the problem, show it on a terminal and count its phase as done."""
-    result.rows.append(row)
+@dataclasses.dataclass
+class _Runs:
+    """The timed runs of one row so far, over the rounds, and how many it gets."""
+
+    times_ms: list[float]
+    wanted: int
+
+    @property
+    def done(self) -> bool:
+        return len(self.times_ms) >= self.wanted
+
+
+def _show(progress: Progress, result: ProblemResult, row: Row) -> None:
+    """Show a finished row on a terminal."""
     head = f"{result.name:<20} {row.impl:<17} {row.phase:<15}"
     if row.status != OK:
         progress.log(f"{head} {row.status}{': ' + row.note if row.note else ''}")
@@ -62,10 +90,27 @@ def _record(progress: Progress, result: ProblemResult, row: Row) -> None:
         rate = f"{format_rate(row.tflops):>8} TF/s" if row.tflops is not None else " " * 13
         runs = f"{row.runs} runs" + (", capped by the time budget" if row.capped else "")
         progress.log(f"{head} {row.ms:11.3f} ms {rate}  ({runs})")
+
+
+def _record(progress: Progress, result: ProblemResult, row: Row) -> None:
+    """Append a finished `row` to the problem, show it and count its phase as done."""
+    result.rows.append(row)
+    _show(progress, result, row)
     progress.advance()
 
 
-def _time(impl: str, measurement: Measurement, config: Config, progress: Progress) -> Row:
+def _fail(row: Row, error: BaseException, progress: Progress, device: torch.device, prefix: str = "") -> None:
+    """Record `error` on `row` (out of memory, or an error whose traceback is printed)."""
+    status = OOM if is_out_of_memory(error) else ERROR
+    if status == ERROR:
+        progress.write("".join(traceback.format_exception(error)).rstrip())
+    row.status, row.ms = status, None
+    row.note = "; ".join(filter(None, [row.note, prefix + _describe(error)]))
+    free_memory(device)
+
+
+def _time(impl: str, measurement: Measurement, config: Config, progress: Progress) -> tuple[Row, _Runs | None]:
+    """The row of a phase's first round, and its runs (None when it failed)."""
     row = Row(impl, measurement.phase, OK, flops=measurement.flops, note=measurement.note)
     device = config.device
     base = None
@@ -73,24 +118,45 @@ def _time(impl: str, measurement: Measurement, config: Config, progress: Progres
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    failure = None
+    # Interleaved, this round times one run; the budget is applied here, to the rounds.
+    iters, budget_s = (1, None) if config.interleaved else (config.iters, config.budget_s)
     try:
-        timing = measure(measurement.fn, device, config.warmup, config.iters, config.budget_s, config.min_runs)
+        timing = measure(measurement.fn, device, config.warmup, iters, budget_s, config.min_runs)
     except Exception as error:  # noqa: BLE001  (recorded, and the run goes on)
-        failure = (OOM if is_out_of_memory(error) else ERROR, _describe(error))
-        if failure[0] == ERROR:
-            progress.write("".join(traceback.format_exception(error)).rstrip())
-    if failure is not None:
-        row.status, row.note = failure[0], "; ".join(filter(None, [row.note, failure[1]]))
-        free_memory(device)
-        return row
-    row.ms, row.runs, row.warmups, row.capped = timing.median_ms, timing.runs, timing.warmups, timing.capped
+        _fail(row, error, progress, device)
+        return row, None
+    wanted = timing.runs
+    if config.interleaved:
+        wanted = runs_within_budget(timing.times_ms[0] / 1e3, config.iters, config.budget_s, config.min_runs)
+    runs = _Runs(list(timing.times_ms), wanted)
+    row.ms, row.runs, row.warmups, row.capped = timing.median_ms, timing.runs, timing.warmups, wanted < config.iters
     if base is not None:
         row.extra_peak_bytes = torch.cuda.max_memory_allocated(device) - base
-    return row
+    return row, runs
 
 
-def run_subject(subject: Subject, result: ProblemResult, config: Config, progress: Progress) -> None:
+def _time_again(row: Row, runs: _Runs, measurement: Measurement, config: Config, progress: Progress) -> None:
+    """One more run of a row's phase (a later round); a failure ends the row as failed."""
+    try:
+        timing = measure(measurement.fn, config.device, 0, 1)
+    except Exception as error:  # noqa: BLE001  (recorded, and the run goes on)
+        _fail(row, error, progress, config.device, f"run {len(runs.times_ms) + 1}: ")
+        runs.wanted = len(runs.times_ms)
+        return
+    runs.times_ms += timing.times_ms
+    row.ms, row.runs = statistics.median(runs.times_ms), len(runs.times_ms)
+
+
+def run_subject(subject: Subject, result: ProblemResult, config: Config, progress: Progress,
+                runs: dict[tuple[str, str], _Runs] | None = None) -> None:
+    """One round of `subject` (see the module docstring): in the first, each phase's row is
+    added to `result`; in a later one (`runs` holds the earlier rounds' runs), each row that
+    wants more runs gets one. `progress` advances a step per phase."""
+    runs = {} if runs is None else runs
+    if result.row(subject.impl, subject.phases[0]) is not None \
+            and all(phase_runs.done for (impl, _), phase_runs in runs.items() if impl == subject.impl):
+        progress.advance(len(subject.phases))  # a later round with nothing left to time: nothing is prepared
+        return
     if subject.skip_reason:
         for phase in subject.phases:
             _record(progress, result, Row(subject.impl, phase, SKIPPED, note=subject.skip_reason))
@@ -102,12 +168,26 @@ def run_subject(subject: Subject, result: ProblemResult, config: Config, progres
         for measurement in measurements:
             if measurement.phase in pending:
                 pending.remove(measurement.phase)
-            if measurement.fn is None:
-                row = Row(subject.impl, measurement.phase, SKIPPED, flops=measurement.flops, note=measurement.note)
+            key = (subject.impl, measurement.phase)
+            row = result.row(*key)
+            if row is None:
+                if measurement.fn is None:
+                    row = Row(subject.impl, measurement.phase, SKIPPED, flops=measurement.flops, note=measurement.note)
+                else:
+                    progress.start(f"{subject.impl} {measurement.phase}" + (", run 1" if config.rounds > 1 else ""))
+                    row, phase_runs = _time(subject.impl, measurement, config, progress)
+                    if phase_runs is not None:
+                        runs[key] = phase_runs
+                result.rows.append(row)
+            elif key in runs and not runs[key].done and row.status == OK:
+                progress.start(f"{subject.impl} {measurement.phase}, run {len(runs[key].times_ms) + 1}")
+                _time_again(row, runs[key], measurement, config, progress)
             else:
-                progress.start(f"{subject.impl} {measurement.phase}")
-                row = _time(subject.impl, measurement, config, progress)
-            _record(progress, result, row)
+                progress.advance()
+                continue
+            if key not in runs or runs[key].done:
+                _show(progress, result, row)
+            progress.advance()
     except Exception as error:  # noqa: BLE001  (preparing a phase failed: recorded, the run goes on)
         failure = (OOM if is_out_of_memory(error) else ERROR, f"could not prepare: {_describe(error)}")
         if failure[0] == ERROR:
@@ -118,7 +198,17 @@ def run_subject(subject: Subject, result: ProblemResult, config: Config, progres
     free_memory(config.device)
     for phase in pending:
         status, note = failure if failure else (ERROR, "not measured (the subject stopped early)")
-        _record(progress, result, Row(subject.impl, phase, status, note=note))
+        row = result.row(subject.impl, phase)
+        if row is None:
+            _record(progress, result, Row(subject.impl, phase, status, note=note))
+            continue
+        if (subject.impl, phase) in runs and not runs[subject.impl, phase].done:
+            # A later round could not prepare the phase: its row keeps the runs it has.
+            phase_runs = runs[subject.impl, phase]
+            phase_runs.wanted = len(phase_runs.times_ms)
+            row.note = "; ".join(filter(None, [row.note, f"{row.runs} of {config.iters} runs: {note}"]))
+            _show(progress, result, row)
+        progress.advance()
 
 
 def subjects(inputs, config: Config) -> list[Subject]:
@@ -162,10 +252,15 @@ def run_problem(spec: ProblemSpec, config: Config, result: ProblemResult | None 
         result.notes.append(f"q, k, v take {input_bytes / 2**20:.0f} MiB, under 2x the {l2 / 2**20:.0f} MiB L2, and "
                             "are not rotated between runs: times may be optimistic")
     found = subjects(inputs, config)
-    with Progress(label, sum(len(subject.phases) for subject in found), stream=stream) as progress:
-        for subject in found:
-            run_subject(subject, result, config, progress)
+    runs: dict[tuple[str, str], _Runs] = {}
+    steps = sum(len(subject.phases) for subject in found) * config.rounds
+    with Progress(label, steps, stream=stream) as progress:
+        for _ in range(config.rounds):
+            for subject in found:
+                run_subject(subject, result, config, progress, runs)
     result.add_sums()
+    if config.interleaved:
+        result.note_step_mismatch()
     del inputs, found
     free_memory(config.device)
     return result

@@ -17,6 +17,7 @@ Problems the kernels decline are reported as declined.
 
 import argparse
 import math
+import sys
 import time
 
 import torch
@@ -29,6 +30,7 @@ from torch_msa.ops import backend_arguments
 from torch_msa.schedule import bucket_key_count, entries_per_item, unpack
 from torch_msa.testing import cu_seqlens, random_block_indices
 
+from . import command
 from .flops import selected_key_counts
 
 HQ, HKV, D, BLOCK, TOPK = M3.query_heads, M3.kv_heads, M3.head_dim, M3.block_size, M3.topk
@@ -48,16 +50,23 @@ def _milliseconds(fn, iterations: int) -> float:
     return start.elapsed_time(stop) / iterations
 
 
-def main(argv=None) -> None:
+def _problem(text: str) -> str:
+    """An argparse `type`: a `--docs` item, checked (a document length, or COUNTxLENGTH)."""
+    count, _, length = text.rpartition("x")
+    if not (length.isdigit() and int(length) > 0 and (not count or (count.isdigit() and int(count) > 0))):
+        raise argparse.ArgumentTypeError(f"expected a document length such as 8192 or COUNTxLENGTH such as 8x16384, "
+                                         f"got {text!r}")
+    return text
+
+
+@command.exits_on_interrupt
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sm90", description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", nargs="+", default=["8192", "32768", "8x16384"],
+    parser.add_argument("--docs", nargs="+", type=_problem, default=["8192", "32768", "8x16384"],
                         help="problems: a document length, or COUNTxLENGTH for a pack")
-    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--iterations", type=command.at_least(1), default=10)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        found = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-        parser.exit(1, f"python -m benchmarks.sm90 times the SM90 kernels: it needs a compute capability 9.0 GPU "
-                       f"(H100/H200), found {found}\n")
+    command.cuda_device(parser, None, "it times the SM90 kernels of H100/H200", capability=(9, 0))
 
     from torch_msa.sm90 import backward_deterministic as sm90_deterministic
     from torch_msa.sm90 import backward_host, common, forward_host
@@ -139,6 +148,7 @@ def main(argv=None) -> None:
         _time_backward(problem, inputs, out, lse, schedule, key_count, plan(), attention_backward(HQ, D, pairs),
                        args.iterations, triton_backward, triton_deterministic, backward_host, sm90_deterministic,
                        stages)
+    return 0
 
 
 def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, iterations, triton_backward,
@@ -186,4 +196,4 @@ def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, 
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

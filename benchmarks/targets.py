@@ -1,22 +1,26 @@
 """The performance goals (the table in docs/performance.md), judged on a benchmark result:
-reached, not reached (by how much), or not measured. They are set for one H200 at M3 shapes.
+reached, not reached (by how much), or not measured. They are set for one H200 at M3 shapes,
+and judged only on a run on one (`why_not_judged`): elsewhere a verdict would say nothing
+about them (a CPU reaches none, another GPU has other rates).
 
 A target over all problems is reached when every problem that measured it reaches it; the line
 lists each problem's value and, when missed, the worst one as a fraction of the target.
 """
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 from .msa import SCORING_PHASE
 from .report import format_rate
-from .results import OK, BenchResult, ProblemResult
+from .results import OK, STEP, BenchResult, ProblemResult
 
 REACHED, NOT_REACHED, NOT_MEASURED = "reached", "not reached", "not measured"
 MSA, CUDNN, FLA, BSA = "torch_msa", "cudnn dense", "fla parallel_nsa", "cuDNN BSA blk128"
+# The device the goals are set for: its name (as CUDA reports it) and compute capability.
+GOAL_DEVICE, GOAL_DEVICE_NAME, GOAL_CAPABILITY = "one H200 (compute capability 9.0)", r"\bH200\b", (9, 0)
 # torch_msa's fwd+bwd within this factor of cuDNN BSA's time, on the selections both express.
 BSA_TIME_FACTOR = 1.2
-STEP = "select+fwd+bwd"
 MEMORY_PROBLEMS = ("T=131072", "pack 8x16384")
 # The rate goals of torch_msa's phases, TF/s.
 RATE_GOALS = {"fwd": 420.0, "bwd": 320.0, "select": 400.0}
@@ -139,14 +143,31 @@ def evaluate(result: BenchResult) -> list[Outcome]:
     ]
 
 
+def why_not_judged(meta: dict) -> str | None:
+    """Why the goals are not judged on the run described by `meta` (its `device_type`, `device`
+    name and `capability`), or None when it ran on the device they are set for."""
+    capability = tuple(meta.get("capability") or ())
+    if meta.get("device_type") == "cuda" and capability == GOAL_CAPABILITY \
+            and re.search(GOAL_DEVICE_NAME, meta.get("device", "")):
+        return None
+    found = meta.get("device", "an unknown device")
+    if capability:
+        found += f", compute capability {capability[0]}.{capability[1]}"
+    return f"they are set for {GOAL_DEVICE} and this run is on {found}"
+
+
 def rate_goals(result: BenchResult) -> dict[str, float]:
-    """The TF/s goals per phase to draw against the run's bars: none unless it ran on a GPU (the
-    goals are set for one H200; a CPU's rates are thousands of times lower)."""
-    return dict(RATE_GOALS) if result.meta.get("device_type") == "cuda" else {}
+    """The TF/s goals per phase to draw against the run's bars: none unless the goals are judged
+    on its device (`why_not_judged`)."""
+    return {} if why_not_judged(result.meta) else dict(RATE_GOALS)
 
 
-def format_outcomes(outcomes: list[Outcome]) -> str:
-    lines = ["performance goals (docs/performance.md; set for one H200, M3 shapes, bf16):"]
+def format_outcomes(outcomes: list[Outcome], not_judged: str | None = None) -> str:
+    """The goals' lines: one per outcome, or the one line saying why they are `not_judged`."""
+    title = "performance goals (docs/performance.md; set for one H200, M3 shapes, bf16)"
+    if not_judged:
+        return f"{title}: not judged on this device: {not_judged}"
+    lines = [f"{title}:"]
     for outcome in outcomes:
         lines.append(f"  [{outcome.verdict}] {outcome.label}: {outcome.detail}")
     return "\n".join(lines)

@@ -60,10 +60,8 @@ def measure(fn: Callable[[], object], device: torch.device, warmup: int, iters: 
         spent += call_s if done > 1 else 0.0
         if budget_s and done >= 2 and spent > budget_s / 2:
             break
-    runs, capped = iters, False
-    if budget_s and call_s is not None and call_s * iters > budget_s:
-        runs = max(min(min_runs, iters), math.floor(budget_s / max(call_s, 1e-9)))
-        capped = runs < iters
+    runs = iters if call_s is None else runs_within_budget(call_s, iters, budget_s, min_runs)
+    capped = runs < iters
     if device.type == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
         for begin, end in events:
@@ -80,6 +78,14 @@ def measure(fn: Callable[[], object], device: torch.device, warmup: int, iters: 
             elapsed.append((time.perf_counter() - start) * 1e3)
         times = tuple(elapsed)
     return Timing(times, done, capped)
+
+
+def runs_within_budget(call_s: float, iters: int, budget_s: float | None, min_runs: int) -> int:
+    """How many of `iters` timed calls of `call_s` seconds each fit in `budget_s` seconds (None
+    or 0: all of them), but at least `min_runs` (or `iters` if fewer)."""
+    if not budget_s or call_s * iters <= budget_s:
+        return iters
+    return max(min(min_runs, iters), math.floor(budget_s / max(call_s, 1e-9)))
 
 
 def is_out_of_memory(error: BaseException) -> bool:
