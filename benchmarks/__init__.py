@@ -32,3 +32,13 @@ the attention step), `python -m benchmarks.overhead` (what each eager call costs
 and the GPU: host, kernel, synchronised and CUDA-graph times) and `python -m benchmarks.sm90`
 (the SM90 CuTe DSL forward and backward against the Triton kernels, split into their parts).
 """
+
+import sys
+
+if sys.argv[:1] == ["-m"]:
+    # `python -m benchmarks[.COMMAND]` imports this package while it locates the command (Python
+    # sets sys.argv[0] to "-m" meanwhile): from here to the command's `main`, through its imports,
+    # Ctrl-C ends it with the interrupted line too.
+    from .command import stop_cleanly_while_starting
+
+    stop_cleanly_while_starting()

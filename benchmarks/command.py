@@ -8,18 +8,23 @@ the expected and the actual value, and exit status 2, never a traceback.
 `exits_on_interrupt` wraps a command's `main`: Ctrl-C at any moment of the run ends it with an
 `interrupted: ...` line on stderr and exit status 130 (the shell's code for a command stopped by
 SIGINT) instead of a `KeyboardInterrupt` traceback. A command that keeps partial results says
-where they are with `interrupted` itself.
+where they are with `interrupted` itself. Before `main`, while the command's imports run (torch's
+take seconds), `stop_cleanly_while_starting` (which the package installs under `python -m`) does
+the same.
+
+The module imports torch only where a device is checked: the package imports it at start-up.
 """
 
 import argparse
 import functools
 import os
+import signal
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-
-from torch_msa.testing import pick_device
+if TYPE_CHECKING:
+    import torch
 
 INTERRUPTED_EXIT_STATUS = 130
 
@@ -49,9 +54,14 @@ def parsed(parser: argparse.ArgumentParser, parse: Callable, *arguments):
         parser.error(str(error))
 
 
-def device(parser: argparse.ArgumentParser, name: str | None) -> torch.device:
-    """The device `--device name` asks for (None: CUDA when present, else CPU); a usage error when
-    it is not a CPU or CUDA device, names CUDA on a host without it, or a GPU index not there."""
+def device(parser: argparse.ArgumentParser, name: str | None) -> "torch.device":
+    """The `torch.device` `--device name` asks for (None: CUDA when present, else CPU); a usage
+    error when it is not a CPU or CUDA device, names CUDA on a host without it, or a GPU index
+    not there."""
+    import torch
+
+    from torch_msa.testing import pick_device
+
     chosen = parsed(parser, pick_device, name)
     if chosen.type not in ("cpu", "cuda"):
         parser.error(f"argument --device: expected cpu, cuda or cuda:N, got {name!r}")
@@ -62,9 +72,11 @@ def device(parser: argparse.ArgumentParser, name: str | None) -> torch.device:
 
 
 def cuda_device(parser: argparse.ArgumentParser, name: str | None, why: str,
-                capability: tuple[int, int] | None = None) -> torch.device:
+                capability: tuple[int, int] | None = None) -> "torch.device":
     """`device(parser, name)`, which must be a CUDA device (of compute `capability` when given):
     a usage error otherwise, saying `why` the command needs it."""
+    import torch
+
     chosen = device(parser, name)
     if chosen.type != "cuda":
         parser.error(f"needs a CUDA device ({why}); " + ("found no GPU" if name is None else f"got --device {name}"))
@@ -97,12 +109,25 @@ def interrupted(detail: str) -> int:
     return INTERRUPTED_EXIT_STATUS
 
 
+def _stop_while_starting(signum, frame):
+    raise SystemExit(interrupted("stopped by Ctrl-C while the command started"))
+
+
+def stop_cleanly_while_starting() -> None:
+    """Until a command's `main` runs, make Ctrl-C end the process at once with the `interrupted`
+    line and status 130 (a SystemExit, which Python ends without a traceback); `main`, wrapped
+    by `exits_on_interrupt`, hands Ctrl-C back to Python's KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, _stop_while_starting)
+
+
 def exits_on_interrupt(main: Callable[..., int]) -> Callable[..., int]:
     """`main`, returning `INTERRUPTED_EXIT_STATUS` after an `interrupted` line where a
     KeyboardInterrupt would have ended it (what `main` already reported stays as it is)."""
 
     @functools.wraps(main)
     def run(*args, **kwargs) -> int:
+        if signal.getsignal(signal.SIGINT) is _stop_while_starting:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             return main(*args, **kwargs)
         except KeyboardInterrupt:

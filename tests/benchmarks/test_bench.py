@@ -6,6 +6,7 @@ import os
 import pathlib
 import re
 import runpy
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import torch_msa
-from benchmarks import cli, devices, flops, msa, peers, problems, runner, targets, timing
+from benchmarks import cli, command, devices, flops, msa, peers, problems, runner, targets, timing
 from benchmarks.flex_mask import TILE_ROWS, fold_query_heads, kv_heads_first, msa_block_mask
 from benchmarks.problems import Inputs, ProblemSpec, make_inputs, parse_pack, parse_seqlens
 from benchmarks.results import ERROR, OK, OOM, SKIPPED, STEP_TOLERANCE, BenchResult, ProblemResult, Row
@@ -806,6 +807,22 @@ def test_ctrl_c_at_any_moment_ends_every_command_with_the_interrupted_status(ctr
     main, argv = ctrl_c(monkeypatch, str(tmp_path))
     assert _exit_status(main, argv) == 130
     assert "interrupted: stopped by Ctrl-C before the command finished" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_a_command_starts_ends_it_with_the_interrupted_status(capsys):
+    """`python -m benchmarks[.COMMAND]` installs this while its imports run, until its `main`."""
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        command.stop_cleanly_while_starting()
+        with pytest.raises(SystemExit) as exit_info:
+            signal.raise_signal(signal.SIGINT)
+        assert exit_info.value.code == 130
+        assert capsys.readouterr().err == "interrupted: stopped by Ctrl-C while the command started\n"
+        command.stop_cleanly_while_starting()
+        # Inside `main` Ctrl-C is a KeyboardInterrupt again, for the commands' own handling.
+        assert command.exits_on_interrupt(lambda: signal.getsignal(signal.SIGINT))() is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.filterwarnings("ignore:'benchmarks.*' found in sys.modules:RuntimeWarning")
