@@ -185,8 +185,8 @@ def split_corpus(sources: list[Source], seqlen: int, held_out_documents: int) ->
     manifest = {
         "seqlen": seqlen,
         "sources": [{"name": s.name, "version": s.version, "files": s.files, "files_digest": s.files_digest,
-                     "bytes": len(s.data), "documents": len(s.data) // seqlen,
-                     "held_out": s.name in held_out_sources} for s in sources],
+                     "bytes": len(s.data), "held_out": s.name in held_out_sources,
+                     "documents_sha256_16": [d.digest for d in documents[s.name]]} for s in sources],
         "bytes": sum(len(s.data) for s in sources),
         "train_documents": len(train),
         "held_out_documents": held_out_documents,  # evaluated; the rest of the held-out sources goes unused

@@ -48,7 +48,7 @@ from long_context_data import VOCAB_SIZE, Corpus, dataset_sources, folder_source
 from torch import nn
 
 import torch_msa
-from torch_msa.selection_stats import POSITION_EDGES, selection_sharing
+from torch_msa.selection_stats import POSITION_EDGES, position_bucket_names, selection_sharing
 from torch_msa.testing import skewed_block_indices
 
 ARMS = ("dense", "sparse", "control")
@@ -331,7 +331,7 @@ def evaluate(arm: Arm, corpus: Corpus, settings: Settings, final: bool) -> dict:
     counted = batch.targets >= 0
     edges = torch.tensor(POSITION_EDGES, device=device)
     bucket = torch.bucketize(batch.position, edges, right=True)
-    names = ["0-2K", "2K-8K", "8K+"]
+    names = position_bucket_names()
     result = {"step": arm.step, "held_out_loss": float(losses[counted].mean()),
               "by_position": {name: float(losses[counted & (bucket == i)].mean()) if (counted & (bucket == i)).any()
                               else None for i, name in enumerate(names)}}

@@ -56,7 +56,9 @@ class SelectionSharing:
                 "by_position": {name: dataclasses.asdict(row) for name, row in self.by_position.items()}}
 
 
-def _bucket_names(edges: tuple[int, ...]) -> list[str]:
+def position_bucket_names(edges: tuple[int, ...] = POSITION_EDGES) -> list[str]:
+    """`(2048, 8192)` -> `["0-2K", "2K-8K", "8K+"]`: the names of the buckets `edges` split positions into."""
+
     def short(n: int) -> str:
         return f"{n // 1024}K" if n and n % 1024 == 0 else str(n)
 
@@ -141,7 +143,7 @@ def selection_sharing(
     pair_position = group_position.repeat(kv_heads)
     row_position = group_position[row_group]
     present = (group_tokens > 0).repeat(kv_heads)
-    names = _bucket_names(tuple(position_edges))
+    names = position_bucket_names(tuple(position_edges))
     edges = torch.tensor(position_edges, device=device)
     pair_bucket = torch.bucketize(pair_position, edges, right=True)
     row_bucket = torch.bucketize(row_position, edges, right=True)
