@@ -1,8 +1,9 @@
 """torch_msa: MiniMax Sparse Attention as `torch.ops.msa.*` custom ops.
 
 `import torch_msa` registers the ops with their reference kernels, fake kernels and autograd;
-it imports neither triton nor cutlass (optional backends bind on first use), nor transformers (when
-HF's modeling code is already imported, it registers `attn_implementation="torch_msa"` there).
+it imports neither triton nor cutlass (optional backends bind on first use), nor transformers (it
+registers `attn_implementation="torch_msa"` with HF once HF's MiniMax-M3 modeling code is imported,
+before or after torch_msa).
 """
 
 from . import (
@@ -38,8 +39,8 @@ from .validation import DEBUG_ENV
 triton.register()
 sm100.register()
 sm90.register()
-# HF's attn_implementation="torch_msa" when HF's modeling code is already imported (never imports it).
-integrations.register_with_loaded_transformers()
+# HF's attn_implementation="torch_msa", now or through an import hook (never imports transformers).
+integrations.register_with_transformers()
 
 __version__ = "0.1.0"
 

@@ -129,12 +129,24 @@ def test_4d_padding_mask(hf_model):
     _assert_same(_run(_torch_msa_model(hf_model, "torch_msa"), ids, mask, attention_mask=mask_4d), theirs)
 
 
-LEFT_PADDED_BY_HF = "attention_mask: row 1 is left-padded, which HF's indexer .*use_torch_msa"
+LEFT_PADDED_BY_HF = ("attention_mask: row 1 is left-padded .* HF's indexer under attn_implementation='torch_msa' kept "
+                     "blocks .* no union of whole blocks of the row's tokens.*use_torch_msa")
 
 
-def test_hf_indexer_refuses_a_left_padded_batch_eagerly_and_compiled(hf_model):
-    """HF's block ids count from the row's first slot, padding included: no torch_msa document
-    reproduces them, so attn_implementation="torch_msa" with HF's indexer refuses left padding."""
+@pytest.mark.parametrize("slots, lengths", [(SEQLEN, [SEQLEN, 192]), (2 * BLOCK, [2 * BLOCK, 70])],
+                         ids=["padding of one block", "every block kept"])
+def test_hf_indexer_serves_left_padding_where_its_blocks_map(hf_model, slots, lengths):
+    """HF's block ids count from the row's first slot, padding included; where the real keys they
+    keep are whole blocks of the row's tokens (a padding of whole blocks, or rows of `TOPK` blocks,
+    where HF keeps every block), torch_msa attends to exactly those keys: HF's result on the same
+    left-padded batch."""
+    ids, mask = (tensor[:, SEQLEN - slots:] for tensor in _batch(lengths, left=True))
+    theirs = _run(hf_model, ids, mask, attention_mask=mask)
+    _assert_same(_run(_torch_msa_model(hf_model, "hf"), ids, mask, attention_mask=mask), theirs)
+
+
+def test_hf_indexer_refuses_left_padding_its_blocks_do_not_map_eagerly_and_compiled(hf_model):
+    """131 real tokens after 125 padding slots: HF keeps blocks of slots that cut the row's blocks."""
     model = _torch_msa_model(hf_model, "hf")
     ids, mask = _batch([SEQLEN, 131], left=True)
     causal = torch.ones(SEQLEN, SEQLEN, dtype=torch.bool).tril()
@@ -142,9 +154,19 @@ def test_hf_indexer_refuses_a_left_padded_batch_eagerly_and_compiled(hf_model):
     for attention_mask in (mask, mask_4d):
         with pytest.raises(ValueError, match=LEFT_PADDED_BY_HF):
             model(ids, attention_mask=attention_mask)
+    padded_inside = mask.clone()
+    padded_inside[1, :] = 0
+    padded_inside[1, 10:200] = 1  # padding at both ends: no document layout of torch_msa's
+    with pytest.raises(ValueError, match="attention_mask: row 1 is neither left- nor right-padded"):
+        model(ids, attention_mask=padded_inside)
     torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     with pytest.raises(ValueError, match=LEFT_PADDED_BY_HF):
-        torch.compile(model, backend="aot_eager", fullgraph=True)(ids, attention_mask=mask)
+        compiled(ids, attention_mask=mask)
+    served_ids, served_mask = _batch([SEQLEN, 192], left=True)  # the same graph serves padding that maps
+    with torch.no_grad():
+        _assert_close("logits", compiled(served_ids, attention_mask=served_mask).logits[served_mask.bool()],
+                      hf_model(served_ids, attention_mask=served_mask).logits[served_mask.bool()])
 
 
 def _hf_selection(model, ids, **kwargs):
@@ -321,15 +343,16 @@ print("transformers.modeling_utils" in modules, "torch_msa.integrations.transfor
 
 
 @pytest.mark.parametrize("imports, expected", [
-    # HF's modeling code first: `import torch_msa` registers "torch_msa" with HF.
+    # HF's modeling code first: `import torch_msa` registers "torch_msa" at once.
     ("from transformers import MiniMaxM3VLForCausalLM\nimport torch_msa", ["torch_msa", "True True"]),
-    # transformers' top level alone imports no modeling code, and neither does torch_msa: not registered.
-    ("import transformers\nimport torch_msa", [
-        'Specified `attn_implementation="torch_msa"` is not supported.', "False False"]),
-    # The documented way, whatever the order.
+    # transformers' top level first (no modeling code yet): registered when the model's code is imported.
+    ("import transformers\nimport torch_msa", ["torch_msa", "False False"]),
+    # torch_msa first: likewise, through the import hook; transformers is not imported by torch_msa.
+    ("import torch_msa", ["torch_msa", "False False"]),
+    # The integration itself, whatever the order.
     ("import torch_msa.integrations.transformers", ["torch_msa", "True True"]),
 ])
-def test_import_torch_msa_registers_with_hf_only_when_hf_modeling_is_loaded(imports, expected):
+def test_import_torch_msa_registers_with_hf_whatever_the_order(imports, expected):
     code = _BUILD.format(imports=imports, settings=json.dumps(_config().to_dict()))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr
@@ -393,12 +416,60 @@ def test_packed_rows_through_hf_indexer_are_refused(hf_model):
         _torch_msa_model(hf_model, "hf")(**batch)
 
 
+def _row_packed_position_ids(lengths):
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
+@pytest.mark.parametrize("layout", ["[1, S]", "[B, S]"])
+def test_packed_position_ids_pack_every_row_of_a_batch(hf_model, layout):
+    """HF's usual `[1, S]` position_ids restarting per document pack every row of the batch alike
+    (as HF's masks read them); `[B, S]` packs each row its own way. Each document of each row gets
+    the logits of that document alone."""
+    rows = [DOCS, DOCS] if layout == "[1, S]" else [DOCS, [64, 150, 117]]
+    ids = torch.randint(1, VOCAB, (2, sum(DOCS)), generator=torch.Generator().manual_seed(6))
+    position_ids = torch.stack([_row_packed_position_ids(lengths) for lengths in rows])
+    model = _torch_msa_model(hf_model, "torch_msa").eval()
+    with torch.no_grad():
+        logits = model(ids, position_ids=position_ids[:1] if layout == "[1, S]" else position_ids).logits
+        for row, lengths in enumerate(rows):
+            start = 0
+            for length in lengths:
+                alone = hf_model(ids[row:row + 1, start:start + length]).logits[0]
+                _assert_close(f"row {row}, document at {start}", logits[row, start:start + length], alone)
+                start += length
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_packed_rows_take_no_cache_and_generate_is_refused(hf_model, flash_kwargs):
+    """Generation continues one sequence per row; a packed row holds several, so generate() (which
+    passes a cache) is refused before anything is computed, and a forward of packed rows returns
+    no cache that a later decode could read across documents."""
+    batch, _ = _packed_batch(flash_kwargs)
+    model = _torch_msa_model(hf_model, "torch_msa").eval()
+    with torch.no_grad():
+        assert model(**batch).past_key_values is None
+    name = "cu_seq_lens_q" if flash_kwargs else "position_ids"
+    calls = []
+    hook = model.model.layers[0].self_attn.indexer.register_forward_hook(lambda *args: calls.append(args))
+    with pytest.raises(ValueError, match=f"{name}: packed rows .* cannot be decoded from a cache"):
+        model.generate(**batch, max_new_tokens=3, do_sample=False)
+    hook.remove()
+    assert not calls
+
+
 def test_packed_kwargs_are_checked():
     from torch_msa.integrations.transformers import packed_kwargs_from_position_ids
 
     assert packed_kwargs_from_position_ids(torch.arange(7)[None]) is None  # one document: nothing to pack
+    assert packed_kwargs_from_position_ids(torch.arange(7)[None], batch_size=3) is None  # one per row
     packed = packed_kwargs_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 5, 6]]))
     assert packed["cu_seq_lens_q"].tolist() == [0, 3, 5, 7] and packed["max_length_k"] == 3
+    broadcast = packed_kwargs_from_position_ids(torch.tensor([[0, 1, 2, 0, 1]]), batch_size=2)
+    assert broadcast["cu_seq_lens_k"].tolist() == [0, 3, 5, 8, 10] and broadcast["max_length_q"] == 3
+    rows = packed_kwargs_from_position_ids(torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1]]))
+    assert rows["cu_seq_lens_q"].tolist() == [0, 4, 6, 8] and rows["max_length_k"] == 4
+    with pytest.raises(ValueError, match=r"position_ids: expected \[3, S\] or \[1, S\], got \(2, 4\)"):
+        packed_kwargs_from_position_ids(torch.zeros(2, 4, dtype=torch.long), batch_size=3)
 
 
 def test_packed_rows_take_no_padding_mask(hf_model):

@@ -14,25 +14,31 @@ tokens, full-attention layers run PyTorch SDPA.
 Importing this module registers `"torch_msa"` with HF's `AttentionInterface` and
 `AttentionMaskInterface`, so `from_pretrained(..., attn_implementation="torch_msa")` works too; the
 attention function then consumes HF's own indexer's `block_indices` (`[B, H_idx, S, topk]`
-int64, `-1` padded), valid for unpadded and right-padded batches. HF checks the name when it
-builds the model, so this import must come first (`import torch_msa` does it only when HF's
-modeling code is already imported: `torch_msa.integrations.register_with_loaded_transformers`).
+int64, `-1` padded). HF checks the name when it builds the model; `import torch_msa` imports this
+module as soon as HF's MiniMax-M3 modeling code is imported, before or after torch_msa
+(`torch_msa.integrations.register_with_transformers`), so either import order works.
 
 Padding: each row's real tokens form one document that starts at position 0, and its padding is
 a second document that only sees itself (`torch_msa.padding.padded_cu_seqlens`: no host sync,
 static shapes). With right padding this equals HF exactly. With left padding HF's indexer
 anchors its blocks to absolute slots, so its result depends on the padding; torch_msa's result
 equals HF run on each sequence alone (RoPE is relative; pass `position_ids` counting from each
-row's first real token for the same positions too). Left padding needs `use_torch_msa`'s
-indexer: with HF's own indexer (`attn_implementation="torch_msa"` alone) a left-padded batch
-raises a `ValueError`, eagerly and compiled.
+row's first real token for the same positions too). With HF's own indexer
+(`attn_implementation="torch_msa"` alone) torch_msa attends to exactly the keys HF's selection
+keeps, and so equals HF on the same batch, wherever those keys are whole blocks of the row's
+tokens: always without left padding, and with it for a padding of whole blocks or selections
+that keep every visible block; any other left-padded selection raises a `ValueError`, eagerly
+and compiled (`use_torch_msa`'s indexer selects per document and serves every padding).
 
 Packed rows (HF's padding-free training, `DataCollatorWithFlattening`): HF's packed kwargs
 (`PACKED_KWARGS`: `cu_seq_lens_q/k`, `max_length_q/k`) make each document a torch_msa document in
 the sparse layers and a causal block of its own in the full-attention layers, so each document
 gets the result it gets alone (HF's own indexer scores across documents). With `use_torch_msa`,
-`position_ids` that restart per document (one row, no mask) are read too, at one host sync per
-forward. HF's indexer (`attn_implementation="torch_msa"` alone) refuses packed kwargs.
+`position_ids` that restart per document (no mask; `[1, S]` packs every row of the batch alike,
+as HF's masks read it) are read too, at one host sync per forward. Packed rows take no cache:
+their forward returns none, and with one (`generate`, which continues one sequence per row)
+they raise a `ValueError`. HF's indexer (`attn_implementation="torch_msa"` alone) refuses packed
+kwargs.
 
 Switching back: after `use_torch_msa`, `set_attn_implementation` to another implementation
 makes the patched indexers HF's again.
@@ -48,7 +54,7 @@ states, so the KL trains the index projections and norms and gives the trunk no 
 
 Supported: training, prefill and decoding from a `DynamicCache` (`generate`; padded batches
 left-padded, as `generate` wants them; not from a static cache), with no mask, a 2-D padding
-mask or a 4-D causal padding mask, and packed rows in training and prefill. Not supported:
+mask or a 4-D causal padding mask, and packed rows in training and inference without a cache. Not supported:
 attention dropout in sparse layers, masks with other patterns than causal + padding, attention
 weights (`output_attentions=True` warns once and returns None for these layers).
 """
@@ -292,37 +298,84 @@ def _real_keys_of_4d(attention_mask: torch.Tensor, q_len: int, k_len: int) -> to
 
 
 @torch.library.custom_op("torch_msa_hf::slot_block_indices", mutates_args=())
-def _slot_block_indices(block_indices: torch.Tensor, real_keys: torch.Tensor) -> torch.Tensor:
-    """HF's block ids `[B, H_idx, Sq, topk]` as torch_msa's int32 `[H_idx, B * Sq, topk]`, refusing
-    left-padded rows of `real_keys` (`[B, Sk]` bool, True at real tokens).
+def _slot_block_indices(block_indices: torch.Tensor, real_keys: torch.Tensor, block_size: int) -> torch.Tensor:
+    """HF's block ids `[B, H_idx, Sq, topk]` (int64, `-1` padded) as torch_msa's int32 `[H_idx, B * Sq, topk]`
+    over the documents of `real_keys` (`[B, Sk]` bool, True at real tokens; left- or right-padded rows).
 
-    HF's indexer counts its blocks from the row's first slot, padding included, while torch_msa's
-    document of a row's real tokens starts at position 0: with left padding the two block grids
-    differ, and no block ids of torch_msa's reproduce HF's selection. Right padding (and no
-    padding) maps exactly. The check reads the mask, so it is an op of its own: it runs on every
-    call, compiled or not (a host sync; during CUDA-graph capture a device-side assert instead).
+    HF's indexer counts its blocks from the row's first slot, padding included (block `b` holds slots
+    `[b * block_size, (b + 1) * block_size)`); torch_msa's blocks count from the first real token of
+    the row (`padded_cu_seqlens`). A real query of HF keeps the real keys of its blocks up to
+    itself. Each such key set is mapped to the blocks of torch_msa's document that hold those keys:
+    exact when it is a union of whole blocks of the document (each cut at the query, as the causal
+    mask cuts them), which it always is without left padding, and with left padding wherever HF's
+    blocks cover the document's blocks they touch (a padding that is a multiple of `block_size`, or
+    selections that keep every visible block). Anything else, or a real query left with no key, has
+    no torch_msa selection and raises. The ids come out ascending (the local block last when kept),
+    `-1` after; a padding query keeps its own block of the padding document. The check reads the
+    selection, so it is an op of its own that runs on every call, compiled or not (a host sync;
+    during CUDA-graph capture a device-side assert instead).
     """
-    left_padded = (~real_keys[:, :-1] & real_keys[:, 1:]).any(dim=1)
+    batch, heads, q_len, width = block_indices.shape
+    k_len = real_keys.shape[1]
+    device = block_indices.device
+    real_count = real_keys.sum(dim=1)
+    left_padded = ~real_keys[:, :1].all(dim=1)  # as padded_cu_seqlens: an all-padding row counts as left-padded
+    real_start = torch.where(left_padded, k_len - real_count, 0)[:, None]  # [B, 1]
+    padding_start = torch.where(left_padded, 0, real_count)[:, None]
+    key_slots = torch.arange(k_len, device=device)[None]
+    one_run = (real_keys == ((key_slots >= real_start) & (key_slots < real_start + real_count[:, None]))).all(dim=1)
+    slots = torch.arange(k_len - q_len, k_len, device=device)[None]  # the queries are the row's last slots
+    real_query = real_keys[:, k_len - q_len:]  # [B, Sq]
+    position = (slots - real_start)[:, None, :, None]  # a real query's position in its document
+    # HF's block b keeps the document positions [low, high) for its query.
+    first_position = block_indices * block_size - real_start[:, :, None, None]
+    low = first_position.clamp(min=0)
+    high = torch.minimum(first_position + block_size, position + 1)
+    kept = (block_indices >= 0) & (high > low)
+    hf_keys = torch.where(kept, high - low, 0).sum(dim=-1)
+    # Those positions lie in at most two of the document's blocks; keep each block once, ascending.
+    none = -(-k_len // block_size) + 1  # past every block id: sorts after them
+    touched = torch.cat([torch.where(kept, low // block_size, none), torch.where(kept, (high - 1) // block_size, none)], -1)
+    touched = touched.sort(dim=-1).values
+    repeated = torch.nn.functional.pad(touched[..., 1:] == touched[..., :-1], (1, 0))
+    touched = touched.masked_fill(repeated, none).sort(dim=-1).values
+    chosen = touched < none
+    block_keys = torch.where(chosen, torch.minimum((touched + 1) * block_size, position + 1) - touched * block_size, 0)
+    exact = (block_keys.sum(dim=-1) == hf_keys) & (hf_keys > 0) & (chosen.sum(dim=-1) <= width)
+    unservable = real_query[:, None, :] & ~exact
     if real_keys.is_cuda and torch.cuda.is_current_stream_capturing():
-        torch._assert_async(~left_padded.any(), "torch_msa: HF's indexer with a left-padded batch (see use_torch_msa)")
-    elif bool(left_padded.any()):
-        row = int(left_padded.nonzero()[0])
+        torch._assert_async(one_run.all() & ~unservable.any(),
+                            "torch_msa: HF's indexer selected blocks that do not map to the documents")
+    elif not bool(one_run.all()):
+        row = int((~one_run).nonzero()[0])
         raise ValueError(
-            f"attention_mask: row {row} is left-padded, which HF's indexer under attn_implementation={ATTENTION_NAME!r} "
-            "cannot serve (its block ids count from the row's first slot, padding included, so they do not map to "
-            "torch_msa's documents). Switch the model with torch_msa.integrations.transformers.use_torch_msa, whose "
-            "indexer selects per document, or pad on the right")
-    batch, heads, q_len, topk = block_indices.shape
-    return block_indices.permute(1, 0, 2, 3).reshape(heads, batch * q_len, topk).to(torch.int32, copy=True)
+            f"attention_mask: row {row} is neither left- nor right-padded (its real tokens must be one run at the row's "
+            f"start or end), got real slots {real_keys[row].nonzero().flatten().tolist()}")
+    elif bool(unservable.any()):
+        row, head, query = (int(i) for i in unservable.nonzero()[0])
+        first_real = int(real_start[row])
+        layout = f"is left-padded (its real tokens start at slot {first_real})" if first_real else "starts with its real tokens"
+        raise ValueError(
+            f"attention_mask: row {row} {layout}, and for its "
+            f"query at slot {k_len - q_len + query} HF's indexer under attn_implementation={ATTENTION_NAME!r} kept "
+            f"blocks {sorted(int(b) for b in block_indices[row, head, query] if b >= 0)} of {block_size} slots counted from "
+            "the row's first slot, padding included, whose real keys are no union of whole blocks of the row's tokens, so "
+            "torch_msa cannot attend to exactly those keys. Switch the model with "
+            "torch_msa.integrations.transformers.use_torch_msa, whose indexer selects per document, or pad on the right")
+    ids = torch.where(chosen[..., :width], touched[..., :width], -1)
+    own_block = ((slots - padding_start) // block_size)[:, None, :, None]
+    padding_ids = torch.where(torch.arange(width, device=device) == 0, own_block, -1)
+    ids = torch.where(real_query[:, None, :, None], ids, padding_ids)
+    return ids.permute(1, 0, 2, 3).reshape(heads, batch * q_len, width).to(torch.int32)
 
 
 @_slot_block_indices.register_fake
-def _(block_indices, real_keys):
+def _(block_indices, real_keys, block_size):
     batch, heads, q_len, topk = block_indices.shape
     return block_indices.new_empty((heads, batch * q_len, topk), dtype=torch.int32)
 
 
-def _hf_block_indices(block_indices: torch.Tensor, attention_mask, q_len: int, k_len: int) -> torch.Tensor:
+def _hf_block_indices(block_indices: torch.Tensor, attention_mask, q_len: int, k_len: int, block_size: int) -> torch.Tensor:
     """HF's block ids in torch_msa's layout (`_slot_block_indices`) for a mask `_documents` accepted."""
     if attention_mask is None:  # every slot real: HF's grid is the document's
         batch, heads, _, topk = block_indices.shape
@@ -331,7 +384,7 @@ def _hf_block_indices(block_indices: torch.Tensor, attention_mask, q_len: int, k
         real_keys = _real_keys_of_4d(attention_mask, q_len, k_len)
     else:
         real_keys = attention_mask != 0
-    return _slot_block_indices(block_indices, real_keys)
+    return _slot_block_indices(block_indices, real_keys, block_size)
 
 
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -361,26 +414,40 @@ def _packed_documents(kwargs: dict, attention_mask, q_len: int, k_len: int, devi
     return cu_q, cu_k, given["max_length_q"], given["max_length_k"]
 
 
-def packed_kwargs_from_position_ids(position_ids: torch.Tensor) -> dict | None:
-    """HF's packed kwargs of one row whose `position_ids` restart at every document.
+def packed_kwargs_from_position_ids(position_ids: torch.Tensor, batch_size: int | None = None) -> dict | None:
+    """HF's packed kwargs of rows whose `position_ids` restart at every document.
 
-    A document starts wherever a position is not its predecessor's plus one. This reads the
-    positions on the host (one sync, as HF's own packed path does); pass the packed kwargs
-    themselves (`DataCollatorWithFlattening(return_flash_attn_kwargs=True)`) to avoid it.
+    A document starts at each row's first slot and wherever a position is not its predecessor's
+    plus one (as HF's `find_packed_sequence_indices` reads them). One row of positions for a
+    batch of several (`[1, S]`, HF's usual unsqueezed `position_ids`) packs every row alike. This
+    reads the positions on the host (one sync, as HF's own packed path does); pass the packed
+    kwargs themselves (`DataCollatorWithFlattening(return_flash_attn_kwargs=True)`) to avoid it.
 
     Args:
-        position_ids: `[1, S]` integer positions (what `DataCollatorWithFlattening` returns).
+        position_ids: `[B, S]` or `[1, S]` integer positions (`DataCollatorWithFlattening`
+            returns `[1, S]` for its one row).
+        batch_size: the batch's `B`, when `position_ids` is `[1, S]` for all of its rows; None
+            for `position_ids.shape[0]`.
 
     Returns:
         A dict of `PACKED_KWARGS`: int32 `cu_seq_lens_q` and `cu_seq_lens_k` (the same `[N + 1]`
-        boundaries, on position_ids' device) and the longest document as host ints
-        `max_length_q`, `max_length_k`; None when the row is a single document.
+        boundaries over the `B * S` flattened slots, on position_ids' device) and the longest
+        document as host ints `max_length_q`, `max_length_k`; None when every row is a single
+        document.
+
+    Raises:
+        ValueError: `position_ids` is not 2-D, or has neither 1 nor `batch_size` rows.
     """
-    positions = position_ids.reshape(-1)
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids: expected a 2-D tensor [B, S] or [1, S], got {tuple(position_ids.shape)}")
+    rows = position_ids.shape[0] if batch_size is None else batch_size
+    if position_ids.shape[0] not in (1, rows):
+        raise ValueError(f"position_ids: expected [{rows}, S] or [1, S], got {tuple(position_ids.shape)}")
+    positions = position_ids.expand(rows, -1)
     starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[1:] = positions[1:] != positions[:-1] + 1
-    bounds = starts.nonzero().flatten().tolist() + [positions.numel()]
-    if len(bounds) <= 2:
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    bounds = starts.flatten().nonzero().flatten().tolist() + [positions.numel()]
+    if len(bounds) <= rows + 1:
         return None
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=position_ids.device)
     longest = max(end - start for start, end in zip(bounds, bounds[1:]))
@@ -389,18 +456,34 @@ def packed_kwargs_from_position_ids(position_ids: torch.Tensor) -> dict | None:
 
 def _read_packed_position_ids(module, args, kwargs):
     """Forward pre-hook of the text model (`use_torch_msa`): rows packed through `position_ids`
-    alone become HF's packed kwargs, which reach every layer's attention function."""
+    alone become HF's packed kwargs, which reach every layer's attention function. Packed rows
+    (from either) take no cache: a `cache` raises, and none is made for the output."""
     if module.config._attn_implementation != ATTENTION_NAME:  # switched back to HF's attention
         return None
-    position_ids = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
-    attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if (position_ids is None or attention_mask is not None or any(kwargs.get(name) is not None for name in PACKED_KWARGS)
-            or position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] < 2
-            or (cache is not None and cache.get_seq_length() > 0)):
-        return None
-    packed = packed_kwargs_from_position_ids(position_ids)
-    return None if packed is None else (args, {**kwargs, **packed})
+    cache = kwargs.get("cache", kwargs.get("past_key_values", args[3] if len(args) > 3 else None))
+    packed = None
+    packed_by = "cu_seq_lens_q"
+    if not any(kwargs.get(name) is not None for name in PACKED_KWARGS):
+        position_ids = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+        attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        if (position_ids is None or attention_mask is not None or inputs is None or position_ids.dim() != 2
+                or position_ids.shape[-1] < 2 or (cache is not None and cache.get_seq_length() > 0)):
+            return None  # with history in the cache, positions continue their document (as HF reads them)
+        packed = packed_kwargs_from_position_ids(position_ids, inputs.shape[0])
+        if packed is None:
+            return None
+        packed_by = "position_ids"
+    if cache is not None:
+        raise ValueError(
+            f"{packed_by}: packed rows (several documents in a row) cannot be decoded from a cache: generation "
+            "continues one sequence per row. Give each document a row of its own (left-padded with an attention_mask "
+            "for generate), or run the packed rows without a cache")
+    if len(args) > 5:  # use_cache given by position
+        return (*args[:5], False, *args[6:]), {**kwargs, **(packed or {})}
+    return args, {**kwargs, **(packed or {}), "use_cache": False}
 
 
 def _document_mask(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.Tensor:
@@ -508,8 +591,9 @@ def attention_forward(
 
     Raises:
         ValueError: attention dropout in a sparse layer; HF's own `block_indices` of another
-            shape, with a left-padded mask, or with packed rows; a mask of another shape;
-            incomplete packed-row arguments, or packed rows with a mask or while decoding.
+            shape, with packed rows, or keeping keys of a left-padded row that are no union of
+            whole blocks of its tokens; a mask of another shape; incomplete packed-row
+            arguments, or packed rows with a mask or while decoding.
         TypeError: a mask or packed-row boundaries that are not tensors.
     """
     if kwargs.get("output_attentions"):
@@ -545,7 +629,7 @@ def attention_forward(
             got = tuple(block_indices.shape) if isinstance(block_indices, torch.Tensor) else type(block_indices).__name__
             raise ValueError(f"block_indices: expected [{batch}, {kv_heads}, {q_len}, topk] (HF's layout), got {got}")
         block_size = cast(MiniMaxM3VLIndexer, module.indexer).block_size
-        blocks = _hf_block_indices(block_indices, attention_mask, q_len, k_len)
+        blocks = _hf_block_indices(block_indices, attention_mask, q_len, k_len, block_size)
     v = value.transpose(1, 2).reshape(batch * k_len, kv_heads, head_dim)
     if student is None:
         out = api.sparse_attention(q, k, v, blocks, *documents, block_size=block_size, softmax_scale=scaling)
@@ -664,8 +748,8 @@ def use_torch_msa(model: _Model, *, index_loss: IndexLossSupport | None = None,
     The sparse layers' indexers become `TorchMSAIndexer` (selection by `torch_msa.select_blocks`)
     and the text model's attention implementation becomes `"torch_msa"`. Parameters and
     state-dict keys are unchanged. Packed rows are read from HF's packed kwargs
-    (`PACKED_KWARGS`) or from `position_ids` that restart per document (one row, no mask: one
-    host sync per forward). `model.set_attn_implementation(...)` with another implementation
+    (`PACKED_KWARGS`) or from `position_ids` that restart per document (no mask: one host sync
+    per forward), and take no cache. `model.set_attn_implementation(...)` with another implementation
     switches back to HF's indexer and attention.
 
     With `index_loss`, every forward of a sparse layer computes the index branch's KL loss (spec
