@@ -18,6 +18,7 @@ from benchmarks.problems import Inputs, ProblemSpec, make_inputs, parse_pack, pa
 from benchmarks.results import ERROR, OK, OOM, SKIPPED, BenchResult, ProblemResult, Row
 from benchmarks.subject import Measurement, Subject
 from benchmarks.timing import Timing, is_out_of_memory, measure
+from tests.support import install
 from tests.support.terminal import FakeTerminal, screen
 from torch_msa._progress import Progress
 from torch_msa.contract import M3, Shape
@@ -477,7 +478,7 @@ def test_cli_on_cpu_prints_the_table_and_targets_and_writes_json(tmp_path, capsy
 
 
 def test_plot_is_written_when_matplotlib_is_there(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason=install.MATPLOTLIB)
     from benchmarks import report
 
     result = _result_with({"T=8192": [Row("cudnn dense", "fwd", OK, 2.0, 20, flops=1e12),
@@ -490,7 +491,7 @@ def test_plot_is_written_when_matplotlib_is_there(tmp_path):
 
 @pytest.mark.parametrize("device_type, goals", [("cuda", {"H200 goal 420", "H200 goal 320"}), ("cpu", set())])
 def test_plot_draws_the_h200_goals_only_for_a_gpu_run(device_type, goals):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason=install.MATPLOTLIB)
     import matplotlib.pyplot as plt
 
     from benchmarks import report
@@ -735,7 +736,8 @@ def test_cudnn_bsa_computes_msa_at_each_tiles_last_query_on_cuda():
         ("cuDNN BSA blk128", "fwd"): OK, ("cuDNN BSA blk128", "bwd"): OK, ("cuDNN BSA blk64", "fwd"): OK}
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA host the command would run the benchmark")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="needs a host without a CUDA device (with one the command would run the benchmark)")
 def test_the_sm90_benchmark_says_what_it_needs_instead_of_a_traceback():
     result = subprocess.run([sys.executable, "-m", "benchmarks.sm90"], capture_output=True, text=True, timeout=120,
                             cwd=pathlib.Path(__file__).resolve().parents[2])
@@ -804,7 +806,8 @@ def test_the_long_context_benchmark_reports_time_memory_and_the_dense_peer(tmp_p
     assert rows[1]["dense_step_ms"] == pytest.approx(rows[0]["dense_step_ms"] * 4)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA host the command would run the benchmark")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="needs a host without a CUDA device (with one the command would run the benchmark)")
 def test_the_overhead_benchmark_needs_cuda(capsys):
     from benchmarks import overhead
 
