@@ -1,4 +1,7 @@
 import os
+import shutil
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -27,6 +30,38 @@ def _share_the_cores_among_workers():
 
 
 _share_the_cores_among_workers()
+
+# The run's temporary folder (see `_one_temporary_folder_for_the_run`), named for the xdist workers
+# and the subprocesses the tests start, which inherit it.
+RUN_TEMP_ENV = "TORCH_MSA_TEST_TMPDIR"
+
+
+def _one_temporary_folder_for_the_run() -> str | None:
+    """Point the temporary folder (`TMPDIR`, `tempfile.tempdir`) of this run, its xdist workers
+    and every process they start at one new folder, and return it (None in a worker, which
+    inherits it). Everything the tests leave in a temporary folder lands there: pytest's
+    `tmp_path` folders, torch.compile's inductor cache, the folders AOTInductor unpacks packages
+    into, the C++ stub's build. `pytest_sessionfinish` removes it when the run passes."""
+    if RUN_TEMP_ENV in os.environ:
+        return None
+    folder = tempfile.mkdtemp(prefix="torch_msa_tests_")
+    os.environ[RUN_TEMP_ENV] = os.environ["TMPDIR"] = tempfile.tempdir = folder
+    return folder
+
+
+_RUN_TEMP_FOLDER = _one_temporary_folder_for_the_run()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the run's temporary folder if the run passed; otherwise keep it for the failed
+    tests' files and say where it is."""
+    if _RUN_TEMP_FOLDER is None:
+        return
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        shutil.rmtree(_RUN_TEMP_FOLDER, ignore_errors=True)
+    else:
+        print(f"\nthe run's temporary files are kept in {_RUN_TEMP_FOLDER}", file=sys.stderr)
 
 
 # The skips that a host's hardware explains: under CI they are the only ones allowed

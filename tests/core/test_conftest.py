@@ -1,7 +1,8 @@
-"""The skip policy of `tests/conftest.py`: under CI (`CI=true`) only the hardware may skip a test;
-elsewhere a skip stays a skip. Checked on a tiny suite run by pytest in a subprocess with the
-repository's hooks."""
+"""The hooks of `tests/conftest.py`: under CI (`CI=true`) only the hardware may skip a test
+(elsewhere a skip stays a skip), and a run leaves nothing in the temporary folder. Checked on a
+tiny suite run by pytest in a subprocess with the repository's conftest."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import RUN_TEMP_ENV
+
 REPOSITORY = Path(__file__).resolve().parents[2]
 
-CONFTEST = "from tests.conftest import pytest_collection_modifyitems, pytest_make_collect_report, pytest_runtest_makereport\n"
+CONFTEST = "from tests.conftest import *  # noqa: F403 (its hooks)\n"
 TESTS = '''
 import pytest
 
@@ -54,6 +57,22 @@ def test_needs_a_toolchain(toolchain):
 
 def test_passes():
     pass
+
+
+def test_writes_temporary_files(tmp_path):
+    """Writes where a test's temporary files go: tmp_path, tempfile, a subprocess's tempfile, inductor's cache."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    (tmp_path / "file").write_text("x")
+    folder = tempfile.mkdtemp()
+    script = "import tempfile, torch._inductor.runtime.cache_dir_utils as c; print(tempfile.mkdtemp()); print(c.cache_dir())"
+    child_folder, inductor_cache = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                                  check=True).stdout.split()
+    with open(os.environ["TINY_SUITE_FOLDERS"], "w") as report:
+        report.write("\\n".join([str(tmp_path), folder, child_folder, inductor_cache]))
 '''
 MODULE_SKIP = '''
 import pytest
@@ -66,20 +85,32 @@ def test_never_collected():
 '''
 
 
-def _outcomes(tmp_path: Path, ci: str | None) -> dict[str, tuple[str, str]]:
-    """`{test name: (outcome, message)}` of the tiny suite run with `CI=ci` (None: unset); a
-    module's collection is named after the module."""
-    (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_tiny.py").write_text(TESTS)
-    (tmp_path / "test_module_skip.py").write_text(MODULE_SKIP)
-    env = {key: value for key, value in os.environ.items() if key not in ("CI", "PYTEST_ADDOPTS")}
+@dataclasses.dataclass
+class TinyRun:
+    outcomes: dict[str, tuple[str, str]]  # {test name: (outcome, message)}; a module's collection by its name
+    temporary: Path  # the temporary folder the run was given
+    folders: list[Path]  # where test_writes_temporary_files wrote: tmp_path, mkdtemp, a child's mkdtemp, inductor's cache
+    stderr: str
+
+
+def _run_tiny_suite(tmp_path: Path, ci: str | None) -> TinyRun:
+    """The tiny suite run with `CI=ci` (None: unset) and `tmp_path / "temporary"` as its `TMPDIR`."""
+    suite, temporary = tmp_path / "suite", tmp_path / "temporary"
+    suite.mkdir()
+    temporary.mkdir()
+    (suite / "conftest.py").write_text(CONFTEST)
+    (suite / "test_tiny.py").write_text(TESTS)
+    (suite / "test_module_skip.py").write_text(MODULE_SKIP)
+    env = {key: value for key, value in os.environ.items() if key not in ("CI", "PYTEST_ADDOPTS", RUN_TEMP_ENV)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPOSITORY), env.get("PYTHONPATH")]))
+    env["TMPDIR"] = str(temporary)
+    env["TINY_SUITE_FOLDERS"] = str(tmp_path / "folders.txt")
     if ci is not None:
         env["CI"] = ci
     report = tmp_path / "report.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                    "--continue-on-collection-errors", f"--junitxml={report}", "--rootdir", str(tmp_path), str(tmp_path)],
-                   capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                             "--continue-on-collection-errors", f"--junitxml={report}", "--rootdir", str(suite), str(suite)],
+                            capture_output=True, text=True, timeout=300, cwd=suite, env=env)
     outcomes = {}
     for case in ElementTree.parse(report).iter("testcase"):
         name = case.get("name") or case.get("classname")
@@ -87,20 +118,31 @@ def _outcomes(tmp_path: Path, ci: str | None) -> dict[str, tuple[str, str]]:
         results = [(child.tag, child.get("message") if child.get("message") != "collection failure" else child.text or "")
                    for child in case if child.tag in ("skipped", "failure", "error")]
         outcomes[name] = results[0] if results else ("passed", "")
-    return outcomes
+    folders = [Path(line) for line in (tmp_path / "folders.txt").read_text().splitlines()]
+    return TinyRun(outcomes, temporary, folders, result.stderr)
 
 
 NO_CUDA_SKIP = "needs a CUDA device (torch.cuda.is_available() is False)"
 
 
 @pytest.fixture(scope="module")
-def under_ci(tmp_path_factory):
-    return _outcomes(tmp_path_factory.mktemp("ci"), "true")
+def ci_run(tmp_path_factory):
+    return _run_tiny_suite(tmp_path_factory.mktemp("ci"), "true")
 
 
 @pytest.fixture(scope="module")
-def off_ci(tmp_path_factory):
-    return _outcomes(tmp_path_factory.mktemp("not_ci"), None)
+def run(tmp_path_factory):
+    return _run_tiny_suite(tmp_path_factory.mktemp("not_ci"), None)
+
+
+@pytest.fixture
+def under_ci(ci_run):
+    return ci_run.outcomes
+
+
+@pytest.fixture
+def off_ci(run):
+    return run.outcomes
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a CUDA device (the tiny suite's "
@@ -143,3 +185,18 @@ def test_what_counts_as_ci(monkeypatch, value, enforced):
     else:
         monkeypatch.setenv("CI", value)
     assert under_ci() is enforced
+
+
+def test_a_passing_run_leaves_nothing_in_the_temporary_folder(run):
+    """Every temporary file of the run, its subprocesses' and torch's included, went to one
+    folder inside TMPDIR, removed at the end."""
+    assert run.outcomes["test_writes_temporary_files"] == ("passed", "")
+    (folder,) = {path.relative_to(run.temporary).parts[0] for path in run.folders}
+    assert folder.startswith("torch_msa_tests_")
+    assert list(run.temporary.iterdir()) == []
+
+
+def test_a_failed_run_keeps_its_temporary_folder_and_says_where(ci_run):
+    (folder,) = run_folders = list(ci_run.temporary.iterdir())
+    assert folder.name.startswith("torch_msa_tests_") and all(path.is_relative_to(folder) for path in ci_run.folders)
+    assert f"the run's temporary files are kept in {folder}" in ci_run.stderr, (run_folders, ci_run.stderr)
