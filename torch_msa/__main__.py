@@ -518,10 +518,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Self-check of the MSA ops: MiniMax-M3-shaped random inputs (Hq=64, Hkv=4, D=128, Hi=4,\n"
                     "Di=128, block_size=128, topk=16) packed as 4 documents; select -> forward -> backward\n"
                     "through torch.ops.msa, timed, and compared with float64.",
-        epilog="How long it takes: on CPU (the reference backend) the default run takes about 10 s on two\n"
-               "idle cores and under a minute on two cores that a test suite also uses (at most about 20 s\n"
-               "of CPU time in all; its threads are sized to the cores left free); the time grows with\n"
-               "--queries, about 20 ms of CPU per query. On a GPU the ops take milliseconds, after a warm-up\n"
+        epilog="How long it takes: on CPU (the reference backend) the default run takes 10 to 20 s on two\n"
+               "cores and under a minute on two cores that a test suite also uses (about 20 s of CPU time\n"
+               "in all; its threads are sized to the cores left free); the time grows with --queries,\n"
+               "about 20 ms of CPU per query. On a GPU the ops take milliseconds, after a warm-up\n"
                "that compiles the kernels on first use (seconds per kernel). Each stage prints its expected\n"
                "time when it starts, measured by the warm-up.",
     )

@@ -101,7 +101,10 @@ def _run_tiny_suite(tmp_path: Path, ci: str | None) -> TinyRun:
     (suite / "conftest.py").write_text(CONFTEST)
     (suite / "test_tiny.py").write_text(TESTS)
     (suite / "test_module_skip.py").write_text(MODULE_SKIP)
-    env = {key: value for key, value in os.environ.items() if key not in ("CI", "PYTEST_ADDOPTS", RUN_TEMP_ENV)}
+    # A fresh run's environment: without this run's temporary folder, nor the cache folders that
+    # torch writes into the environment once it has used them (inductor's cache_dir() does).
+    inherited = ("CI", "PYTEST_ADDOPTS", RUN_TEMP_ENV, "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    env = {key: value for key, value in os.environ.items() if key not in inherited}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPOSITORY), env.get("PYTHONPATH")]))
     env["TMPDIR"] = str(temporary)
     env["TINY_SUITE_FOLDERS"] = str(tmp_path / "folders.txt")
