@@ -73,12 +73,13 @@ def measure(model, seqlen: int, steps: int, vocab: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768, 65536])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768, 65536],
+                        help="tokens per step, one case each (default: 8192 32768 65536)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers, the last one full attention (default 4)")
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
-    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per case (default 3)")
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("compare_hf_step.py needs a CUDA device", file=sys.stderr)

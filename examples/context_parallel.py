@@ -5,9 +5,15 @@ forward and backward and the sparse KL loss, and compares out, dq, dk, dv and th
 gradient with one process running the whole pack (relative Frobenius error), then prints the
 step time and the bytes each rank gathered.
 
-    torchrun --nproc-per-node 2 examples/context_parallel.py --device cpu --tokens 4096     # gloo, CPU
+    torchrun --nproc-per-node 2 examples/context_parallel.py --device cpu                   # gloo, CPU
     torchrun --nproc-per-node 2 examples/context_parallel.py                                # one GPU per rank, NCCL
     torchrun --nproc-per-node 2 examples/context_parallel.py --backend gloo --same-gpu      # ranks share one GPU
+
+On CPU the reference kernels do the work and the time grows with --tokens: with 2 ranks on 2
+cores the default 4096 tokens take about 5 minutes (a warm-up step, the timed step, then the
+whole pack in each process for the comparison, as long as one step per rank; --no-check leaves
+it out). On GPUs it takes seconds, most of them compiling the kernels in the warm-up.
+Rank 0 prints each stage when it starts, on CPU with the time it should take.
 """
 
 import argparse
@@ -23,12 +29,14 @@ from torch_msa.contract import M3
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n")[-1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where every rank runs (default: cuda if available, else cpu)")
     parser.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on CPU")
     parser.add_argument("--same-gpu", action="store_true", help="every rank on cuda:0 (needs --backend gloo)")
-    parser.add_argument("--tokens", type=int, default=32768, help="tokens of the whole pack")
-    parser.add_argument("--documents", type=int, default=3, help="documents of (about) equal length")
+    parser.add_argument("--tokens", type=int, help="tokens of the whole pack (default: 32768 on CUDA, 4096 on CPU)")
+    parser.add_argument("--documents", type=int, default=3, help="documents of (about) equal length (default: 3)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--no-check", action="store_true", help="skip the single-process comparison")
     return parser.parse_args()
@@ -38,7 +46,7 @@ def main():
     args = parse_args()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise SystemExit("context_parallel.py runs one process per rank: start it with torchrun, for example\n"
-                         "    torchrun --nproc-per-node 2 examples/context_parallel.py --device cpu --tokens 4096")
+                         "    torchrun --nproc-per-node 2 examples/context_parallel.py --device cpu")
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -49,16 +57,22 @@ def main():
         device = torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype]
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    tokens = args.tokens or (32768 if device.type == "cuda" else 4096)
 
-    lengths = [args.tokens // args.documents] * args.documents
-    lengths[-1] += args.tokens - sum(lengths)
+    def stage(text: str) -> None:
+        """Say on rank 0 that a stage starts (the other ranks run it too)."""
+        if rank == 0:
+            print(text, flush=True)
+
+    lengths = [tokens // args.documents] * args.documents
+    lengths[-1] += tokens - sum(lengths)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     generator = torch.Generator(device=device).manual_seed(0)  # the same pack on every rank
 
     def tensor(*shape):
         return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
 
-    T = args.tokens
+    T = tokens
     whole = dict(q=tensor(T, M3.query_heads, M3.head_dim), k=tensor(T, M3.kv_heads, M3.head_dim),
                  v=tensor(T, M3.kv_heads, M3.head_dim), index_q=tensor(T, M3.kv_heads, M3.index_dim),
                  index_k=tensor(T, 1, M3.index_dim))
@@ -75,12 +89,24 @@ def main():
         ((attn.out.float() * layout.shard(grad_out).float()).sum() + kl).backward()
         return attn.out
 
-    step()  # warm-up: kernels compile on first use
+    def expected(seconds: float) -> str:
+        """On CPU, where the warm-up is a step like the others, the time a stage should take."""
+        if device.type != "cpu":
+            return ""
+        return f" (expected about {seconds:.1f} s)" if seconds < 10 else f" (expected about {seconds:.0f} s)"
+
+    compiling = " (the kernels compile on first use)" if device.type == "cuda" else ""
+    stage(f"warm-up step on {world_size} rank{'s' * (world_size > 1)}: forward, backward and KL of "
+          f"{layout.num_local_tokens} of {T} tokens each{compiling} ...")
+    start = time.perf_counter()
+    step()
+    warm_up = time.perf_counter() - start
     for x in local.values():
         x.grad = None
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
+    stage(f"timed step{expected(warm_up)} ...")
     start = time.perf_counter()
     out = step()
     if device.type == "cuda":
@@ -92,6 +118,7 @@ def main():
           f"step {elapsed * 1e3:.1f} ms, gathered K/V/index keys {gathered_bytes / 2**20:.1f} MiB", flush=True)
 
     if not args.no_check:
+        stage(f"the whole pack in each process, for the comparison{expected(world_size * elapsed)} ...")
         ref = {name: x.clone().requires_grad_() for name, x in whole.items()}
         ref_attn = torch_msa.msa_attention(
             ref["q"], ref["k"], ref["v"], ref["index_q"].detach(), ref["index_k"].detach(), cu_seqlens, cu_seqlens,

@@ -28,12 +28,13 @@ from torch_msa.integrations.transformers import index_loss_values, index_losses,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--warmup-steps", type=int, default=10, help="stage 1: dense warm-up steps")
-    parser.add_argument("--steps", type=int, default=10, help="stage 2: sparse training steps")
-    parser.add_argument("--seqlen", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--kl-coeff", type=float, default=1.0, help="the KL's weight in stage 2's loss")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="torch device to train on (default: cuda if available, else cpu)")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="stage 1: dense warm-up steps (default: 10)")
+    parser.add_argument("--steps", type=int, default=10, help="stage 2: sparse training steps (default: 10)")
+    parser.add_argument("--seqlen", type=int, default=512, help="tokens of each sequence (default: 512)")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step (default: 2)")
+    parser.add_argument("--kl-coeff", type=float, default=1.0, help="the KL's weight in stage 2's loss (default: 1.0)")
     args = parser.parse_args()
     vocab_size = 256
     torch.manual_seed(0)

@@ -33,12 +33,17 @@ def tiny_config(vocab_size: int) -> MiniMaxM3VLTextConfig:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--seqlen", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="torch device to train on (default: cuda if available, else cpu)")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps, one loss line each (default: 10)")
+    parser.add_argument("--seqlen", type=int, default=512,
+                        help="tokens of the longest sequence; sequence i has 100 * i fewer (default: 512)")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step (default: 2)")
     parser.add_argument("--packed", action="store_true", help="pack the sequences into one padding-free row")
     args = parser.parse_args()
+    if args.seqlen - 100 * (args.batch - 1) < 1:
+        parser.error(f"argument --seqlen: expected more than 100 * (--batch - 1) = {100 * (args.batch - 1)} tokens, "
+                     f"so that every sequence has one, got {args.seqlen}")
     vocab_size = 256
     torch.manual_seed(0)
 

@@ -1,4 +1,7 @@
 import os
+import shutil
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -28,18 +31,100 @@ def _share_the_cores_among_workers():
 
 _share_the_cores_among_workers()
 
+# The run's temporary folder (see `_one_temporary_folder_for_the_run`), named for the xdist workers
+# and the subprocesses the tests start, which inherit it.
+RUN_TEMP_ENV = "TORCH_MSA_TEST_TMPDIR"
+
+
+def _one_temporary_folder_for_the_run() -> str | None:
+    """Point the temporary folder (`TMPDIR`, `tempfile.tempdir`) of this run, its xdist workers
+    and every process they start at one new folder, and return it (None in a worker, which
+    inherits it). Everything the tests leave in a temporary folder lands there: pytest's
+    `tmp_path` folders, torch.compile's inductor cache, the folders AOTInductor unpacks packages
+    into, the C++ stub's build. `pytest_sessionfinish` removes it when the run passes."""
+    if RUN_TEMP_ENV in os.environ:
+        return None
+    folder = tempfile.mkdtemp(prefix="torch_msa_tests_")
+    os.environ[RUN_TEMP_ENV] = os.environ["TMPDIR"] = tempfile.tempdir = folder
+    return folder
+
+
+_RUN_TEMP_FOLDER = _one_temporary_folder_for_the_run()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the run's temporary folder if the run passed; otherwise keep it for the failed
+    tests' files and say where it is."""
+    if _RUN_TEMP_FOLDER is None:
+        return
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        shutil.rmtree(_RUN_TEMP_FOLDER, ignore_errors=True)
+    else:
+        print(f"\nthe run's temporary files are kept in {_RUN_TEMP_FOLDER}", file=sys.stderr)
+
+
+# The skips that a host's hardware explains: under CI they are the only ones allowed
+# (`pytest_runtest_makereport`). Every other skip reason names what is missing and the command
+# that installs it.
+NO_CUDA = "needs a CUDA device"
+HARDWARE_SKIPS = (
+    NO_CUDA,  # this reason (torch.cuda.is_available() is False)
+    "needs a GPU of compute capability",  # a CUDA device of another generation
+    "needs a host without a CUDA device",  # a check of what a command says where there is none
+)
+
+
+def under_ci() -> bool:
+    """Whether the run is CI's: the `CI` variable set to anything but empty, 0, false or no (CI
+    services and `.ci/run` set `CI=true`)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
 
 def pytest_collection_modifyitems(config, items):
     """Run the tests marked `slow` first, so that the workers of `pytest -n` start the long ones
     early and finish together; skip the tests marked `cuda` on a host without CUDA (pyproject.toml
-    declares both markers)."""
+    declares both markers), whatever else they need: that skip comes first."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    no_cuda = pytest.mark.skipif(True, reason=f"{NO_CUDA} (torch.cuda.is_available() is False)")
     for item in items:
         if item.get_closest_marker("cuda") is not None:
-            item.add_marker(skip)
+            item.add_marker(no_cuda, append=False)  # the first skipif pytest evaluates
+
+
+def _skip_reason(report) -> str:
+    """The reason of a skipped test's or module's report (pytest keeps `(path, line, reason)`)."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _fail_a_skip_under_ci(report) -> None:
+    """Under CI, turn `report`'s skip into a failure unless the hardware explains it: there a
+    skip can only mean a broken install (a test extra that did not install or import)."""
+    if not report.skipped or hasattr(report, "wasxfail") or not under_ci():
+        return
+    reason = _skip_reason(report)
+    if reason.startswith(HARDWARE_SKIPS):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"skipped under CI (CI={os.environ['CI']}), where only a missing or different GPU may skip "
+                       f"a test: {reason}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_a_skip_under_ci(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a module skipped as a whole (`pytest.importorskip` at its top)."""
+    outcome = yield
+    _fail_a_skip_under_ci(outcome.get_result())
 
 
 @pytest.fixture(autouse=True)

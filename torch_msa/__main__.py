@@ -1,34 +1,46 @@
 """`python -m torch_msa`: a self-check of the MSA ops on this machine.
 
-It builds MiniMax-M3-shaped random inputs packed as several documents (the first one a causal
-suffix, `Lq < Lk`), runs `select_blocks -> sparse_attention -> backward` through the public ops on
-the best available device, times each stage, and checks the results against an independent
-float64 computation written here in plain torch (no code shared with the backends):
+It builds MiniMax-M3-shaped random inputs packed as several documents (each document's queries
+the causal suffix of its keys, the first one with `Lq < Lk`), runs `select_blocks ->
+sparse_attention -> backward` through the public ops on the best available device, times each
+stage, and checks the results against an independent float64 computation written here in plain
+torch (no code shared with the backends):
 
 * selection, out, lse and dq on a sample of query tokens spread over the documents;
 * dv and dk through two identities that hold exactly for any selection, summed over all keys
   of each KV head: `sum_j dv[j] = sum_{t, h} grad_out[t, h]` (the probabilities of a row sum to 1)
   and `sum_j dk[j] = 0` (softmax is shift invariant, so each row of dS sums to 0).
 
-Each stage's time goes to stdout when it ends; on a terminal stderr shows the stage running and,
-for the backward, the time it should take (`torch_msa._progress`). The last line is
-`self-check: PASS` (exit code 0) or `self-check: FAIL` (exit code 1).
+On CPU the default problem has fewer queries than on CUDA (`CPU_DEFAULT_QUERIES`: the reference
+does the same work for every query, whatever its position) and torch's threads are sized to the
+cores this process gets (`cpu_threads`). A warm-up on a slice of the problem (on CUDA the whole
+problem, which also compiles the kernels) gives each stage's expected time. Every stage prints a
+line on stdout when it starts, with that time, and one when it ends, flushed at once on any
+stream; on a terminal stderr also shows the stage running (`torch_msa._progress`). The header
+says which `torch_msa` runs (path, version, how it is installed) and warns on stderr when that is
+not the installed copy. The last line is `self-check: PASS` (exit code 0) or `self-check: FAIL`
+(exit code 1).
 """
 
 import argparse
 import contextlib
 import dataclasses
+import importlib.metadata
+import json
 import math
 import os
 import sys
 import time
 import traceback
+import urllib.parse
+import urllib.request
+from pathlib import Path
 
 import torch
 
 import torch_msa
-from torch_msa import backends, flops
-from torch_msa._progress import Progress
+from torch_msa import backends
+from torch_msa._progress import Progress, format_duration
 from torch_msa.contract import M3, Shape
 from torch_msa.testing import pick_device
 
@@ -38,9 +50,18 @@ SAMPLED_TOKENS = 32
 # Share of --seqlen (the key tokens) held by each document: 4096 -> 3072, 512, 320, 192. The first
 # document is longer than topk * block_size keys, so its late queries really choose among blocks.
 DOCUMENT_SHARES = (0.75, 0.125, 0.078125, 0.046875)
-# The first document's queries are the causal suffix of its keys; this share of its keys (not a
-# multiple of the block size) has no query, so p(t) = Lk - Lq + t is exercised with Lq < Lk.
+# In the full layout the first document's queries are the causal suffix of its keys; this share of
+# its keys (not a multiple of the block size) has no query, so p(t) = Lk - Lq + t is exercised with
+# Lq < Lk. The other documents have a query per key.
 SUFFIX_KEY_SHARE = 0.15
+DEFAULT_SEQLEN = 4096
+# The default number of queries on CPU. The reference does the work of topk * block_size keys for
+# every query, whatever its position, so its time is proportional to the queries: 640 of the full
+# layout's 3636 at 4096 keys make the run about 20 s of CPU time at most, the import included. The
+# first document keeps 460 queries, at key positions 2612-3071, which choose 16 of 21-24 blocks.
+CPU_DEFAULT_QUERIES = 640
+# Queries of the first document in the CPU warm-up that sizes the expected times (5% of the default).
+CPU_WARMUP_QUERIES = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +95,51 @@ class Document:
     keys: int  # Lk >= Lq; the queries sit at key positions Lk - Lq .. Lk - 1
 
 
-def document_layout(seqlen: int) -> list[Document]:
-    """Split `seqlen` key tokens into `len(DOCUMENT_SHARES)` documents (each at least one token)."""
+def _proportional_split(total: int, weights: list[int]) -> list[int]:
+    """`total` split in proportion to `weights` (largest remainders), each part between 1 and its
+    weight. Needs `len(weights) <= total <= sum(weights)` and every weight >= 1."""
+    whole = sum(weights)
+    exact = [weight * total / whole for weight in weights]
+    parts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: parts[i] - exact[i])
+    for i in by_remainder[: total - sum(parts)]:
+        parts[i] += 1
+    for i, part in enumerate(parts):
+        if part == 0:  # lend one query from the largest part (it has more than one)
+            parts[i] = 1
+            parts[max(range(len(parts)), key=parts.__getitem__)] -= 1
+    return parts
+
+
+def document_layout(seqlen: int, queries: int | None = None) -> list[Document]:
+    """Split `seqlen` key tokens into `len(DOCUMENT_SHARES)` documents (each at least one token).
+
+    Each document's queries are the causal suffix of its keys. The full layout (`queries=None`)
+    gives the first document queries for all but its first `SUFFIX_KEY_SHARE` of keys and the
+    others a query per key; fewer `queries` are split among the documents in proportion to the
+    full layout's, at least one each, so every document keeps its keys and loses queries from its
+    front.
+    """
     if seqlen < len(DOCUMENT_SHARES):
         raise ValueError(f"seqlen: expected at least {len(DOCUMENT_SHARES)} tokens (one per document), got {seqlen}")
     rest = [max(1, int(seqlen * share)) for share in DOCUMENT_SHARES[1:]]
     first = seqlen - sum(rest)
-    first_queries = first - int(first * SUFFIX_KEY_SHARE)
-    return [Document(first_queries, first)] + [Document(n, n) for n in rest]
+    keys = [first] + rest
+    full_queries = [first - int(first * SUFFIX_KEY_SHARE)] + rest
+    if queries is None:
+        queries = sum(full_queries)
+    if not len(keys) <= queries <= sum(full_queries):
+        raise ValueError(f"queries: expected {len(keys)} (one per document) to {sum(full_queries)} (the full layout "
+                         f"of {seqlen} keys), got {queries}")
+    return [Document(q, k) for q, k in zip(_proportional_split(queries, full_queries), keys)]
+
+
+def default_queries(device: torch.device, seqlen: int) -> int | None:
+    """`--queries` when it is not given: the full layout (None) on a GPU, at most
+    `CPU_DEFAULT_QUERIES` on CPU."""
+    if device.type != "cpu":
+        return None
+    return min(CPU_DEFAULT_QUERIES, sum(d.queries for d in document_layout(seqlen)))
 
 
 @dataclasses.dataclass
@@ -159,14 +217,24 @@ class OpResults:
     stage_ms: dict[str, float]
 
 
+def about(seconds: float) -> str:
+    """A duration for people: `0.4 s`, `12 s`, `1:05`."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    return f"{seconds:.0f} s" if seconds < 60 else format_duration(seconds)
+
+
 @contextlib.contextmanager
 def timed_stage(label: str, device: torch.device, stage_ms: dict[str, float] | None = None, name: str = "",
                 progress: Progress | None = None, expected_s: float | None = None):
-    """Time the block and print `label: <ms> ms` on stdout when it ends; CUDA is synchronised
-    around it because kernel launches return before the work is done. With `progress`, the block
-    is its next step, named `name`, expected to take `expected_s` seconds when that is known."""
+    """Time the block: print `label ...` on stdout when it starts (with `expected_s`, the time it
+    should take, when known) and `label: <ms> ms` when it ends, each flushed at once. CUDA is
+    synchronised around it because kernel launches return before the work is done. With
+    `progress`, the block is its next step, named `name`."""
+    expectation = "" if expected_s is None else f" (expected about {about(expected_s)})"
     if progress is not None:
         progress.start(name or label, expected_s)
+    _print(f"{label} ...{expectation}", progress)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -176,28 +244,38 @@ def timed_stage(label: str, device: torch.device, stage_ms: dict[str, float] | N
     elapsed_ms = (time.perf_counter() - start) * 1e3
     if stage_ms is not None:
         stage_ms[name] = elapsed_ms
-    line = f"{label}: {elapsed_ms:.1f} ms"
+    if progress is not None:
+        progress.advance()
+    _print(f"{label}: {elapsed_ms:.1f} ms", progress)
+
+
+def _print(line: str, progress: Progress | None) -> None:
+    """`line` on stdout, flushed; on a terminal the progress display is redrawn below it."""
     if progress is None:
         print(line, flush=True)
     else:
-        progress.advance()
         progress.write(line, file=sys.stdout)
 
 
-def run_ops(problem: Problem, step: str = "", timed: bool = True, label: str = "running the ops") -> OpResults:
+STAGES = ("select_blocks", "forward", "backward")
+
+
+def run_ops(problem: Problem, step: str = "", timed: bool = True, label: str = "running the ops",
+            expected_s: dict[str, float] | None = None) -> OpResults:
     """select_blocks -> sparse_attention(return_lse=True) -> backward of sum(out * grad_out).
 
-    Each stage prints its time on stdout; on a terminal stderr shows `label`'s progress, with the
-    time the backward should take (it does 2.5 times the forward's work, `torch_msa.flops`).
+    Each stage prints a line when it starts (with its time in `expected_s`, when given) and one
+    with its time when it ends, on stdout; on a terminal stderr shows `label`'s progress.
     """
     shape, device = problem.shape, problem.q.device
+    expected_s = expected_s or {}
     q, k, v = (x.detach().clone().requires_grad_() for x in (problem.q, problem.k, problem.v))
     stage_ms: dict[str, float] = {}
     # The stages differ too much for a mean time per stage to predict the next one.
-    with Progress(label, 3, rate_estimate=False, summary=False, leave=False) as progress:
+    with Progress(label, len(STAGES), rate_estimate=False, summary=False, leave=False) as progress:
 
-        def stage(name, expected_s=None):
-            return timed_stage(f"{step}{name}", device, stage_ms, name, progress, expected_s)
+        def stage(name):
+            return timed_stage(f"{step}{name}", device, stage_ms, name, progress, expected_s.get(name))
 
         with stage("select_blocks"):
             block_indices = torch_msa.select_blocks(problem.index_q, problem.index_k, *problem.document_args,
@@ -208,10 +286,43 @@ def run_ops(problem: Problem, step: str = "", timed: bool = True, label: str = "
         # The loss reads only `out`, so the gradient reaching the op is exactly `grad_out` (in any
         # dtype: d(sum)/d(out * w) is 1) and lse gets none.
         loss = (out * problem.grad_out).sum()
-        backward_per_forward = flops.attention_backward(1, 1, 1) / flops.attention_forward(1, 1, 1)
-        with stage("backward", expected_s=backward_per_forward * stage_ms["forward"] / 1e3):
+        with stage("backward"):
             dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
     return OpResults(block_indices, out.detach(), lse.detach(), dq, dk, dv, stage_ms if timed else {})
+
+
+def warm_up_problem(problem: Problem, seed: int) -> Problem:
+    """The problem the warm-up runs: on CPU the last `CPU_WARMUP_QUERIES` queries of `problem`'s
+    first document over all its keys (the reference's time per query is the same for every
+    query, so a slice predicts the whole); elsewhere `problem` itself, whose first run also
+    compiles the kernels."""
+    if problem.q.device.type != "cpu":
+        return problem
+    first = problem.documents[0]
+    documents = [Document(min(CPU_WARMUP_QUERIES, first.queries), first.keys)]
+    return make_problem(documents, problem.q.dtype, problem.q.device, seed, problem.shape)
+
+
+# Sampled tokens the warm-up checks, to time the float64 check per token.
+WARMUP_CHECKED_TOKENS = 4
+
+
+def warm_up(problem: Problem, seed: int) -> dict[str, float]:
+    """Run the stages on `warm_up_problem` and return each one's expected seconds on `problem`:
+    the warm-up's times scaled by the ratio of queries, and for `"check"` the float64 check of
+    `len(sample_tokens(problem.documents))` tokens, from its time on a few."""
+    warm = warm_up_problem(problem, seed)
+    if warm is problem:
+        print("warm-up on the same inputs, which also compiles the kernels on first use", flush=True)
+    else:
+        print(f"warm-up on {warm.q.shape[0]} queries of the first document, to time the stages", flush=True)
+    scale = problem.q.shape[0] / warm.q.shape[0]
+    results = run_ops(warm, step="  ", label="warm-up")
+    tokens = sample_tokens(warm.documents)[:WARMUP_CHECKED_TOKENS]
+    start = time.perf_counter()
+    run_checks(warm, results, tokens, warm.q.dtype)
+    check_s = (time.perf_counter() - start) * len(sample_tokens(problem.documents)) / len(tokens)
+    return {name: ms * scale / 1e3 for name, ms in results.stage_ms.items()} | {"check": check_s}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,13 +514,27 @@ def run_checks(problem: Problem, results: OpResults, tokens: list[int], dtype: t
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m torch_msa",
-        description="Self-check of the MSA ops: MiniMax-M3-shaped random inputs (Hq=64, Hkv=4, D=128, "
-                    "Hi=4, Di=128, block_size=128, topk=16) packed as several documents; select -> "
-                    "forward -> backward through torch.ops.msa, timed, and compared with float64.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Self-check of the MSA ops: MiniMax-M3-shaped random inputs (Hq=64, Hkv=4, D=128, Hi=4,\n"
+                    "Di=128, block_size=128, topk=16) packed as 4 documents; select -> forward -> backward\n"
+                    "through torch.ops.msa, timed, and compared with float64.",
+        epilog="How long it takes: on CPU (the reference backend) the default run takes 10 to 20 s on two\n"
+               "cores and under a minute on two cores that a test suite also uses (about 20 s of CPU time\n"
+               "in all; its threads are sized to the cores left free); the time grows with --queries,\n"
+               "about 20 ms of CPU per query. On a GPU the ops take milliseconds, after a warm-up\n"
+               "that compiles the kernels on first use (seconds per kernel). Each stage prints its expected\n"
+               "time when it starts, measured by the warm-up.",
     )
     parser.add_argument("--device", help="torch device to run on (default: cuda if available, else cpu)")
-    parser.add_argument("--seqlen", type=int, default=4096,
-                        help="total key tokens, split into 4 documents (default: 4096)")
+    parser.add_argument("--seqlen", type=int, default=DEFAULT_SEQLEN,
+                        help=f"key tokens in all, split into 4 documents (default: {DEFAULT_SEQLEN}); the first holds "
+                             f"75%% of them, more than the topk * block_size = 2048 keys a query reads from 2730 on")
+    parser.add_argument("--queries", type=int,
+                        help=f"query tokens in all; each document's queries are the causal suffix of its keys. "
+                             f"Default: on a GPU the full layout (3636 at --seqlen 4096: all keys of the first "
+                             f"document but its first 15%%, all keys of the others); on CPU, where the time grows "
+                             f"with the queries, {CPU_DEFAULT_QUERIES}, shared among the documents in proportion to "
+                             f"the full layout")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16",
                         help="dtype of q, k, v and the index inputs (default: bf16)")
     parser.add_argument("--backend",
@@ -420,6 +545,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked; `args.device` is a `torch.device` and `args.queries` is set
+    (None: the full layout)."""
     parser = _parser()
     args = parser.parse_args(argv)
     registered = backends.registered_backends()
@@ -431,19 +558,113 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = pick_device(args.device)
     except ValueError as error:
         parser.error(str(error))
+    if args.queries is None:
+        args.queries = default_queries(args.device, args.seqlen)
+    else:
+        try:
+            document_layout(args.seqlen, args.queries)
+        except ValueError as error:
+            parser.error(f"argument --{error}")
     return args
 
 
-def _describe_device(device: torch.device) -> str:
+# ---------------------------------------------------------------------------------------------
+# The machine and the package
+
+
+def cpu_threads(cores: int, load: float, current: int) -> int:
+    """Threads for torch's CPU ops: the `cores` this process may run on less those the other
+    processes keep busy (`load`, the 1-minute load average, rounded), at least one and at most
+    torch's own choice `current`. More threads than free cores make them preempt each other
+    inside every parallel region: on two cores at a load of 5 that made the run 17 times slower."""
+    return max(1, min(current, cores - math.floor(load + 0.5)))
+
+
+def available_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (a
+    container's `--cpus`)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.floor(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def size_cpu_threads() -> str:
+    """Set torch's CPU threads with `cpu_threads` (unless OMP_NUM_THREADS chose them) and say how."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"{torch.get_num_threads()} threads, from OMP_NUM_THREADS"
+    cores = available_cores()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    threads = cpu_threads(cores, load, torch.get_num_threads())
+    torch.set_num_threads(threads)
+    return f"{threads} thread{'s' * (threads > 1)}: {cores} cores, load {load:.1f}"
+
+
+@dataclasses.dataclass(frozen=True)
+class InstalledCopy:
+    """The torch_msa distribution installed in this environment."""
+
+    version: str
+    package_dir: Path  # its torch_msa package folder
+    editable: bool  # `pip install -e`: package_dir is the checkout's own folder
+
+
+def installed_copy() -> InstalledCopy | None:
+    """The installed torch_msa distribution (from its metadata, whatever `import` finds), or None.
+
+    Installed means installed by an installer such as pip, which lists the files it wrote in
+    `RECORD`; the `torch_msa.egg-info` folder that building a checkout leaves next to its
+    `torch_msa` folder is skipped, or run from that checkout it would pass for the installed copy.
+    """
+    distribution = next((d for d in importlib.metadata.distributions(name="torch_msa") if d.read_text("RECORD")), None)
+    if distribution is None:
+        return None
+    direct_url = json.loads(distribution.read_text("direct_url.json") or "{}")
+    editable = bool(direct_url.get("dir_info", {}).get("editable"))
+    if editable:  # the package folder of the checkout it was installed from
+        package_dir = Path(urllib.request.url2pathname(urllib.parse.urlparse(direct_url["url"]).path)) / "torch_msa"
+    else:
+        package_dir = Path(str(distribution.locate_file("torch_msa")))
+    return InstalledCopy(distribution.version, package_dir, editable)
+
+
+def package_report(imported_dir: Path, version: str, installed: InstalledCopy | None,
+                   cwd: Path) -> tuple[str, str | None]:
+    """`(line, warning)`: which torch_msa this run checks, and a warning (None if none) when that
+    is not the installed copy, e.g. a checkout in the current directory, which `python -m` puts
+    first on the module path."""
+    imported_dir = imported_dir.resolve()
+    from_cwd = imported_dir.parent == cwd.resolve()
+    source = "the current directory" if from_cwd else "the module path"
+    if installed is None:
+        return f"{version} at {imported_dir} (not installed: imported from {source})", None
+    kind = "an editable install" if installed.editable else "installed"
+    if installed.package_dir.resolve() == imported_dir:
+        return f"{version} at {imported_dir} ({kind})", None
+    remedy = "run from another directory" if from_cwd else "remove its folder from PYTHONPATH"
+    warning = (f"warning: this checks the torch_msa {version} at {imported_dir}, imported from {source} ahead of "
+               f"the installed torch_msa {installed.version} at {installed.package_dir} ({kind}); {remedy} to check "
+               f"the installed one")
+    return f"{version} at {imported_dir} (not the installed copy: see the warning)", warning
+
+
+def _describe_device(device: torch.device, threads: str) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
-    return f"{device} ({torch.get_num_threads()} threads)"
+    return f"{device} ({threads})"
 
 
-def _print_header(problem: Problem, args, resolved: dict[str, str]) -> None:
+def _print_header(problem: Problem, args, resolved: dict[str, str], threads: str) -> None:
     shape, docs = problem.shape, problem.documents
+    package, warning = package_report(Path(torch_msa.__file__).parent, torch_msa.__version__, installed_copy(),
+                                      Path.cwd())
     print("torch_msa self-check", flush=True)
-    print(f"  device     {_describe_device(args.device)}")
+    print(f"  torch_msa  {package}")
+    print(f"  device     {_describe_device(args.device, threads)}")
     print("  backends   " + "  ".join(f"{op}={name}" for op, name in resolved.items()))
     print(f"  dtype      {args.dtype}   seed {args.seed}")
     print(f"  shapes     q {list(problem.q.shape)}  k, v {list(problem.k.shape)}  "
@@ -451,6 +672,8 @@ def _print_header(problem: Problem, args, resolved: dict[str, str]) -> None:
     print(f"             block_size {shape.block_size}  topk {shape.topk}")
     print(f"  documents  Lk {[d.keys for d in docs]}  Lq {[d.queries for d in docs]}  "
           "(queries are the causal suffix of each document's keys)", flush=True)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
 
 
 def resolve_ops(device: torch.device) -> dict[str, str]:
@@ -470,17 +693,17 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         print("self-check: FAIL")
         return 1
-    problem = make_problem(document_layout(args.seqlen), dtype, args.device, args.seed)
-    _print_header(problem, args, resolved)
+    threads = size_cpu_threads() if args.device.type == "cpu" else ""
+    problem = make_problem(document_layout(args.seqlen, args.queries), dtype, args.device, args.seed)
+    _print_header(problem, args, resolved, threads)
     try:
-        if args.device.type == "cuda":
-            # The first call may compile kernels; time the second.
-            print("warm-up (not timed)", flush=True)
-            run_ops(problem, step="  ", timed=False, label="warm-up")
-        print("running the ops", flush=True)
-        results = run_ops(problem, step="  ")
+        expected_s = warm_up(problem, args.seed)
+        total_s = sum(expected_s.values())
+        print(f"running the ops (expected about {about(total_s)} with the float64 check)", flush=True)
+        results = run_ops(problem, step="  ", expected_s=expected_s)
         tokens = sample_tokens(problem.documents)
-        with timed_stage(f"float64 check of {len(tokens)} sampled tokens and the dk/dv sums", args.device):
+        with timed_stage(f"float64 check of {len(tokens)} sampled tokens and the dk/dv sums", args.device,
+                         expected_s=expected_s["check"]):
             checks = run_checks(problem, results, tokens, dtype)
     except Exception:  # a crashing op is a failed check; show why
         traceback.print_exc()

@@ -21,6 +21,7 @@ from benchmarks.problems import Inputs, ProblemSpec, make_inputs, parse_pack, pa
 from benchmarks.results import ERROR, OK, OOM, SKIPPED, STEP_TOLERANCE, BenchResult, ProblemResult, Row
 from benchmarks.subject import Measurement, Subject
 from benchmarks.timing import Timing, is_out_of_memory, measure
+from tests.support import install
 from tests.support.terminal import FakeTerminal, screen
 from torch_msa._progress import Progress
 from torch_msa.contract import M3, Shape
@@ -555,7 +556,7 @@ def test_cli_on_cpu_prints_the_table_and_targets_and_writes_json(tmp_path, capsy
 
 
 def test_plot_is_written_when_matplotlib_is_there(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason=install.MATPLOTLIB)
     from benchmarks import report
 
     result = _result_with({"T=8192": [Row("cudnn dense", "fwd", OK, 2.0, 20, flops=1e12),
@@ -572,7 +573,7 @@ def test_plot_is_written_when_matplotlib_is_there(tmp_path):
     (CPU_RUN, set()),
 ])
 def test_plot_draws_the_h200_goals_only_for_an_h200_run(device, goals):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason=install.MATPLOTLIB)
     import matplotlib.pyplot as plt
 
     from benchmarks import report

@@ -10,6 +10,7 @@ import torch
 
 import torch_msa
 import torch_msa.triton as triton_backend
+from tests.support import install
 from tests.support.documents import Documents, backend_arguments
 from torch_msa import __main__ as self_check
 from torch_msa import backends, cute_dsl, sm90, sm100, testing
@@ -267,7 +268,7 @@ def test_inputs_a_forced_backend_declines_fall_back_with_a_warning(stand_in, mon
 
 def test_deterministic_mode_serves_the_deterministic_backward(monkeypatch):
     """The backend picks the kernel per call from `torch.are_deterministic_algorithms_enabled()`."""
-    pytest.importorskip("triton", reason="triton is not installed (it ships with Linux x86_64 torch)")
+    pytest.importorskip("triton", reason=install.TRITON)
     from torch_msa.triton import backward_deterministic, backward_kernel
 
     calls = []

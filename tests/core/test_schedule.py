@@ -5,6 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_msa
+from tests.support import install
 from tests.support.documents import documents_of
 from tests.support.schedule_oracle import build_schedule_python
 from torch_msa import testing
@@ -161,7 +162,7 @@ class CountOps(TorchDispatchMode):
 def test_triton_plan_build_stays_a_few_host_calls(monkeypatch):
     """The Triton build's host work, counted without a GPU: ATen calls and kernel launches (the
     kernels replaced by counters). Each costs a host-side launch in eager mode."""
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason=install.TRITON)
     from torch_msa.triton import plan_kernel
 
     launches = []

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import torch_msa
-from tests.support import dense
+from tests.support import dense, install
 from tests.support.documents import Documents
 from torch_msa.testing import cu_seqlens
 
@@ -112,7 +112,7 @@ def test_triton_selection_stays_a_few_host_calls(monkeypatch):
     the `-1` fill of the result, the two tables of where each query sits, and two launches (the
     tables in one kernel rather than a few dozen small torch ops, each a host-side launch in eager
     mode)."""
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason=install.TRITON)
     from tests.core.test_schedule import CountOps
     from torch_msa.triton import common, select_kernel
 

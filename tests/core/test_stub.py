@@ -6,6 +6,7 @@ loaded library (and an imported torch_msa) cannot be unloaded from the test proc
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -15,22 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import install
 from torch_msa._schemas import NAMESPACE, SCHEMAS
 
 STUB_SOURCE = Path(__file__).resolve().parents[2] / "csrc_stub" / "msa_stub.cpp"
-
-# Build failures that mean "no usable toolchain here" (skip) rather than "the stub is broken" (fail).
-_TOOLCHAIN_MISSING = (
-    "Ninja is required",
-    "ninja: not found",
-    "c++: not found",
-    "g++: not found",
-    "command not found",
-    "No such file or directory: 'c++'",
-    "No such file or directory: 'g++'",
-    "unable to execute",
-    "error trying to exec",
-)
 
 _SUBPROCESS_TIMEOUT_S = 300
 
@@ -52,20 +41,18 @@ def _last_json(stdout: str):
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="session")
-def stub_library(tmp_path_factory) -> Path:
-    """Path of the compiled stub; the build runs in a subprocess so this process never loads it."""
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("C++ stub tests need a C++ compiler (neither c++ nor g++ is on PATH)")
-    from torch.utils.cpp_extension import is_ninja_available
+def build_stub(build_dir: Path) -> Path:
+    """Build the stub into `build_dir` in a subprocess (this process never loads it) and return
+    the library's path. Skips, naming the install command, when the compiler torch builds with
+    ($CXX, else c++) or ninja is missing; any other failure fails, whatever the build log says."""
+    from torch.utils.cpp_extension import get_cxx_compiler, is_ninja_available
 
+    compiler = get_cxx_compiler()
+    if shutil.which(shlex.split(compiler)[0]) is None:
+        pytest.skip(f"C++ stub tests need a C++ compiler: {compiler!r} ($CXX, else c++) is not on PATH; install one, "
+                    f"e.g. with: sudo apt-get install g++")
     if not is_ninja_available():
-        pytest.skip("C++ stub tests need ninja (torch.utils.cpp_extension.load builds with it)")
-    # The xdist workers of one run share the build: torch's load() takes a lock in its build
-    # directory, so the second worker waits and then finds the library built.
-    shared = "PYTEST_XDIST_WORKER" in os.environ
-    build_dir = (tmp_path_factory.getbasetemp().parent if shared else tmp_path_factory.getbasetemp()) / "msa_stub_build"
-    build_dir.mkdir(exist_ok=True)
+        pytest.skip(f"C++ stub tests: {install.NINJA}")
     proc = _python(
         """
         import sys
@@ -78,12 +65,43 @@ def stub_library(tmp_path_factory) -> Path:
     )
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        if any(marker in log for marker in _TOOLCHAIN_MISSING):
-            pytest.skip(f"C++ stub tests: no usable C++ toolchain to build the stub:\n{log[-2000:]}")
-        pytest.fail(f"building csrc_stub/msa_stub.cpp failed:\n{log[-4000:]}")
+        pytest.fail(f"building csrc_stub/msa_stub.cpp with {compiler!r} failed:\n{log[-4000:]}")
     path = Path(proc.stdout.strip().splitlines()[-1])
     assert path.is_file(), log
     return path
+
+
+@pytest.fixture(scope="session")
+def stub_library(tmp_path_factory) -> Path:
+    """Path of the compiled stub."""
+    # The xdist workers of one run share the build: torch's load() takes a lock in its build
+    # directory, so the second worker waits and then finds the library built.
+    shared = "PYTEST_XDIST_WORKER" in os.environ
+    build_dir = (tmp_path_factory.getbasetemp().parent if shared else tmp_path_factory.getbasetemp()) / "msa_stub_build"
+    build_dir.mkdir(exist_ok=True)
+    return build_stub(build_dir)
+
+
+def test_a_missing_compiler_skips_naming_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.raises(pytest.skip.Exception, match=r"is not on PATH; install one, e\.g\. with: sudo apt-get install g\+\+"):
+        build_stub(tmp_path)
+
+
+def test_a_failing_build_fails_whatever_its_log_says(tmp_path, monkeypatch):
+    """A compiler that is there but fails is a broken toolchain or stub, not a missing one, even
+    when its log reads like one ("command not found")."""
+    real = shutil.which("c++")
+    if real is None:
+        pytest.skip("needs a C++ compiler, c++, to stand in for; install one, e.g. with: sudo apt-get install g++")
+    compiler = tmp_path / "c++"  # answers torch's version checks, then fails to compile with a "missing tool" log
+    compiler.write_text(f'#!/bin/sh\nfor arg; do [ "$arg" = -c ] && {{ echo "cc1plus: command not found" >&2; exit 1; }}; done\n'
+                        f'exec {real} "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    (tmp_path / "build").mkdir()
+    with pytest.raises(pytest.fail.Exception, match="command not found"):
+        build_stub(tmp_path / "build")
 
 
 def test_stub_source_repeats_schemas_verbatim():

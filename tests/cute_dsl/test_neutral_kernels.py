@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import install
 from tests.support.cute_dsl import deprecated_dsl_use_is_an_error, forbid_python_conversions, requires_cute
 from tests.support.documents import backend_arguments, documents_of
 from tests.support.schedule_oracle import build_schedule_python
@@ -439,7 +440,7 @@ def run_consumer_under_interpreter():
 
 
 def test_task_consumer_under_the_triton_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed")
+    pytest.importorskip("triton", reason=install.TRITON)
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     script = "import tests.cute_dsl.test_neutral_kernels as t; t.run_consumer_under_interpreter(); print('consumer ok')"
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -20,7 +20,8 @@ LINUX_X86_64 = "sys_platform == 'linux' and platform_machine == 'x86_64'"
 
 
 def _extras() -> dict:
-    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs tomllib (Python 3.11+)")
+    tomllib = pytest.importorskip("tomllib",
+                                  reason="reading pyproject.toml needs tomllib: run the tests with Python 3.11 or later")
     with open(ROOT / "pyproject.toml", "rb") as file:
         return tomllib.load(file)["project"]["optional-dependencies"]
 

@@ -358,3 +358,28 @@ def test_the_example_outside_torchrun_says_how_to_start_it():
                             timeout=120, env=env)
     assert result.returncode == 1
     assert "start it with torchrun" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_example_says_each_stage_when_it_starts():
+    """On CPU rank 0 prints each stage before it runs, with the time it should take after the
+    warm-up measured a step (one rank, a tiny pack: a few seconds)."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "context_parallel.py"
+    # One rank, its store on a port the system picks.
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--tokens", "64", "--documents", "2"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    patterns = [r"warm-up step on 1 rank: forward, backward and KL of 64 of 64 tokens each \.\.\.",
+                r"timed step \(expected about \d+(\.\d)? s\) \.\.\.",
+                r"rank 0/1 \(cpu, gloo, torch\.float32\): 64 of 64 tokens, step .* ms, .*",
+                r"the whole pack in each process, for the comparison \(expected about \d+(\.\d)? s\) \.\.\.",
+                r"rank 0: relative error against one process: out .*"]
+    assert len(lines) == len(patterns), result.stdout
+    for line, pattern in zip(lines, patterns):
+        assert re.fullmatch(pattern, line), (line, pattern)

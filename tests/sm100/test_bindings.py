@@ -739,7 +739,8 @@ def _served_cute_dsl_installed() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _served_cute_dsl_installed(), reason=f"needs {cute_dsl.CUTE_DSL_REQUIREMENT} (the cute extra)")
+@pytest.mark.skipif(not _served_cute_dsl_installed(),
+                    reason=f"needs {cute_dsl.CUTE_DSL_REQUIREMENT}; install it with: {cute_dsl.INSTALL_COMMAND}")
 def test_fmax_patch_compiles_for_sm_100a_with_the_real_dsl(tmp_path):
     """A stand-in MSA tree whose helper has the pinned explicit-result form: the installed CuTe DSL
     rejects it, the patched one lowers."""

@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from tests.core.test_schedule import CountOps
+from tests.support import install
 from tests.support.cute_dsl import forbid_python_conversions, requires_cute
 from tests.support.documents import backend_arguments, documents_of
 from torch_msa import testing
 from torch_msa.cute_dsl.cute_io import row_alignment
 from torch_msa.schedule import bucket_key_count, build_schedule, entries_per_item, pack, unpack
 
-pytest.importorskip("triton", reason="the SM90 hosts import the Triton stages (triton ships with Linux torch)")
+pytest.importorskip("triton", reason=f"the SM90 hosts import the Triton stages: {install.TRITON}")
 
 TOKENS, HEADS, KV_HEADS, DIM, TOPK, BLOCK = 300, 64, 4, 128, 16, 128
 

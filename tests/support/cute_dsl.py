@@ -12,22 +12,22 @@ import pytest
 import torch
 
 from torch_msa import UnavailableError
-from torch_msa.cute_dsl import CUTE_DSL_REQUIREMENT
 
 
-def cute_dsl_available() -> bool:
+def cute_dsl_unavailable_reason() -> str | None:
+    """Why the CuTe DSL toolchain cannot be imported (each module that fails, with its error, and
+    the install command), or None when it can."""
     from torch_msa.cute_dsl import require_cute_dsl
 
     try:
         require_cute_dsl()
-    except UnavailableError:
-        return False
-    return True
+    except UnavailableError as error:
+        return str(error)
+    return None
 
 
-requires_cute = pytest.mark.skipif(
-    not cute_dsl_available(), reason=f"{CUTE_DSL_REQUIREMENT} / cuda-bindings / apache-tvm-ffi not installed (extra `cute`)"
-)
+_CUTE_DSL_UNAVAILABLE = cute_dsl_unavailable_reason()
+requires_cute = pytest.mark.skipif(_CUTE_DSL_UNAVAILABLE is not None, reason=str(_CUTE_DSL_UNAVAILABLE))
 
 SASS_INSTALL_HINT = 'pip install "nvidia-cutlass-dsl-libs-base[sass]"'
 """What brings nvdisasm from CuTe DSL 4.8 on (the `test` extra installs it); earlier releases depend on it."""

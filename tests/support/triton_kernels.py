@@ -34,7 +34,8 @@ NON_FINITE = (float("nan"), float("inf"), float("-inf"))
 def require_a_device() -> None:
     """Skip the calling test module (at import) without CUDA or the interpreter."""
     if not INTERPRETING and not torch.cuda.is_available():
-        pytest.skip("needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter", allow_module_level=True)
+        pytest.skip("needs a CUDA device, or TRITON_INTERPRET=1 for the CPU interpreter (tests/triton/test_interpret.py "
+                    "runs these files with it)", allow_module_level=True)
 
 
 def layout(q_lens, k_lens):

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton", reason="triton is not installed (it ships with Linux x86_64 torch)")
+from tests.support import install
+
+pytest.importorskip("triton", reason=install.TRITON)
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = sorted(path.name for path in (ROOT / "tests" / "triton" / "kernels").glob("test_*.py"))

@@ -25,7 +25,9 @@ import warnings
 import pytest
 import torch
 
-triton = pytest.importorskip("triton", reason="triton is not installed (it ships with Linux x86_64 torch)")
+from tests.support import install
+
+triton = pytest.importorskip("triton", reason=install.TRITON)
 
 import torch_msa  # noqa: E402
 from torch_msa import backends  # noqa: E402
