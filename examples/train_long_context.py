@@ -48,6 +48,7 @@ from long_context_data import VOCAB_SIZE, Corpus, dataset_sources, folder_source
 from torch import nn
 
 import torch_msa
+from torch_msa.contract import M3, Shape
 from torch_msa.selection_stats import POSITION_EDGES, position_bucket_names, selection_sharing
 from torch_msa.testing import skewed_block_indices
 
@@ -58,20 +59,18 @@ LOG_EVERY = 5  # steps between synchronised progress lines
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """The decoder: `layers` blocks of width `hidden`, each one MSA layer of `attention`'s shape
+    (16 query heads over one KV head, M3's head dim, blocks and top-k) and a SwiGLU MLP."""
+
     hidden: int = 1024
     layers: int = 4
-    query_heads: int = 16
-    kv_heads: int = 1
-    head_dim: int = 128
-    index_dim: int = 128
     mlp_hidden: int = 2816
-    block_size: int = 128
-    topk: int = 16
     rope_base: float = 500_000.0
+    attention: Shape = dataclasses.replace(M3, query_heads=16, kv_heads=1)
 
 
-TINY = ModelConfig(hidden=64, layers=2, query_heads=16, kv_heads=1, head_dim=64, index_dim=32, mlp_hidden=128,
-                   block_size=64, topk=4)
+TINY = ModelConfig(hidden=64, layers=2, mlp_hidden=128,
+                   attention=Shape(query_heads=16, kv_heads=1, head_dim=64, index_dim=32, block_size=64, topk=4))
 
 
 @dataclasses.dataclass
@@ -101,7 +100,7 @@ def make_batch(documents: list[torch.Tensor], config: ModelConfig, device: torch
     position = torch.cat([torch.arange(length) for length in lengths]).to(device)
     targets = torch.roll(tokens, -1).masked_fill(torch.roll(position, -1) == 0, -100)
     rope = {}
-    for dim in {config.head_dim, config.index_dim}:
+    for dim in {config.attention.head_dim, config.attention.index_dim}:
         inverse = config.rope_base ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
         angle = position.float()[:, None] * inverse[None, :]
         rope[dim] = (angle.cos()[:, None, :], angle.sin()[:, None, :])  # [T, 1, dim / 2]
@@ -134,46 +133,47 @@ class Layer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = self.config = config
+        a = config.attention
         self.attention_norm = nn.RMSNorm(c.hidden)
-        self.qkv = nn.Linear(c.hidden, (c.query_heads + 2 * c.kv_heads) * c.head_dim, bias=False)
-        self.attention_out = nn.Linear(c.query_heads * c.head_dim, c.hidden, bias=False)
-        self.index = nn.Linear(c.hidden, (c.kv_heads + 1) * c.index_dim, bias=False)  # index_q heads, one index_k
+        self.qkv = nn.Linear(c.hidden, (a.query_heads + 2 * a.kv_heads) * a.head_dim, bias=False)
+        self.attention_out = nn.Linear(a.query_heads * a.head_dim, c.hidden, bias=False)
+        self.index = nn.Linear(c.hidden, (a.kv_heads + 1) * a.index_dim, bias=False)  # index_q heads, one index_k
         self.mlp_norm = nn.RMSNorm(c.hidden)
         self.gate_up = nn.Linear(c.hidden, 2 * c.mlp_hidden, bias=False)
         self.down = nn.Linear(c.mlp_hidden, c.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, batch: Batch, mode: str, index_loss: str | None, record: dict) -> torch.Tensor:
-        c = self.config
+        a = self.config.attention
         h = self.attention_norm(x)
-        q, k, v = self.qkv(h).split([c.query_heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], -1)
-        q = rotate(q.view(-1, c.query_heads, c.head_dim), batch.rope[c.head_dim])
-        k = rotate(k.view(-1, c.kv_heads, c.head_dim), batch.rope[c.head_dim])
-        v = v.view(-1, c.kv_heads, c.head_dim)
+        q, k, v = self.qkv(h).split([a.query_heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], -1)
+        q = rotate(q.view(-1, a.query_heads, a.head_dim), batch.rope[a.head_dim])
+        k = rotate(k.view(-1, a.kv_heads, a.head_dim), batch.rope[a.head_dim])
+        v = v.view(-1, a.kv_heads, a.head_dim)
         index_q = index_k = None
         if index_loss is not None or mode == "sparse" or "index" in record:
-            iq, ik = self.index(h.detach()).split([c.kv_heads * c.index_dim, c.index_dim], -1)
-            index_q = rotate(iq.view(-1, c.kv_heads, c.index_dim), batch.rope[c.index_dim])
-            index_k = rotate(ik.view(-1, 1, c.index_dim), batch.rope[c.index_dim])
+            iq, ik = self.index(h.detach()).split([a.kv_heads * a.index_dim, a.index_dim], -1)
+            index_q = rotate(iq.view(-1, a.kv_heads, a.index_dim), batch.rope[a.index_dim])
+            index_k = rotate(ik.view(-1, 1, a.index_dim), batch.rope[a.index_dim])
         if mode == "dense":
             out = dense_attention(q, k, v, batch.lengths)
             if index_loss == "dense":
                 record["kl"].append(torch_msa.indexer_kl_loss_dense(q.detach(), k.detach(), index_q, index_k,
-                                                                    *batch.documents(), block_size=c.block_size))
+                                                                    *batch.documents(), block_size=a.block_size))
         elif mode == "sparse" and index_loss == "sparse":
-            attention = torch_msa.msa_attention(q, k, v, index_q, index_k, *batch.documents(), topk=c.topk,
-                                                block_size=c.block_size, index_loss=True)
+            attention = torch_msa.msa_attention(q, k, v, index_q, index_k, *batch.documents(), topk=a.topk,
+                                                block_size=a.block_size, index_loss=True)
             out = attention.out
             record["kl"].append(attention.kl)
             record["kl_values"].append(attention.kl_value)  # written by the backward
         elif mode == "sparse":
-            out = torch_msa.msa_attention(q, k, v, index_q, index_k, *batch.documents(), topk=c.topk, block_size=c.block_size)
+            out = torch_msa.msa_attention(q, k, v, index_q, index_k, *batch.documents(), topk=a.topk, block_size=a.block_size)
         elif mode == "control":
-            out = torch_msa.sparse_attention(q, k, v, batch.fixed_selection, *batch.documents(), block_size=c.block_size)
+            out = torch_msa.sparse_attention(q, k, v, batch.fixed_selection, *batch.documents(), block_size=a.block_size)
         else:
             raise ValueError(f"mode: expected dense, sparse or control, got {mode!r}")
         if "index" in record:
             record["index"].append((q.detach(), k.detach(), index_q.detach(), index_k.detach()))
-        x = x + self.attention_out(out.reshape(-1, c.query_heads * c.head_dim))
+        x = x + self.attention_out(out.reshape(-1, a.query_heads * a.head_dim))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -320,7 +320,7 @@ def evaluate(arm: Arm, corpus: Corpus, settings: Settings, final: bool) -> dict:
     mode, _ = arm.mode()
     with_index = arm.name == "sparse" or arm.step <= settings.warmup_steps
     if mode == "control":
-        batch.fixed_selection = fixed_selection(batch, config)
+        batch.fixed_selection = fixed_selection(batch, config.attention)
     record = {"kl": [], "kl_values": []}
     if with_index:
         record["index"] = []
@@ -336,38 +336,39 @@ def evaluate(arm: Arm, corpus: Corpus, settings: Settings, final: bool) -> dict:
               "by_position": {name: float(losses[counted & (bucket == i)].mean()) if (counted & (bucket == i)).any()
                               else None for i, name in enumerate(names)}}
     if with_index:
-        selections = [select(batch, config, index_q, index_k) for _, _, index_q, index_k in record["index"]]
-        result["recall"] = recall(batch, config, record["index"], selections, settings)
+        selections = [select(batch, config.attention, index_q, index_k) for _, _, index_q, index_k in record["index"]]
+        result["recall"] = recall(batch, config.attention, record["index"], selections, settings)
         if final:
             result["selection"] = [{"group_8": selection_sharing(s, batch.cu_seqlens, group_size=8,
-                                                                 block_size=config.block_size).as_dict(),
+                                                                 block_size=config.attention.block_size).as_dict(),
                                     "tile_128": selection_sharing(s, batch.cu_seqlens, group_size=128,
-                                                                  block_size=config.block_size).as_dict()}
+                                                                  block_size=config.attention.block_size).as_dict()}
                                    for s in selections]
             torch.save({"block_indices": torch.stack(selections).to(torch.int16).cpu(),
-                        "cu_seqlens": batch.cu_seqlens.cpu(), "layers": config.layers, "block_size": config.block_size,
-                        "topk": config.topk, "documents": corpus.manifest["held_out"], "step": arm.step},
+                        "cu_seqlens": batch.cu_seqlens.cpu(), "layers": config.layers, "block_size": config.attention.block_size,
+                        "topk": config.attention.topk, "documents": corpus.manifest["held_out"], "step": arm.step},
                        settings.out / "selections.pt")
     return result
 
 
-def select(batch: Batch, config: ModelConfig, index_q: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
-    return torch_msa.select_blocks(index_q, index_k, *batch.documents(), topk=config.topk, block_size=config.block_size)
+def select(batch: Batch, shape: Shape, index_q: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
+    return torch_msa.select_blocks(index_q, index_k, *batch.documents(), topk=shape.topk, block_size=shape.block_size)
 
 
-def fixed_selection(batch: Batch, config: ModelConfig) -> torch.Tensor:
-    return skewed_block_indices(batch.cu_seqlens, batch.cu_seqlens, config.kv_heads, config.topk, config.block_size)
+def fixed_selection(batch: Batch, shape: Shape) -> torch.Tensor:
+    """Block 0 and the newest blocks of every query: the control arm's selection."""
+    return skewed_block_indices(batch.cu_seqlens, batch.cu_seqlens, shape.kv_heads, shape.topk, shape.block_size)
 
 
-def recall(batch: Batch, config: ModelConfig, captured: list, selections: list[torch.Tensor], settings: Settings) -> dict:
+def recall(batch: Batch, shape: Shape, captured: list, selections: list[torch.Tensor], settings: Settings) -> dict:
     """Share of the dense attention mass in the selected blocks, on sampled queries past the dense
     prefix: per layer for the index selection, the control selection and the best `topk` blocks."""
-    group = config.query_heads // config.kv_heads
-    control = fixed_selection(batch, config)
+    group = shape.group
+    control = fixed_selection(batch, shape)
     generator = torch.Generator().manual_seed(settings.seed)
     sampled = []  # (document start, length, local positions of its sampled queries)
     for start, length in zip(batch.cu_seqlens[:-1].tolist(), batch.lengths):
-        first = min(config.topk * config.block_size, length - 1)
+        first = min(shape.topk * shape.block_size, length - 1)
         local = first + torch.randperm(length - first, generator=generator)[:settings.recall_queries]
         sampled.append((start, length, local.to(settings.device)))
     per_layer: dict[str, list[float]] = {"index": [], "control": [], "best": []}
@@ -376,19 +377,19 @@ def recall(batch: Batch, config: ModelConfig, captured: list, selections: list[t
         count = 0
         for start, length, local in sampled:
             keys = k[start:start + length].float()  # [L, Hkv, D]
-            blocks = -(-length // config.block_size)
+            blocks = -(-length // shape.block_size)
             for chunk in local.split(16):
                 rows = start + chunk
-                scores = torch.einsum("nrgd,srd->nrgs", q[rows].float().view(len(chunk), config.kv_heads, group, -1),
-                                      keys) * config.head_dim ** -0.5
+                scores = torch.einsum("nrgd,srd->nrgs", q[rows].float().view(len(chunk), shape.kv_heads, group, -1),
+                                      keys) * shape.head_dim ** -0.5
                 visible = torch.arange(length, device=keys.device)[None, :] <= chunk[:, None]
                 mass = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1).mean(2)
-                mass = F.pad(mass, (0, blocks * config.block_size - length)).view(len(chunk), config.kv_heads, blocks, -1).sum(-1)
+                mass = F.pad(mass, (0, blocks * shape.block_size - length)).view(len(chunk), shape.kv_heads, blocks, -1).sum(-1)
                 for name, chosen in (("index", selection[:, rows]), ("control", control[:, rows])):
                     ids = chosen.transpose(0, 1).long()  # [n, Hkv, topk]
                     sums[name] += float((torch.gather(mass, 2, ids.clamp(min=0)) * (ids >= 0)).sum())
-                sums["best"] += float(mass.topk(min(config.topk, blocks), dim=-1).values.sum())
-                count += len(chunk) * config.kv_heads
+                sums["best"] += float(mass.topk(min(shape.topk, blocks), dim=-1).values.sum())
+                count += len(chunk) * shape.kv_heads
         for name in per_layer:
             per_layer[name].append(sums[name] / count)
     return {name: {"per_layer": values, "mean": sum(values) / len(values)} for name, values in per_layer.items()}
@@ -435,7 +436,7 @@ def run_arm(arm: Arm, corpus: Corpus, settings: Settings, deadline: float | None
                 return False
         batch = make_batch(data_order(corpus, settings, arm.step), settings.config, device)
         if arm.mode()[0] == "control":
-            fixed = fixed if fixed is not None else fixed_selection(batch, settings.config)
+            fixed = fixed if fixed is not None else fixed_selection(batch, settings.config.attention)
             batch.fixed_selection = fixed
         loss, kl = arm.train_step(batch)
         pending.append((arm.step, loss, kl))
@@ -478,7 +479,7 @@ def compile_kernels(arm: Arm, corpus: Corpus, settings: Settings) -> None:
     batch = make_batch(data_order(corpus, settings, arm.step), settings.config, settings.device)
     mode, index_loss = arm.mode()
     if mode == "control":
-        batch.fixed_selection = fixed_selection(batch, settings.config)
+        batch.fixed_selection = fixed_selection(batch, settings.config.attention)
     record = {"kl": [], "kl_values": []}
     with autocast(settings.device):
         logits = arm.model(batch, mode, index_loss, record)
@@ -504,7 +505,7 @@ def dense_attention_rate(arm: Arm, corpus: Corpus, settings: Settings) -> dict:
     kernels = {event.key: event.device_time_total for event in profiler.key_averages()
                if "sdpa" in event.key.lower() or "fmha" in event.key.lower() or "flash" in event.key.lower()}
     pairs = sum(length * (length + 1) // 2 for length in batch.lengths) * config.layers
-    flops = 3.5 * 4 * config.query_heads * config.head_dim * pairs
+    flops = 3.5 * 4 * config.attention.query_heads * config.attention.head_dim * pairs
     seconds = sum(kernels.values()) / 1e6
     return {"kernels": sorted(kernels), "milliseconds": seconds * 1e3,
             "tflops_per_second": flops / seconds / 1e12 if seconds else None}
@@ -708,8 +709,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
         parser.error(f"--device: expected a device this machine has, got {args.device!r} (no CUDA device)")
     config = TINY if tiny else ModelConfig()
     seqlen = args.seqlen if args.seqlen is not None else (512 if tiny else 32768)
-    if seqlen < config.block_size:
-        parser.error(f"--seqlen: expected >= {config.block_size} (one block), got {seqlen}")
+    if seqlen < config.attention.block_size:
+        parser.error(f"--seqlen: expected >= {config.attention.block_size} (one block), got {seqlen}")
     settings = Settings(out=args.out, device=torch.device(args.device), config=config, seqlen=seqlen,
                         docs_per_step=args.docs_per_step, steps=steps, warmup_steps=warmup,
                         eval_every=args.eval_every if args.eval_every is not None else (2 if tiny else 20),

@@ -117,11 +117,11 @@ def test_every_arm_trains_resumes_and_reports(tmp_path):
     assert sparse["selection"][0]["group_8"]["overall"]["groups"] > 0
     selections = torch.load(out / "selections.pt", weights_only=False)
     block_indices = selections["block_indices"]  # [layers, Hkv, T, topk]
-    assert block_indices.shape == (recipe.TINY.layers, 1, 512, recipe.TINY.topk)
-    q = torch.zeros(512, recipe.TINY.query_heads, recipe.TINY.head_dim)
-    kv = torch.zeros(512, 1, recipe.TINY.head_dim)
+    assert block_indices.shape == (recipe.TINY.layers, 1, 512, recipe.TINY.attention.topk)
+    q = torch.zeros(512, recipe.TINY.attention.query_heads, recipe.TINY.attention.head_dim)
+    kv = torch.zeros(512, 1, recipe.TINY.attention.head_dim)
     torch_msa.validate_inputs(q, kv, kv, block_indices[0].int(), selections["cu_seqlens"], selections["cu_seqlens"],
-                              block_size=recipe.TINY.block_size)
+                              block_size=recipe.TINY.attention.block_size)
 
 
 @pytest.mark.parametrize(("argv", "message"), [
