@@ -1,1 +1,1 @@
-"""Tests of the benchmark (`torch_msa/bench`)."""
+"""Tests of the benchmark (`benchmarks/`, run from a checkout as `python -m benchmarks`)."""

@@ -19,8 +19,8 @@ kernels are built for: 16 query heads per KV head, D = 128, block_size = 128, bf
 `UnsupportedInputs` before any work, and the registry falls back to the Triton backend with a
 one-time warning. The block selection and the plan stay with the Triton backend.
 
-It serves both ops by default on such devices (priority above the Triton backend, which it
-outruns at every length measured: docs/performance.md). The backward kernel adds with atomics;
+It serves the forward, the backward and the backward with the fused index loss by default on
+such devices (priority above the Triton backend). The backward kernel adds with atomics;
 under `torch.use_deterministic_algorithms(True)` its bitwise-reproducible variant serves (the kernel
 without dQ for dK/dV, the Triton deterministic backward's reduction and query-outer dQ).
 `TORCH_MSA_BACKEND=triton` forces the Triton kernels.
