@@ -562,6 +562,7 @@ def train(args, settings: Settings) -> int:
 
 
 def _train(corpus: Corpus, settings: Settings, deadline: float | None, caught: list[str]) -> int:
+    log(settings, "backends: " + "  ".join(f"msa::{op}={name}" for op, name in served_backends(settings.device).items()))
     log(settings, f"corpus: {corpus.manifest['bytes'] / 1e6:.1f} MB in {len(corpus.manifest['sources'])} sources, "
                   f"{len(corpus.train)} training and {len(corpus.held_out)} held-out documents of {settings.seqlen} tokens")
     shared = settings.out / "warmup.pt"
