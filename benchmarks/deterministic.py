@@ -62,7 +62,8 @@ def _kernel_times(call, device: torch.device) -> list[tuple[str, float]]:
 @contextlib.contextmanager
 def query_config_first(config):
     """The deterministic backward's dQ kernel launched with `config` (memo cleared around it)."""
-    from torch_msa.triton import backward_deterministic_kernel, launch
+    from torch_msa.stages import deterministic as backward_deterministic_kernel
+    from torch_msa.triton_utils import launch
 
     tuned = backward_deterministic_kernel.QUERY_CONFIGS
 
@@ -83,7 +84,7 @@ def _sweep(backward_arguments, device, warmup, iters):
     """The Triton deterministic backward called directly, so that a refused configuration is
     reported rather than served by another backend."""
     from torch_msa.triton import backward_deterministic
-    from torch_msa.triton.launch import LaunchConfig
+    from torch_msa.triton_utils.launch import LaunchConfig
 
     def backward():
         return backward_deterministic.backward(*backend_arguments("backward", *backward_arguments))

@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from torch_msa.schedule import valid_entries
+from torch_msa.plan.schedule import valid_entries
 
 TILE_ROWS = 128  # query rows of one FlexAttention block (the BlockMask's Q block size)
 _BITS_PER_WORD = 16  # int32 words, bits 0..15: no sign bit involved when bits are summed

@@ -19,7 +19,7 @@ import torch
 
 from torch_msa import flops
 from torch_msa.contract import Shape
-from torch_msa.schedule import valid_entries
+from torch_msa.plan.schedule import valid_entries
 
 
 def keys_per_token(position: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:

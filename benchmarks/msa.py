@@ -5,7 +5,7 @@
   `1 - (topk=2) / select` is a lower bound of the top-k's share of the selection. (With
   `topk=1` only the local block is kept: no output reads a score, and the compiler drops the
   scoring GEMMs, which would overstate the share.)
-* `schedule`: `msa::plan`, the key-to-query tables of the KV-outer kernels (`torch_msa/schedule.py`),
+* `schedule`: `msa::plan`, the key-to-query tables of the KV-outer kernels (`torch_msa/plan/schedule.py`),
   timed on its own; `sparse_attention` builds it once per call and autograd hands it to the
   backward.
 * `fwd`, `bwd`: `msa::forward` and `msa::backward` called directly on the problem's indices,
@@ -24,7 +24,7 @@ import torch
 
 import torch_msa
 from torch_msa import backends
-from torch_msa.schedule import entries_per_item
+from torch_msa.plan.schedule import entries_per_item
 
 from .problems import Inputs
 from .subject import Measurement, Subject
@@ -73,7 +73,7 @@ def msa_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
                                       entries_per_item(shape.query_heads, shape.kv_heads))
 
         yield Measurement("schedule", plan, None,
-                          "msa::plan, the key-to-query schedule of one step (torch_msa/schedule.py), timed alone")
+                          "msa::plan, the key-to-query schedule of one step (torch_msa/plan/schedule.py), timed alone")
 
         def forward():
             return torch.ops.msa.forward(q, k, v, block_indices, *documents, block_size, scale)

@@ -27,7 +27,7 @@ from torch_msa.contract import M3
 from torch_msa.documents import Documents, locate_queries
 from torch_msa.flops import attention_backward, attention_forward
 from torch_msa.ops import backend_arguments
-from torch_msa.schedule import bucket_key_count, entries_per_item, unpack
+from torch_msa.plan.schedule import bucket_key_count, entries_per_item, unpack
 from torch_msa.testing import cu_seqlens, random_block_indices
 
 from . import command
@@ -68,12 +68,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     command.cuda_device(parser, None, "it times the SM90 kernels of H100/H200", capability=(9, 0))
 
+    from torch_msa.plan import kernels as plan_kernel
     from torch_msa.sm90 import backward_deterministic as sm90_deterministic
     from torch_msa.sm90 import backward_host, common, forward_host
+    from torch_msa.stages.combine import combine
+    from torch_msa.stages.delta import compute_delta
+    from torch_msa.triton import backward as triton_backward
     from torch_msa.triton import backward_deterministic as triton_deterministic
-    from torch_msa.triton import backward_kernel as triton_backward
-    from torch_msa.triton import forward_kernel as triton_forward
-    from torch_msa.triton import plan_kernel, stages
+    from torch_msa.triton import forward as triton_forward
 
     cu = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
     tiny = torch.zeros(256, HQ, D, dtype=torch.bfloat16, device="cuda")
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
                 args.iterations,
             ),
             "combine": _milliseconds(
-                lambda: stages.combine(partial_out, partial_lse, out, lse, HKV, TOPK), args.iterations
+                lambda: combine(partial_out, partial_lse, out, lse, HKV, TOPK), args.iterations
             ),
         }
 
@@ -147,12 +149,12 @@ def main(argv=None) -> int:
         )
         _time_backward(problem, inputs, out, lse, schedule, key_count, plan(), attention_backward(HQ, D, pairs),
                        args.iterations, triton_backward, triton_deterministic, backward_host, sm90_deterministic,
-                       stages)
+                       compute_delta)
     return 0
 
 
 def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, iterations, triton_backward,
-                   triton_deterministic, backward_host, sm90_deterministic, stages) -> None:
+                   triton_deterministic, backward_host, sm90_deterministic, compute_delta) -> None:
     q, k, v, blocks, cu_q, cu_k, max_q, max_k, _, _ = inputs
     grad_out = torch.randn_like(q)
     args = (grad_out, q, k, v, out, lse, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE, None, plan)
@@ -165,7 +167,7 @@ def _time_backward(problem, inputs, out, lse, schedule, key_count, plan, flops, 
     errors = "/".join(f"{((g.float() - w.float()).norm() / w.float().norm()).item():.1e}" for g, w in zip(got, want))
     num_tokens = q.shape[0]
     delta = torch.empty(num_tokens, HQ, device="cuda")
-    stages.compute_delta(grad_out, out, None, delta, (q.device, q.dtype, D, BLOCK, HQ // HKV, TOPK))
+    compute_delta(grad_out, out, None, delta, (q.device, q.dtype, D, BLOCK, HQ // HKV, TOPK))
     dq_acc = torch.zeros(num_tokens, HQ, D, device="cuda")
     dk_acc, dv_acc = (torch.zeros(num_tokens, HKV, D, device="cuda") for _ in range(2))
     times = {

@@ -9,9 +9,6 @@ before or after torch_msa).
 from . import (
     integrations,
     ops,  # noqa: F401  (registers torch.ops.msa.*)
-    sm90,
-    sm100,
-    triton,
 )
 from .api import (
     AttentionOutput,
@@ -35,10 +32,6 @@ from .diagnostics import TorchMSAWarning
 from .padding import check_padding_mask, pad_input, padded_cu_seqlens, unpad_input
 from .validation import DEBUG_ENV
 
-# Optional backends: registering imports neither triton nor cutlass; they bind on first use.
-triton.register()
-sm100.register()
-sm90.register()
 # HF's attn_implementation="torch_msa", now or through an import hook (never imports transformers).
 integrations.register_with_transformers()
 

@@ -21,7 +21,7 @@ SCHEMAS: dict[str, str] = {
         f"select_blocks(Tensor index_q, Tensor index_k, {_DOCUMENTS}, int topk, int block_size, {_FRAGMENTS}) -> Tensor"
     ),
     # The key-to-query schedule of one layer's selection, built once per step and passed to
-    # forward and backward as their trailing optional `plan` (layout: torch_msa/schedule.py).
+    # forward and backward as their trailing optional `plan` (layout: torch_msa/plan/schedule.py).
     "plan": (
         f"plan(Tensor block_indices, {_DOCUMENTS}, SymInt num_keys, int block_size, int entries_per_item, "
         f"{_FRAGMENTS}) -> Tensor"

@@ -29,10 +29,11 @@ import torch
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.msa.*)
 from . import validation
-from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK, compute_dtype
+from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK
 from .diagnostics import TorchMSAWarning
 from .documents import FRAGMENT_ARGUMENTS, Documents
-from .schedule import entries_per_item
+from .index_loss import attention_with_index_loss
+from .plan.schedule import entries_per_item
 
 _Documents = tuple[torch.Tensor, torch.Tensor, int, int]
 """The ops' four document arguments: `(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`."""
@@ -290,7 +291,7 @@ def build_plan(
         fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
 
     Returns:
-        A 1-D int32 tensor (`msa::plan`; layout in `torch_msa/schedule.py`) on block_indices'
+        A 1-D int32 tensor (`msa::plan`; layout in `torch_msa/plan/schedule.py`) on block_indices'
         device, valid for calls with these `block_indices`, documents, `Tk` and `block_size`.
         Every call checks its length against the shapes; a plan of the same shapes built for
         another selection or other documents (a stale plan) is caught only by
@@ -653,52 +654,13 @@ def msa_attention(
     scale = _scale(q, softmax_scale)
     losses: dict[str, torch.Tensor] = {}
     if index_loss:
-        out, lse, kl, kl_value = _attention_with_index_loss(q, k, v, index_q, index_k, block_indices, docs,
+        out, lse, kl, kl_value = attention_with_index_loss(q, k, v, index_q, index_k, block_indices, docs,
                                                             block_size, scale, plan, fragments, index_loss_value)
         losses = {"kl": kl, "kl_value": kl_value}
     else:
         out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, scale, plan, *fragments)
     return _msa_result(out, return_lse=return_lse, return_block_indices=return_block_indices, index_loss=index_loss,
                        lse=lse, block_indices=block_indices, **losses)
-
-
-def _attention_with_index_loss(q, k, v, index_q, index_k, block_indices, docs: _Documents, block_size: int,
-                               softmax_scale: float, plan, fragments: _Fragments, index_loss_value=None):
-    """`(out, lse, kl, kl_value)`: the attention over `block_indices` and the index branch's KL on
-    that selection and the attention's lse (student scale `Di ** -0.5`), as `msa_attention(...,
-    index_loss=True)` computes them (its docstring says when `kl` is a placeholder and when
-    `kl_value` receives the value). The arguments are the ops' (checked by the caller); `docs`
-    and `fragments` are the ops' four document and two fragment arguments."""
-    index_scale = _index_scale(index_q, None)
-    if _fused_index_loss(index_q, index_k, index_loss_value):
-        if index_loss_value is None:
-            index_loss_value = torch.zeros((), dtype=compute_dtype(index_q.dtype), device=q.device)
-        out, lse, kl = torch.ops.msa.forward_with_index_loss(
-            q, k, v, index_q, index_k, block_indices, *docs, block_size, softmax_scale, index_scale,
-            index_loss_value, plan, *fragments)
-        return out, lse, kl, index_loss_value
-    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, softmax_scale, plan, *fragments)
-    kl, *_ = torch.ops.msa.indexer_kl(q.detach(), k.detach(), lse.detach(), index_q, index_k, block_indices, *docs,
-                                      block_size, softmax_scale, index_scale, *fragments)
-    kl_value = kl.detach()
-    if index_loss_value is not None:
-        if torch._C._are_functorch_transforms_active():
-            raise ValueError("index_loss_value: not served under torch.func transforms (a transformed value cannot "
-                             "be copied into it); there kl holds the loss's value, read it instead")
-        with torch.no_grad():
-            index_loss_value.copy_(kl_value)
-        kl_value = index_loss_value
-    return out, lse, kl, kl_value
-
-
-def _fused_index_loss(index_q, index_k, index_loss_value) -> bool:
-    """Whether `msa_attention`'s index loss is computed by the backward (`msa::forward_with_index_loss`):
-    in training, outside torch.func transforms, and under torch.compile only with a loss value
-    tensor from outside the compiled function."""
-    training = torch.is_grad_enabled() and (index_q.requires_grad or index_k.requires_grad)
-    if not training or torch._C._are_functorch_transforms_active():
-        return False
-    return index_loss_value is not None or not torch.compiler.is_compiling()
 
 
 def _index_scale(index_q, index_softmax_scale) -> float:

@@ -18,14 +18,14 @@ one-time warning that this is the slow path, with the reason.
 """
 
 import dataclasses
-import functools
+import importlib
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
-from . import index_loss, reference, reference_kl
+from . import reference, reference_kl
 from ._schemas import SCHEMAS
 from .diagnostics import TorchMSAWarning
 
@@ -34,7 +34,13 @@ BACKEND_ENV = "TORCH_MSA_BACKEND"
 # backward), so no backend serves it; every other op is served.
 COMPOSED_OPS = ("forward_with_index_loss",)
 OPS = tuple(name for name in SCHEMAS if name not in COMPOSED_OPS)  # the ops backends serve
+# Every backend with a backward serves the backward with the index loss: fused where it declares
+# that op, composed of its backward and the loss's ops otherwise (`torch_msa.index_loss`).
+SERVED_WITH = {"backward_with_index_loss": "backward"}
 REFERENCE = "reference"
+# The optional backends, by import path: each package defines `BACKEND` and imports neither triton
+# nor cutlass; the registry imports them when it is first asked, and their kernels on first use.
+BUILTIN_BACKENDS = ("torch_msa.triton", "torch_msa.sm90", "torch_msa.sm100")
 
 
 class BackendError(RuntimeError):
@@ -55,7 +61,8 @@ class Backend:
 
     `ops` maps op names (those of `OPS`) to callables that take the op's arguments in the
     schema's order with the six document arguments as one `torch_msa.documents.Documents` in
-    place of `cu_seqlens_q` (the form `torch_msa.reference` shows, op by op).
+    place of `cu_seqlens_q` (the form `torch_msa.reference` shows, op by op), or to the import
+    path `"package.module:function"` of such a callable, imported when the op is first served.
     `available(device)` is consulted lazily, so optional dependencies are imported only when a
     device first asks; `device_types=None` means any device.
     `unavailable_reason(device)` says why `available` is False (what is missing, what to
@@ -65,15 +72,23 @@ class Backend:
     """
 
     name: str
-    ops: dict[str, Callable]
+    ops: Mapping[str, Callable | str]
     priority: int = 0
     device_types: tuple[str, ...] | None = None
     available: Callable[[torch.device], bool] = lambda device: True
     unavailable_reason: Callable[[torch.device], str | None] | None = None
     opt_in_note: Callable[[torch.device], str | None] | None = None
 
+    def implements(self, op: str) -> bool:
+        return op in self.ops or SERVED_WITH.get(op, op) in self.ops
+
+    def implementation(self, op: str) -> Callable:
+        """The callable serving `op` (an import path is imported now, once)."""
+        found = self.ops[op]
+        return found if callable(found) else _imported(found)
+
     def serves(self, op: str, device: torch.device) -> bool:
-        if op not in self.ops:
+        if not self.implements(op):
             return False
         if self.device_types is not None and device.type not in self.device_types:
             return False
@@ -81,7 +96,7 @@ class Backend:
 
     def why_not(self, op: str, device: torch.device) -> str:
         """Why this backend does not serve `op` on `device` (for a backend that does not)."""
-        if op not in self.ops:
+        if not self.implements(op):
             return f"it does not implement msa::{op}"
         if self.device_types is not None and device.type not in self.device_types:
             return f"it serves {'/'.join(self.device_types)} devices only, not {device.type}"
@@ -91,6 +106,23 @@ class Backend:
 
 _BACKENDS: dict[str, Backend] = {}
 _warned: set[tuple] = set()
+_builtins_registered = False
+
+
+def _imported(path: str) -> Callable:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _register_builtins() -> None:
+    """Register `BUILTIN_BACKENDS` once, the first time the registry is asked; a backend registered
+    earlier under the same name stays."""
+    global _builtins_registered
+    if not _builtins_registered:
+        _builtins_registered = True
+        for path in BUILTIN_BACKENDS:
+            backend = importlib.import_module(path).BACKEND
+            _BACKENDS.setdefault(backend.name, backend)
 
 
 def register_backend(backend: Backend) -> None:
@@ -113,6 +145,7 @@ def unregister_backend(name: str) -> None:
 
 
 def registered_backends() -> list[str]:
+    _register_builtins()
     return sorted(_BACKENDS, key=lambda name: -_BACKENDS[name].priority)
 
 
@@ -128,7 +161,7 @@ def candidates(op: str, device: torch.device) -> list[Backend]:
             raise BackendError(
                 f"{BACKEND_ENV}={forced!r} names no backend; registered: {', '.join(registered_backends())}"
             )
-        if op in backend.ops:
+        if backend.implements(op):
             if not backend.serves(op, device):
                 able = [b.name for b in _ordered() if b.serves(op, device)]
                 raise BackendError(
@@ -145,7 +178,7 @@ def _by_default(op: str, device: torch.device, notes: bool) -> list[Backend]:
     found = []
     for backend in _ordered():
         if backend.opt_in_note is not None:
-            if notes and op in backend.ops and (backend.device_types is None or device.type in backend.device_types):
+            if notes and backend.implements(op) and (backend.device_types is None or device.type in backend.device_types):
                 note = backend.opt_in_note(device)
                 if note:
                     _warn_once(("opt-in", backend.name), f"torch_msa: {note}")
@@ -176,12 +209,14 @@ def resolve(op: str, device: torch.device) -> Backend:
     return found[0]
 
 
-def call(op: str, device: torch.device, *args):
-    """Run `op` on the best backend that accepts these inputs."""
+def call(op: str, device: torch.device, *args, implementation: Callable[[Backend], Callable] | None = None):
+    """Run `op` on the best backend that accepts these inputs: `implementation(backend)`'s
+    callable, by default the backend's own for `op`."""
     found = candidates(op, device)
     for position, backend in enumerate(found):
+        serve = backend.implementation(op) if implementation is None else implementation(backend)
         try:
-            result = backend.ops[op](*args)
+            result = serve(*args)
         except UnsupportedInputs as why:
             if backend is found[-1]:
                 raise BackendError(f"backend {backend.name!r} cannot serve these msa::{op} inputs: {why}") from why
@@ -205,7 +240,7 @@ def call(op: str, device: torch.device, *args):
 def _no_fast_path(op: str, device: torch.device) -> str:
     """Why no backend other than the reference serves `op` on `device`."""
     reasons = [f"{b.name}: {b.why_not(op, device)}" for b in _ordered()
-               if b.name != REFERENCE and op in b.ops and b.opt_in_note is None]
+               if b.name != REFERENCE and b.implements(op) and b.opt_in_note is None]
     return "; ".join(reasons) or "no other backend is registered"
 
 
@@ -216,20 +251,16 @@ def _warn_once(key: tuple, message: str) -> None:
 
 
 def _ordered() -> list[Backend]:
+    _register_builtins()
     return sorted(_BACKENDS.values(), key=lambda b: -b.priority)
 
 
 register_backend(
     Backend(
         name=REFERENCE,
-        # `reference_kl` holds the KL losses (`indexer_kl*`), `reference` the attention ops; the
-        # fused backward is the two composed.
-        ops={
-            **{op: getattr(reference_kl if op.startswith("indexer_kl") else reference, op)
-               for op in OPS if op != "backward_with_index_loss"},
-            "backward_with_index_loss": functools.partial(
-                index_loss.separate, reference.backward, reference_kl.indexer_kl, reference_kl.indexer_kl_backward),
-        },
+        # `reference_kl` holds the KL losses (`indexer_kl*`), `reference` the attention ops.
+        ops={op: getattr(reference_kl if op.startswith("indexer_kl") else reference, op)
+             for op in OPS if op not in SERVED_WITH},
         priority=0,
     )
 )

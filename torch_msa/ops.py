@@ -18,12 +18,12 @@ import torch
 from torch._functorch.utils import enable_single_level_autograd_function
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
-from . import backends, flops, validation
+from . import backends, flops, index_loss, validation
 from ._schemas import NAMESPACE, SCHEMAS
 from .contract import INDEX_DTYPE, compute_dtype
 from .documents import DOCUMENT_ARGUMENTS, Documents
+from .plan.schedule import plan_numel
 from .reference_kl import loss_dtype
-from .schedule import plan_numel
 
 _DISPATCH_KEY = "CompositeExplicitAutograd"
 # The schemas are defined on a library of their own that outlives a reload of this module
@@ -177,7 +177,7 @@ class _Kernels:
         validation.check_backward_with_index_loss(*args)
         if validation.debug_enabled():
             _check_values_with_plan(plan, block_indices, documents, q, k, block_size)
-        return backends.call("backward_with_index_loss", q.device, *args)
+        return index_loss.backward_with_index_loss(*args)
 
 
 def _check_values_with_plan(plan, block_indices, documents, q, k, block_size):

@@ -15,7 +15,7 @@ import torch
 
 from .contract import compute_dtype
 from .documents import Documents, QueryDocuments
-from .schedule import build_schedule, pack
+from .plan.schedule import build_schedule, pack
 
 # Working-set budget of one query chunk. On CPU a small set keeps temporaries below glibc's
 # mmap threshold (fresh page faults dominated larger chunks); elsewhere fewer, larger launches
@@ -147,7 +147,7 @@ def plan(
     block_size: int,
     entries_per_item: int,
 ) -> torch.Tensor:
-    """The plan (`torch_msa/schedule.py`) of `block_indices`: `build_schedule`'s tables, packed."""
+    """The plan (`torch_msa/plan/schedule.py`) of `block_indices`: `build_schedule`'s tables, packed."""
     return pack(build_schedule(block_indices, documents, num_keys, block_size, entries_per_item))
 
 

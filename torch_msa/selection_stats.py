@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from .documents import locate_queries
-from .schedule import valid_entries
+from .plan.schedule import valid_entries
 
 POSITION_EDGES = (2048, 8192)  # position buckets: dense prefix (topk * block_size at M3), mid, long
 

@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .contract import FLOAT_DTYPES, INDEX_DTYPE, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, compute_dtype
 from .documents import FRAGMENT_ARGUMENTS, Documents
-from .schedule import item_rows, length_error, unpack, valid_entries
+from .plan.schedule import item_rows, length_error, unpack, valid_entries
 
 DEBUG_ENV = "TORCH_MSA_DEBUG"
 
@@ -281,7 +281,7 @@ def check_plan(plan, block_indices, num_keys, num_docs, block_size) -> None:
     """Metadata checks of the optional `plan` of `msa::forward` / `msa::backward` (no host sync):
     a 1-D int32 tensor on the device of `block_indices` whose length fits `block_indices`,
     `num_keys` (`Tk`), `num_docs` (`B`) and `block_size`, as `msa::plan` builds it
-    (`torch_msa.schedule.item_rows`). While tracing with dynamic shapes the length is compared for
+    (`torch_msa.plan.schedule.item_rows`). While tracing with dynamic shapes the length is compared for
     the example being traced (no guard); the kernel compares it again on every call."""
     if plan is None:
         return

@@ -269,7 +269,9 @@ def test_inputs_a_forced_backend_declines_fall_back_with_a_warning(stand_in, mon
 def test_deterministic_mode_serves_the_deterministic_backward(monkeypatch):
     """The backend picks the kernel per call from `torch.are_deterministic_algorithms_enabled()`."""
     pytest.importorskip("triton", reason=install.TRITON)
-    from torch_msa.triton import backward_deterministic, backward_kernel
+    from torch_msa.triton import backward as backward_kernel
+    from torch_msa.triton import backward_deterministic
+    from torch_msa.triton import interface as triton_interface
 
     calls = []
     monkeypatch.setattr(backward_deterministic, "backward", lambda *args: calls.append("deterministic"))
@@ -277,7 +279,7 @@ def test_deterministic_mode_serves_the_deterministic_backward(monkeypatch):
     q, k = torch.zeros(1, 2, 64), torch.zeros(1, 1, 64)
     for enabled in (True, False):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda enabled=enabled: enabled)
-        triton_backend.backward(q, q, k, k, q, None, None, Documents(None, None, 1, 1), 64, 1.0)
+        triton_interface.backward(q, q, k, k, q, None, None, Documents(None, None, 1, 1), 64, 1.0)
     assert calls == ["deterministic", "atomic"]
 
 
@@ -306,7 +308,9 @@ def test_sm90_serves_forward_and_backward_by_default_and_says_why_it_cannot_serv
 def test_sm90_serves_deterministic_mode_with_its_deterministic_variant(monkeypatch):
     """The SM90 backward kernel adds with atomics, so under deterministic algorithms the backend
     calls its bitwise-reproducible variant instead; otherwise the kernel."""
+    pytest.importorskip("triton", reason=install.TRITON)
     from torch_msa.sm90 import backward_deterministic, backward_host
+    from torch_msa.sm90 import interface as sm90_interface
 
     calls = []
     monkeypatch.setattr(backward_deterministic, "backward", lambda *args: calls.append("deterministic"))
@@ -315,5 +319,5 @@ def test_sm90_serves_deterministic_mode_with_its_deterministic_variant(monkeypat
     q, k = torch.zeros(1, 16, 128), torch.zeros(1, 1, 128)
     for enabled in (True, False):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda enabled=enabled: enabled)
-        sm90.backward(q, q, k, k, q, None, None, Documents(None, None, 1, 1), 128, 1.0)
+        sm90_interface.backward(q, q, k, k, q, None, None, Documents(None, None, 1, 1), 128, 1.0)
     assert calls == ["deterministic", "atomic"]

@@ -28,7 +28,7 @@ def test_warnings_have_a_category_users_can_filter(monkeypatch):
 
 def test_first_compiles_are_logged_at_info(caplog):
     from torch_msa.cute_dsl.cute_io import compile_options
-    from torch_msa.triton.launch import launch
+    from torch_msa.triton_utils.launch import launch
 
     with caplog.at_level(logging.INFO, logger="torch_msa"):
         compile_options("sm_90a", None)

@@ -14,7 +14,7 @@ from tests.support.documents import Documents
 from tests.support.schedule_oracle import build_schedule_python
 from torch_msa import testing
 from torch_msa.documents import locate_queries
-from torch_msa.schedule import build_schedule
+from torch_msa.plan.schedule import build_schedule
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 LENGTHS = (300, 0, 1, 200, 129)

@@ -1,4 +1,4 @@
-"""The shared KV-outer schedule (`torch_msa.schedule`) against a plain-Python construction."""
+"""The shared KV-outer schedule (`torch_msa.plan.schedule`) against a plain-Python construction."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from tests.support import install
 from tests.support.documents import documents_of
 from tests.support.schedule_oracle import build_schedule_python
 from torch_msa import testing
-from torch_msa.schedule import bucket_key_count, build_schedule, max_buckets, plan_numel, unpack
+from torch_msa.plan.schedule import bucket_key_count, build_schedule, max_buckets, plan_numel, unpack
 
 LAYOUTS = {
     "pack-with-empty-documents": ([40, 0, 1, 90], [140, 5, 1, 90], 64, 4),
@@ -163,7 +163,7 @@ def test_triton_plan_build_stays_a_few_host_calls(monkeypatch):
     """The Triton build's host work, counted without a GPU: ATen calls and kernel launches (the
     kernels replaced by counters). Each costs a host-side launch in eager mode."""
     pytest.importorskip("triton", reason=install.TRITON)
-    from torch_msa.triton import plan_kernel
+    from torch_msa.plan import kernels as plan_kernel
 
     launches = []
 
@@ -191,3 +191,56 @@ def test_bucket_key_count_stops_at_the_document_end():
     # Blocks start at a document's start plus a multiple of 128.
     key_rows = torch.tensor([0, 128, 200, 201, 329, 457], dtype=torch.int32)
     assert bucket_key_count(key_rows, cu_seqlens_k, 128).tolist() == [128, 72, 1, 128, 128, 43]
+
+
+def _covered(schedule, first_query=0):
+    """`{(head, key row, block, query slot)}`: every entry the schedule's items cover, with its
+    bucket's fields and its query slot counted from `first_query`; and the largest item."""
+    covered, largest = set(), 0
+    for item in range(int(schedule.num_items)):
+        bucket, start, end = (int(t[item]) for t in (schedule.item_bucket, schedule.item_start, schedule.item_end))
+        fields = (int(schedule.bucket_head[bucket]), int(schedule.bucket_key_row[bucket]),
+                  int(schedule.bucket_block[bucket]))
+        covered |= {(*fields, slot + first_query) for slot in schedule.entry_query[start:end].tolist()}
+        largest = max(largest, end - start)
+    return covered, largest
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_with_items_equals_a_build_of_that_item_size(layout):
+    """The plan's entries walked in other items (the index loss's, the deterministic backward's):
+    entry for entry the tables a new build of that item size writes, without sorting again."""
+    from torch_msa.plan.schedule import with_items
+
+    lengths_q, lengths_k, block_size, topk = LAYOUTS[layout]
+    cu_q, cu_k = testing.cu_seqlens(lengths_q, lengths_k)
+    block_indices = testing.random_block_indices(cu_q, cu_k, 2, topk, block_size)
+    documents, num_keys = documents_of(cu_q, cu_k), sum(lengths_k)
+    built = build_schedule(block_indices, documents, num_keys, block_size, 8)
+    for item_size in (1, 3, 64):
+        regrouped = with_items(built, item_size)
+        expected = build_schedule(block_indices, documents, num_keys, block_size, item_size)
+        for name, got, want in zip(expected._fields, regrouped, expected, strict=True):
+            assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("window", [1, 37, 128])
+def test_a_query_window_walks_exactly_its_queries_entries(layout, window):
+    """`query_window` cuts a call's plan to the queries of one window: the entries of those
+    queries and no other, with the window's positions, in items no larger than asked."""
+    from torch_msa.plan.schedule import query_window
+
+    lengths_q, lengths_k, block_size, topk = LAYOUTS[layout]
+    cu_q, cu_k = testing.cu_seqlens(lengths_q, lengths_k)
+    block_indices = testing.random_block_indices(cu_q, cu_k, 2, topk, block_size)
+    documents, num_keys, num_queries = documents_of(cu_q, cu_k), sum(lengths_k), sum(lengths_q)
+    whole = build_schedule(block_indices, documents, num_keys, block_size, 8)
+    every, _ = _covered(whole)
+    for start in range(0, num_queries, window):
+        stop = min(num_queries, start + window)
+        part = query_window(whole, start, stop, topk, 5)
+        covered, largest = _covered(part, first_query=start * topk)
+        assert covered == {entry for entry in every if start * topk <= entry[3] < stop * topk}
+        assert largest <= 5 and part.item_start.numel() >= int(part.num_items)
+        assert torch.equal(part.position, whole.position[start:stop])

@@ -114,7 +114,8 @@ def test_triton_selection_stays_a_few_host_calls(monkeypatch):
     mode)."""
     pytest.importorskip("triton", reason=install.TRITON)
     from tests.core.test_schedule import CountOps
-    from torch_msa.triton import common, select_kernel
+    from torch_msa.triton import select as select_kernel
+    from torch_msa.triton_utils import common
 
     launches = []
 

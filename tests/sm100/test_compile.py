@@ -119,7 +119,7 @@ def test_module_imports_without_the_cute_dsl():
 
 
 def _launch_inputs(num_queries=8, max_tasks=3, rows=128):
-    from torch_msa.cute_dsl.task_tables import TaskTables
+    from torch_msa.sm100.task_tables import TaskTables
 
     def zeros(*shape, dtype=torch.float32):
         return torch.zeros(*shape, dtype=dtype)

@@ -111,7 +111,7 @@ def test_nan_in_one_document_stays_there():
 
 @pytest.mark.parametrize("entries", [7, 128])
 def test_given_plans_of_any_item_size(entries):
-    from torch_msa.triton import plan_kernel
+    from torch_msa.plan import kernels as plan_kernel
 
     args, _ = _problem([1000, 1500], [1000, 1500], seed=7)
     plan = plan_kernel.plan(args[6], documents_of(args[7], args[8]), args[2].shape[0], BLOCK, entries)
@@ -138,7 +138,7 @@ def test_fragments_match_reference():
 
 def test_long_document_matches_triton():
     """16K queries: the reference would gather too much, so the Triton backward is the oracle."""
-    from torch_msa.triton.backward_kernel import backward as triton_backward
+    from torch_msa.triton.backward import backward as triton_backward
 
     generator = torch.Generator().manual_seed(6)
     n = 16384
@@ -146,7 +146,7 @@ def test_long_document_matches_triton():
     q, grad_out = (torch.randn(n, HQ, D, generator=generator).to("cuda", torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(n, HKV, D, generator=generator).to("cuda", torch.bfloat16) for _ in range(2))
     blocks = random_block_indices(cu, cu, HKV, TOPK, BLOCK, generator=generator).cuda()
-    from torch_msa.triton.forward_kernel import forward as triton_forward
+    from torch_msa.triton.forward import forward as triton_forward
 
     out, lse = triton_forward(q, k, v, blocks, Documents(cu, cu, n, n), BLOCK, SCALE)
     args = (grad_out, q, k, v, out, lse, blocks, cu, cu, n, n)

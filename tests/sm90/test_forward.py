@@ -131,7 +131,7 @@ def test_cuda_graph_replay_matches_eager():
 def test_long_document_past_32_bit_element_offsets():
     """32K queries: the partials hold 2**32 elements, written by TMA. The reference would gather
     too much at this size, so the Triton forward (checked against it elsewhere) is the oracle."""
-    from torch_msa.triton.forward_kernel import forward as triton_forward
+    from torch_msa.triton.forward import forward as triton_forward
 
     inputs = _inputs([32768], [32768], torch.bfloat16, seed=6)
     _check(_sm90(*inputs), triton_forward(*backend_arguments("forward", *inputs, BLOCK, SCALE)))
@@ -210,8 +210,8 @@ def test_query_windows_bound_the_partials_and_equal_one_call(monkeypatch):
 @pytest.mark.parametrize("entries", [None, 7, 128])
 def test_given_plans_of_any_item_size(entries):
     """The kernel walks the items of the plan it is given, whatever their size."""
+    from torch_msa.plan import kernels as plan_kernel
     from torch_msa.sm90.forward_host import forward
-    from torch_msa.triton import plan_kernel
 
     q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([1000, 1500], [1000, 1500], torch.bfloat16, seed=7)
     plan = None if entries is None else plan_kernel.plan(blocks, documents_of(cu_q, cu_k), k.shape[0], BLOCK, entries)

@@ -10,6 +10,7 @@ of which costs a host-side launch in eager mode. On a GPU the whole step is coun
 `tests/sm90/test_launches.py`.
 """
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -21,7 +22,7 @@ from tests.support.cute_dsl import forbid_python_conversions, requires_cute
 from tests.support.documents import backend_arguments, documents_of
 from torch_msa import testing
 from torch_msa.cute_dsl.cute_io import row_alignment
-from torch_msa.schedule import bucket_key_count, build_schedule, entries_per_item, pack, unpack
+from torch_msa.plan.schedule import bucket_key_count, build_schedule, entries_per_item, pack, unpack
 
 pytest.importorskip("triton", reason=f"the SM90 hosts import the Triton stages: {install.TRITON}")
 
@@ -87,8 +88,7 @@ def recorded(monkeypatch):
     132-SM device."""
     import cutlass.cute as cute
 
-    from torch_msa.sm90 import backward_host, forward_host
-    from torch_msa.triton import stages
+    from torch_msa.sm90 import backward_deterministic, backward_host, common, forward_host
 
     recorder = Recorder()
 
@@ -107,7 +107,10 @@ def recorded(monkeypatch):
             recorder.stages.append(name)
             recorder.stage_args[name] = args
             return result(*args) if result else None
-        monkeypatch.setattr(stages, name, stage)
+        # Each host module holds the stage under its own name.
+        for module in (common, forward_host, backward_host, backward_deterministic):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, stage)
 
     stand_in("bucket_key_count", lambda rows, cu, block_size: recorder.key_count[rows.data_ptr()])
     stand_in("combine")
@@ -212,3 +215,39 @@ def test_the_deterministic_variant_launches_its_workspace_rows(recorded):
                                 TOPK, DIM**-0.5, deterministic=True)
     (kernel,) = recorded.kernels
     assert kernel.kernel.deterministic and len(kernel.calls) == 1
+
+
+@requires_cute
+def test_a_step_with_the_fused_index_loss_builds_one_plan_over_several_query_windows(recorded, monkeypatch):
+    """The step's one plan (the one `msa_attention` builds) serves the forward's query windows,
+    the backward and the index loss: no stage builds another."""
+    from torch_msa import query_windows
+    from torch_msa.index_loss import sparse
+    from torch_msa.plan import kernels as plan_kernels
+    from torch_msa.sm90 import interface
+
+    builds = []
+
+    def build(block_indices, documents, num_keys, block_size, item_size):
+        builds.append(tuple(block_indices.shape))
+        return pack(build_schedule(block_indices, documents, num_keys, block_size, item_size))
+
+    monkeypatch.setattr(plan_kernels, "plan", build)
+    for launch in ("launch_forward_from_teacher", "launch_backward"):  # the loss's Triton kernels
+        monkeypatch.setattr(sparse, launch, lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # a CPU host
+    per_query = query_windows.partial_bytes_per_query(HEADS, TOPK, DIM, torch.bfloat16)
+    monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 128 * per_query)  # windows of 128 queries: three
+
+    q, k, v, block_indices, cu_q, cu_k, _, _ = _inputs(recorded.key_count)
+    documents = documents_of(cu_q, cu_k)
+    plan = build(block_indices, documents, TOKENS, BLOCK, entries_per_item(HEADS, KV_HEADS))
+    schedule = unpack(plan, block_indices, TOKENS, 1, BLOCK)
+    recorded.key_count[schedule.bucket_key_row.data_ptr()] = bucket_key_count(schedule.bucket_key_row, cu_k, BLOCK)
+    out, lse = interface.forward(q, k, v, block_indices, documents, BLOCK, DIM**-0.5, plan)
+    index_q, index_k = torch.randn(TOKENS, KV_HEADS, DIM).bfloat16(), torch.randn(TOKENS, 1, DIM).bfloat16()
+    interface.backward_with_index_loss(torch.randn_like(q), torch.tensor(1.0), q, k, v, out, lse, index_q, index_k,
+                                       block_indices, documents, BLOCK, DIM**-0.5, DIM**-0.5, None, plan)
+    forward_kernel, backward_kernel = recorded.kernels
+    assert len(forward_kernel.calls) == 3 and len(backward_kernel.calls) == 1
+    assert builds == [(KV_HEADS, TOKENS, TOPK)], "the step's plan is its only build"

@@ -12,7 +12,7 @@ import torch
 
 import torch_msa
 from tests.support.sm90 import SM90_MARKS
-from torch_msa.schedule import max_buckets
+from torch_msa.plan.schedule import max_buckets
 
 pytestmark = SM90_MARKS
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 import torch_msa  # noqa: F401  (registers torch.ops.msa.*)
-from torch_msa.schedule import entries_per_item
+from torch_msa.plan.schedule import entries_per_item
 from torch_msa.testing import cu_seqlens, fragments, random_block_indices
 
 # opcheck's four utilities; test_autograd_registration needs an autograd kernel where inputs

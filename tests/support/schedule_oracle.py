@@ -1,7 +1,7 @@
-"""A plain-Python build of the KV-outer schedule (`torch_msa.schedule`): the oracle its device
+"""A plain-Python build of the KV-outer schedule (`torch_msa.plan.schedule`): the oracle its device
 builders are tested against.
 
-Written with loops over Python lists, nothing shared with `torch_msa.schedule.build_schedule` or
+Written with loops over Python lists, nothing shared with `torch_msa.plan.schedule.build_schedule` or
 the Triton plan kernels but the contract, so that the builders and the oracle cannot share a
 mistake. Only for small inputs.
 """
@@ -19,7 +19,7 @@ def build_schedule_python(
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
 ) -> dict:
-    """The schedule of `torch_msa.schedule.build_schedule`, built with plain Python loops.
+    """The schedule of `torch_msa.plan.schedule.build_schedule`, built with plain Python loops.
 
     Returns `{"buckets": [(head, key_row, block, [t * topk + s, ...]), ...] in bucket order,
     "items": [(bucket, start, end), ...]}`.

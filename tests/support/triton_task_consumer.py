@@ -48,7 +48,7 @@ def _task_backward_kernel(
     dq_accum, dk_accum, dv_accum,
     softmax_scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TASK_ROWS: tl.constexpr, TILE: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TOKENS_PER_TASK: tl.constexpr, TILE: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr,
 ):
     task = tl.program_id(0)
     num_rows = tl.load(task_meta + task * 4 + 3)
@@ -62,8 +62,8 @@ def _task_backward_kernel(
     tile_rows = tl.arange(0, TILE)
     slot = tile_rows // GROUP
     head = kv_head * GROUP + tile_rows % GROUP
-    token = tl.load(task_qrows + task * TASK_ROWS + slot)
-    key_limit = tl.load(task_qpos + task * TASK_ROWS + slot)
+    token = tl.load(task_qrows + task * TOKENS_PER_TASK + slot)
+    key_limit = tl.load(task_qpos + task * TOKENS_PER_TASK + slot)
     row_ok = slot < num_rows
     row = tl.where(row_ok, token, 0).to(tl.int64) * NUM_HEADS + head
     dims = tl.arange(0, HEAD_DIM)
@@ -123,7 +123,7 @@ def consume_tasks(
             tables.task_meta, tables.task_qrows, tables.task_qpos,
             dq_accum, dk_accum, dv_accum, softmax_scale,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size, TASK_ROWS=task_rows, TILE=task_rows * group, KEYS=min(KEY_SLICE, block_size),
+            BLOCK_SIZE=block_size, TOKENS_PER_TASK=task_rows, TILE=task_rows * group, KEYS=min(KEY_SLICE, block_size),
             IEEE=q.dtype == torch.float32, num_warps=8,
         )
     return dq_accum, dk_accum, dv_accum

@@ -16,7 +16,7 @@ import torch_msa
 from tests.support.determinism import deterministic_algorithms
 from tests.support.documents import backend_arguments
 from torch_msa import backends, reference
-from torch_msa.schedule import entries_per_item
+from torch_msa.plan.schedule import entries_per_item
 from torch_msa.testing import cu_seqlens, fragments, random_block_indices, skewed_block_indices
 
 pytestmark = pytest.mark.cuda

@@ -61,7 +61,7 @@ def test_triton_serves_the_sparse_loss_on_cuda():
 @pytest.mark.parametrize("selection", ["index", "random", "skewed"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_m3_sparse_loss_and_gradients_match_reference(layout, selection):
-    from torch_msa.triton import kl_kernel
+    from torch_msa.index_loss import sparse as kl_kernel
 
     args = _problem(layout, selection)
     got = kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
@@ -90,7 +90,8 @@ def test_deterministic_mode_serves_triton_bitwise(layout, monkeypatch, determini
     the deterministic ones, with no fallback to the reference: two training steps of the loss
     agree bitwise and stay close to the default kernels."""
     from torch_msa import backends
-    from torch_msa.triton import kl_deterministic, kl_kernel
+    from torch_msa.index_loss import sparse as kl_kernel
+    from torch_msa.index_loss import sparse_deterministic as kl_deterministic
 
     args = _problem(layout, "index")
     with pytest.raises(torch_msa.UnsupportedInputs, match="deterministic"):
@@ -146,7 +147,7 @@ def test_deterministic_query_windows_match_one_window(monkeypatch, deterministic
     """A budget of 1000 queries' partials splits the pack (6256 queries) into windows: the
     outputs and gradients stay those of one window, up to fp32 rounding."""
     from torch_msa import query_windows
-    from torch_msa.triton import kl_deterministic
+    from torch_msa.index_loss import sparse_deterministic as kl_deterministic
 
     args = _problem("pack", "index")
     q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, max_q, max_k, block_size, _, index_scale = args
@@ -171,7 +172,7 @@ def test_deterministic_query_windows_match_one_window(monkeypatch, deterministic
 def test_m3_deterministic_loss_and_gradients_match_reference(selection, deterministic_algorithms):
     """The deterministic kernels at M3 shapes, on a suffix pack, against the reference (the
     skewed selection splits block 0 over many items)."""
-    from torch_msa.triton import kl_deterministic
+    from torch_msa.index_loss import sparse_deterministic as kl_deterministic
 
     args = _problem("suffix-pack", selection)
     got = kl_deterministic.indexer_kl(*backend_arguments("indexer_kl", *args))
@@ -195,7 +196,8 @@ def test_m3_loss_from_teacher_matches_the_float64_reference(layout, selection):
     """`index_loss_from_teacher`, default and deterministic, on the fp16 teacher of
     `teacher_probabilities` against the reference's in float64 on the same teacher; its loss is
     the loss of the path that computes the teacher, up to the teacher's fp16 rounding."""
-    from torch_msa.triton import kl_deterministic, kl_kernel
+    from torch_msa.index_loss import sparse as kl_kernel
+    from torch_msa.index_loss import sparse_deterministic as kl_deterministic
 
     args = _problem(layout, selection)
     q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, max_q, max_k, block_size, scale, index_scale = args

@@ -46,7 +46,7 @@ def _relative_error(got, want):
 @pytest.mark.parametrize("with_lse", [False, True], ids=["lse-computed", "lse-given"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_m3_dense_loss_and_gradients_match_reference(layout, with_lse):
-    from torch_msa.triton import kl_dense_kernel
+    from torch_msa.index_loss import dense as kl_dense_kernel
 
     q, k, index_q, index_k, docs = _problem(layout)
     lse = None
@@ -76,7 +76,7 @@ def test_m3_dense_loss_and_gradients_match_reference(layout, with_lse):
 def test_m3_dense_kernels_at_32k_add_memory_linear_in_tokens():
     """One 32K document: the forward and backward allocate their O(T) outputs and gradients,
     nothing of size T x T (which alone would be 4 GiB in fp32)."""
-    from torch_msa.triton import kl_dense_kernel
+    from torch_msa.index_loss import dense as kl_dense_kernel
 
     tokens = 32768
     q, k, index_q, index_k, _ = _problem("4K")  # compile and warm on a small problem first
@@ -110,7 +110,7 @@ def test_m3_deterministic_dense_forward_is_bitwise_and_close_to_the_default(layo
     key-tile-outer kernel: two calls agree bitwise, and every output is the default forward's up
     to rounding (that kernel recomputes the teacher with transposed GEMMs, whose fp32 sums round
     apart, and splits those probabilities into two bf16 halves, about 16 bits, like the default)."""
-    from torch_msa.triton import kl_dense_kernel
+    from torch_msa.index_loss import dense as kl_dense_kernel
 
     q, k, index_q, index_k, docs = _problem(layout)
     default = kl_dense_kernel.indexer_kl_dense(q, k, None, index_q, index_k, Documents(*docs), *SCALES)
@@ -134,8 +134,8 @@ def test_m3_query_fragments_match_reference(deterministic, request):
     """A context-parallel rank's zigzag share of a pack (the first and last quarter of one
     document, the middle of another) as query fragments over the documents' whole keys: forward
     and backward against the reference, with the default forward and the deterministic one."""
+    from torch_msa.index_loss import dense as kl_dense_kernel
     from torch_msa.testing import fragments
-    from torch_msa.triton import kl_dense_kernel
 
     if deterministic:
         request.getfixturevalue("deterministic_algorithms")

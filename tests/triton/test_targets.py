@@ -4,7 +4,7 @@ Without a GPU: each kernel is compiled for sm_80, sm_86, sm_90, sm_100 and sm_12
 whose 16-bit code and shared memory are sm_86's: one kernel's PTX checks that) with Triton's own
 compiler at the M3 configuration (bf16, Hq=64, Hkv=4, D=128, block 128, topk 16, Hi=4, Di=128),
 walking its launch configurations in the order the backend tries them at run time
-(`torch_msa/triton/launch.py`). One of them must fit the architecture's limit of shared memory
+(`torch_msa/triton_utils/launch.py`). One of them must fit the architecture's limit of shared memory
 per block, and on sm_90 the tuned first one must. The one exception is pinned too: the KL
 forward, default and deterministic (the block's keys and index keys, the latter in two operand
 layouts, plus the per-item key sums), fits none of the 99 KB architectures, where the loss runs
@@ -31,16 +31,13 @@ triton = pytest.importorskip("triton", reason=install.TRITON)
 
 import torch_msa  # noqa: E402
 from torch_msa import backends  # noqa: E402
-from torch_msa.triton import (  # noqa: E402
-    backward_deterministic_kernel,
-    backward_kernel,
-    common,
-    forward_kernel,
-    kl_dense_kernel,
-    kl_kernel,
-    launch,
-    select_kernel,
-)
+from torch_msa.index_loss import dense as kl_dense_kernel  # noqa: E402
+from torch_msa.index_loss import sparse as kl_kernel  # noqa: E402
+from torch_msa.stages import deterministic as backward_deterministic_kernel  # noqa: E402
+from torch_msa.triton import backward as backward_kernel  # noqa: E402
+from torch_msa.triton import forward as forward_kernel  # noqa: E402
+from torch_msa.triton import select as select_kernel  # noqa: E402
+from torch_msa.triton_utils import common, launch  # noqa: E402
 
 # Shared memory per block (opt-in maximum) of each architecture, from the CUDA C++ Programming
 # Guide's table of compute capabilities.

@@ -83,6 +83,7 @@ except ImportError as error:  # transformers missing, or older than its MiniMax-
 from .. import api
 from ..contract import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, compute_dtype
 from ..diagnostics import TorchMSAWarning
+from ..index_loss import attention_with_index_loss
 from ..padding import padded_cu_seqlens
 
 ATTENTION_NAME = "torch_msa"
@@ -639,7 +640,7 @@ def attention_forward(
                                             None, scaling)
         plan = api._plan_for(q, k, blocks, docs, block_size, (None, None))
         indexer = cast(TorchMSAIndexer, module.indexer)
-        out, _, kl, kl_value = api._attention_with_index_loss(
+        out, _, kl, kl_value = attention_with_index_loss(
             q, k, v, *student, blocks, docs, block_size, api._scale(q, scaling), plan, (None, None),
             indexer.index_loss_sink(student[0]))
         indexer.store_index_loss(kl, kl_value)

@@ -21,19 +21,17 @@ binding and its backward main kernel have not yet run on SM100 hardware. Meanwhi
 backend serves SM100, and default resolution on an SM100 device prints a one-time note saying
 how to enable this one.
 
-`register()` adds the backend to the registry at priority 20.
 """
 
 import functools
 
 import torch
 
-from ..backends import BACKEND_ENV, Backend, UnsupportedInputs, register_backend
+from ..backends import BACKEND_ENV, Backend, UnsupportedInputs
 from ..contract import M3
 from ..cute_dsl import CUTE_DSL_MODULES, device_unavailable_reason, importable, sm_capability
 from ..documents import locate_queries
-from ..index_loss import by_registry, separate
-from ..schedule import valid_entries
+from ..plan.schedule import valid_entries
 from . import bindings
 from .common import BLOCK_SIZE, HEAD_DIM, INSTALL_COMMAND, NUM_KV_HEADS, NUM_Q_HEADS, SM100_CAPABILITY
 
@@ -231,7 +229,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
              plan=None):
     """`msa::backward` through our CuTe DSL `run_backward`: `(dq, dk, dv)` in bfloat16.
 
-    Its tasks hold 8 queries each (`task_tables.TASK_ROWS`), a finer split than the plans the public
+    Its tasks hold 8 queries each (`task_tables.TOKENS_PER_TASK`), a finer split than the plans the public
     API builds, so it builds its own schedule and does not read `plan`.
 
     `run_backward` receives packed THD tensors and `canonical_block_indices` (ascending distinct
@@ -277,9 +275,6 @@ BACKEND = Backend(
     ops={
         "forward": forward,
         "backward": backward,
-        # The KL's teacher recomputed by the registry's KL ops (the SM100 backward emits none).
-        "backward_with_index_loss": functools.partial(
-            separate, backward, by_registry("indexer_kl"), by_registry("indexer_kl_backward")),
     },
     priority=PRIORITY,
     device_types=("cuda",),
@@ -287,9 +282,3 @@ BACKEND = Backend(
     unavailable_reason=unavailable_reason,
     opt_in_note=opt_in_note,
 )
-
-
-def register() -> Backend:
-    """Add the SM100 backend to the registry (idempotent: it replaces itself by name)."""
-    register_backend(BACKEND)
-    return BACKEND

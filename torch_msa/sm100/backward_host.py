@@ -19,8 +19,8 @@ import torch
 
 from ..backends import UnsupportedInputs
 from ..cute_dsl import require_cute_dsl, sm_count
-from ..cute_dsl.task_tables import TaskTables
 from .common import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, TOKENS_PER_TASK, require_sm100
+from .task_tables import TaskTables
 
 
 def run_backward(
@@ -72,9 +72,9 @@ def run_backward(
     require_sm100(q.device)
     _check_contract(q, k, v, grad_out, out, lse, block_indices)
     from ..cute_dsl.cute_io import aligned_operand
-    from ..cute_dsl.postprocess import finish_gradients
-    from ..cute_dsl.preprocess import prepare_delta
-    from ..cute_dsl.task_tables import align_kv, build_tasks
+    from .postprocess import finish_gradients
+    from .preprocess import prepare_delta
+    from .task_tables import align_kv, build_tasks
 
     # The kernel reads these with TMA and vector loads: contiguous, 16-byte aligned rows.
     q, grad_out, lse = (aligned_operand(x) for x in (q, grad_out, lse))

@@ -7,6 +7,8 @@ imports only torch; the kernel module (`backward_kernel.py`) reads its constants
 imports nothing from the host side.
 """
 
+from typing import Any, NamedTuple
+
 import torch
 
 from ..contract import M3
@@ -27,7 +29,9 @@ NUM_Q_HEADS = M3.query_heads
 NUM_KV_HEADS = M3.kv_heads
 HEAD_DIM = M3.head_dim
 HEADS_PER_KV = M3.group  # 16 query heads share a kv head (GQA group)
-TOKENS_PER_TASK = 8
+TOKENS_PER_TASK = 8  # query tokens per task: 8 tokens x 16 query heads fill one 128-row MMA tile
+WORKSPACE_ALIGNMENT = 128  # rows; every document's keys start on such a boundary
+THREADS_PER_CTA = 256  # of the task-table, preprocess and postprocess kernels
 TILE = 128  # keys per bucket tile = query rows per task tile (TOKENS_PER_TASK * HEADS_PER_KV)
 BLOCK_SIZE = M3.block_size
 
@@ -51,3 +55,28 @@ def require_sm100(device: torch.device | str | int) -> None:
             "the SM100 MSA kernels need compute capability 10.0 (they are built for sm_100a); "
             f"{resolved} has compute capability {capability[0]}.{capability[1]}"
         )
+
+
+class TaskOperands(NamedTuple):
+    """The task-table kernel's tensors, int32 each, in launch order (its scalars `topk` and
+    `num_keys` follow): what it reads of the schedule (`torch_msa.plan.schedule.Schedule`'s tensors of
+    these names), the documents' key boundaries `cu_seqlens_k`, then `TaskTables`' tensors of these
+    names: the aligned document starts, which it reads, and the tables it writes. The host launches
+    them as torch tensors (`task_operands`); the kernel receives them as CuTe tensors."""
+
+    entry_query: Any
+    item_bucket: Any
+    item_start: Any
+    item_end: Any
+    bucket_head: Any
+    bucket_key_row: Any
+    bucket_block: Any
+    position: Any
+    num_items: Any
+    num_buckets: Any
+    cu_seqlens_k: Any
+    doc_aligned_start: Any
+    task_meta: Any
+    task_qrows: Any
+    task_qpos: Any
+    bucket_task_ptr: Any

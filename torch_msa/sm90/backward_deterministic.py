@@ -15,6 +15,9 @@ without them.
 import torch
 
 from ..cute_dsl import require_cute_dsl
+from ..cute_dsl.cute_io import aligned_operand
+from ..plan.kernels import bucket_key_count
+from ..stages import deterministic as stages
 from .backward_host import check_inputs, launch_blocks
 from .common import BLOCK_SIZE
 
@@ -22,20 +25,19 @@ from .common import BLOCK_SIZE
 def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,
              plan=None, teacher=None):
     """`backward_host.backward`, bitwise reproducible: same contract (the KL `teacher` included)
-    and `UnsupportedInputs`. A given `plan` is not read (the workspace is laid out by the items of the deterministic
-    schedule, `torch_msa.triton.stages.key_workspace`)."""
+    and `UnsupportedInputs`. The key pass walks the plan's entries in the items of the
+    deterministic workspace (`torch_msa.stages.deterministic.key_workspace`)."""
     check_inputs(grad_out, q, k, v, block_size)
     require_cute_dsl()
-    from ..cute_dsl.cute_io import aligned_operand
-    from ..triton import stages
 
-    state = stages.deterministic_begin(grad_out, q, k, v, out, lse, block_indices, documents, block_size, grad_lse)
+    state = stages.deterministic_begin(grad_out, q, k, v, out, lse, block_indices, documents, block_size, grad_lse,
+                                plan)
     if not state.empty:
         assert state.workspace is not None
         schedule = state.workspace.schedule
         # TMA reads whole 16-byte aligned rows; the Triton stages take any unit-stride rows.
         aligned = [aligned_operand(x) for x in (state.q, state.k, state.v, state.grad_out)]
-        key_count = stages.bucket_key_count(schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)
+        key_count = bucket_key_count(schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)
         unused_dq = torch.empty((1, *q.shape[1:]), dtype=torch.float32, device=q.device)  # the variant adds no dQ
         launch_blocks(*aligned, state.lse, state.delta, unused_dq, state.workspace.dk_part, state.workspace.dv_part,
                       schedule, key_count, state.topk, softmax_scale, deterministic=True, teacher=teacher)

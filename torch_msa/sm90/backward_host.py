@@ -27,6 +27,9 @@ import torch
 
 from ..backends import UnsupportedInputs
 from ..cute_dsl import require_cute_dsl, sm_count
+from ..cute_dsl.cute_io import aligned_operand, launcher
+from ..stages.delta import compute_delta
+from ..stages.dq import ungroup_dq
 from .common import (
     BLOCK_SIZE,
     DQ_DIM_GROUP,
@@ -86,8 +89,6 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     require_cute_dsl()
-    from ..cute_dsl.cute_io import aligned_operand
-    from ..triton.stages import compute_delta, ungroup_dq
 
     topk = block_indices.shape[-1]
     device = q.device
@@ -154,7 +155,6 @@ def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedul
 @functools.cache
 def _compiled(dtype: torch.dtype, num_kv_heads: int, deterministic: bool, emit_teacher: bool):
     """One executable per process and (dtype, Hkv, variant); token, key and item counts are dynamic."""
-    from ..cute_dsl.cute_io import launcher
 
     return launcher(compile_blocks_kernel(dtype, num_kv_heads, deterministic=deterministic, emit_teacher=emit_teacher))
 

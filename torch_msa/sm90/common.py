@@ -20,7 +20,7 @@ import torch
 
 from ..backends import UnsupportedInputs
 from ..contract import M3
-from ..schedule import schedule_for
+from ..plan.kernels import bucket_key_count, schedule_for
 
 HEADS_PER_KV = M3.group
 HEAD_DIM = M3.head_dim
@@ -53,7 +53,7 @@ def check_served(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: 
 
 class ScheduleOperands(NamedTuple):
     """The schedule's tensors both SM90 kernels read, int32 each, in launch order after their own
-    operands: the plan's tables (`torch_msa.schedule.Schedule`) and the per-bucket key counts. The
+    operands: the plan's tables (`torch_msa.plan.schedule.Schedule`) and the per-bucket key counts. The
     host launches them as torch tensors; the kernels receive them as CuTe tensors and walk them
     through `tile_scheduler.ItemScheduler`."""
 
@@ -74,7 +74,7 @@ SCHEDULE_OPERANDS = tuple((name, (), torch.int32) for name in ScheduleOperands._
 
 
 def schedule_tensors(schedule, key_count: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The tensors of `SCHEDULE_OPERANDS` by name: `schedule`'s (`torch_msa.schedule.Schedule`) and
+    """The tensors of `SCHEDULE_OPERANDS` by name: `schedule`'s (`torch_msa.plan.schedule.Schedule`) and
     the per-bucket key counts (`bucket_key_count`)."""
     return {
         name: key_count if name == "bucket_key_count" else getattr(schedule, name) for name, _, _ in SCHEDULE_OPERANDS
@@ -83,8 +83,7 @@ def schedule_tensors(schedule, key_count: torch.Tensor) -> dict[str, torch.Tenso
 
 def step_schedule(block_indices: torch.Tensor, documents, num_keys: int, num_heads: int, plan=None):
     """`(schedule, key_count)` for `launch`: `plan`'s schedule, or without one a new schedule with
-    the public API's item size (`torch_msa.schedule.schedule_for`), and its per-bucket key counts."""
-    from ..triton.stages import bucket_key_count
+    the public API's item size (`torch_msa.plan.schedule.schedule_for`), and its per-bucket key counts."""
 
     schedule = schedule_for(block_indices, documents, num_keys, BLOCK_SIZE, num_heads, plan)
     return schedule, bucket_key_count(schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)

@@ -23,6 +23,8 @@ import torch
 from ..backends import UnsupportedInputs
 from ..contract import compute_dtype
 from ..cute_dsl import require_cute_dsl, sm_count
+from ..cute_dsl.cute_io import aligned_operand, launcher
+from ..stages.combine import combine
 from .common import HEAD_DIM, HEADS_PER_KV, blocks_operands, check_served, compile_blocks, launch, step_schedule
 
 CTAS_PER_SM = 1  # one CTA of three warpgroups fills an SM (224 KiB of shared memory)
@@ -60,8 +62,6 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     check_served(q, k, v, block_size)
     check_rows(q.shape[0], k.shape[1], block_indices.shape[-1])
     require_cute_dsl()
-    from ..cute_dsl.cute_io import aligned_operand
-    from ..triton.stages import combine
 
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
@@ -97,7 +97,6 @@ def launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, 
 @functools.cache
 def _compiled(dtype: torch.dtype, num_kv_heads: int):
     """One executable per process and (dtype, Hkv); token, key and item counts are dynamic."""
-    from ..cute_dsl.cute_io import launcher
 
     return launcher(compile_blocks_kernel(dtype, num_kv_heads))
 

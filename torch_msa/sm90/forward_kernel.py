@@ -11,7 +11,7 @@ plan's items), `pipeline.py` (the TMA load pipelines), `mask.py` (which keys a q
 
 Design
 ------
-* **Work.** The step's plan (`torch_msa/schedule.py`, the one every op of the step reads), walked
+* **Work.** The step's plan (`torch_msa/plan/schedule.py`, the one every op of the step reads), walked
   by a persistent grid of one CTA per SM (`tile_scheduler.py`): items of one KV head's key block
   and the (query, slot) entries that chose it (128 in the plans the public API builds; the
   kernel walks items of any size), their entries taken four at a time: a *tile* of 4 tokens x 16

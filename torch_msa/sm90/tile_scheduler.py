@@ -1,6 +1,6 @@
 """The persistent walk over a plan's items, shared by the SM90 forward and backward kernels.
 
-A plan (`torch_msa/schedule.py`) lists *items*: one KV head's key block (a *bucket*) and a run of
+A plan (`torch_msa/plan/schedule.py`) lists *items*: one KV head's key block (a *bucket*) and a run of
 the (query, slot) *entries* that chose it. The grid is persistent: CTA `c` of a grid of `n` takes
 items `c, c + n, ...` up to the item count, which it reads on the device (no host sync, so a
 launch is CUDA-graph safe). Within an item both kernels take the entries `TOKENS_PER_TILE` at a

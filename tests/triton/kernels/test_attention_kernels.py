@@ -19,14 +19,12 @@ from tests.support.triton_kernels import (
     require_a_device,
 )
 from torch_msa import reference, testing
-from torch_msa.schedule import build_schedule, pack
-from torch_msa.triton import (
-    backward_deterministic,
-    backward_kernel,
-    forward_kernel,
-    plan_kernel,
-    select_kernel,
-)
+from torch_msa.plan import kernels as plan_kernel
+from torch_msa.plan.schedule import build_schedule, pack
+from torch_msa.triton import backward as backward_kernel
+from torch_msa.triton import backward_deterministic
+from torch_msa.triton import forward as forward_kernel
+from torch_msa.triton import select as select_kernel
 
 require_a_device()
 
@@ -159,7 +157,7 @@ def test_fragments_match_reference():
 def test_forward_in_query_windows_equals_one_call(monkeypatch):
     """The backend's forward with its partials bounded to 17 queries at a time (several windows,
     with junk ids and a pack with empty and 1-token documents) equals one kernel call."""
-    import torch_msa.triton as triton_backend
+    import torch_msa.triton.interface as triton_backend
     from torch_msa import query_windows
 
     q, k, v, args = _junk_problem("pack-empty-and-1-token")

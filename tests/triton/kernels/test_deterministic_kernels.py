@@ -17,13 +17,11 @@ from tests.support.triton_kernels import (
     require_a_device,
 )
 from torch_msa import reference, testing
-from torch_msa.schedule import build_schedule
-from torch_msa.triton import (
-    backward_deterministic,
-    backward_deterministic_kernel,
-    backward_kernel,
-    common,
-)
+from torch_msa.plan.schedule import build_schedule
+from torch_msa.stages import deterministic as backward_deterministic_kernel
+from torch_msa.triton import backward as backward_kernel
+from torch_msa.triton import backward_deterministic
+from torch_msa.triton_utils import common
 
 require_a_device()
 

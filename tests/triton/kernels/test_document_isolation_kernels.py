@@ -19,12 +19,10 @@ from tests.support.triton_kernels import (
     poison,
     require_a_device,
 )
-from torch_msa.triton import (
-    backward_deterministic,
-    backward_kernel,
-    forward_kernel,
-    select_kernel,
-)
+from torch_msa.triton import backward as backward_kernel
+from torch_msa.triton import backward_deterministic
+from torch_msa.triton import forward as forward_kernel
+from torch_msa.triton import select as select_kernel
 
 require_a_device()
 

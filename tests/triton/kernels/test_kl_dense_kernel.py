@@ -1,4 +1,4 @@
-"""The Triton dense-support KL kernels (`torch_msa/triton/kl_dense_kernel.py`) at small shapes.
+"""The Triton dense-support KL kernels (`torch_msa/index_loss/dense.py`) at small shapes.
 
 Against a float64 computation of the loss written here from the math (dense `[Tq, Tk]` masks,
 fine at these sizes), with the index gradients taken by autograd through it, and against
@@ -15,7 +15,7 @@ from tests.support.documents import Documents, backend_arguments
 from tests.support.triton_kernels import DEVICE, require_a_device
 from torch_msa import reference_kl, testing
 from torch_msa.backends import UnsupportedInputs
-from torch_msa.triton import kl_dense_kernel
+from torch_msa.index_loss import dense as kl_dense_kernel
 
 require_a_device()
 

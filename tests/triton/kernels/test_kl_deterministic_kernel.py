@@ -1,4 +1,4 @@
-"""The deterministic Triton KL loss (`torch_msa/triton/kl_deterministic.py`) against the reference at
+"""The deterministic Triton KL loss (`torch_msa/index_loss/sparse_deterministic.py`) against the reference at
 small shapes, bitwise repeats, and the backend's choice of it under deterministic algorithms.
 
 Run natively on a CUDA host, or on CPU under the Triton interpreter by
@@ -12,12 +12,13 @@ bucket.
 import pytest
 import torch
 
-import torch_msa.triton as triton_backend
+import torch_msa.triton.interface as triton_backend
 from tests.support.documents import backend_arguments
 from tests.support.triton_kernels import DEVICE, require_a_device
 from torch_msa import query_windows, reference, reference_kl, testing
 from torch_msa.backends import UnsupportedInputs
-from torch_msa.triton import kl_deterministic, kl_kernel
+from torch_msa.index_loss import sparse as kl_kernel
+from torch_msa.index_loss import sparse_deterministic as kl_deterministic
 
 require_a_device()
 

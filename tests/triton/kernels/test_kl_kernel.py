@@ -1,4 +1,4 @@
-"""The Triton KL kernels (`torch_msa/triton/kl_kernel.py`) against the reference at small shapes
+"""The Triton KL kernels (`torch_msa/index_loss/sparse.py`) against the reference at small shapes
 (their deterministic variant: `test_kl_deterministic_kernel.py`).
 
 Run natively on a CUDA host, or on CPU under the Triton interpreter by
@@ -14,7 +14,8 @@ from tests.support.documents import backend_arguments
 from tests.support.triton_kernels import DEVICE, require_a_device
 from torch_msa import reference, reference_kl, testing
 from torch_msa.backends import UnsupportedInputs
-from torch_msa.triton import kl_deterministic, kl_kernel
+from torch_msa.index_loss import sparse as kl_kernel
+from torch_msa.index_loss import sparse_deterministic as kl_deterministic
 
 require_a_device()
 

@@ -1,4 +1,4 @@
-"""The Triton KL loss from a given teacher (`index_loss_from_teacher` of `torch_msa/triton/kl_kernel.py`
+"""The Triton KL loss from a given teacher (`index_loss_from_teacher` of `torch_msa/index_loss/sparse.py`
 and of `kl_deterministic.py`) against the reference's at small shapes, on an fp16 teacher from
 `reference_kl.teacher_probabilities`.
 
@@ -17,7 +17,8 @@ from tests.support.documents import Documents
 from tests.support.triton_kernels import DEVICE, require_a_device
 from torch_msa import query_windows, reference, reference_kl, testing
 from torch_msa.backends import UnsupportedInputs
-from torch_msa.triton import kl_deterministic, kl_kernel
+from torch_msa.index_loss import sparse as kl_kernel
+from torch_msa.index_loss import sparse_deterministic as kl_deterministic
 
 require_a_device()
 

@@ -14,11 +14,9 @@ from tests.support.triton_kernels import (
     require_a_device,
 )
 from torch_msa import testing
-from torch_msa.schedule import build_schedule, pack
-from torch_msa.triton import (
-    common,
-    plan_kernel,
-)
+from torch_msa.plan import kernels as plan_kernel
+from torch_msa.plan.schedule import build_schedule, pack
+from torch_msa.triton_utils import common
 
 require_a_device()
 
@@ -102,7 +100,7 @@ def test_bucket_key_counts_equal_the_reference():
     """`plan_kernel.bucket_key_count` (one kernel; the SM90 kernels read it) gives
     `schedule.bucket_key_count`'s counts, for block rows of well-formed documents, of empty ones,
     past every document and before the first, and over unsorted boundaries."""
-    from torch_msa.schedule import bucket_key_count
+    from torch_msa.plan.schedule import bucket_key_count
 
     rows = torch.tensor([0, 128, 200, 201, 329, 457, 499, 500, 900, -3, 0, 64], dtype=torch.int32, device=DEVICE)
     for bounds in ([0, 200, 200, 201, 500], [0], [0, 300, 100, 500], [10, 20]):

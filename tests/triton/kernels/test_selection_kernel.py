@@ -15,9 +15,7 @@ from tests.support.triton_kernels import (
     require_a_device,
 )
 from torch_msa import reference
-from torch_msa.triton import (
-    select_kernel,
-)
+from torch_msa.triton import select as select_kernel
 
 require_a_device()
 

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backends import UnsupportedInputs
 from ..documents import QueryDocuments
 
 # Constexpr so that kernels read them as constants; host code reads `.value`. The kernels score in
@@ -23,6 +24,22 @@ TILE_ROWS = 128
 """Query rows (tokens x heads) per tile of the KV-outer kernels' tuned launch configuration."""
 
 _HORIZON_ENTRIES: tl.constexpr = tl.constexpr(128)
+
+
+SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_dtype_and_group(name: str, dtype: torch.dtype, group_size: int = 1) -> None:
+    """Decline, before any launch, a dtype or a head group (`Hq / Hkv`) the Triton kernels do not handle.
+
+    Raises:
+        UnsupportedInputs: `dtype` is not bf16, fp16 or fp32, or `group_size > 128`.
+    """
+    if dtype not in SERVED_DTYPES:
+        raise UnsupportedInputs(f"{name} dtype {dtype} (the Triton kernels take bf16, fp16 or fp32)")
+    if group_size > 128:
+        raise UnsupportedInputs(
+            f"Hq / Hkv = {group_size} query heads per KV head (the Triton kernels take at most 128)")
 
 
 def dot_precision(dtype: torch.dtype) -> str:

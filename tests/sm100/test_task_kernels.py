@@ -1,5 +1,5 @@
 """The architecture-neutral kernels of the SM100 backward: preprocess, task tables, K/V alignment
-and postprocess (`torch_msa/cute_dsl/{preprocess,task_tables,postprocess}.py`).
+and postprocess (`torch_msa/sm100/{preprocess,task_tables,postprocess}.py`).
 
 What runs where:
 - CPU, always: the plain-torch construction of the task tables (the oracle of the CuTe kernel)
@@ -28,15 +28,15 @@ from tests.support.cute_dsl import deprecated_dsl_use_is_an_error, forbid_python
 from tests.support.documents import backend_arguments, documents_of
 from tests.support.schedule_oracle import build_schedule_python
 from torch_msa import reference
-from torch_msa.cute_dsl.task_tables import (
-    TASK_ROWS,
+from torch_msa.plan.schedule import build_schedule
+from torch_msa.sm100.task_tables import (
+    TOKENS_PER_TASK,
     WORKSPACE_ALIGNMENT,
     TaskTables,
     doc_aligned_starts,
     document_key_bounds,
     workspace_rows,
 )
-from torch_msa.schedule import build_schedule
 from torch_msa.testing import cu_seqlens, random_block_indices
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def tables_torch(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size
     """`build_tasks` in torch ops, on any device."""
     num_docs = cu_seqlens_k.numel() - 1
     rows = workspace_rows(num_keys, num_docs)
-    schedule = build_schedule(block_indices, documents_of(cu_seqlens_q, cu_seqlens_k), num_keys, block_size, TASK_ROWS)
+    schedule = build_schedule(block_indices, documents_of(cu_seqlens_q, cu_seqlens_k), num_keys, block_size, TOKENS_PER_TASK)
     aligned_starts = doc_aligned_starts(cu_seqlens_k, num_keys, rows)
     # Clamped boundaries, B + 1 >= 1 of them, so the gathers below stay in range without documents.
     key_starts = cu_seqlens_k.long().clamp(0, num_keys)
@@ -74,7 +74,7 @@ def tables_torch(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size
     aligned_row = aligned_row.clamp(0, rows - WORKSPACE_ALIGNMENT)
     head, block = schedule.bucket_head.long()[bucket], schedule.bucket_block.long()[bucket]
     meta = torch.stack([head, aligned_row, block, count], 1)
-    slot = torch.arange(TASK_ROWS, device=task.device)
+    slot = torch.arange(TOKENS_PER_TASK, device=task.device)
     slot_ok = slot < count[:, None]
     # One padding element each keeps the gathers of unused slots in range (also with Tq = 0).
     entry_query = torch.cat([schedule.entry_query.long(), count.new_zeros(1)])
@@ -134,7 +134,7 @@ def finish_torch(dq_accum, dk_accum, dv_accum, cu_seqlens_k, tables, dtype=torch
 def tables_python(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size):
     """The tasks from `build_schedule_python`, with plain loops: `(tasks, bucket_task_ptr, starts)`;
     a task is `(meta, qrows, qpos)` as lists."""
-    schedule = build_schedule_python(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, TASK_ROWS)
+    schedule = build_schedule_python(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_size, TOKENS_PER_TASK)
     topk = block_indices.shape[-1]
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     num_docs = len(cu_k) - 1
@@ -157,7 +157,7 @@ def tables_python(block_indices, cu_seqlens_q, cu_seqlens_k, num_keys, block_siz
             bucket_task_ptr.append(index)
         document = next(d for d in range(num_docs) if cu_k[d] <= key_row < cu_k[d + 1])
         tokens = [entries[e] // topk for e in range(start, end)]
-        padding = [-1] * (TASK_ROWS - len(tokens))
+        padding = [-1] * (TOKENS_PER_TASK - len(tokens))
         meta = [head, starts[document] + key_row - cu_k[document], block, len(tokens)]
         tasks.append((meta, tokens + padding, [position[t] for t in tokens] + padding))
     bucket_task_ptr.append(len(tasks))
@@ -242,9 +242,9 @@ def test_torch_align_and_finish_are_inverse():
 
 def test_bad_arguments_are_named():
     """Checked before anything is compiled or launched, so this runs on any host."""
-    from torch_msa.cute_dsl.postprocess import finish_gradients
-    from torch_msa.cute_dsl.preprocess import prepare_delta
-    from torch_msa.cute_dsl.task_tables import align_kv, build_tasks
+    from torch_msa.sm100.postprocess import finish_gradients
+    from torch_msa.sm100.preprocess import prepare_delta
+    from torch_msa.sm100.task_tables import align_kv, build_tasks
 
     inputs = _selection("pack", num_kv_heads=2, topk=3, block_size=128)
     tables = tables_torch(*inputs)
@@ -281,7 +281,7 @@ def _cubin_sm(cubin: bytes) -> int:
 
 
 def _compile_all(arch: str, dump_dir: str) -> dict:
-    from torch_msa.cute_dsl import postprocess, preprocess, task_tables
+    from torch_msa.sm100 import postprocess, preprocess, task_tables
 
     return {
         **preprocess.compile_for_target(arch, dump_dir),
@@ -311,8 +311,8 @@ def test_compiled_kernels_refuse_arguments_they_cannot_read():
     that are not int32."""
     from tests.support.cute_dsl import assert_refused, device_argument
     from torch_msa.cute_dsl.cute_io import launcher
-    from torch_msa.cute_dsl.postprocess import compile_finish_kernel
-    from torch_msa.cute_dsl.preprocess import compile_delta_kernel
+    from torch_msa.sm100.postprocess import compile_finish_kernel
+    from torch_msa.sm100.preprocess import compile_delta_kernel
 
     rows, bf16 = 37, torch.bfloat16
     delta = launcher(compile_delta_kernel(bf16, 128, True))
@@ -360,25 +360,25 @@ class CutePipeline:
 
     @staticmethod
     def build_tasks(*args):
-        from torch_msa.cute_dsl.task_tables import build_tasks
+        from torch_msa.sm100.task_tables import build_tasks
 
         return build_tasks(*args)
 
     @staticmethod
     def align_kv(*args):
-        from torch_msa.cute_dsl.task_tables import align_kv
+        from torch_msa.sm100.task_tables import align_kv
 
         return align_kv(*args)
 
     @staticmethod
     def prepare_delta(*args):
-        from torch_msa.cute_dsl.preprocess import prepare_delta
+        from torch_msa.sm100.preprocess import prepare_delta
 
         return prepare_delta(*args)
 
     @staticmethod
     def finish_gradients(*args):
-        from torch_msa.cute_dsl.postprocess import finish_gradients
+        from torch_msa.sm100.postprocess import finish_gradients
 
         return finish_gradients(*args)
 
@@ -442,7 +442,7 @@ def run_consumer_under_interpreter():
 def test_task_consumer_under_the_triton_interpreter():
     pytest.importorskip("triton", reason=install.TRITON)
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    script = "import tests.cute_dsl.test_neutral_kernels as t; t.run_consumer_under_interpreter(); print('consumer ok')"
+    script = "import tests.sm100.test_task_kernels as t; t.run_consumer_under_interpreter(); print('consumer ok')"
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0 and "consumer ok" in result.stdout, (result.stdout + result.stderr)[-4000:]
@@ -459,7 +459,7 @@ M3_LAYOUT = ([1000, 3000, 77, 500], [1000, 3000, 77, 1300])  # the last document
 @pytest.mark.cuda
 @pytest.mark.parametrize("with_grad_lse", [False, True], ids=["delta", "delta_grad_lse"])
 def test_cute_delta_matches_torch(with_grad_lse, monkeypatch):
-    from torch_msa.cute_dsl.preprocess import prepare_delta
+    from torch_msa.sm100.preprocess import prepare_delta
 
     forbid_python_conversions(monkeypatch)
     out, grad_out = torch.randn(2, 4577, 64, 128, device="cuda").to(torch.bfloat16).unbind(0)
@@ -474,8 +474,8 @@ def test_cute_delta_matches_torch(with_grad_lse, monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", ["m3", "pack64", "suffix_bad_ids", "no_documents"])
 def test_cute_tables_align_and_finish_match_torch(case, monkeypatch):
-    from torch_msa.cute_dsl.postprocess import finish_gradients
-    from torch_msa.cute_dsl.task_tables import align_kv, build_tasks
+    from torch_msa.sm100.postprocess import finish_gradients
+    from torch_msa.sm100.task_tables import align_kv, build_tasks
 
     forbid_python_conversions(monkeypatch)
     layout, num_kv_heads, topk, block_size, bad = {

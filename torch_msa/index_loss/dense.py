@@ -60,9 +60,8 @@ import triton
 import triton.language as tl
 
 from ..backends import UnsupportedInputs
-from . import check_dtype_and_group
-from .common import LN_2, LOG2_E, dot_precision, locate_queries, split_weights, weighted_dot
-from .launch import LaunchConfig, launch
+from ..triton_utils.common import LN_2, LOG2_E, check_dtype_and_group, dot_precision, locate_queries, split_weights, weighted_dot
+from ..triton_utils.launch import LaunchConfig, launch
 
 # Tuned first for SM90 (228 KB of shared memory per SM), then smaller tiles and fewer stages for
 # the parts with less shared memory. `rows`: query tokens of a program's tile (or of the key-outer

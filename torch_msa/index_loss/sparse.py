@@ -1,7 +1,7 @@
 """`msa::indexer_kl` and `msa::indexer_kl_backward` in Triton, on the sparse support, KV-outer,
 and the same loss with its gradients from a given teacher (`index_loss_from_teacher`).
 
-Every kernel walks the shared KV-outer schedule (`torch_msa/schedule.py`): one program owns one KV
+Every kernel walks the shared KV-outer schedule (`torch_msa/plan/schedule.py`): one program owns one KV
 head's key block and a run of the queries that chose it, loads the block's (index) keys once
 (`_item_block`, the prologue they share) and takes the queries `TOKENS` at a time (at least 16,
 so the index GEMMs `[TOKENS, Di] x [Di, BLOCK]` are full-height).
@@ -56,10 +56,11 @@ import triton
 import triton.language as tl
 
 from ..backends import UnsupportedInputs
+from ..plan.kernels import schedule_for
+from ..plan.schedule import entries_per_item, with_items
 from ..reference_kl import loss_dtype
-from ..schedule import schedule_for
-from .common import LN_2, LOG2_E, dot_precision, item_horizon, program_item, split_weights, weighted_dot
-from .launch import LaunchConfig, launch
+from ..triton_utils.common import LN_2, LOG2_E, dot_precision, item_horizon, program_item, split_weights, weighted_dot
+from ..triton_utils.launch import LaunchConfig, launch
 
 # `rows`: teacher rows (tokens x heads) of a forward tile; tokens of a backward tile and of a
 # forward tile from a given teacher.
@@ -533,10 +534,11 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
 
 
 def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices, documents, block_size,
-                            index_softmax_scale):
+                            index_softmax_scale, plan=None):
     """Same contract as `torch_msa.reference_kl.index_loss_from_teacher`: `(loss, d_index_q,
     d_index_k)` from a given teacher `[Tq, Hi, topk, block_size]`, the gradients None when
-    `grad_loss` is None.
+    `grad_loss` is None. `plan`: the step's plan (as `torch_msa.plan.schedule.schedule_for` takes
+    it), walked in this loss's items; None builds one.
 
     Two passes over one schedule of one row per entry: the forward of the given teacher (per-entry
     partials, then `finish_forward`), and, with `grad_loss`, the backward with the teacher, which
@@ -557,7 +559,8 @@ def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices,
         index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
         teacher = teacher.contiguous()
         # One row per entry: the student has one head per index head.
-        schedule = schedule_for(block_indices, documents, num_keys, block_size, num_index_heads)
+        schedule = with_items(schedule_for(block_indices, documents, num_keys, block_size, num_index_heads, plan),
+                              entries_per_item(num_index_heads, block_indices.shape[0]))
         launch_forward_from_teacher(teacher, index_q, index_k, partials, schedule, topk, block_size,
                                     index_softmax_scale)
     loss, index_lse, mass = finish_forward(partials, loss_dtype(index_q.dtype))

@@ -14,8 +14,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .cute_io import ACCESS_BYTES
-from .task_tables import THREADS_PER_CTA
+from ..cute_dsl.cute_io import ACCESS_BYTES
+from .common import THREADS_PER_CTA
 from .task_tables_kernel import clamped, last_document_at_or_before
 
 VECTORS_PER_THREAD = 4  # rows of a CTA are sized so each thread moves about this many vectors

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_precision, locate_queries
-from .launch import LaunchConfig, launch
+from ..triton_utils.common import dot_precision, locate_queries
+from ..triton_utils.launch import LaunchConfig, launch
 
 # Rows are tokens x index heads per program: 128 is one full wgmma tile (tuned on SM90 first).
 CONFIGS = (LaunchConfig(rows=128, num_stages=2), LaunchConfig(rows=64, num_stages=1))

@@ -3,10 +3,9 @@ every sum has a fixed order, so two runs on the same inputs agree bitwise. The b
 these under `torch.use_deterministic_algorithms(True)`; the default kernels (`kl_kernel.py`) add
 with atomics instead.
 
-Both passes run the KV-outer kernels of `kl_kernel.py` with `DETERMINISTIC`, on a schedule of
-their own (`backward_deterministic_kernel.item_schedule`: the workspace is laid out by its
-items), and reduce what they store like the deterministic attention backward
-(`backward_deterministic_kernel.py`):
+Both passes run the KV-outer kernels of `sparse.py` with `DETERMINISTIC`, on the step's plan in
+items of their own (the workspace is laid out by its items), and reduce what they store like the
+deterministic attention backward (`torch_msa/stages/deterministic.py`):
 
 * Per (query, index head) sums (`teacher_index_keys` in the forward, the student's half of
   `d index_q` in the backward): each entry `(query, index head, slot)` is one row of one tile of
@@ -27,7 +26,7 @@ partials, no atomics) and the backward with the teacher, on the backward's items
 `c (M P_s - P_t)` are stored and reduced as the backward's are.
 
 Items: the forward's hold `FORWARD_ITEM_FACTOR` times the entries of the public API's plans
-(`torch_msa.schedule.entries_per_item(Hq, Hkv)`), as the deterministic attention backward's
+(`torch_msa.plan.schedule.entries_per_item(Hq, Hkv)`), as the deterministic attention backward's
 items hold four times its tiles, to bound the workspace; the backward's hold what the default
 backward's do (`entries_per_item(Hi, Hi)`).
 
@@ -38,7 +37,7 @@ Hi 4, topk 16, Di 128, block 128, in the forward's `E = 512`; 34 KiB in the back
 runs over consecutive windows of queries that fit it, each window's queries passed as one-token
 fragments that place them where one call would (`documents.token_fragments`, as the attention
 forward's windows do, `torch_msa/query_windows.py`), and its per-key sums added to the others'
-in window order. Per window and key: the items' share of `max_buckets` (`torch_msa/schedule.py`),
+in window order. Per window and key: the items' share of `max_buckets` (`torch_msa/plan/schedule.py`),
 `4 Di Hi (1 + block_size B / Tk)` bytes of item rows for `B` documents, and `4 Hi Di` bytes of
 per-head key sums (2 KiB each at M3). Nothing is `T x T`.
 
@@ -49,11 +48,12 @@ fixed, order.
 import torch
 
 from .. import query_windows
+from ..plan.kernels import plan_schedule, schedule_for
+from ..plan.schedule import entries_per_item, with_items
 from ..reference_kl import loss_dtype
-from ..schedule import entries_per_item
-from . import kl_kernel
-from .backward_deterministic_kernel import item_schedule, reduce_item_rows
-from .kl_kernel import (
+from ..stages.deterministic import bucket_first_items, reduce_item_rows
+from . import sparse as kl_kernel
+from .sparse import (
     ForwardPartials,
     backward_coefficient,
     check_inputs,
@@ -91,33 +91,38 @@ def _windows(documents, num_queries: int, num_keys: int, per_query: int):
     return query_windows.query_windows(documents, num_queries, num_keys, window)
 
 
-def _windowed(partials: ForwardPartials, block_indices, documents, num_keys, block_size, items_of, index_dim):
+def _windowed(partials: ForwardPartials, block_indices, documents, num_keys, block_size, items_of, index_dim, plan):
     """Per window of queries (`_windows`, sized for `items_of` entries per item):
     `(start, stop, window_partials, schedule, bucket_first_item, entry_rows, item_rows)`, the
     window's own partials (`partials` itself when one window takes every query) and its
-    `_workspaces`. Once the caller is done with a window, its partials are copied into `partials`."""
+    `_workspaces`. One window walks `plan` (as `torch_msa.plan.schedule.schedule_for` takes it) in
+    items of `items_of`; several build their own schedules (the workspace reduction reads each
+    bucket's entries as one run). Once the caller is done with a window, its partials are copied
+    into `partials`."""
     num_index_heads, num_queries, topk = block_indices.shape
     per_query = partial_bytes_per_query(num_index_heads, topk, index_dim, block_size, items_of)
     for start, stop, window in _windows(documents, num_queries, num_keys, per_query):
         whole = stop - start == num_queries
         window_partials = partials if whole else forward_partials(num_index_heads, stop - start, topk,
                                                                   block_indices.device)
-        yield (start, stop, window_partials,
-               *_workspaces(block_indices[:, start:stop].contiguous(), window, num_keys, block_size, items_of, index_dim))
+        window_indices = block_indices[:, start:stop].contiguous()
+        schedule = (with_items(schedule_for(window_indices, window, num_keys, block_size, num_index_heads, plan),
+                               items_of) if whole and plan is not None
+                    else plan_schedule(window_indices, window, num_keys, block_size, items_of))
+        yield (start, stop, window_partials, *_workspaces(schedule, num_index_heads, stop - start, topk, block_size,
+                                                          index_dim))
         if not whole:
             for full, part in zip(partials, window_partials, strict=True):
                 full[:, start:stop] = part
 
 
-def _workspaces(block_indices, documents, num_keys, block_size, items_of, index_dim):
-    """The schedule of items of `items_of` entries, its buckets' first items, and the zeroed
-    entry rows `[Tq, Hi, topk, Di]` and the per-item rows `[max_items * block_size, Di]` (fp32)."""
-    num_index_heads, num_queries, topk = block_indices.shape
-    device = block_indices.device
-    schedule, bucket_first_item = item_schedule(block_indices, documents, num_keys, block_size, items_of)
+def _workspaces(schedule, num_index_heads, num_queries, topk, block_size, index_dim):
+    """`schedule`, its buckets' first items, and the zeroed entry rows `[Tq, Hi, topk, Di]` and the
+    per-item rows `[max_items * block_size, Di]` (fp32)."""
+    device = schedule.entry_query.device
     entry_rows = torch.zeros((num_queries, num_index_heads, topk, index_dim), dtype=torch.float32, device=device)
     item_rows = torch.empty((schedule.item_start.numel() * block_size, index_dim), dtype=torch.float32, device=device)
-    return schedule, bucket_first_item, entry_rows, item_rows
+    return schedule, bucket_first_items(schedule), entry_rows, item_rows
 
 
 def _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys, num_index_heads, topk, block_size):
@@ -146,7 +151,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size
         q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
         items_of = forward_entries_per_item(num_heads, num_kv_heads)
         for start, stop, window_partials, schedule, bucket_first_item, entry_rows, item_rows in _windowed(
-                partials, block_indices, documents, num_keys, block_size, items_of, index_dim):
+                partials, block_indices, documents, num_keys, block_size, items_of, index_dim, None):
             launch_forward(q[start:stop], k, lse[start:stop], index_q[start:stop], index_k, window_partials,
                            (entry_rows, item_rows), schedule, topk, block_size, softmax_scale, index_softmax_scale,
                            deterministic=True)
@@ -176,8 +181,10 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
         items_of = backward_entries_per_item(num_index_heads)
         per_query = partial_bytes_per_query(num_index_heads, topk, index_dim, block_size, items_of)
         for start, stop, window in _windows(documents, num_queries, num_keys, per_query):
+            window_indices = block_indices[:, start:stop].contiguous()
+            schedule = plan_schedule(window_indices, window, num_keys, block_size, items_of)
             schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
-                block_indices[:, start:stop].contiguous(), window, num_keys, block_size, items_of, index_dim)
+                schedule, num_index_heads, stop - start, topk, block_size, index_dim)
             launch_backward(index_q[start:stop], index_k, student_lse[start:stop], mass[start:stop], coefficient,
                             (entry_rows, item_rows), schedule, topk, block_size, index_softmax_scale,
                             deterministic=True)
@@ -189,7 +196,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
 
 
 def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices, documents, block_size,
-                            index_softmax_scale):
+                            index_softmax_scale, plan=None):
     """Same contract as `torch_msa.reference_kl.index_loss_from_teacher`, bitwise reproducible.
 
     The loss alone has no atomics: `kl_kernel.index_loss_from_teacher` serves it. With `grad_loss`,
@@ -201,7 +208,7 @@ def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices,
     """
     if grad_loss is None:
         return kl_kernel.index_loss_from_teacher(teacher, None, index_q, index_k, block_indices, documents, block_size,
-                                                 index_softmax_scale)
+                                                 index_softmax_scale, plan)
     check_inputs(True, index_q)
     num_queries, num_index_heads, index_dim = index_q.shape
     num_keys = index_k.shape[0]
@@ -216,7 +223,7 @@ def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices,
         teacher = teacher.contiguous()
         items_of = backward_entries_per_item(num_index_heads)
         for start, stop, window_partials, schedule, bucket_first_item, entry_rows, item_rows in _windowed(
-                partials, block_indices, documents, num_keys, block_size, items_of, index_dim):
+                partials, block_indices, documents, num_keys, block_size, items_of, index_dim, plan):
             window_teacher, window_index_q = teacher[start:stop], index_q[start:stop]
             launch_forward_from_teacher(window_teacher, window_index_q, index_k, window_partials, schedule, topk,
                                         block_size, index_softmax_scale)

@@ -2,7 +2,7 @@
 
 The SM100 backward is KV-outer: a CTA owns one KV head's key block and walks the query tokens that
 chose it, eight tokens (x 16 query heads = one 128-row tile) per *task*. The shared schedule
-(`torch_msa.schedule`, built with `entries_per_item=8`) already sorts the selections into buckets
+(`torch_msa.plan.schedule`, built with `entries_per_item=8`) already sorts the selections into buckets
 (one kv head x key block) and items of at most eight entries; its items are the tasks. This module
 turns them into the flat tables the kernel reads (`TaskTables`) with a CuTe DSL kernel, and copies
 K/V into the aligned workspace, where every document's keys start on a 128-row boundary so that a
@@ -20,18 +20,15 @@ for how torch tensors are handed to the CuTe kernels.
 """
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from ..cute_dsl import require_cute_dsl
+from ..cute_dsl.cute_io import aligned_operand, check_index_tensor, compile_kernel, cutlass_dtype, fake_rows, launcher
 from ..documents import Documents
-from ..schedule import build_schedule, max_key_blocks
-from . import require_cute_dsl
-from .cute_io import aligned_operand, check_index_tensor, compile_kernel, cutlass_dtype, fake_rows, launcher
-
-TASK_ROWS = 8  # query tokens per task: 8 tokens x 16 query heads fill one 128-row MMA tile
-WORKSPACE_ALIGNMENT = 128  # rows; every document's keys start on such a boundary
-THREADS_PER_CTA = 256
+from ..plan.schedule import build_schedule, max_key_blocks
+from .common import TOKENS_PER_TASK, WORKSPACE_ALIGNMENT, TaskOperands
 
 
 class TaskTables(NamedTuple):
@@ -65,33 +62,8 @@ class TaskTables(NamedTuple):
     num_keys: int
 
 
-class TaskOperands(NamedTuple):
-    """The task-table kernel's tensors, int32 each, in launch order (its scalars `topk` and
-    `num_keys` follow): what it reads of the schedule (`torch_msa.schedule.Schedule`'s tensors of
-    these names), the documents' key boundaries `cu_seqlens_k`, then `TaskTables`' tensors of these
-    names: the aligned document starts, which it reads, and the tables it writes. The host launches
-    them as torch tensors (`task_operands`); the kernel receives them as CuTe tensors."""
-
-    entry_query: Any
-    item_bucket: Any
-    item_start: Any
-    item_end: Any
-    bucket_head: Any
-    bucket_key_row: Any
-    bucket_block: Any
-    position: Any
-    num_items: Any
-    num_buckets: Any
-    cu_seqlens_k: Any
-    doc_aligned_start: Any
-    task_meta: Any
-    task_qrows: Any
-    task_qpos: Any
-    bucket_task_ptr: Any
-
-
 # The inner shapes of the `TaskOperands` that are not `[N]`, as `compile_task_kernel` describes them.
-TASK_OPERAND_INNER = {"task_meta": (4,), "task_qrows": (TASK_ROWS,), "task_qpos": (TASK_ROWS,)}
+TASK_OPERAND_INNER = {"task_meta": (4,), "task_qrows": (TOKENS_PER_TASK,), "task_qpos": (TOKENS_PER_TASK,)}
 
 
 def task_operands(schedule, cu_seqlens_k: torch.Tensor, tables: TaskTables) -> TaskOperands:
@@ -136,7 +108,7 @@ def build_tasks(
 ) -> TaskTables:
     """Build the SM100 task tables on the device, with no host synchronisation.
 
-    The sort and bucketing are `torch_msa.schedule.build_schedule(..., entries_per_item=8)`
+    The sort and bucketing are `torch_msa.plan.schedule.build_schedule(..., entries_per_item=8)`
     (torch ops); a CuTe DSL kernel then writes one task per schedule item, mapping each bucket's
     packed key row to the aligned workspace and each entry to its query token and position.
 
@@ -164,14 +136,14 @@ def build_tasks(
     rows = workspace_rows(num_keys, num_docs)
     # The schedule reads no length bound: the token counts are valid ones.
     documents = Documents(cu_seqlens_q, cu_seqlens_k, block_indices.shape[1], num_keys)
-    schedule = build_schedule(block_indices, documents, num_keys, block_size, TASK_ROWS)
+    schedule = build_schedule(block_indices, documents, num_keys, block_size, TOKENS_PER_TASK)
     aligned_starts = doc_aligned_starts(cu_seqlens_k, num_keys, rows)
     max_tasks = schedule.item_bucket.numel()
     device = block_indices.device
     tables = TaskTables(
         task_meta=torch.empty(max_tasks, 4, dtype=torch.int32, device=device),
-        task_qrows=torch.empty(max_tasks, TASK_ROWS, dtype=torch.int32, device=device),
-        task_qpos=torch.empty(max_tasks, TASK_ROWS, dtype=torch.int32, device=device),
+        task_qrows=torch.empty(max_tasks, TOKENS_PER_TASK, dtype=torch.int32, device=device),
+        task_qpos=torch.empty(max_tasks, TOKENS_PER_TASK, dtype=torch.int32, device=device),
         bucket_task_ptr=torch.empty(schedule.bucket_head.numel() + 1, dtype=torch.int32, device=device),
         num_tasks=schedule.num_items,
         workspace_rows=rows,

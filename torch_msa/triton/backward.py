@@ -25,9 +25,10 @@ import triton
 import triton.language as tl
 
 from ..backends import UnsupportedInputs
-from ..schedule import schedule_for
-from .common import LOG2_E, dot_precision, item_horizon, program_item, tile_shape
-from .launch import LaunchConfig, launch
+from ..plan.kernels import schedule_for
+from ..stages.delta import compute_delta
+from ..triton_utils.common import LOG2_E, dot_precision, item_horizon, program_item, tile_shape
+from ..triton_utils.launch import LaunchConfig, launch
 
 # Tuned on SM90 first (128 query rows, 64-key slices, 3 stages); the others fit sm_100 (whose
 # pipelined tiles are twice as large), then the 99 KB of sm_86/sm_89/sm_120, then fp32 tiles.
@@ -44,40 +45,6 @@ DETERMINISTIC_BLOCKS_CONFIGS = (
     LaunchConfig(rows=64, block_n=64, num_stages=1),
     LaunchConfig(rows=64, block_n=32, num_stages=1),
 )
-DELTA_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4, rows=64),)
-UNGROUP_CONFIGS = (LaunchConfig(num_stages=1, num_warps=4),)
-
-
-@triton.jit
-def msa_bwd_delta_kernel(
-    grad_out, out, grad_lse, delta, num_rows,
-    stride_grad_token, stride_grad_head, stride_out_token, stride_out_head,
-    NUM_HEADS: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
-):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < num_rows
-    token = (rows // NUM_HEADS).to(tl.int64)
-    head = rows % NUM_HEADS
-    dims = tl.arange(0, DIM)
-    d_out = tl.load(grad_out + token[:, None] * stride_grad_token + head[:, None] * stride_grad_head + dims[None, :],
-                    mask=row_ok[:, None], other=0.0)
-    o = tl.load(out + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
-    result = tl.sum(d_out.to(tl.float32) * o.to(tl.float32), axis=1)
-    if HAS_GRAD_LSE:
-        result -= tl.load(grad_lse + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(delta + rows, result, mask=row_ok)
-
-
-@triton.jit
-def msa_bwd_ungroup_dq_kernel(dq_acc, dq, HEADS: tl.constexpr, GROUPS: tl.constexpr, WIDTH: tl.constexpr):
-    # One block of HEADS x (GROUPS * WIDTH): dq[head, group * WIDTH + w] = dq_acc[group, head, w].
-    base = tl.program_id(0).to(tl.int64) * (HEADS * GROUPS * WIDTH)
-    head = tl.arange(0, HEADS)[:, None, None]
-    group = tl.arange(0, GROUPS)[None, :, None]
-    width = tl.arange(0, WIDTH)[None, None, :]
-    values = tl.load(dq_acc + base + (group * HEADS + head) * WIDTH + width)
-    tl.store(dq + base + (head * GROUPS + group) * WIDTH + width, values.to(dq.dtype.element_ty))
 
 
 @triton.jit
@@ -186,51 +153,6 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
         launch_blocks(q, k, v, grad_out, lse, delta, (dq_acc, dk_acc, dv_acc), schedule, topk, block_size,
                       softmax_scale, BLOCKS_CONFIGS, "msa_bwd_blocks_kernel", shape_key, deterministic=False)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-
-
-def compute_delta(grad_out, out, grad_lse, delta, shape_key) -> None:
-    """The first stage of every backward but SM100's: `delta = rowsum(dO * O) - grad_lse` (fp32).
-
-    Args:
-        grad_out, out: `[Tq, Hq, D]` of one dtype, unit stride in D.
-        grad_lse: `[Tq, Hq]` (read as fp32), or None for a loss that does not depend on lse.
-        delta: fp32 `[Tq, Hq]`, contiguous; written.
-        shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
-    """
-    num_queries, num_heads, dim = out.shape
-
-    def launch_delta(config):
-        msa_bwd_delta_kernel[(triton.cdiv(num_queries * num_heads, config.rows),)](
-            grad_out, out, grad_lse.contiguous() if grad_lse is not None else delta, delta, num_queries * num_heads,
-            grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, DIM=dim, ROWS=config.rows, HAS_GRAD_LSE=grad_lse is not None,
-            **config.options,
-        )
-
-    launch("msa_bwd_delta_kernel", shape_key, DELTA_CONFIGS, launch_delta)
-
-
-def ungroup_dq(dq_acc: torch.Tensor, dq: torch.Tensor, block_heads: int, width: int, shape_key) -> None:
-    """Write `dq` from the fp32 accumulator `dq_acc`, in which each block of `block_heads`
-    consecutive heads of a token is laid out `[D / width, block_heads, width]` (dims grouped by
-    `width`), cast to `dq`'s dtype.
-
-    Args:
-        dq_acc: fp32 `[Tq, Hq, D]`, contiguous, `Hq` a multiple of `block_heads`; read.
-        dq: `[Tq, Hq, D]`, contiguous, any float dtype; written in natural order.
-        block_heads, width: powers of two, `width` dividing `D`.
-        shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
-    """
-    num_queries, num_heads, dim = dq_acc.shape
-    num_blocks = num_queries * (num_heads // block_heads)
-    if num_blocks == 0:
-        return
-
-    def launch_ungroup(config):
-        msa_bwd_ungroup_dq_kernel[(num_blocks,)](dq_acc, dq, HEADS=block_heads, GROUPS=dim // width, WIDTH=width,
-                                                 **config.options)
-
-    launch("msa_bwd_ungroup_dq_kernel", shape_key, UNGROUP_CONFIGS, launch_ungroup)
 
 
 def launch_blocks(q, k, v, grad_out, lse, delta, outputs, schedule, topk, block_size, softmax_scale, configs, name,

@@ -17,8 +17,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from .cute_io import ACCESS_BYTES
-from .task_tables import TASK_ROWS, THREADS_PER_CTA, WORKSPACE_ALIGNMENT, TaskOperands
+from ..cute_dsl.cute_io import ACCESS_BYTES
+from .common import THREADS_PER_CTA, TOKENS_PER_TASK, WORKSPACE_ALIGNMENT, TaskOperands
 
 
 @cute.jit
@@ -76,8 +76,8 @@ class TaskKernel:
             first_entry = operands.item_start[task]
             num_rows = operands.item_end[task] - first_entry
             meta = cute.make_rmem_tensor(cute.make_layout(4), Int32)
-            query_rows = cute.make_rmem_tensor(cute.make_layout(TASK_ROWS), Int32)
-            positions = cute.make_rmem_tensor(cute.make_layout(TASK_ROWS), Int32)
+            query_rows = cute.make_rmem_tensor(cute.make_layout(TOKENS_PER_TASK), Int32)
+            positions = cute.make_rmem_tensor(cute.make_layout(TOKENS_PER_TASK), Int32)
             meta.fill(0)
             query_rows.fill(-1)
             positions.fill(-1)
@@ -94,7 +94,7 @@ class TaskKernel:
                 meta[1] = clamped(aligned_row, workspace - WORKSPACE_ALIGNMENT)
                 meta[2] = operands.bucket_block[bucket]
                 meta[3] = num_rows
-                for row in cutlass.range_constexpr(TASK_ROWS):
+                for row in cutlass.range_constexpr(TOKENS_PER_TASK):
                     if row < num_rows:
                         token = operands.entry_query[first_entry + row] // topk
                         query_rows[row] = token

@@ -1,7 +1,7 @@
 """`msa::plan` in Triton: the KV-outer schedule in four kernels, a sort and two scans.
 
-It writes exactly the tables of `torch_msa.schedule.build_schedule` (the reference) into one
-plan tensor (layout in `torch_msa/schedule.py`), with a dozen host calls instead of about a
+It writes exactly the tables of `torch_msa.plan.schedule.build_schedule` (the reference) into one
+plan tensor (layout in `torch_msa/plan/schedule.py`), with a dozen host calls instead of about a
 hundred: in eager mode each call costs a host-side launch, and below T = 64K the reference
 build's launches took longer than the attention kernels.
 
@@ -21,7 +21,7 @@ build's launches took longer than the attention kernels.
 
 No host synchronisation: every size is a shape-derived bound, as in the reference.
 
-`bucket_key_count` is `torch_msa.schedule.bucket_key_count` in one kernel: what the SM90 kernels
+`bucket_key_count` is `torch_msa.plan.schedule.bucket_key_count` in one kernel: what the SM90 kernels
 read beside a plan.
 """
 
@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..schedule import build_schedule, max_buckets, max_items, pack, section_sizes
-from .common import binary_search_steps, locate_tokens
+from ..documents import Documents
+from ..triton_utils.common import binary_search_steps, locate_tokens
+from .schedule import Schedule, build_schedule, entries_per_item, max_buckets, max_items, pack, section_sizes, unpack
 
 _ENTRIES = 1024  # entries per program of the 1-D kernels
 _SLOT_TILE = 1024  # (token, slot) pairs per program of the key kernel
@@ -169,7 +170,7 @@ def msa_plan_item_tables_kernel(
 
 
 def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> torch.Tensor:
-    """`msa::plan`: the plan of `block_indices` (see `torch_msa/schedule.py`), the tables of `build_schedule`.
+    """`msa::plan`: the plan of `block_indices` (see `torch_msa/plan/schedule.py`), the tables of `build_schedule`.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
@@ -239,6 +240,32 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> to
     return packed
 
 
+def plan_schedule(block_indices, documents: Documents, num_keys, block_size, entries_per_item) -> Schedule:
+    """The schedule of a new plan with items of `entries_per_item` entries, built on the device by
+    `plan`; the arguments as `build_schedule`'s."""
+    built = plan(block_indices, documents, num_keys, block_size, entries_per_item)
+    return unpack(built, block_indices, num_keys, documents.num_documents, block_size)
+
+
+def schedule_for(block_indices, documents: Documents, num_keys, block_size, num_heads, plan=None) -> Schedule:
+    """The KV-outer schedule a kernel walks: `plan`'s, or (`None`) a new plan's (`plan_schedule`)
+    with the items the public API builds (`entries_per_item(num_heads, Hkv)`).
+
+    Args:
+        block_indices: int32 `[Hkv, Tq, topk]`; documents: as for `build_schedule`; num_keys:
+            `Tk`; block_size: keys per block.
+        num_heads: the query heads `Hq` that size the items of a new plan.
+        plan: from `msa::plan` for these arguments (any item size), its `Schedule` (a backend's
+            unpacked plan, or a query window's, `query_window`), or None.
+    """
+    if isinstance(plan, Schedule):
+        return plan
+    if plan is None:
+        return plan_schedule(block_indices, documents, num_keys, block_size,
+                             entries_per_item(num_heads, block_indices.shape[0]))
+    return unpack(plan, block_indices, num_keys, documents.num_documents, block_size)
+
+
 @triton.jit
 def msa_bucket_key_count_kernel(bucket_key_row, cu_seqlens_k, key_count, num_buckets, num_bounds, search_steps,
                                 block_size, BLOCK: tl.constexpr):
@@ -259,7 +286,7 @@ def msa_bucket_key_count_kernel(bucket_key_row, cu_seqlens_k, key_count, num_buc
 
 
 def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`torch_msa.schedule.bucket_key_count` (same arguments, same int32 `[max_buckets]` result) in
+    """`torch_msa.plan.schedule.bucket_key_count` (same arguments, same int32 `[max_buckets]` result) in
     one kernel launch on the tensors' device."""
     key_count = torch.empty_like(bucket_key_row)
     num_buckets, num_bounds = bucket_key_row.numel(), cu_seqlens_k.numel()

@@ -15,7 +15,7 @@ Triton backend, `torch_msa/sm90/backward_deterministic.py` for the SM90 backend)
    the workspace slots of the bucket's items in item order (a block many queries chose is split
    over several items) and writes dK/dV of those keys in the inputs' dtype. Each (KV head, key)
    belongs to one bucket, the one of its document's block, so the writes never overlap. The
-   same reduction of per-item rows (`item_schedule`, `reduce_item_rows`, one workspace or two)
+   same reduction of per-item rows (`bucket_first_items`, `reduce_item_rows`, one workspace or two)
    serves the deterministic KL kernels' per-key sums (`kl_deterministic.py`).
 4. `query_dq` (`msa_bwd_dq_kernel`): query-outer dQ. One program owns one query and KV head, so
    all `G` rows of dQ it writes are its own: it walks the query's `topk` slots in order, loads
@@ -36,9 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..schedule import Schedule, plan_schedule
-from .common import LOG2_E, dot_precision, item_horizon, locate_queries, program_token_group, tile_shape
-from .launch import LaunchConfig, launch
+from ..plan.kernels import schedule_for
+from ..plan.schedule import Schedule, with_items
+from ..triton_utils.common import LOG2_E, dot_precision, item_horizon, locate_queries, program_token_group, tile_shape
+from ..triton_utils.launch import LaunchConfig, launch
+from .delta import compute_delta
 
 ITEM_TILES = 64  # query tiles (of the tuned tile of `common.TILE_ROWS` rows) per schedule item
 KEY_REDUCE_CONFIGS = (LaunchConfig(num_stages=1, num_warps=4, block_n=32),)
@@ -74,35 +76,31 @@ class KeyWorkspace(NamedTuple):
     dv_part: torch.Tensor
 
 
-def item_schedule(block_indices, documents, num_keys, block_size, entries_per_item) -> tuple[Schedule, torch.Tensor]:
-    """A new schedule with items of `entries_per_item` entries (`torch_msa.schedule.plan_schedule`)
-    and the first item of each of its buckets, int32 `[max_buckets]` (a bucket's items are
-    consecutive): what a fixed-order reduction of per-item rows (`reduce_item_rows`) walks."""
-    schedule = plan_schedule(block_indices, documents, num_keys, block_size, entries_per_item)
+def bucket_first_items(schedule: Schedule) -> torch.Tensor:
+    """int32 `[max_buckets]`: the first item of each bucket of `schedule` (a bucket's items are
+    consecutive), what a fixed-order reduction of per-item rows (`reduce_item_rows`) walks."""
     num_buckets = schedule.bucket_head.numel()
-    bucket_first_item = torch.searchsorted(
-        schedule.item_bucket, torch.arange(num_buckets, device=block_indices.device, dtype=torch.int32),
+    return torch.searchsorted(
+        schedule.item_bucket, torch.arange(num_buckets, device=schedule.item_bucket.device, dtype=torch.int32),
         out_int32=True,
     )
-    return schedule, bucket_first_item
 
 
-def key_workspace(block_indices, documents, num_keys, block_size, num_heads, head_dim) -> KeyWorkspace:
-    """The schedule of a deterministic backward (items of `ITEM_TILES` query tiles) and its empty
-    workspace, on the device of `block_indices`.
+def key_workspace(schedule: Schedule, block_size, num_heads, num_kv_heads, head_dim) -> KeyWorkspace:
+    """The schedule of a deterministic backward (`schedule`'s entries in items of `ITEM_TILES` query
+    tiles) and its empty workspace, on the schedule's device.
 
     Args:
-        block_indices: int32 `[Hkv, Tq, topk]`; documents: as for
-            `torch_msa.schedule.build_schedule`; num_keys: `Tk`; block_size: keys per block.
-        num_heads: `Hq`, which with `Hkv` sizes the query tiles; head_dim: `D`.
+        schedule: the step's schedule (any item size); block_size: keys per block.
+        num_heads, num_kv_heads: `Hq` and `Hkv`, which size the query tiles; head_dim: `D`.
     """
-    device = block_indices.device
-    entries_per_item = tile_shape(num_heads, block_indices.shape[0])[0] * ITEM_TILES
-    schedule, bucket_first_item = item_schedule(block_indices, documents, num_keys, block_size, entries_per_item)
+    device = schedule.entry_query.device
+    entries_per_item = tile_shape(num_heads, num_kv_heads)[0] * ITEM_TILES
+    schedule = with_items(schedule, entries_per_item)
     rows = schedule.item_start.numel() * block_size
     dk_part = torch.empty((rows, head_dim), dtype=torch.float32, device=device)
     dv_part = torch.empty((rows, head_dim), dtype=torch.float32, device=device)
-    return KeyWorkspace(schedule, entries_per_item, bucket_first_item, dk_part, dv_part)
+    return KeyWorkspace(schedule, entries_per_item, bucket_first_items(schedule), dk_part, dv_part)
 
 
 @triton.jit
@@ -212,7 +210,8 @@ def reduce_item_rows(schedule: Schedule, entries_per_item: int, bucket_first_ite
     """Sum each bucket's item rows of one or two workspaces, in item order, into the bucket's keys.
 
     Args:
-        schedule, entries_per_item, bucket_first_item: from `item_schedule`.
+        schedule, entries_per_item: a schedule with items of that size; bucket_first_item: its
+            `bucket_first_items`.
         parts: one or two fp32 workspaces `[max_items * block_size, W]`, contiguous; item `i`
             wrote its block's key `c` in row `i * block_size + c`, for every key up to the item's
             horizon (`common.item_horizon`) inside the packed keys. No other row is read.
@@ -291,3 +290,63 @@ def query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, documents, block_
         )
 
     launch("msa_bwd_dq_kernel", shape_key, QUERY_CONFIGS, launch_query)
+
+
+class DeterministicBackward(NamedTuple):
+    """A deterministic backward between `begin` and `finish`.
+
+    `q, k, v, grad_out` unit-stride in D, `lse` contiguous, `delta` fp32 `[Tq, Hq]` computed;
+    `dq, dk, dv` the gradients in the inputs' dtype (`dk`, `dv` zeroed, `dq` written by `finish`);
+    `empty`: nothing to attend (no query, key or slot), the gradients are the zeros they hold and
+    neither the key pass nor `finish` has anything to do (`workspace` is None then). `shape_key`:
+    the Triton launch memo's key (`launch.launch`)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    grad_out: torch.Tensor
+    lse: torch.Tensor
+    delta: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    block_indices: torch.Tensor
+    workspace: KeyWorkspace | None
+    topk: int
+    shape_key: tuple
+    empty: bool
+
+
+def deterministic_begin(grad_out, q, k, v, out, lse, block_indices, documents, block_size, grad_lse,
+                        plan=None) -> DeterministicBackward:
+    """The gradients' buffers, delta and the key workspace of `msa::backward`'s inputs (shapes as
+    in `torch_msa.reference.backward`; `plan` as `torch_msa.plan.schedule.schedule_for` takes it)."""
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    topk = block_indices.shape[-1]
+    device = q.device
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=device)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=device)
+    shape_key = (device, q.dtype, dim, block_size, num_heads // num_kv_heads, topk)
+    if num_queries == 0 or num_keys == 0 or topk == 0:
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=device)
+        return DeterministicBackward(q, k, v, grad_out, lse, lse, dq, dk, dv, block_indices, None, topk, shape_key, True)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=device)  # `query_dq` writes every row
+    q, k, v, grad_out, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad_out, out))
+    delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
+    compute_delta(grad_out, out, grad_lse, delta, shape_key)
+    block_indices = block_indices.contiguous()
+    schedule = schedule_for(block_indices, documents, num_keys, block_size, num_heads, plan)
+    workspace = key_workspace(schedule, block_size, num_heads, num_kv_heads, dim)
+    return DeterministicBackward(q, k, v, grad_out, lse.contiguous(), delta, dq, dk, dv, block_indices, workspace,
+                                 topk, shape_key, False)
+
+
+def deterministic_finish(state: DeterministicBackward, documents, block_size, softmax_scale):
+    """`(dq, dk, dv)`: the key pass's slots reduced into dK/dV in item order, and dQ query-outer."""
+    if not state.empty:
+        assert state.workspace is not None
+        reduce_key_workspace(state.workspace, state.dk, state.dv, state.topk, block_size, state.shape_key)
+        query_dq(state.q, state.k, state.v, state.grad_out, state.lse, state.delta, state.dq, state.block_indices,
+                 documents, block_size, softmax_scale, state.shape_key)
+    return state.dq, state.dk, state.dv

@@ -13,8 +13,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64
 
-from .cute_io import ACCESS_BYTES
-from .task_tables import THREADS_PER_CTA
+from ..cute_dsl.cute_io import ACCESS_BYTES
+from .common import THREADS_PER_CTA
 
 
 class DeltaKernel:

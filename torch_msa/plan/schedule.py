@@ -19,11 +19,11 @@ position (`id < nvb`), and it is the first occurrence of that id in the row; inv
 dropped, which is how out-of-contract ids can never reach a kernel.
 
 Two builders write the same tables: `build_schedule` here (torch ops; the reference backend's
-`msa::plan`) and the Triton plan kernels (`torch_msa/triton/plan_kernel.py`; the Triton
+`msa::plan`) and the Triton plan kernels (`torch_msa/plan/kernels.py`; the Triton
 backend's). The Triton and SM90 kernels get their schedule from `schedule_for` (a given plan's,
 or a new one's) or `plan_schedule` (a new one of their own item size); the SM90 kernels also read
 `bucket_key_count`. The SM100 backward walks finer task tables built from `build_schedule`
-(`torch_msa/cute_dsl/task_tables.py`).
+(`torch_msa/sm100/task_tables.py`).
 
 The plan
 --------
@@ -56,7 +56,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .documents import Documents
+from ..documents import Documents
 
 
 class Schedule(NamedTuple):
@@ -151,7 +151,7 @@ def build_schedule(
     """Build the KV-outer schedule of `block_indices` on its device, without a host sync.
 
     This is the reference build (`msa::plan` of the reference backend, packed by `pack`); the
-    Triton backend writes the same tables with a few kernels (`torch_msa/triton/plan_kernel.py`),
+    Triton backend writes the same tables with a few kernels (`torch_msa/plan/kernels.py`),
     because in eager mode each ATen call here costs a host-side launch. It is still written with few calls:
     scans and `searchsorted` instead of scatters, int32 tables computed directly.
     `tests/core/test_schedule.py` bounds the count.
@@ -207,16 +207,7 @@ def build_schedule(
     flat_ids = F.pad(block_indices.reshape(-1), (0, 1), value=0)
     bucket_block = flat_ids.index_select(0, first_order) * real_bucket
 
-    # Items: bucket b holds ceil(count / entries_per_item) of them. Item i >= num_items lands in the last bucket
-    # at or past its end, so the `minimum`s leave it empty (start == end).
-    items_per_bucket = (counts + (entries_per_item - 1)) // entries_per_item
-    item_ptr = torch.cumsum(items_per_bucket, 0, dtype=torch.int32)
-    item = torch.arange(item_bound, device=device, dtype=torch.int32)
-    item_bucket = torch.searchsorted(item_ptr, item, right=True, out_int32=True).clamp_(max=bucket_bound - 1)
-    first_item_of_bucket = item_ptr - items_per_bucket
-    item_rank = item - first_item_of_bucket.index_select(0, item_bucket)
-    item_start = bucket_ptr.index_select(0, item_bucket) + item_rank * entries_per_item
-    end_of_bucket = bucket_end.index_select(0, item_bucket)
+    item_bucket, item_start, item_end, num_items = _items(bucket_ptr[:-1], bucket_end, entries_per_item, item_bound)
     return Schedule(
         entry_query=entry_query,
         bucket_ptr=bucket_ptr,
@@ -224,12 +215,66 @@ def build_schedule(
         bucket_key_row=(first_key % key_stride).to(torch.int32),
         bucket_block=bucket_block,
         item_bucket=item_bucket,
-        item_start=torch.minimum(item_start, end_of_bucket),
-        item_end=torch.minimum(item_start + entries_per_item, end_of_bucket),
+        item_start=item_start,
+        item_end=item_end,
         position=docs.position.to(torch.int32),
         num_buckets=real_bucket.sum(dtype=torch.int32).view(1),
-        num_items=item_ptr[-1:],
+        num_items=num_items,
     )
+
+
+def _items(bucket_start: torch.Tensor, bucket_end: torch.Tensor, entries_per_item: int, item_bound):
+    """`(item_bucket, item_start, item_end, num_items)` of buckets whose entries are
+    `[bucket_start[b], bucket_end[b])` (int32 `[MB]` each): bucket `b` holds
+    `ceil(count / entries_per_item)` consecutive items. Item `i >= num_items` lands in the last
+    bucket at or past its end, so the `minimum`s leave it empty (start == end)."""
+    counts = bucket_end - bucket_start
+    items_per_bucket = (counts + (entries_per_item - 1)) // entries_per_item
+    item_ptr = torch.cumsum(items_per_bucket, 0, dtype=torch.int32)
+    item = torch.arange(item_bound, device=bucket_start.device, dtype=torch.int32)
+    item_bucket = torch.searchsorted(item_ptr, item, right=True, out_int32=True).clamp_(max=bucket_start.numel() - 1)
+    first_item_of_bucket = item_ptr - items_per_bucket
+    item_rank = item - first_item_of_bucket.index_select(0, item_bucket)
+    item_start = bucket_start.index_select(0, item_bucket) + item_rank * entries_per_item
+    end_of_bucket = bucket_end.index_select(0, item_bucket)
+    return (item_bucket, torch.minimum(item_start, end_of_bucket),
+            torch.minimum(item_start + entries_per_item, end_of_bucket), item_ptr[-1:])
+
+
+def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
+    """`schedule` with items of `entries_per_item` entries: the same entries and buckets, new item
+    tables (a few scans; no sort, no host sync). How a stage whose items are larger or smaller
+    than the plan's (the index loss's, the deterministic backward's) walks the step's plan."""
+    num_buckets = schedule.bucket_head.numel()
+    item_bound = max_items(schedule.entry_query.numel(), num_buckets, entries_per_item)
+    items = _items(schedule.bucket_ptr[:-1], schedule.bucket_ptr[1:], entries_per_item, item_bound)
+    return schedule._replace(**dict(zip(("item_bucket", "item_start", "item_end", "num_items"), items)))
+
+
+def query_window(schedule: Schedule, start: int, stop: int, topk: int, entries_per_item: int) -> Schedule:
+    """The schedule of queries `[start, stop)` of `schedule`'s, as a forward over `q[start:stop]`
+    walks it: each bucket keeps its entries of those queries (a run of them, as a bucket's entries
+    are sorted by query), split into items of `entries_per_item`; `entry_query` and `position`
+    count from `start`. `bucket_ptr` stays the whole call's (the kernels read the items). No sort
+    and no host sync: the plan of a call is built once and walked window by window."""
+    num_buckets = schedule.bucket_head.numel()
+    num_queries = schedule.position.numel()
+    device = schedule.entry_query.device
+    num_entries = schedule.entry_query.numel()
+    # Sorted entries, keyed (bucket, query slot): a bucket's window is one searchsorted per end.
+    entry = torch.arange(num_entries, device=device, dtype=torch.int32)
+    entry_bucket = torch.searchsorted(schedule.bucket_ptr[1:], entry, right=True, out_int32=True)
+    stride = num_queries * topk
+    key = entry_bucket.to(torch.int64) * stride + schedule.entry_query
+    bucket = torch.arange(num_buckets, device=device, dtype=torch.int64) * stride
+    window_start = torch.searchsorted(key, bucket + start * topk, out_int32=True)
+    window_end = torch.searchsorted(key, bucket + stop * topk, out_int32=True)
+    num_kv_heads = num_entries // max(1, stride)
+    item_bound = max_items(num_kv_heads * (stop - start) * topk, num_buckets, entries_per_item)
+    items = _items(window_start, window_end, entries_per_item, item_bound)
+    return schedule._replace(
+        entry_query=schedule.entry_query - start * topk, position=schedule.position[start:stop],
+        **dict(zip(("item_bucket", "item_start", "item_end", "num_items"), items)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,38 +337,6 @@ def unpack(plan: torch.Tensor, block_indices: torch.Tensor, num_keys: int, num_d
         raise ValueError(length_error(plan.numel(), list(block_indices.shape), num_keys, num_docs, block_size))
     plan = plan if plan.is_contiguous() else plan.contiguous()  # the kernels index the tables densely
     return Schedule(*plan.split_with_sizes(section_sizes(block_indices.shape, num_keys, num_docs, block_size, rows)))
-
-
-# ---------------------------------------------------------------------------------------------
-# What the KV-outer kernels of every backend read.
-# ---------------------------------------------------------------------------------------------
-
-
-def plan_schedule(block_indices, documents: Documents, num_keys, block_size, entries_per_item) -> Schedule:
-    """The schedule of a new plan with items of `entries_per_item` entries, built on the device by
-    the Triton plan kernels (`torch_msa/triton/plan_kernel.py`); the arguments as `build_schedule`'s.
-
-    Triton is imported here, on first use, so that importing torch_msa never imports it."""
-    from .triton import plan_kernel
-
-    plan = plan_kernel.plan(block_indices, documents, num_keys, block_size, entries_per_item)
-    return unpack(plan, block_indices, num_keys, documents.num_documents, block_size)
-
-
-def schedule_for(block_indices, documents: Documents, num_keys, block_size, num_heads, plan=None) -> Schedule:
-    """The KV-outer schedule a kernel walks: `plan`'s, or (`None`) a new plan's (`plan_schedule`)
-    with the items the public API builds (`entries_per_item(num_heads, Hkv)`).
-
-    Args:
-        block_indices: int32 `[Hkv, Tq, topk]`; documents: as for `build_schedule`; num_keys:
-            `Tk`; block_size: keys per block.
-        num_heads: the query heads `Hq` that size the items of a new plan.
-        plan: from `msa::plan` for these arguments (any item size), or None.
-    """
-    if plan is None:
-        return plan_schedule(block_indices, documents, num_keys, block_size,
-                             entries_per_item(num_heads, block_indices.shape[0]))
-    return unpack(plan, block_indices, num_keys, documents.num_documents, block_size)
 
 
 def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor, block_size: int) -> torch.Tensor:

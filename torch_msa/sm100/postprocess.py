@@ -12,8 +12,8 @@ import functools
 
 import torch
 
-from . import require_cute_dsl
-from .cute_io import aligned_operand, check_index_tensor, compile_kernel, cutlass_dtype, fake_rows, launcher
+from ..cute_dsl import require_cute_dsl
+from ..cute_dsl.cute_io import aligned_operand, check_index_tensor, compile_kernel, cutlass_dtype, fake_rows, launcher
 from .task_tables import TaskTables, check_tables_match
 
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -1,0 +1,25 @@
+"""The SM90 backend's ops, in the backends' form (`torch_msa.backends.Backend`): the forward over
+query windows (`torch_msa/query_windows.py`), the backward (atomic, or bitwise reproducible under
+`torch.use_deterministic_algorithms(True)`), and the backward with the fused index loss."""
+
+import torch
+
+from ..query_windows import forward_in_windows
+from . import backward_deterministic, backward_host, forward_host, index_loss
+
+
+def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
+    with torch.cuda.device(q.device):
+        return forward_in_windows(forward_host.forward, q, k, v, block_indices, documents, block_size, softmax_scale,
+                                  plan)
+
+
+def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None, plan=None):
+    # Decided per call, like torch's own kernels: the flag may change between steps.
+    module = backward_deterministic if torch.are_deterministic_algorithms_enabled() else backward_host
+    with torch.cuda.device(q.device):
+        return module.backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale,
+                               grad_lse, plan)
+
+
+backward_with_index_loss = index_loss.backward_with_index_loss
