@@ -12,7 +12,7 @@ window reads all keys; its queries are passed as one-token fragments
 (`Documents.token_fragments`) that place each of them exactly where the unwindowed call does, so
 each query's output and lse are those of one call over all queries. A problem that fits one
 window is passed through unchanged, with its plan; the windows walk the call's plan
-(`torch_msa.plan.schedule.query_window`), built here once when none is given.
+(`torch_msa.plan.schedule.query_windows`), built here once when none is given.
 """
 
 import dataclasses
@@ -20,10 +20,11 @@ from collections.abc import Callable
 
 import torch
 
+from . import backends
 from .contract import compute_dtype
 from .documents import Documents
-from .plan.kernels import schedule_for
-from .plan.schedule import entries_per_item, query_window
+from .plan.schedule import Schedule, entries_per_item, unpack
+from .plan.schedule import query_windows as plan_windows
 
 PARTIAL_BYTES = 3 << 30
 """Memory the partial outputs of one window may take (3 GiB: 12098 queries of MiniMax-M3, so that
@@ -74,11 +75,15 @@ def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Doc
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
     num_kv_heads, _, topk = block_indices.shape
-    schedule = schedule_for(block_indices, documents, k.shape[0], block_size, num_heads, plan)
-    item_size = entries_per_item(num_heads, num_kv_heads)
+    if plan is None:  # built once for every window, by the backend of `msa::plan`
+        plan = backends.call("plan", q.device, block_indices, documents, k.shape[0], block_size,
+                             entries_per_item(num_heads, num_kv_heads))
+    schedule = plan if isinstance(plan, Schedule) else unpack(plan, block_indices, k.shape[0],
+                                                              documents.num_documents, block_size)
+    window_schedule = plan_windows(schedule, topk, entries_per_item(num_heads, num_kv_heads))
     for start, stop, window_documents in query_windows(documents, num_queries, k.shape[0], window):
         part_out, part_lse = forward(q[start:stop], k, v, block_indices[:, start:stop].contiguous(), window_documents,
-                                     block_size, softmax_scale, query_window(schedule, start, stop, topk, item_size))
+                                     block_size, softmax_scale, window_schedule(start, stop))
         out[start:stop] = part_out
         lse[start:stop] = part_lse
     return out, lse

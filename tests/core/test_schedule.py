@@ -227,9 +227,9 @@ def test_with_items_equals_a_build_of_that_item_size(layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("window", [1, 37, 128])
 def test_a_query_window_walks_exactly_its_queries_entries(layout, window):
-    """`query_window` cuts a call's plan to the queries of one window: the entries of those
+    """`query_windows` cuts a call's plan to the queries of one window: the entries of those
     queries and no other, with the window's positions, in items no larger than asked."""
-    from torch_msa.plan.schedule import query_window
+    from torch_msa.plan.schedule import query_windows
 
     lengths_q, lengths_k, block_size, topk = LAYOUTS[layout]
     cu_q, cu_k = testing.cu_seqlens(lengths_q, lengths_k)
@@ -237,9 +237,10 @@ def test_a_query_window_walks_exactly_its_queries_entries(layout, window):
     documents, num_keys, num_queries = documents_of(cu_q, cu_k), sum(lengths_k), sum(lengths_q)
     whole = build_schedule(block_indices, documents, num_keys, block_size, 8)
     every, _ = _covered(whole)
+    cut = query_windows(whole, topk, 5)
     for start in range(0, num_queries, window):
         stop = min(num_queries, start + window)
-        part = query_window(whole, start, stop, topk, 5)
+        part = cut(start, stop)
         covered, largest = _covered(part, first_query=start * topk)
         assert covered == {entry for entry in every if start * topk <= entry[3] < stop * topk}
         assert largest <= 5 and part.item_start.numel() >= int(part.num_items)

@@ -156,7 +156,7 @@ def _million_token_rows():
     """`(token, KV head, out, reference out, lse, reference lse)` (float64, that head's 16 query
     heads) of the 1M-token test's sampled rows; the inputs die with this call."""
     import torch_msa
-    from torch_msa import sm90
+    from torch_msa.sm90 import interface as sm90_interface
 
     num_tokens = 1 << 20
     generator = torch.Generator(device="cuda").manual_seed(9)
@@ -168,7 +168,7 @@ def _million_token_rows():
     cu = torch.tensor([0, num_tokens], dtype=torch.int32, device="cuda")
     blocks = torch_msa.select_blocks(tensor(num_tokens, HKV, 128), tensor(num_tokens, 1, 128), cu, cu,
                                      num_tokens, num_tokens, topk=TOPK, block_size=BLOCK)
-    out, lse = sm90.forward(*backend_arguments("forward", q, k, v, blocks, cu, cu, num_tokens, num_tokens, BLOCK,
+    out, lse = sm90_interface.forward(*backend_arguments("forward", q, k, v, blocks, cu, cu, num_tokens, num_tokens, BLOCK,
                                                SCALE))
     sampled = []
     for token in torch.linspace(0, num_tokens - 1, 48).round().long().tolist():
@@ -186,7 +186,8 @@ def test_query_windows_bound_the_partials_and_equal_one_call(monkeypatch):
     """The backend's forward over windows of 1000 queries (a pack with empty and one-token
     documents and a 3000-token one) equals one kernel call over all queries, and its memory above
     the inputs is the output plus one window's partials, not the 4096 queries' partials."""
-    from torch_msa import query_windows, sm90
+    from torch_msa import query_windows
+    from torch_msa.sm90 import interface as sm90_interface
 
     inputs = _inputs([0, 1, 3000, 0, 1094, 1], [0, 1, 3000, 0, 1094, 1], torch.bfloat16, seed=8)
     one_call = _sm90(*inputs)
@@ -196,7 +197,7 @@ def test_query_windows_bound_the_partials_and_equal_one_call(monkeypatch):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    got = sm90.forward(*backend_arguments("forward", *inputs, BLOCK, SCALE))
+    got = sm90_interface.forward(*backend_arguments("forward", *inputs, BLOCK, SCALE))
     torch.cuda.synchronize()
     above_inputs = torch.cuda.max_memory_allocated() - before
     torch.testing.assert_close(got[0], one_call[0], atol=0, rtol=0)

@@ -89,3 +89,42 @@ def test_an_eager_step_launches_few_kernels_and_converts_no_tensor_in_python(mon
     assert not conversions, f"{len(conversions)} tensors converted by cutlass.cute.runtime.from_dlpack"
     bound = sum(OWN_LAUNCHES.values()) + _library_launches()
     assert len(launches) <= bound, f"{len(launches)} launches, expected at most {bound}: {sorted(launches)}"
+
+
+def test_a_step_with_the_fused_index_loss_builds_one_plan_and_one_sort_over_query_windows(monkeypatch):
+    """One plan per step: the forward's query windows, the backward and the fused index loss all
+    walk the plan `msa_attention` builds (its one `torch.sort`)."""
+    from torch_msa import query_windows
+    from torch_msa.plan import kernels as plan_kernels
+
+    builds = []
+    real_plan = plan_kernels.plan
+
+    def counted_plan(*args):
+        builds.append(tuple(args[0].shape))
+        return real_plan(*args)
+
+    monkeypatch.setattr(plan_kernels, "plan", counted_plan)
+    per_query = query_windows.partial_bytes_per_query(HQ, TOPK, D, torch.bfloat16)
+    monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 3000 * per_query)  # three windows of 8192 queries
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def normal(*shape, grad=False):
+        return torch.randn(*shape, generator=generator, device="cuda").to(torch.bfloat16).requires_grad_(grad)
+
+    q, k, v = normal(TOKENS, HQ, D, grad=True), normal(TOKENS, HKV, D, grad=True), normal(TOKENS, HKV, D, grad=True)
+    index_q, index_k = normal(TOKENS, HKV, D, grad=True), normal(TOKENS, 1, D, grad=True)
+    cu = torch.tensor([0, TOKENS], dtype=torch.int32, device="cuda")
+
+    def step():
+        out, kl, _ = torch_msa.msa_attention(q, k, v, index_q, index_k, cu, cu, TOKENS, TOKENS, index_loss=True)
+        torch.autograd.backward((out, kl), (torch.ones_like(out), torch.ones_like(kl)))
+
+    step()  # compiles the kernels
+    builds.clear()
+    launches = _device_activities(step)
+    assert builds == [(HKV, TOKENS, TOPK)], builds
+    sorts = [name for name in launches if "sort" in name.lower() and "radix" in name.lower()]
+    keys = torch.arange(HKV * TOKENS * TOPK, dtype=torch.int32, device="cuda")  # the plan's 32-bit keys
+    single_sort = _device_activities(lambda: torch.sort(keys, stable=True))
+    assert len(sorts) == len([name for name in single_sort if "sort" in name.lower() and "radix" in name.lower()])

@@ -256,7 +256,7 @@ def schedule_for(block_indices, documents: Documents, num_keys, block_size, num_
             `Tk`; block_size: keys per block.
         num_heads: the query heads `Hq` that size the items of a new plan.
         plan: from `msa::plan` for these arguments (any item size), its `Schedule` (a backend's
-            unpacked plan, or a query window's, `query_window`), or None.
+            unpacked plan, or a query window's, `torch_msa.plan.schedule.query_windows`), or None.
     """
     if isinstance(plan, Schedule):
         return plan

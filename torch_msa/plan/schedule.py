@@ -50,7 +50,7 @@ detected by `torch_msa.validation.check_plan_values`, which `TORCH_MSA_DEBUG=1` 
 selection. A hand-made plan is not a supported input.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -251,30 +251,34 @@ def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
     return schedule._replace(**dict(zip(("item_bucket", "item_start", "item_end", "num_items"), items)))
 
 
-def query_window(schedule: Schedule, start: int, stop: int, topk: int, entries_per_item: int) -> Schedule:
-    """The schedule of queries `[start, stop)` of `schedule`'s, as a forward over `q[start:stop]`
-    walks it: each bucket keeps its entries of those queries (a run of them, as a bucket's entries
-    are sorted by query), split into items of `entries_per_item`; `entry_query` and `position`
-    count from `start`. `bucket_ptr` stays the whole call's (the kernels read the items). No sort
-    and no host sync: the plan of a call is built once and walked window by window."""
+def query_windows(schedule: Schedule, topk: int, entries_per_item: int) -> Callable[[int, int], Schedule]:
+    """`window(start, stop)`: the schedule of queries `[start, stop)` of `schedule`'s, as a forward
+    over `q[start:stop]` walks it. Each bucket keeps its entries of those queries (a run of them,
+    as a bucket's entries are sorted by query), split into items of `entries_per_item`;
+    `entry_query` and `position` count from `start`; `bucket_ptr` stays the whole call's (the
+    kernels read the items). No sort and no host sync: a call's plan is built once and walked
+    window by window; the search keys are computed here once for every window."""
     num_buckets = schedule.bucket_head.numel()
-    num_queries = schedule.position.numel()
-    device = schedule.entry_query.device
     num_entries = schedule.entry_query.numel()
-    # Sorted entries, keyed (bucket, query slot): a bucket's window is one searchsorted per end.
+    device = schedule.entry_query.device
+    stride = schedule.position.numel() * topk
+    num_kv_heads = num_entries // max(1, stride)
+    # Sorted entries keyed (bucket, query slot): a bucket's window is one searchsorted per end.
     entry = torch.arange(num_entries, device=device, dtype=torch.int32)
     entry_bucket = torch.searchsorted(schedule.bucket_ptr[1:], entry, right=True, out_int32=True)
-    stride = num_queries * topk
-    key = entry_bucket.to(torch.int64) * stride + schedule.entry_query
-    bucket = torch.arange(num_buckets, device=device, dtype=torch.int64) * stride
-    window_start = torch.searchsorted(key, bucket + start * topk, out_int32=True)
-    window_end = torch.searchsorted(key, bucket + stop * topk, out_int32=True)
-    num_kv_heads = num_entries // max(1, stride)
-    item_bound = max_items(num_kv_heads * (stop - start) * topk, num_buckets, entries_per_item)
-    items = _items(window_start, window_end, entries_per_item, item_bound)
-    return schedule._replace(
-        entry_query=schedule.entry_query - start * topk, position=schedule.position[start:stop],
-        **dict(zip(("item_bucket", "item_start", "item_end", "num_items"), items)))
+    keys = entry_bucket.to(torch.int64) * stride + schedule.entry_query
+    bucket_keys = torch.arange(num_buckets, device=device, dtype=torch.int64) * stride
+
+    def window(start: int, stop: int) -> Schedule:
+        window_start = torch.searchsorted(keys, bucket_keys + start * topk, out_int32=True)
+        window_end = torch.searchsorted(keys, bucket_keys + stop * topk, out_int32=True)
+        item_bound = max_items(num_kv_heads * (stop - start) * topk, num_buckets, entries_per_item)
+        items = _items(window_start, window_end, entries_per_item, item_bound)
+        return schedule._replace(
+            entry_query=schedule.entry_query - start * topk, position=schedule.position[start:stop],
+            **dict(zip(("item_bucket", "item_start", "item_end", "num_items"), items)))
+
+    return window
 
 
 # ---------------------------------------------------------------------------------------------

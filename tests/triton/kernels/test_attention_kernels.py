@@ -21,6 +21,7 @@ from tests.support.triton_kernels import (
 from torch_msa import reference, testing
 from torch_msa.plan import kernels as plan_kernel
 from torch_msa.plan.schedule import build_schedule, pack
+from torch_msa.stages.dq import ungroup_dq
 from torch_msa.triton import backward as backward_kernel
 from torch_msa.triton import backward_deterministic
 from torch_msa.triton import forward as forward_kernel
@@ -85,10 +86,10 @@ def test_ungroup_dq_restores_natural_order(dtype):
     natural = torch.randn(num_queries, num_heads, dim, device=DEVICE)
     grouped = natural.view(num_queries, num_heads // block_heads, block_heads, dim // width, width).transpose(2, 3)
     dq = torch.full_like(natural, float("nan"), dtype=dtype)
-    backward_kernel.ungroup_dq(grouped.contiguous().view_as(natural), dq, block_heads, width, (DEVICE, dtype, dim))
+    ungroup_dq(grouped.contiguous().view_as(natural), dq, block_heads, width, (DEVICE, dtype, dim))
     assert torch.equal(dq, natural.to(dtype))
     empty = torch.empty(0, num_heads, dim, device=DEVICE)
-    backward_kernel.ungroup_dq(empty, empty.to(dtype), block_heads, width, (DEVICE, dtype, dim))
+    ungroup_dq(empty, empty.to(dtype), block_heads, width, (DEVICE, dtype, dim))
 
 
 def test_forward_and_backward_read_a_given_plan():
