@@ -522,7 +522,7 @@ def test_the_registry_holds_the_backend_at_priority_20():
     backend = backends._BACKENDS[sm100.NAME]
     assert backend is sm100.BACKEND
     assert backend.priority == 20 and backend.device_types == ("cuda",)
-    # The backward with the index loss is its backward and the registry's loss ops.
+    # The backward with the index loss is composed (torch_msa.index_loss) from its backward.
     assert set(backend.ops) == {"forward", "backward"} and backend.implements("backward_with_index_loss")
 
 
@@ -657,7 +657,7 @@ def cpu_device_guard(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
 
 
-def test_forward_calls_the_official_pair_as_nemo_does_and_returns_its_lse(official, monkeypatch, cpu_device_guard):
+def test_forward_calls_the_official_pair_and_returns_its_lse(official, monkeypatch, cpu_device_guard):
     lengths = [130, 5, 0, 256]
     q, k, v, block_indices, cu_q, cu_k = _m3_inputs(lengths)
     block_indices[0, :, 0] = block_indices[0, :, -1]  # a repeated id and -1 in the middle of rows
