@@ -1,9 +1,9 @@
 """The SM100 (Blackwell) backend: the official MiniMax MSA flat forward and our CuTe DSL backward.
 
-Serves a CUDA device of compute capability 10.0 with the `msa` and `cute` extras, in the
-MiniMax-M3 configuration only, and only under `TORCH_MSA_BACKEND=sm100` (opt-in until it has run
-on SM100 hardware). Everything else it declines with `UnsupportedInputs` before any work. Design
-notes: `README.md` in this folder.
+Serves a CUDA device of compute capability 10.0 with the `cute` extra and the official MSA
+package (`common.INSTALL_COMMAND`), in the MiniMax-M3 configuration only, and only under
+`TORCH_MSA_BACKEND=sm100` (opt-in until it has run on SM100 hardware). Everything else it declines
+with `UnsupportedInputs` before any work. Design notes: `README.md` in this folder.
 """
 
 import functools

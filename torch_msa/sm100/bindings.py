@@ -1,4 +1,4 @@
-"""Bindings to the official MiniMax MSA kernels (the revision the `msa` extra pins) and to our SM100 backward.
+"""Bindings to the official MiniMax MSA kernels (at `common.OFFICIAL_MSA_REVISION`) and to our SM100 backward.
 
 `kernels()` is the one place torch_msa reaches into the official package: on first call it
 imports the official entry points and our backward, applies the two compatibility patches the
