@@ -210,6 +210,14 @@ def test_torch_tables_match_python_construction(layout, block_size, out_of_contr
     assert tables.bucket_task_ptr.tolist() == bucket_task_ptr + padding
 
 
+def test_task_operands_are_schedule_and_table_tensors_by_name():
+    from torch_msa.plan.schedule import Schedule
+    from torch_msa.sm100.common import TaskOperands
+
+    # `task_operands` looks each field up by name, so a renamed Schedule tensor must fail here, on a CPU.
+    assert set(TaskOperands._fields) <= {*Schedule._fields, *TaskTables._fields, "cu_seqlens_k"}
+
+
 def test_workspace_geometry():
     q_lens, k_lens = LAYOUTS["suffix"]
     _, cu_k = cu_seqlens(q_lens, k_lens)

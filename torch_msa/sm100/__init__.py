@@ -1,26 +1,9 @@
 """The SM100 (Blackwell) backend: the official MiniMax MSA flat forward and our CuTe DSL backward.
 
-`msa::forward` runs the official key-to-query CSR build and flat sparse forward
-(`fmha_sm100.sparse.build_k2q_csr` + `sparse_atten_func`); `msa::backward` runs our
-`run_backward` (`torch_msa.sm100.backward_host`, the host side of the CuTe DSL kernel class in
-`backward_kernel.py`; what they share, with this package too, is in `common.py`). Both are bound
-on first use by `bindings.kernels()`; importing this package imports neither cutlass, triton nor
-the official package.
-
-The backend serves a CUDA device of compute capability 10.0 with the `msa` and `cute` extras
-installed (`available`), and within that only the configuration the kernels are built for:
-MiniMax-M3 (Hq=64, Hkv=4, D=128, block_size=128, topk=16, bfloat16). Anything else raises
-`UnsupportedInputs` before any work, and the registry falls back to the next backend with a
-one-time warning. So do a deterministic-algorithms backward (the backward accumulates with
-atomics), a forward during CUDA-graph capture (it synchronises with the host once) and a
-forward over documents with fewer queries than keys (only self-attention packs are sent to the
-official kernels).
-
-The backend is opt-in: it serves only under `TORCH_MSA_BACKEND=sm100`, because its forward
-binding and its backward main kernel have not yet run on SM100 hardware. Meanwhile the Triton
-backend serves SM100, and default resolution on an SM100 device prints a one-time note saying
-how to enable this one.
-
+Serves a CUDA device of compute capability 10.0 with the `cute` extra and the official MSA
+package (`common.INSTALL_COMMAND`), in the MiniMax-M3 configuration only, and only under
+`TORCH_MSA_BACKEND=sm100` (opt-in until it has run on SM100 hardware). Everything else it declines
+with `UnsupportedInputs` before any work. Design notes: `README.md` in this folder.
 """
 
 import functools
@@ -38,8 +21,6 @@ from .common import BLOCK_SIZE, HEAD_DIM, INSTALL_COMMAND, NUM_KV_HEADS, NUM_Q_H
 NAME = "sm100"
 PRIORITY = 20
 
-# The one configuration the official kernels and our backward are built for (MiniMax-M3): the
-# shapes of `common.py`, and the official forward's top-k and dtype.
 TOPK = M3.topk
 DTYPE = torch.bfloat16
 
@@ -47,10 +28,7 @@ _REQUIRED_MODULES = (bindings.OFFICIAL_PACKAGE, *CUTE_DSL_MODULES, bindings.BACK
 
 
 def available(device: torch.device) -> bool:
-    """True on a CUDA device of compute capability 10.0 with the CuTe DSL and the official MSA package installed.
-
-    Only looks the extras up (`importlib.util.find_spec`); nothing heavy is imported.
-    """
+    """True on a CUDA device of compute capability 10.0 with the CuTe DSL and the official MSA package installed."""
     if not _on_sm100(device):
         return False
     return _extras_installed()
@@ -83,8 +61,6 @@ def _extras_installed() -> bool:
 
 
 def _decline_fragments(documents) -> None:
-    """Raise `UnsupportedInputs` for query fragments: the official forward and the backward's task
-    build take each document's queries as the causal suffix of its keys."""
     if documents.has_fragments:
         raise UnsupportedInputs("query fragments (fragment_documents given): the SM100 kernels serve one causal "
                                 "suffix of queries per document")
@@ -126,10 +102,10 @@ def canonical_block_indices(
 
 
 def _self_attention_key_rows(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> int:
-    """Rows of the official key-block CSR (the sum over documents of `ceil(L / 128)`).
+    """Rows of the official key-block CSR (the sum over documents of `ceil(L / 128)`), in one host sync.
 
-    Also checks that every document is self-attention (`cu_seqlens_q == cu_seqlens_k`), the
-    layout NeMo AutoModel verified the official forward on; both facts come from one host sync.
+    Raises:
+        UnsupportedInputs: unless every document is self-attention (`cu_seqlens_q == cu_seqlens_k`).
     """
     lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64).clamp(min=0)
     rows = torch.div(lengths + BLOCK_SIZE - 1, BLOCK_SIZE, rounding_mode="floor").sum()
@@ -216,12 +192,7 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
             return_softmax_lse=True,
             schedule=schedule,
         )
-    # The official lse already is our contract's: natural log, fp32, [Tq, Hq], so no conversion.
-    # Seen in MiniMax-AI/MSA python/fmha_sm100/cute/interface.py (sparse_atten_func docstring:
-    # "LSE outputs have shape [total_q, Hq] and dtype float32"), in its test_sparse_atten.py, whose
-    # sparse_attention_ref checks that lse against torch.logsumexp (base e), and in NeMo AutoModel's
-    # tests/functional_tests/models/minimax_m3_vl/test_msa_sm100.py, which compares it with
-    # torch.logsumexp to 0.002 on SM100.
+    # The official lse is already natural-log fp32 [Tq, Hq] (README.md): no conversion.
     return out, lse
 
 
@@ -229,11 +200,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
              plan=None):
     """`msa::backward` through our CuTe DSL `run_backward`: `(dq, dk, dv)` in bfloat16.
 
-    Its tasks hold 8 queries each (`task_tables.TOKENS_PER_TASK`), a finer split than the plans the public
-    API builds, so it builds its own schedule and does not read `plan`.
-
-    `run_backward` receives packed THD tensors and `canonical_block_indices` (ascending distinct
-    in-horizon ids, then `-1`); it builds its 128-aligned K/V workspace itself.
+    Its tasks hold 8 queries each, a finer split than the public API's plans, so `plan` is not read.
 
     Raises:
         UnsupportedInputs: under `torch.use_deterministic_algorithms(True)` (dK/dV/dQ are

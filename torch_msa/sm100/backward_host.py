@@ -1,16 +1,7 @@
-"""`run_backward`: the MSA backward on an SM100 (Blackwell) GPU, the host side of the main kernel.
+"""`run_backward`: the MSA backward on an SM100 GPU, and the launch and compile of its main kernel.
 
-The pipeline, on the device with no host synchronisation: `prepare_delta` (preprocess),
-`build_tasks` + `align_kv` (the task tables and the 128-aligned K/V workspace), zeroed fp32
-accumulators, `launch_main` (the main kernel adds dQ, dK and dV with atomics, so deterministic
-mode is refused), `finish_gradients` (cast and un-align). The architecture-neutral stages are
-`torch_msa.cute_dsl`'s; the main kernel and its design are `backward_kernel.py`; the
-configuration it is built for (MiniMax-M3) and the device gate are in `common.py`.
-
-`launch_main` checks every operand against `OPERANDS`, the list `compile_main_kernel` compiles
-the kernel for, so the two cannot disagree; one executable serves the process (token, workspace
-and task counts are runtime arguments). Importing this module imports no cutlass:
-`compile_main_kernel` imports the kernel module on the first compile, after `require_cute_dsl()`.
+`launch_main` checks every operand against `OPERANDS`, the table `compile_main_kernel` compiles
+for; one executable serves the process (token, workspace and task counts are runtime arguments).
 """
 
 import functools
@@ -38,11 +29,10 @@ def run_backward(
     softmax_scale: float,
     grad_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The MSA main-branch backward on an SM100 GPU: `(dq, dk, dv)` in q's dtype.
+    """The MSA backward on an SM100 GPU: `(dq, dk, dv)` in q's dtype, with no host synchronisation.
 
-    Pipeline: `prepare_delta` (preprocess), `build_tasks` + `align_kv` (task tables and the
-    128-aligned K/V workspace), zeroed fp32 accumulators, `launch_main`, `finish_gradients`
-    (cast and un-align). Nothing synchronises with the host.
+    dQ, dK and dV are summed with fp32 atomics, so the result is not deterministic; the backend
+    declines deterministic mode before calling this.
 
     Args:
         q, grad_out, out: bf16 `[Tq, 64, 128]` on a CUDA device of capability 10.0.
@@ -50,25 +40,15 @@ def run_backward(
         lse: fp32 `[Tq, 64]`, natural log, from the forward.
         block_indices: int32 `[4, Tq, topk]`, blocks of 128 keys (ids read as a set).
         cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]`.
-        max_seqlen_q, max_seqlen_k: part of the op signature; the task build derives everything
-            from the cu_seqlens, so they are not needed here.
+        max_seqlen_q, max_seqlen_k: part of the op signature; not read.
         softmax_scale: the forward's scale of `q k^T`.
         grad_lse: optional `[Tq, 64]` gradient of `lse`, folded into delta.
 
     Raises:
-        RuntimeError: under `torch.use_deterministic_algorithms(True)` (dQ, dK and dV are summed
-            with floating-point atomics, whose order varies from run to run).
         NotImplementedError: unless the device has compute capability 10.0.
-        UnsupportedInputs: for inputs outside the contract this kernel is built for (Hq=64,
-            Hkv=4, D=128, block 128, bf16); a backend can fall back on it.
+        UnsupportedInputs: outside the M3 configuration (Hq=64, Hkv=4, D=128, block 128, bf16).
     """
     del max_seqlen_q, max_seqlen_k
-    if torch.are_deterministic_algorithms_enabled():
-        raise RuntimeError(
-            "the SM100 MSA backward accumulates dq, dk and dv with floating-point atomics, which are "
-            "not deterministic; torch.use_deterministic_algorithms(True) is set, so it refuses to run "
-            "(use the reference backend, TORCH_MSA_BACKEND=reference, for deterministic gradients)"
-        )
     require_sm100(q.device)
     _check_contract(q, k, v, grad_out, out, lse, block_indices)
     from ..cute_dsl.cute_io import aligned_operand
@@ -115,9 +95,7 @@ def _check_contract(q, k, v, grad_out, out, lse, block_indices) -> None:
         )
 
 
-# The kernel's tensor operands in launch order: (name, dtype, extent of dim 0, inner shape). Dim 0
-# is dynamic (Tq, W, max_tasks); `compile_main_kernel` describes each with `fake_rows`,
-# `launch_main` checks each and passes them in this order, so the two cannot disagree.
+# The kernel's tensor operands in launch order: (name, dtype, extent of dim 0, inner shape); dim 0 is dynamic.
 OPERANDS = (
     ("q", torch.bfloat16, "Tq", (NUM_Q_HEADS, HEAD_DIM)),
     ("k_ws", torch.bfloat16, "W", (NUM_KV_HEADS, HEAD_DIM)),
@@ -148,8 +126,7 @@ def launch_main(
     dv_accum: torch.Tensor,
     softmax_scale: float,
 ) -> None:
-    """Launch the SM100 main kernel: it adds dQ, dK and dV (fp32, dQ and dK already multiplied by
-    `softmax_scale`) into the accumulators with atomics.
+    """Add dQ, dK and dV (fp32; dQ and dK times `softmax_scale`) into the accumulators with atomics.
 
     Args:
         q, grad_out: bf16 `[Tq, 64, 128]`.
@@ -160,7 +137,9 @@ def launch_main(
             entry (the kernel only adds).
         softmax_scale: scale of `q k^T`; it also scales dQ and dK.
 
-    Every tensor must be contiguous, 16-byte aligned and on q's CUDA device (ValueError otherwise).
+    Raises:
+        ValueError: a tensor of another shape or dtype, not contiguous, not 16-byte aligned, or
+            not on q's CUDA device.
     """
     tensors = {
         "q": q, "k_ws": k_ws, "v_ws": v_ws, "grad_out": grad_out, "lse": lse, "delta": delta,
@@ -190,8 +169,6 @@ def launch_main(
 
 @functools.cache
 def _compile():
-    """Compile the main kernel once per process for this host's GPU; token, workspace and task
-    counts are dynamic, so one executable serves every call."""
     from ..cute_dsl.cute_io import launcher
 
     return launcher(compile_main_kernel())
@@ -203,9 +180,8 @@ def compile_for_target(arch: str, dump_dir: str | None = None) -> dict:
 
 
 def compile_main_kernel(arch: str | None = None, dump_dir: str | None = None, listings: bool = False):
-    """`cute.compile` the main kernel (`arch=None`: this host's GPU) on fake tensors whose leading
-    extents (Tq, W, max_tasks) are dynamic. `dump_dir` keeps the cubin there, and with `listings`
-    also the PTX and the SASS (disassembled with nvdisasm, a dependency of the CuTe DSL)."""
+    """`cute.compile` the main kernel (`arch=None`: this host's GPU) for `OPERANDS`. `dump_dir` keeps
+    the cubin there, and with `listings` also the PTX and the SASS."""
     from ..cute_dsl.cute_io import compile_kernel, fake_rows
 
     require_cute_dsl()

@@ -1,56 +1,7 @@
-"""The SM100 (Blackwell, sm_100a) main kernel of the MSA backward in CuTe DSL.
+"""The SM100 (sm_100a) main kernel of the MSA backward in CuTe DSL; its design is in `README.md`.
 
-Its host side (the pipeline around it: delta, task tables, the aligned K/V workspace, the
-accumulators and the final casts; launch and compile cache) is `backward_host.py`; the
-configuration both share is in `common.py`.
-
-Design (after NeMo AutoModel's `msa_backward_sm100`; our own code):
-
-* **KV-parallel.** The task tables (`task_tables.build_tasks`) list *tasks* of 8 query tokens that chose
-  one `(kv head, key block)` *bucket*; the tasks of a bucket are consecutive. With the 16 query
-  heads of the kv head, a task is one 128-row MMA tile (row `r` = token `r // 16`, head
-  `16 * kv_head + r % 16`). The grid is persistent-like: CTA `c` walks the task rows
-  `[c * n, (c + 1) * n)` with `n = ceil(num_tasks / grid)`, so a bucket every token chose is
-  spread over several CTAs instead of serialising one. A maximal run of one bucket's tasks inside
-  a CTA is a *segment*: its K/V tile is loaded once and its dK/dV stay in tensor memory (TMEM)
-  across the segment, then are flushed with fp32 vector atomics (`red.global.add.v4.f32`) into
-  `dk_accum`/`dv_accum`; segments of the same bucket in other CTAs add into the same rows.
-* **Five tcgen05 GEMMs per task** (M = N = K = 128, bf16 operands, fp32 accumulators in TMEM):
-
-      S^T  = K  Q^T      TMEM cols   0..127   (A = K smem,    B = Q smem)
-      dP^T = V  dO^T     TMEM cols 128..255   (A = V smem,    B = dO smem)
-      dV  += P^T dO      TMEM cols 256..383   (A = P^T TMEM (bf16, over S^T), B = dO smem)
-      dK  += dS^T Q      TMEM cols 384..511   (A = dS^T smem, B = Q smem)
-      dQ   = dS  K       TMEM cols 128..255   (A = dS smem,   B = K smem; reuses dP^T's columns)
-
-  The transposed forms put keys on the TMEM lanes, so a compute thread owns one key and the
-  causal mask is a per-thread comparison, and P^T can feed the dV GEMM straight from TMEM.
-  Per task the MMA warp issues S^T, dP^T, then dV once P^T is written, then dQ and dK once dS^T
-  is in shared memory: dP^T overlaps the exponentials, dV overlaps dS, and the next task's TMA
-  loads and scalar gathers run ahead of all of it (2 Q stages, 2 scalar stages).
-* **Gathering a task's rows.** `q[t, 16 g : 16 g + 16, :]` (kv head `g`) is 16 contiguous rows of
-  the `[Tq * 64, 128]` view of q, i.e. row block `4 t + g` of 16 rows. The load warp issues one
-  TMA per token (a 16 x 128 box, split by the 128-byte swizzle into two 16 x 64 boxes) straight
-  into the token's 16 rows of the swizzled MMA operand tile: 8 TMAs per tile, no register
-  staging, completion tracked by the same mbarrier transaction count as a dense tile. Padding rows
-  (token -1) load the task's first token instead: finite data whose P is masked to 0.
-* **Warp roles** (512 threads = 4 warpgroups, so `setmaxnreg` can rebalance registers per
-  warpgroup): warps 0-7 *compute* (P = exp2(S * scale * log2 e - lse * log2 e) under the causal and
-  padding mask, dS = P * (dP - delta); each warpgroup owns 64 of the 128 query rows), warps 8-11
-  *reduce* (dQ and dK/dV atomics), warp 12 *MMA*, warp 13 *load* (TMA), warp 14 *scalars*
-  (lse, delta, positions and tokens of each task into shared memory), warp 15 idle. They hand
-  work to each other through mbarrier pipelines (`cutlass.pipeline`), so the loads of the next
-  task overlap the math of the current one.
-
-`dq_accum`, `dk_accum`, `dv_accum` are fp32 and must be zero on entry; the scale `softmax_scale`
-of dQ and dK is applied in fp32 before the atomics. P and dS are rounded to bf16 for the tensor
-cores (as in every bf16 flash backward); everything else stays fp32.
-
-The MMA warp does not software-pipeline across tasks, and dQ is added with fp32 atomics; what that
-leaves to gain is in docs/performance.md.
-
-This module imports cutlass at the top; the host module imports it only when it first compiles
-the kernel, after `require_cute_dsl()`.
+`dq_accum`, `dk_accum`, `dv_accum` are fp32 and must be zero on entry; dQ and dK are scaled by
+`softmax_scale` in fp32 before the atomics. The host side is `backward_host.py`.
 """
 
 import functools
@@ -71,7 +22,7 @@ from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, NUM_KV_HEADS, NUM_Q_HEAD
 
 
 class Gemms(NamedTuple):
-    """The tcgen05 tiled MMAs of the five GEMMs (module docstring)."""
+    """The tcgen05 tiled MMAs of the five GEMMs."""
 
     s: cute.TiledMma  # S^T = K Q^T
     dp: cute.TiledMma  # dP^T = V dO^T
@@ -133,10 +84,8 @@ class Sm100BackwardKernel:
     load_warp = 13
     scalar_warp = 14  # warp 15 idles: it completes the fourth warpgroup
     threads_per_cta = 512
-    # setmaxnreg budgets per warpgroup (sum * 128 threads = 64 K registers), chosen so that
-    # ptxas spills nothing: the MMA warp keeps the shared-memory descriptors of five GEMMs
-    # live (112), a reduce thread holds a 128-float row (144), a compute thread 64 P values
-    # and a 16-column dP chunk (128).
+    # setmaxnreg budgets per warpgroup (sum * 128 threads = 64 K registers), so that ptxas spills
+    # nothing: MMA warp, five GEMMs' descriptors; reduce, a 128-float row; compute, 64 P + 16 dP.
     compute_registers = 128
     reduce_registers = 144
     misc_registers = 112
@@ -612,10 +561,8 @@ class Sm100BackwardKernel:
         kv_state = pipeline.make_pipeline_state(consumer, 1)
         q_state = pipeline.make_pipeline_state(consumer, self.q_stages)
         do_state = pipeline.make_pipeline_state(consumer, self.do_stages)
-        # The single-stage pipelines that turn over exactly once per task share one state per
-        # direction: produced S^T, dP^T and dQ; consumed P^T and dS^T. Five separate states would
-        # be five registers holding copies of two phase bits, in the warp whose register budget
-        # the hoisted shared-memory descriptors already fill.
+        # The single-stage pipelines that turn over once per task share one state per direction,
+        # saving registers in the warp the hoisted shared-memory descriptors already fill.
         result_state = pipeline.make_pipeline_state(producer, 1)  # pipes s, dp, dq
         operand_state = pipeline.make_pipeline_state(consumer, 1)  # pipes p, ds
         dkdv_state = pipeline.make_pipeline_state(producer, 1)

@@ -1,31 +1,11 @@
-"""Bindings to the official MiniMax MSA kernels (the revision the `msa` extra pins) and to our SM100 backward.
+"""Bindings to the official MiniMax MSA kernels (at `common.OFFICIAL_MSA_REVISION`) and to our SM100 backward.
 
-`kernels()` is the one place torch_msa reaches into the official package. On its first call it
-imports the four official entry points and our backward launcher, applies the two compatibility
-patches the pinned revision needs, and caches the bundle for the process. Nothing is imported
-while this module loads, so it imports on any host; a host without the extras learns so from
-`UnavailableError` at the first call. A failed bind is not cached: a later call tries again.
-
-Pinned revision: MiniMax-AI/MSA @ 80434d7f67877c6570ca19cac444b84bc9855dac (package `fmha_sm100`,
-installed from `python/fmha_sm100/`). `fmha_sm100.sparse` puts its `cute/` directory on
-`sys.path` and imports the CuTe DSL sources from there as top-level modules (`interface`,
-`sparse_index_utils`, `src.*`), which is why a same-named module elsewhere can shadow them.
-
-Two unrelated patches live here; do not confuse them. Remove each once the pinned MSA revision
-carries the fix upstream.
-
-* `_patch_fmax` changes numerical code: it rebinds MSA's own scalar CuTe DSL helper
-  `src.common.utils.fmax` to the binding the served nvidia-cutlass-dsl releases
-  (`cute_dsl.CUTE_DSL_REQUIREMENT`) provide: `nvvm.fmax(a, b, *, c=None)`, result type inferred.
-  The pinned helper passes an explicit result type, which they reject, so every kernel using it
-  fails to compile. CI compiles the patched helper with both ends of the range; a release outside
-  it is refused (`UnavailableError`) before anything is patched.
-* `_patch_jit_gencode` changes the build only: MSA's JIT (`fmha_sm100.jit._get_nvcc_flags`)
-  hard-codes the `sm_103a` target, which nvcc older than 12.9 cannot parse; the patch drops that
-  target for such an nvcc. It never changes what the compiled kernels compute.
-
-Each patch refuses (`ImportError`) to touch a module that is not MSA's own, so a name collision
-cannot patch someone else's code, and each applies once however often it is called.
+`kernels()` is the one place torch_msa reaches into the official package: on first call it
+imports the official entry points and our backward, applies the two compatibility patches the
+pinned revision needs (`_patch_fmax`, numerical; `_patch_jit_gencode`, build only; `README.md`)
+and caches the bundle. `fmha_sm100.sparse` imports MSA's CuTe DSL sources as top-level modules
+(`src.*`), so a same-named module elsewhere can shadow them: each patch refuses (`ImportError`)
+to touch a module that is not MSA's own.
 """
 
 import dataclasses
@@ -48,7 +28,6 @@ from .common import INSTALL_COMMAND
 OFFICIAL_PACKAGE = "fmha_sm100"
 BACKWARD_MODULE = "torch_msa.sm100.backward_host"
 
-# Where the pinned revision keeps what the patches touch.
 _SPARSE_MODULE = "fmha_sm100.sparse"
 _JIT_MODULE = "fmha_sm100.jit"
 _UTILS_MODULE = "src.common.utils"
@@ -62,18 +41,11 @@ _PATCH_MARKER = "__torch_msa_compat_patch__"
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MSAKernels:
-    """The launchers the SM100 backend calls.
-
-    `build_k2q_csr`, `sparse_atten_func`: official key-to-query CSR builder and flat sparse forward
-    (`fmha_sm100.sparse`). `fmha_sm100`, `fmha_sm100_plan`: official dense scorer and its planner
-    (`fmha_sm100`), used as the block scorer. `run_backward`: our CuTe DSL backward
-    (`torch_msa.sm100.backward_host`).
-    """
+    """The launchers the SM100 backend calls: the official key-to-query CSR builder and flat sparse
+    forward (`fmha_sm100.sparse`), and our `backward_host.run_backward`."""
 
     build_k2q_csr: Callable[..., Any]
     sparse_atten_func: Callable[..., Any]
-    fmha_sm100: Callable[..., Any]
-    fmha_sm100_plan: Callable[..., Any]
     run_backward: Callable[..., Any]
 
 
@@ -102,13 +74,8 @@ def kernels() -> MSAKernels:
 def _bind() -> MSAKernels:
     _require_cute_dsl_version()
     require_cute_dsl()
-    package, sparse, jit = _import_official()
-    entry_points = {
-        "build_k2q_csr": _entry_point(sparse, "build_k2q_csr"),
-        "sparse_atten_func": _entry_point(sparse, "sparse_atten_func"),
-        "fmha_sm100": _entry_point(package, "fmha_sm100"),
-        "fmha_sm100_plan": _entry_point(package, "fmha_sm100_plan"),
-    }
+    sparse, jit = _import_official()
+    entry_points = {name: _entry_point(sparse, name) for name in ("build_k2q_csr", "sparse_atten_func")}
     run_backward = _import_backward()
     _patch_fmax(sparse)
     _patch_jit_gencode(jit)
@@ -135,11 +102,11 @@ def _require_cute_dsl_version() -> None:
         )
 
 
-def _import_official() -> tuple[ModuleType, ModuleType, ModuleType]:
-    """`(fmha_sm100, fmha_sm100.sparse, fmha_sm100.jit)`; an ImportError inside them means the extras are incomplete."""
+def _import_official() -> tuple[ModuleType, ModuleType]:
+    """`(fmha_sm100.sparse, fmha_sm100.jit)`; an ImportError inside them means the extras are incomplete."""
     try:
-        return (importlib.import_module(OFFICIAL_PACKAGE), importlib.import_module(_SPARSE_MODULE),
-                importlib.import_module(_JIT_MODULE))
+        importlib.import_module(OFFICIAL_PACKAGE)
+        return importlib.import_module(_SPARSE_MODULE), importlib.import_module(_JIT_MODULE)
     except ImportError as error:
         raise UnavailableError(
             f"the SM100 MSA backend needs the official MiniMax MSA package ({OFFICIAL_PACKAGE}, at the revision below) "
@@ -205,13 +172,11 @@ def _msa_utils(sparse_module: ModuleType) -> ModuleType:
 
 
 def _patch_fmax(sparse_module: ModuleType) -> None:
-    """Rebind MSA's scalar `fmax` helper to the served CuTe DSL's binding, once, before MSA's first JIT compile.
+    """Rebind MSA's scalar `fmax` helper to the served CuTe DSL's `nvvm.fmax(a, b, *, c=None)`, once.
 
-    The replacement keeps the helper's contract: fp32 operands and result, the optional third
-    operand, `loc`/`ip` forwarded, and `dsl_user_op` decoration. MSA's softmax code looks the
-    helper up through the module, so rebinding the module attribute reaches every caller; the
-    installed files and cutlass's own globals are not modified.
-    Remove once the pinned MSA revision uses the inferred-result call.
+    The replacement keeps the helper's contract (fp32 operands and result, optional third operand,
+    `loc`/`ip`, `dsl_user_op`). MSA's softmax code looks the helper up through the module, so
+    rebinding the attribute reaches every caller without touching installed files.
 
     Raises:
         ImportError: `sparse_module` is not `fmha_sm100.sparse`, or `src.common.utils` is not
@@ -274,9 +239,7 @@ def _patch_jit_gencode(jit_module: ModuleType) -> None:
     """Drop the sm_103a target from MSA's JIT flags whenever the local nvcc is older than 12.9.
 
     Wraps `fmha_sm100.jit._get_nvcc_flags`. nvcc is asked for its version only when MSA builds a
-    kernel variant (and once per CUDA home), so a host with a warm JIT cache and no nvcc still
-    binds and runs. Build behaviour only; remove once the pinned MSA revision gates the target
-    itself.
+    kernel (once per CUDA home), so a host with a warm JIT cache and no nvcc still binds and runs.
 
     Raises:
         ImportError: `jit_module` is not MSA's own `fmha_sm100.jit` (wrong name, not a file of

@@ -1,10 +1,6 @@
-"""What the SM100 (Blackwell) backend, the backward's host side and its kernel share.
+"""Constants, the device gate and the task kernel's operands shared by the SM100 host and kernel modules.
 
-The one configuration the kernels are built for (MiniMax-M3: Hq = 64, Hkv = 4, D = 128, key
-blocks of 128), the backward's task tile (8 tokens x 16 heads = 128 rows, one MMA tile), and the
-device gate `require_sm100`, which runs before anything is compiled or launched. This module
-imports only torch; the kernel module (`backward_kernel.py`) reads its constants from here, so it
-imports nothing from the host side.
+Imports only torch, so the kernel modules can read their constants from here.
 """
 
 from typing import Any, NamedTuple
@@ -22,8 +18,6 @@ INSTALL_COMMAND = (
     f'{CUTE_INSTALL_COMMAND}; then the official MSA kernels (not on the package index; Linux, a CUDA toolkit): '
     f'pip install "fmha-sm100 @ git+https://github.com/MiniMax-AI/MSA.git@{OFFICIAL_MSA_REVISION}"'
 )
-"""How to install what the SM100 backend needs: the CuTe DSL and the official MSA package at the
-revision its bindings are written for."""
 
 NUM_Q_HEADS = M3.query_heads
 NUM_KV_HEADS = M3.kv_heads
@@ -58,11 +52,8 @@ def require_sm100(device: torch.device | str | int) -> None:
 
 
 class TaskOperands(NamedTuple):
-    """The task-table kernel's tensors, int32 each, in launch order (its scalars `topk` and
-    `num_keys` follow): what it reads of the schedule (`torch_msa.plan.schedule.Schedule`'s tensors of
-    these names), the documents' key boundaries `cu_seqlens_k`, then `TaskTables`' tensors of these
-    names: the aligned document starts, which it reads, and the tables it writes. The host launches
-    them as torch tensors (`task_operands`); the kernel receives them as CuTe tensors."""
+    """The task-table kernel's int32 tensors in launch order (torch on the host, CuTe in the kernel):
+    `Schedule`'s tensors of these names, `cu_seqlens_k`, then `TaskTables`' of these names."""
 
     entry_query: Any
     item_bucket: Any

@@ -1,11 +1,7 @@
-"""Backward postprocess of the SM100 pipeline: fp32 gradient pools to the output dtype (CuTe DSL).
+"""Backward postprocess: the fp32 gradient pools to the output dtype by a CuTe DSL kernel (`postprocess_kernel.py`).
 
-The main kernel accumulates with fp32 atomics into `dq_accum [Tq, Hq, D]` and, in the 128-aligned
-workspace, `dk_accum` / `dv_accum [W, Hkv, D]`. This casts dq row for row and gathers dk / dv
-back to the packed key rows (the inverse of `task_tables.align_kv`): packed key `j` of document `d`
-comes from workspace row `doc_aligned_start[d] + j`, and a key no document covers gets zero.
-Architecture-neutral. This is the host side (checks, launch, compile cache); the kernel is
-`postprocess_kernel.py`, imported with the CuTe DSL only when it is first compiled.
+dq is cast row for row; dk / dv are gathered from the 128-aligned workspace back to the packed
+key rows (the inverse of `task_tables.align_kv`).
 """
 
 import functools
@@ -37,7 +33,13 @@ def finish_gradients(
         dtype: output dtype (bf16 in the contract; fp16 or fp32 also served).
 
     Returns:
-        `(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])` in `dtype`, `Tk = tables.num_keys`.
+        `(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])` in `dtype`, `Tk = tables.num_keys`; a key
+        no document covers gets zero.
+
+    Raises:
+        TypeError: a pool not fp32 with 3 dims, `cu_seqlens_k` not int32, `dtype` not in `OUTPUT_DTYPES`.
+        ValueError: pools on different or non-CUDA devices, a workspace height other than
+            `tables.workspace_rows`, or `tables` built for another number of documents.
     """
     pools = (("dq_accum", dq_accum), ("dk_accum", dk_accum), ("dv_accum", dv_accum))
     for name, pool in pools:

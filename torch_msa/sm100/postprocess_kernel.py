@@ -1,13 +1,4 @@
-"""The postprocess kernel of the backward pipeline in CuTe DSL: fp32 gradient pools to the output dtype.
-
-`FinishKernel` casts row for row (`unalign=False`: dq), or gathers two pools back from the
-128-aligned K/V workspace to the packed key rows (`unalign=True`: dk and dv, the inverse of
-`task_tables.align_kv`), finding each row's document with the binary search of `task_tables_kernel.py`; a
-row no document covers gets zeros. 64-bit element offsets, so the pools may pass 2^31 values.
-Architecture-neutral: it compiles for sm_90a and sm_100a alike. Its host side (checks, launch,
-compile cache) is `postprocess.py`, which imports this module, and so cutlass, only when it
-first compiles the kernel.
-"""
+"""The postprocess kernel in CuTe DSL: fp32 gradient pools to the output dtype; host side `postprocess.py`."""
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -22,9 +13,9 @@ VECTORS_PER_THREAD = 4  # rows of a CTA are sized so each thread moves about thi
 
 
 class FinishKernel:
-    """Each thread converts 16-byte output vectors: it reads the matching fp32 values of its
-    source row (the same row, or for the un-align the row's workspace row) and stores them
-    in the output dtype; a source row that does not exist gives zeros."""
+    """Casts row for row (`unalign=False`: dq), or gathers two pools from workspace rows back to
+    packed key rows (`unalign=True`: dk and dv); a row no document covers gets zeros. Each thread
+    converts 16-byte output vectors; offsets are 64-bit."""
 
     def __init__(self, output_bits: int, row_elements: int, unalign: bool):
         self.vector = ACCESS_BYTES * 8 // output_bits
@@ -62,8 +53,7 @@ class FinishKernel:
             if flat < self.tile_vectors and row < target.shape[0]:
                 source_row = row
                 present = True
-                # With unalign the host passes cu_seqlens_k and doc_aligned_start: a trace-time branch,
-                # which mypy does not narrow through.
+                # A trace-time branch with both tensors given, which mypy does not narrow through.
                 if cutlass.const_expr(self.unalign):
                     present = cutlass.Boolean(False)
                     if cu_seqlens_k.shape[0] > 1:  # type: ignore[union-attr]

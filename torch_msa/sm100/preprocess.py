@@ -1,10 +1,7 @@
-"""Backward preprocess of the SM100 pipeline: `delta = rowsum(dO * O) - grad_lse` (CuTe DSL).
+"""Backward preprocess: `delta = rowsum(dO * O) - grad_lse` by a CuTe DSL kernel (`preprocess_kernel.py`).
 
-`delta` is the per-(token, head) correction of the softmax backward, `dS = P * (dP - delta)`;
-folding `grad_lse` in here (`dS = P * (dP - rowsum(dO * O) + grad_lse)`) leaves the main kernel
-unchanged when the loss also depends on `lse`. Architecture-neutral: it compiles for sm_90a
-and sm_100a alike. This is the host side (checks, launch, compile cache); the kernel is
-`preprocess_kernel.py`, imported with the CuTe DSL only when it is first compiled.
+`delta` is the softmax-backward correction, `dS = P * (dP - delta)`; folding `grad_lse` in here
+leaves the main kernel unchanged when the loss also depends on `lse`.
 """
 
 import functools
@@ -18,11 +15,9 @@ SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def prepare_delta(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None = None) -> torch.Tensor:
-    """The SM100 backward's preprocess, by a CuTe DSL kernel:
-    `delta[t, h] = sum_d grad_out[t, h, d] * out[t, h, d] - grad_lse[t, h]`, in fp32.
+    """`delta[t, h] = sum_d grad_out[t, h, d] * out[t, h, d] - grad_lse[t, h]` in fp32.
 
-    The same quantity as `torch_msa.triton.stages.compute_delta` (the delta of the other
-    backwards), summed in another order; this one needs no triton.
+    The quantity of `torch_msa.stages.delta.compute_delta`, summed in another order.
 
     Args:
         out, grad_out: `[Tq, Hq, D]` on a CUDA device, one dtype of bf16, fp16, fp32.
@@ -30,6 +25,10 @@ def prepare_delta(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Ten
 
     Returns:
         fp32 `[Tq, Hq]`.
+
+    Raises:
+        ValueError: a shape or device mismatch, or a device other than CUDA.
+        TypeError: `grad_out`'s dtype is not `out`'s, or not one of `SERVED_DTYPES`.
     """
     if not isinstance(out, torch.Tensor) or out.dim() != 3:
         raise ValueError(f"out: expected a [Tq, Hq, D] tensor, got {getattr(out, 'shape', type(out).__name__)}")

@@ -1,12 +1,4 @@
-"""The preprocess kernel of the backward pipeline in CuTe DSL: `delta = rowsum(dO * O) - grad_lse`.
-
-`DeltaKernel` gives each (token, head) row a group of `head_dim / vector` threads: each loads one
-16-byte vector of `out` and of `grad_out`, multiplies in fp32, and the group sums by shuffles; a
-`grad_lse` operand (compile-time optional) is subtracted by the row's first lane. 64-bit element
-offsets, so `Tq * Hq * D` may pass 2^31. Architecture-neutral: it compiles for sm_90a and
-sm_100a alike. Its host side (checks, launch, compile cache) is `preprocess.py`, which imports
-this module, and so cutlass, only when it first compiles the kernel.
-"""
+"""The preprocess kernel in CuTe DSL: `delta = rowsum(dO * O) - grad_lse`; host side `preprocess.py`."""
 
 import cuda.bindings.driver as cuda
 import cutlass

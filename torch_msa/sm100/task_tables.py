@@ -1,22 +1,8 @@
-"""The SM100 backward's task tables and its 128-aligned K/V workspace (architecture-neutral).
+"""The SM100 backward's task tables and its 128-aligned K/V workspace, built on the device.
 
-The SM100 backward is KV-outer: a CTA owns one KV head's key block and walks the query tokens that
-chose it, eight tokens (x 16 query heads = one 128-row tile) per *task*. The shared schedule
-(`torch_msa.plan.schedule`, built with `entries_per_item=8`) already sorts the selections into buckets
-(one kv head x key block) and items of at most eight entries; its items are the tasks. This module
-turns them into the flat tables the kernel reads (`TaskTables`) with a CuTe DSL kernel, and copies
-K/V into the aligned workspace, where every document's keys start on a 128-row boundary so that a
-key block is always one whole, TMA-friendly tile that never straddles two documents.
-
-Nothing here synchronises with the host: the workspace height `W` is the bound
-`128 * (ceil(Tk / 128) + B)` (the schedule's bound of the key blocks, `max_key_blocks`, for
-blocks of 128), which holds every document padded to a multiple of 128 rows, so it is known from
-shapes alone (the price is at most `128 * B` rows of zero padding).
-
-This is the host side; the kernels are `task_tables_kernel.py`, imported with the CuTe DSL (after
-`require_cute_dsl`) only when they are first compiled, so this module imports on hosts without
-it. The kernels compile for any architecture (`compile_for_target`); this module uses `cute_io`
-for how torch tensors are handed to the CuTe kernels.
+Tasks are the items of the shared schedule (`torch_msa.plan.schedule`, 8 entries per item); the
+workspace height `W` is known from shapes alone. Design: `README.md`. The kernels are
+`task_tables_kernel.py`.
 """
 
 import functools
@@ -62,7 +48,7 @@ class TaskTables(NamedTuple):
     num_keys: int
 
 
-# The inner shapes of the `TaskOperands` that are not `[N]`, as `compile_task_kernel` describes them.
+# The inner shapes of the `TaskOperands` that are not `[N]`.
 TASK_OPERAND_INNER = {"task_meta": (4,), "task_qrows": (TOKENS_PER_TASK,), "task_qpos": (TOKENS_PER_TASK,)}
 
 
@@ -82,8 +68,7 @@ def workspace_rows(num_keys: int, num_docs: int) -> int:
 def document_key_bounds(cu_seqlens_k: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per document, `(start, length)` of its keys, int64 `[B]`, clamped into `[0, num_keys]`.
 
-    Clamping keeps malformed boundaries from pushing any aligned row past `W`; for well-formed
-    ones it changes nothing. The kernels apply the same clamp when they read `cu_seqlens_k`.
+    The clamp (the kernels' too) keeps malformed boundaries from pushing an aligned row past `W`.
     """
     bounds = cu_seqlens_k.to(torch.int64).clamp(0, num_keys)
     return bounds[:-1], (bounds[1:] - bounds[:-1]).clamp(min=0)
@@ -106,17 +91,19 @@ def build_tasks(
     num_keys: int,
     block_size: int = 128,
 ) -> TaskTables:
-    """Build the SM100 task tables on the device, with no host synchronisation.
-
-    The sort and bucketing are `torch_msa.plan.schedule.build_schedule(..., entries_per_item=8)`
-    (torch ops); a CuTe DSL kernel then writes one task per schedule item, mapping each bucket's
-    packed key row to the aligned workspace and each entry to its query token and position.
+    """Build the SM100 task tables on the device, with no host synchronisation: one task per item of
+    `build_schedule(..., entries_per_item=8)`, written by a CuTe DSL kernel.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]` on a CUDA device.
         cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` on the same device.
         num_keys: `Tk`, rows of the packed keys.
         block_size: keys per block; it must divide 128 (the contract uses 128).
+
+    Raises:
+        TypeError: an index tensor that is not int32 of the stated dims.
+        ValueError: a non-CUDA or mismatched device, cu_seqlens of different lengths, a negative
+            `num_keys`, or a `block_size` that does not divide 128.
     """
     check_index_tensor("block_indices", block_indices, dims=3)
     check_index_tensor("cu_seqlens_q", cu_seqlens_q, dims=1, device=block_indices.device)
@@ -134,7 +121,7 @@ def build_tasks(
 
     num_docs = cu_seqlens_k.numel() - 1
     rows = workspace_rows(num_keys, num_docs)
-    # The schedule reads no length bound: the token counts are valid ones.
+    # Tq and Tk bound every document's length, and the schedule reads no tighter bound.
     documents = Documents(cu_seqlens_q, cu_seqlens_k, block_indices.shape[1], num_keys)
     schedule = build_schedule(block_indices, documents, num_keys, block_size, TOKENS_PER_TASK)
     aligned_starts = doc_aligned_starts(cu_seqlens_k, num_keys, rows)
@@ -159,7 +146,7 @@ def build_tasks(
 def align_kv(
     k: torch.Tensor, v: torch.Tensor, cu_seqlens_k: torch.Tensor, tables: TaskTables
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy packed K/V into the aligned workspace with a CuTe DSL gather kernel.
+    """Copy packed K/V into the aligned workspace with a CuTe DSL kernel.
 
     Args:
         k, v: `[Tk, Hkv, D]` on a CUDA device, one dtype of 2 or 4 bytes (bf16 in the contract).
@@ -169,6 +156,10 @@ def align_kv(
     Returns:
         `(k_ws, v_ws)`, `[W, Hkv, D]` in k's dtype: document `d`'s key `j` at row
         `doc_aligned_start[d] + j`; every other row is zero.
+
+    Raises:
+        ValueError, TypeError: k and v of different shapes, dtypes or devices, or `tables` built
+            for another number of documents.
     """
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"v: expected the shape of k, [Tk, Hkv, D] = {tuple(k.shape)}, got {tuple(v.shape)}")
@@ -201,15 +192,9 @@ def check_tables_match(tables: TaskTables, cu_seqlens_k: torch.Tensor) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# CuTe DSL kernels. Their classes (`task_tables_kernel.py`) need cutlass at definition time, so their
-# module is imported when a kernel is first compiled, never while this module loads.
-# ---------------------------------------------------------------------------------------------
-
-
 def compile_for_target(arch: str, dump_dir: str | None = None) -> dict:
-    """Compile this module's kernels at the contract's shapes (bf16, Hkv=4, D=128, block 128)
-    for `arch` (`"sm_90a"`, `"sm_100a"`); no GPU is needed. Returns name -> compiled kernel."""
+    """Compile the task and align kernels at the contract's shapes for `arch` (`"sm_90a"`,
+    `"sm_100a"`); no GPU is needed. Returns name -> compiled kernel."""
     return {
         "task_tables": compile_task_kernel(arch, dump_dir),
         "align_kv": compile_align_kernel(torch.bfloat16, 4 * 128, arch, dump_dir),

@@ -1,16 +1,5 @@
-"""The task-table and K/V alignment kernels of the SM100 backward in CuTe DSL (architecture-neutral).
-
-* `TaskKernel`: one thread per schedule item writes that task's row of the tables
-  (`task_tables.TaskTables`: meta, query rows, positions) and the bucket pointers.
-* `AlignKernel`: one CTA per 128-row block of the workspace copies its document's K/V rows (or
-  zeros) with 16-byte accesses and 64-bit offsets.
-* `clamped`, `last_document_at_or_before`: the device-side document lookup these kernels and the
-  postprocess kernel (`postprocess_kernel.py`) share.
-
-They compile for sm_90a and sm_100a alike. Their host side (the schedule, the checks, launch,
-compile cache) is `task_tables.py`, which imports this module, and so cutlass, only when it first
-compiles a kernel.
-"""
+"""The task-table and K/V alignment kernels in CuTe DSL, and the document lookup the postprocess
+kernel shares; host side `task_tables.py`."""
 
 import cuda.bindings.driver as cuda
 import cutlass
