@@ -1,7 +1,6 @@
-"""What the CuTe DSL kernels (`torch_msa.sm90`, `torch_msa.sm100`) share: the served CuTe DSL range and
-`require_cute_dsl`, memoized device facts, and the modules `cute_io` (how torch tensors reach a
-kernel), `ptx`, `token_tiles` and `compat`. Named `cute_dsl` so as not to be confused with
-`cutlass.cute`.
+"""What the CuTe DSL kernels (`torch_msa.sm90`, `torch_msa.sm100`) share: the served CuTe DSL range,
+`require_cute_dsl`, memoized device facts, and `cute_io`, `ptx`, `token_tiles`, `compat`. Named
+`cute_dsl` so as not to be confused with `cutlass.cute`.
 """
 
 import functools

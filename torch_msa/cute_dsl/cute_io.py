@@ -1,12 +1,8 @@
-"""How torch tensors reach the CuTe DSL kernels: compiled for the TVM-FFI calling convention
-(`compile_kernel`), called through `launcher` with torch tensors (or `None` where compiled so) and
-Python scalars in compiled order, on torch's current stream (so CUDA-graph capture records it).
-
-Every tensor is contiguous "rows": a dynamic leading extent, compile-time inner extents
-(`fake_rows`). Each call checks every tensor against its description (dtype, rank, inner extents,
-contiguity, alignment, int32 leading extent, one device; int32 scalars), raising `ValueError`, or
-`TypeError` for a tensor/`None` mismatch or a wrong argument count. Leading extents of different
-operands are not related: the host code sizes those.
+"""How torch tensors reach the CuTe DSL kernels: compiled for TVM-FFI (`compile_kernel`), called
+through `launcher` with torch tensors (or `None`) and scalars in compiled order, on torch's current
+stream. Tensors are contiguous rows with a dynamic leading extent (`fake_rows`); each call checks
+them against their descriptions (`ValueError`; `TypeError` for a tensor/`None` mismatch or a wrong
+argument count) but does not relate operands' leading extents: the host code sizes those.
 """
 
 import math
@@ -19,7 +15,7 @@ ACCESS_BYTES = 16  # one vectorised global access (128 bits)
 
 
 def cutlass_dtype(dtype: torch.dtype):
-    """The CuTe DSL numeric type of a torch dtype."""
+    """The CuTe DSL numeric type of a torch dtype (`TypeError` for another)."""
     import cutlass
 
     types = {
@@ -55,8 +51,8 @@ def aligned_operand(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def compile_options(arch: str | None, dump_dir: str | None, listings: bool = False) -> str:
-    """`cute.compile` options: TVM-FFI, `arch` (None: this GPU), the cubin kept in `dump_dir`, with
-    `listings` the PTX and SASS too. Logs the compile (INFO): it takes seconds.
+    """`cute.compile` options: TVM-FFI, `arch` (None: this GPU), the cubin (with `listings` PTX and
+    SASS) kept in `dump_dir`. Logs the compile (INFO): it takes seconds.
 
     Raises:
         ValueError: `listings` without `dump_dir`.

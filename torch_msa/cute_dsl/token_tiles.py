@@ -1,6 +1,5 @@
-"""Token boxes: the SM90 and SM100 kernels load a query-side operand tile of `rows` rows one token
-at a time, each token's 16 heads (16 consecutive rows of the `[T * Hq, 128]` view) into its 16-row
-slot.
+"""Token boxes: the SM90 and SM100 kernels fill a query-side operand tile one token (16 consecutive
+rows of the `[T * Hq, 128]` view) per 16-row slot.
 """
 
 import cutlass.cute as cute

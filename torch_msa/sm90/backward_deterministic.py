@@ -1,6 +1,5 @@
-"""`msa::backward` on Hopper, bitwise reproducible (under `torch.use_deterministic_algorithms(True)`):
-the stages of `torch_msa.stages.deterministic` with the SM90 kernel's deterministic variant as the
-key pass.
+"""`msa::backward` on Hopper, bitwise reproducible: the stages of `torch_msa.stages.deterministic`
+with the SM90 kernel's deterministic variant as the key pass.
 """
 
 import torch
@@ -26,7 +25,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
     if not state.empty:
         assert state.workspace is not None
         schedule = state.workspace.schedule
-        # TMA needs 16-byte aligned rows; the Triton stages do not.
+        # TMA needs 16-byte aligned rows; the shared stages do not.
         aligned = [aligned_operand(x) for x in (state.q, state.k, state.v, state.grad_out)]
         key_count = bucket_key_count(schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)
         unused_dq = torch.empty((1, *q.shape[1:]), dtype=torch.float32, device=q.device)  # the variant adds no dQ

@@ -1,8 +1,5 @@
-"""`msa::backward` on Hopper: the host side of `backward_kernel.py`.
-
-delta, zeroed fp32 accumulators, one launch that adds dQ, dK, dV into them, then the casts (dQ's
-by `ungroup_dq`, which also undoes `common.DQ_DIM_GROUP`). One compiled executable serves a
-process, dtype, KV head count and variant.
+"""`msa::backward` on Hopper: the host side of `backward_kernel.py`: delta, zeroed fp32 accumulators,
+one launch that adds dQ, dK, dV into them, the casts. One executable per dtype, Hkv and variant.
 """
 
 import functools

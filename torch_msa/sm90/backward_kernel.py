@@ -232,7 +232,6 @@ class Sm90BackwardKernel(BlocksKernel):
                         zero_keys_past(sK[None, None, 0], item.key_count, tidx)
                         cute.arch.barrier()
 
-                # S^T = K Q^T, dP^T = V dO^T
                 warpgroup.fence()
                 mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
                 for k in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
@@ -252,7 +251,6 @@ class Sm90BackwardKernel(BlocksKernel):
                         )
                 warpgroup.wait_group(0)
 
-                # A column is one query row of the tile.
                 for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                     col = cS_rc[0, c][1]
                     row_lse = sLse[col, stage]
@@ -269,7 +267,6 @@ class Sm90BackwardKernel(BlocksKernel):
                 rP.store(acc_S.load().to(self.dtype))
                 rdS.store(acc_dP.load().to(self.dtype))
 
-                # dV += P^T dO, dK += dS^T Q
                 warpgroup.fence()
                 for k in cutlass.range_constexpr(cute.size(tVrP, mode=[2])):
                     cute.gemm(mma_dkv, acc_dV, tVrP[None, None, k], tVrdO[None, None, k, stage], acc_dV)
@@ -322,8 +319,7 @@ class Sm90BackwardKernel(BlocksKernel):
         self, sLse: cute.Tensor, sDelta: cute.Tensor, sLast: cute.Tensor, mLse: cute.Tensor, mDelta: cute.Tensor,
         items: ItemScheduler, item: Item, first: Int32, row: Int32, buffer: Int32,
     ):
-        """Stage row `row` (token `row // 16`, head `row % 16`) of the tile at entry `first` into
-        `buffer`: lse (log2), delta, last visible key (-1 for a padding row)."""
+        """Stage row `row` of the tile at entry `first`: lse (log2), delta, last visible key (-1: padding)."""
         entry = first + row // HEADS_PER_KV
         last = Int32(-1)
         if entry < item.end:
@@ -340,8 +336,7 @@ class Sm90BackwardKernel(BlocksKernel):
 
     @cute.jit
     def dq_offset(self, items: ItemScheduler, first: Int32, end: Int32, kv_head: Int32, warp: Int32) -> Int64:
-        """Element offset in the dQ accumulator of warp `warp`'s share of the tile at entry `first`
-        (token `warp % 4`, its warpgroup's half of the dims); -1 past `end`."""
+        """Offset in the dQ accumulator of warp `warp`'s share of the tile at entry `first`; -1 past `end`."""
         entry = first + warp % TOKENS_PER_TILE
         offset = Int64(-1)
         if entry < end:
@@ -355,8 +350,7 @@ class Sm90BackwardKernel(BlocksKernel):
 
     @cute.jit
     def reduce_dq(self, sdQ: cute.Tensor, mdQ: cute.Tensor, offset: Int64, warp: Int32):
-        """Add warp `warp`'s dQ share at accumulator element `offset` (none if negative) by one bulk
-        reduce-add, then close the warp's bulk group."""
+        """Bulk reduce-add warp `warp`'s dQ share at `offset` (none if negative); close its bulk group."""
         with cute.arch.elect_one():
             if offset >= 0:
                 source = (sdQ.iterator + (warp % TOKENS_PER_TILE) * HEADS_PER_KV * HEAD_DIM + self.dq_half(warp)).toint()
@@ -365,8 +359,7 @@ class Sm90BackwardKernel(BlocksKernel):
 
     @cute.jit
     def teacher_row(self, items: ItemScheduler, first: Int32, end: Int32, kv_head: Int32) -> Int64:
-        """The teacher row this thread writes for the tile at entry `first` (lane `s` of a quad:
-        token `s`'s); -1 past `end`."""
+        """The teacher row this thread writes (quad lane `s`: token `s`'s); -1 past `end`."""
         entry = first + cute.arch.lane_idx() % 4
         row = Int64(-1)
         if entry < end:
@@ -400,8 +393,7 @@ class Sm90BackwardKernel(BlocksKernel):
         self, accumulator: cute.Tensor, acc: cute.Tensor, acc_rc: cute.Tensor, coords_rc: cute.Tensor, item: Item,
         scale: Float32,
     ):
-        """`accumulator[key_row + key, kv_head] += scale * acc` for keys inside the document, by
-        8-byte atomics."""
+        """`accumulator[key_row + key, kv_head] += scale * acc` for keys inside the document (atomics)."""
         for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
             key = coords_rc[r, 0][0]
             if key < item.key_count:
@@ -416,8 +408,7 @@ class Sm90BackwardKernel(BlocksKernel):
         self, workspace: cute.Tensor, acc_rc: cute.Tensor, coords_rc: cute.Tensor, item: Int32, key_count: Int32,
         scale: Float32,
     ):
-        """`workspace[item * 128 + key] = scale * acc` for keys inside the document (the reduction
-        reads no other)."""
+        """`workspace[item * 128 + key] = scale * acc` for keys inside the document (the only ones read)."""
         for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
             key = coords_rc[r, 0][0]
             if key < key_count:

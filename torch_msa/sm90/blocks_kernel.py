@@ -1,9 +1,6 @@
-"""The base of the SM90 blocks kernels (`forward_kernel.py`, `backward_kernel.py`): what both build the
-same way (wgmmas, shared-memory operand tiles, TMA atoms, shared storage, load pipelines).
-
-Their `cute.jit` host functions take q `[Tq, Hq, 128]`, k, v `[Tk, Hkv, 128]`, their own tensors,
-the schedule (`ScheduleOperands` order), topk, scale_log2, their own scalars, the grid size and the
-stream, in the order of `common.blocks_operands` and `common.launch`.
+"""The base of the SM90 blocks kernels: what both build alike (wgmmas, operand tiles, TMA, storage).
+Their `cute.jit` host functions take q, k, v, their own tensors, the schedule (`ScheduleOperands`),
+topk, scale_log2, their own scalars, the grid size and the stream (`common.blocks_operands` order).
 """
 
 import cutlass.cute as cute

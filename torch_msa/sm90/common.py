@@ -40,9 +40,8 @@ def check_served(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: 
 
 
 class ScheduleOperands(NamedTuple):
-    """The int32 schedule tensors both kernels take after their own operands: the tables of
-    `torch_msa.plan.schedule.Schedule` and the per-bucket key counts (torch tensors on the host,
-    CuTe tensors in the kernels)."""
+    """The int32 schedule tensors both kernels take after their own: the tables of
+    `torch_msa.plan.schedule.Schedule` and the per-bucket key counts."""
 
     entry_query: Any
     item_bucket: Any
@@ -106,10 +105,8 @@ def launch(
     compiled, operands: tuple, tensors: dict, schedule, key_count: torch.Tensor, topk: int, softmax_scale: float,
     own_scalars: tuple, max_ctas: int,
 ) -> None:
-    """Launch `compiled` (from `compile_blocks` for `operands`) on a persistent grid of `max_ctas`
-    CTAs capped by the item count: the tensors in `operands` order (`tensors` by name, then the
-    schedule's), then `topk`, `softmax_scale * log2(e)` (the kernels use exp2), `own_scalars`, the
-    grid size."""
+    """Launch `compiled` on a persistent grid of `max_ctas` CTAs capped by the item count, passing
+    `operands` in order, `topk`, `softmax_scale * log2(e)` (the kernels use exp2), `own_scalars`."""
     named = {**tensors, **schedule_tensors(schedule, key_count)}
     grid = max(1, min(schedule.item_start.numel(), max_ctas))
     compiled(*(named[name] for name, _, _ in operands), topk, softmax_scale * LOG2_E, *own_scalars, grid)

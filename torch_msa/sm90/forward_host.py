@@ -1,7 +1,5 @@
-"""`msa::forward` on Hopper: the host side of `forward_kernel.py`.
-
-The kernel writes per-(query, slot) partial outputs and their log2-sum-exp; `combine` merges them
-into `out` and `lse`. One compiled executable serves a process, dtype and KV head count.
+"""`msa::forward` on Hopper: the host side of `forward_kernel.py`. The kernel writes per-(query,
+slot) partials, `combine` merges them. One executable per dtype and Hkv.
 """
 
 import functools

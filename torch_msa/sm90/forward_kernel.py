@@ -214,9 +214,8 @@ class Sm90ForwardKernel(BlocksKernel):
 
     @cute.jit
     def warp_row(self, items: ItemScheduler, item, first: Int32, warp: Int32):
-        """`(block, last_key)` of this warp's token in the tile at entry `first`: its partial-rows
-        block `(token * Hkv + kv_head) * topk + slot` (-1 past the item's end) and its last
-        visible key."""
+        """`(block, last_key)` of this warp's token in the tile at entry `first`: its partial-rows block
+        `(token * Hkv + kv_head) * topk + slot` (-1 past the item's end), its last visible key."""
         token, slot = items.token_and_slot(items.tile_entry(first, warp, item.end))
         block = (token * self.num_kv_heads + item.kv_head) * items.topk + slot
         if first + warp >= item.end:
@@ -228,8 +227,8 @@ class Sm90ForwardKernel(BlocksKernel):
         self, s_rc: cute.Tensor, cS_rc: cute.Tensor, rP: cute.Tensor, acc_S: cute.Tensor, row_shift: cute.Tensor,
         row_sum: cute.Tensor, q_pipeline, q_read, last_key: Int32, scale_log2: Float32,
     ):
-        """After `Q K^T`: release the Q stage (nothing else reads it), turn the scores into probabilities `rP` and the rows'
-        shift and sum. Returns `q_read` at this consumer's next Q stage."""
+        """After `Q K^T`: release the Q stage (nothing else reads it), turn the scores into `rP` and the
+        rows' shift and sum. Returns `q_read` at this consumer's next Q stage."""
         q_pipeline.consumer_release(q_read)
         for _ in cutlass.range_constexpr(CONSUMERS):
             q_read.advance()
@@ -241,9 +240,8 @@ class Sm90ForwardKernel(BlocksKernel):
 
     @cute.jit
     def write_output(self, output: tuple, block: Int32, consumer: Int32, thread: Int32, warp: Int32):
-        """Store this warp's token of the tile (`block` from `warp_row`; none for -1): `acc_O`
-        normalised, by one TMA store through the warp's rows of the output tile, and its rows'
-        log2-sum-exp. `output` as packed by `consume`."""
+        """Store this warp's token (`block` from `warp_row`; none for -1): normalised `acc_O` by one TMA
+        store through the output tile, and the rows' log2-sum-exp. `output` as packed by `consume`."""
         acc_O, o_rc, cO_rc, row_shift, row_sum, tOsO, tma_atom_O, tOsO_tma, tOgO_tma, mPartialLse = output
         # A row sees its own key, so sum >= 1, unless NaN: that flows into out, as in the reference.
         for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
@@ -267,8 +265,7 @@ class Sm90ForwardKernel(BlocksKernel):
 
 @cute.jit
 def issue_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor):
-    """Issue `acc = a b` as one wgmma group; the caller waits. A fresh atom holds the accumulate
-    flag so that it does not outlive the call."""
+    """Issue `acc = a b` as one wgmma group; the caller waits. A fresh atom keeps the accumulate flag local."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, False)

@@ -1,6 +1,5 @@
-"""`msa::backward_with_index_loss` on Hopper: the backward kernel writes the index loss's teacher
-(fp16 `[Tq, Hkv, topk, 128]`), from which the loss and index gradients are formed without a second
-`Q K^T`.
+"""`msa::backward_with_index_loss` on Hopper: the backward kernel writes the index loss's teacher,
+from which the loss and index gradients are formed without a second `Q K^T`.
 """
 
 import torch

@@ -1,6 +1,5 @@
-"""Which keys a query sees, in the SM90 kernels: block-local key `c` is visible iff
-`c <= last_key = position - first_key` (`ItemScheduler.last_visible_key`). Hidden scores are
-selected away, never multiplied by a mask, so a hidden key's NaN cannot reach a visible result.
+"""Which keys a query sees in the SM90 kernels: block-local key `c <= position - first_key`. Hidden
+scores are selected away, never multiplied by a mask, so a hidden key's NaN cannot leak.
 """
 
 import cutlass

@@ -1,6 +1,5 @@
-"""The TMA load pipelines of the SM90 kernels (`cutlass.pipeline`): warp 0 produces, arming each
-stage's `full` barrier with the bytes its TMA copies write; consumer warps wait on `full` and
-release `empty` (one arrive per warp) once the GEMMs that read the stage have completed.
+"""The TMA load pipelines of the SM90 kernels (`cutlass.pipeline`): warp 0 produces; consumer
+warps release a stage (one arrive each) once the GEMMs that read it have completed.
 """
 
 import cutlass.cute as cute

@@ -1,6 +1,5 @@
-"""The one-block softmax of the SM90 kernels, in the log2 domain. Each slot is one block, so no
-online rescale is needed. A score row lives in the 4 threads of a quad, so row reductions end with
-two butterfly shuffles.
+"""The one-block softmax of the SM90 kernels, in the log2 domain (no online rescale: a slot is one
+block). A score row lives in a quad's 4 threads, so row reductions end with two shuffles.
 """
 
 import cutlass

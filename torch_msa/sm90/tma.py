@@ -1,8 +1,5 @@
-"""The TMA of the SM90 kernels' tiles: atoms and views for K/V key blocks and 16 x 128 token boxes,
-the loads that fill a pipeline stage, and the wgmma accumulator layouts the tiles feed.
-
-The loaders return the pipeline state they advance and the kernels assign it back: the CuTe DSL
-carries a value out of a run-time loop only where the kernel's own code writes it.
+"""The TMA of the SM90 kernels' tiles (K/V key blocks, 16 x 128 token boxes), the loads that fill a
+pipeline stage, and the wgmma accumulator layouts. Loaders return the state they advance (README.md).
 """
 
 import cutlass
