@@ -1,23 +1,8 @@
-"""How torch tensors reach the CuTe DSL kernels of torch_msa (the neutral preprocess, tasks and
-postprocess kernels of this package, the SM100 backward, the SM90 forward and backward).
-
-Every kernel is compiled for the CuTe DSL's TVM-FFI calling convention (`compile_kernel`), and
-`launcher` gives the function to call at each launch: it takes torch tensors (`None` where the
-kernel was compiled for `None`) and Python ints and floats, in the compiled order, and nothing
-else. apache-tvm-ffi converts the tensors in C through torch's DLPack exchange API, so a launch
-builds no Python object per tensor, and the kernel runs on the tensors' device, on torch's
-current stream there (the stream is not an argument), so CUDA-graph capture records it.
-
-Every tensor is passed as contiguous "rows": only the leading extent is dynamic, the inner
-extents are compile-time constants, so the kernels know every stride and can use 16-byte
-accesses. `fake_rows` describes such a tensor to `cute.compile`. At each call, before anything
-launches, the compiled function checks every tensor against its description and raises a
-`ValueError` naming the argument (a `TypeError` for a tensor where `None` was compiled, or the
-reverse, or a wrong argument count): its dtype, rank and inner extents, strides of a contiguous
-tensor (dimensions of extent 1 excepted), the base alignment `row_alignment` assumes, a leading
-extent within int32, and one CUDA device for all of them; integer scalars must fit int32. It does
-not relate the leading extents of different operands (each is a runtime value of its own): the
-host code sizes those. cutlass is imported only inside the functions.
+"""How torch tensors reach the CuTe DSL kernels: compiled for TVM-FFI (`compile_kernel`), called
+through `launcher` with torch tensors (or `None`) and scalars in compiled order, on torch's current
+stream. Tensors are contiguous rows with a dynamic leading extent (`fake_rows`); each call checks
+them against their descriptions (`ValueError`; `TypeError` for a tensor/`None` mismatch or a wrong
+argument count) but does not relate operands' leading extents: the host code sizes those.
 """
 
 import math
@@ -30,7 +15,7 @@ ACCESS_BYTES = 16  # one vectorised global access (128 bits)
 
 
 def cutlass_dtype(dtype: torch.dtype):
-    """The CuTe DSL numeric type of a torch dtype."""
+    """The CuTe DSL numeric type of a torch dtype (`TypeError` for another)."""
     import cutlass
 
     types = {
@@ -66,9 +51,12 @@ def aligned_operand(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def compile_options(arch: str | None, dump_dir: str | None, listings: bool = False) -> str:
-    """`cute.compile` options: the TVM-FFI calling convention, a target other than this host's GPU,
-    where to keep the cubin, and with `listings` the PTX and SASS next to it. Called once per
-    compile, it says so on the `torch_msa` logger (INFO): a CuTe DSL compile takes seconds."""
+    """`cute.compile` options: TVM-FFI, `arch` (None: this GPU), the cubin (with `listings` PTX and
+    SASS) kept in `dump_dir`. Logs the compile (INFO): it takes seconds.
+
+    Raises:
+        ValueError: `listings` without `dump_dir`.
+    """
     logger.info("compiling a CuTe DSL kernel for %s (once per process and shape)", arch or "this GPU")
     options = ["--enable-tvm-ffi"]
     if arch is not None:
@@ -83,13 +71,9 @@ def compile_options(arch: str | None, dump_dir: str | None, listings: bool = Fal
 
 
 def compile_kernel(kernel, *args, arch: str | None = None, dump_dir: str | None = None, listings: bool = False):
-    """`cute.compile` the host function `kernel` (whose last parameter is its stream) for `args`,
-    fakes and scalars standing for every parameter but the stream, with `compile_options(arch,
-    dump_dir, listings)`. The stream is compiled as the TVM-FFI environment's: the compiled
-    function takes no stream and launches on torch's current one.
-
-    Returns the compiled function (its `artifacts` hold the cubin); launch it through `launcher`.
-    """
+    """`cute.compile` the host function `kernel` for `args` (fakes and scalars for every parameter
+    but its last, the stream, which becomes torch's current one). Returns the compiled function;
+    launch it through `launcher`."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -98,15 +82,19 @@ def compile_kernel(kernel, *args, arch: str | None = None, dump_dir: str | None 
 
 
 def launcher(compiled):
-    """The function that launches `compiled` (from `compile_kernel`): its TVM-FFI function, which
-    takes the arguments positionally, without the CuTe DSL's Python wrapper around it."""
+    """`compiled`'s TVM-FFI function (positional arguments, without the CuTe DSL's Python wrapper)."""
     import tvm_ffi
 
     return compiled if isinstance(compiled, tvm_ffi.Function) else compiled.__tvm_ffi_object__()
 
 
 def check_index_tensor(name: str, tensor: torch.Tensor, dims: int, device: torch.device | None = None) -> None:
-    """Refuse anything but an int32 CUDA tensor of `dims` dims (on `device` when given)."""
+    """Check an int32 CUDA tensor of `dims` dims (on `device` when given).
+
+    Raises:
+        TypeError: not an int32 tensor of `dims` dims.
+        ValueError: not on CUDA, or not on `device`.
+    """
     if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int32 or tensor.dim() != dims:
         got = f"{tensor.dtype} with {tensor.dim()} dims" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise TypeError(f"{name}: expected an int32 tensor with {dims} dims, got {got}")

@@ -1,8 +1,5 @@
-"""Inline-PTX reductions the CuTe DSL kernels of torch_msa share (the SM90 backward, the SM100
-backward): fp32 vector atomics and the bulk (TMA-engine) reduce-add of a shared-memory range.
-
-This module imports cutlass at the top; only kernel modules import it, and their host modules
-import those only after `require_cute_dsl()`.
+"""Inline-PTX reductions the CuTe DSL kernels share: fp32 vector atomics and the TMA-engine bulk
+reduce-add of a shared-memory range.
 """
 
 import cutlass
@@ -36,14 +33,9 @@ def red_add_f32x4(
 
 @cutlass.dsl_user_op
 def bulk_reduce_add_f32(global_address: Int64, shared_address: Int32, size_bytes: Int32, *, loc=None, ip=None) -> None:
-    """`cp.reduce.async.bulk .add.f32`: the TMA engine adds `size_bytes` (a multiple of 16, both
-    addresses 16-byte aligned) of fp32 from shared to global memory, element-wise atomically.
-
-    It joins the thread's current bulk group: `cute.arch.cp_async_bulk_commit_group()` closes the
-    group and `cute.arch.cp_async_bulk_wait_group(0, read=True)` waits until the source may be
-    overwritten. Shared-memory writes of other threads must be fenced with
-    `fence_proxy("async.shared", space="cta")` and a barrier before it is issued.
-    """
+    """`cp.reduce.async.bulk .add.f32`: atomically add `size_bytes` (a multiple of 16, both addresses
+    16-byte aligned) of fp32 from shared to global memory, in the thread's current bulk group.
+    Other threads' shared writes need `fence_proxy("async.shared")` and a barrier first."""
     _inline(
         (Int64(global_address), Int32(shared_address), Int32(size_bytes)),
         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;", "l,r,r", loc, ip,

@@ -1,11 +1,8 @@
-"""The SM90 (Hopper) backend: `msa::forward`, `msa::backward` and the backward with the fused
-index loss by CuTe DSL wgmma/TMA kernels; its ops are in `interface.py`, imported on first use.
+"""The SM90 (Hopper) backend: CuTe DSL kernels for `msa::forward`, `msa::backward` and the
+backward with the index loss; its ops are in `interface.py`, its design in `README.md`.
 
-It serves a CUDA device of compute capability 9.0 with the `cute` extra and triton installed (the
-shared stages of `torch_msa/stages/` are Triton kernels), and within that the configuration the
-kernels are built for: 16 query heads per KV head, D = 128, block_size = 128, bf16 or fp16. Other
-inputs raise `UnsupportedInputs` before any work and fall back to the Triton backend. The design
-is in `README.md` beside this file.
+Serves compute capability 9.0 with the `cute` extra and triton installed, and only 16 query heads
+per KV head, D = 128, block_size = 128, bf16 or fp16; other inputs raise `UnsupportedInputs`.
 """
 
 import functools
@@ -22,10 +19,7 @@ _REQUIRED_MODULES = (*CUTE_DSL_MODULES, "triton")
 
 
 def available(device: torch.device) -> bool:
-    """True on a CUDA device of compute capability 9.0 with the cute extra and triton installed.
-
-    Only looks the modules up (`importlib.util.find_spec`); nothing heavy is imported.
-    """
+    """True on a CUDA device of compute capability 9.0 with the cute extra and triton installed."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     if sm_capability(device) != SM90_CAPABILITY:

@@ -1,15 +1,5 @@
-"""`msa::backward` on Hopper (sm_90a), bitwise reproducible: it serves the SM90 backend under
-`torch.use_deterministic_algorithms(True)`, where the SM90 backward kernel (`backward_kernel.py`)
-would add with atomics.
-
-Four stages, those of the Triton deterministic backward with the SM90 key pass in place of the
-Triton one (`torch_msa.triton.stages`): delta; the SM90 blocks kernel compiled without dQ
-(`backward_host.launch_blocks(deterministic=True)`), which stores each schedule item's dK/dV in
-the item's own workspace rows; the fixed-order reduction of the workspace into dK/dV; the
-query-outer dQ. Every gradient element has one owner and a fixed summation order.
-
-The CuTe DSL and triton are imported only inside the function, so this module imports on hosts
-without them.
+"""`msa::backward` on Hopper, bitwise reproducible: the stages of `torch_msa.stages.deterministic`
+with the SM90 kernel's deterministic variant as the key pass.
 """
 
 import torch
@@ -24,9 +14,9 @@ from .common import BLOCK_SIZE
 
 def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,
              plan=None, teacher=None):
-    """`backward_host.backward`, bitwise reproducible: same contract (the KL `teacher` included)
-    and `UnsupportedInputs`. The key pass walks the plan's entries in the items of the
-    deterministic workspace (`torch_msa.stages.deterministic.key_workspace`)."""
+    """`backward_host.backward`'s contract (`teacher` and `UnsupportedInputs` included), bitwise
+    reproducible. The key pass walks the step's plan in the workspace's own items
+    (`torch_msa.stages.deterministic.key_workspace`)."""
     check_inputs(grad_out, q, k, v, block_size)
     require_cute_dsl()
 
@@ -35,7 +25,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
     if not state.empty:
         assert state.workspace is not None
         schedule = state.workspace.schedule
-        # TMA reads whole 16-byte aligned rows; the Triton stages take any unit-stride rows.
+        # TMA needs 16-byte aligned rows; the shared stages do not.
         aligned = [aligned_operand(x) for x in (state.q, state.k, state.v, state.grad_out)]
         key_count = bucket_key_count(schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)
         unused_dq = torch.empty((1, *q.shape[1:]), dtype=torch.float32, device=q.device)  # the variant adds no dQ

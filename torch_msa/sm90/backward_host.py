@@ -1,24 +1,5 @@
-"""`msa::backward` on Hopper (sm_90a): the host side of the CuTe DSL backward kernel.
-
-Scope: the SM90 forward's: G = 16 query heads per KV head, D = 128, key blocks of 128, bf16 or
-fp16 (MiniMax-M3); any top-k. `check_inputs` raises `UnsupportedInputs` for anything else before
-any work.
-
-* **`backward`**: `delta = rowsum(dO * O) - grad_lse` (Triton, `torch_msa.triton.stages.compute_delta`),
-  the step's plan (or a new one), zeroed fp32 accumulators for dQ, dK and dV, one launch of the
-  kernel on a persistent grid of one CTA per SM (capped by the item count), which adds into them
-  with atomics, then the casts to the inputs' dtype (dQ's by the Triton stage `ungroup_dq`, which
-  also undoes the kernel's dim grouping, `common.DQ_DIM_GROUP`).
-* The bitwise-reproducible backward (for `torch.use_deterministic_algorithms(True)`) is
-  `backward_deterministic.py`: the kernel's deterministic variant (`launch_blocks(...,
-  deterministic=True)`) stores each item's dK/dV in the item's own workspace rows, and the Triton
-  stages (`torch_msa.triton.stages`) reduce the workspace in a fixed order per key block and
-  compute dQ query-outer, each element with one owner.
-
-The kernel itself and its design: `backward_kernel.py`; the constants and checks it shares with
-the forward: `common.py`. Importing this module imports neither cutlass nor triton:
-`compile_blocks_kernel` imports the kernel module (and so cutlass) on the first compile, after
-`require_cute_dsl()`; one executable serves a process, dtype, KV head count and variant.
+"""`msa::backward` on Hopper: the host side of `backward_kernel.py`: delta, zeroed fp32 accumulators,
+one launch that adds dQ, dK, dV into them, the casts. One executable per dtype, Hkv and variant.
 """
 
 import functools
@@ -42,19 +23,18 @@ from .common import (
     step_schedule,
 )
 
-# Q, dO and the lse/delta rows are addressed with 32-bit row indices (query x head).
-MAX_QUERY_ROWS = 2**31 - 1
-# The KL teacher's storage: probabilities lie in [0, 1], where fp16 keeps 3 more bits than bf16.
+MAX_QUERY_ROWS = 2**31 - 1  # the kernel indexes (query, head) rows with int32
+# The teacher's probabilities lie in [0, 1], where fp16 keeps 3 more bits than bf16.
 TEACHER_DTYPE = torch.float16
 
 
 def new_teacher(num_queries: int, num_kv_heads: int, topk: int, device) -> torch.Tensor:
-    """The zeros `[Tq, Hkv, topk, 128]` (fp16) the kernel writes the KL teacher into."""
+    """fp16 zeros `[Tq, Hkv, topk, 128]` for the kernel to write the index loss's teacher into."""
     return torch.zeros((num_queries, num_kv_heads, topk, BLOCK_SIZE), dtype=TEACHER_DTYPE, device=device)
 
 
 def check_query_rows(num_queries: int, num_heads: int) -> None:
-    """Raise `UnsupportedInputs` when the `Tq * Hq` query rows would not fit 32-bit indices."""
+    """Raises `UnsupportedInputs` when the `Tq * Hq` query rows exceed int32."""
     if num_queries * num_heads > MAX_QUERY_ROWS:
         raise UnsupportedInputs(
             f"the SM90 backward indexes query rows with 32-bit integers: {num_queries} queries x {num_heads} heads "
@@ -63,7 +43,7 @@ def check_query_rows(num_queries: int, num_heads: int) -> None:
 
 
 def check_inputs(grad_out, q, k, v, block_size) -> None:
-    """Raise `UnsupportedInputs` for inputs the kernel does not serve; nothing launched."""
+    """Raises `UnsupportedInputs` for inputs the kernel does not serve."""
     check_served(q, k, v, block_size)
     if grad_out.dtype != q.dtype:
         raise UnsupportedInputs(f"the SM90 backward takes grad_out of q's dtype {q.dtype}, got {grad_out.dtype}")
@@ -74,13 +54,9 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
              plan=None, teacher=None):
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype.
 
-    `teacher`: None, or fp16 `[Tq, Hkv, topk, 128]` zeros that the kernel fills with the index
-    branch's KL teacher (`new_teacher`; layout: `torch_msa.reference_kl.teacher_probabilities`).
-
-    Shapes: `grad_out`, `q`, `out` `[Tq, Hq, D]`; `k`, `v` `[Tk, Hkv, D]`; `lse`, `grad_lse`
-    `[Tq, Hq]` fp32; `block_indices` int32 `[Hkv, Tq, topk]`. Walks `plan`'s items (any item
-    size) or those of a new plan with the public API's item size; query fragments are read from
-    the plan, as in the forward.
+    `teacher`: None, or `new_teacher()` for the kernel to fill with the index loss's teacher
+    (layout: `torch_msa.reference_kl.teacher_probabilities`). Walks `plan`'s items (any item
+    size), or those of a new plan.
 
     Raises:
         UnsupportedInputs: outside the served configuration (`check_inputs`).
@@ -92,7 +68,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
 
     topk = block_indices.shape[-1]
     device = q.device
-    # One zero fill for the three accumulators (each view starts 16-byte aligned: D = 128 fp32).
+    # One zero fill for all three (each view stays 16-byte aligned: D = 128 fp32).
     query_elements, key_elements = num_queries * num_heads * dim, num_keys * num_kv_heads * dim
     accumulators = torch.zeros(query_elements + 2 * key_elements, dtype=torch.float32, device=device)
     dq_acc, dk_acc, dv_acc = (
@@ -117,10 +93,9 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
 
 
 def operands(num_kv_heads: int, deterministic: bool = False):
-    """The kernel's tensor operands (`common.blocks_operands`). The deterministic variant stores dK/dV
-    into per-item workspace rows `[items * 128, D]` instead of adding to `[Tk, Hkv, D]`, and its
-    dq_acc is not read. The teacher `[Tq * Hkv * topk, 128]` is written only by the variants that
-    emit it; the others are passed one unread row."""
+    """The kernel's tensor operands (`common.blocks_operands`). `deterministic`: dK/dV are
+    workspace rows `[items * 128, D]` and dq_acc is unread. The teacher is one unread row unless
+    the variant emits it."""
     num_heads = HEADS_PER_KV * num_kv_heads
     key_rows = (HEAD_DIM,) if deterministic else (num_kv_heads, HEAD_DIM)
     return blocks_operands(num_kv_heads, (
@@ -136,9 +111,8 @@ def operands(num_kv_heads: int, deterministic: bool = False):
 
 def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk,
                   softmax_scale, deterministic: bool = False, teacher: torch.Tensor | None = None) -> None:
-    """Launch the blocks kernel: adds every scheduled entry's dQ, dK and dV to the fp32 accumulators,
-    or, `deterministic`, stores each item's dK/dV into its workspace rows (see `operands`); with
-    `teacher` (`new_teacher`), the variant that also writes the KL teacher into it."""
+    """Launch the blocks kernel: add every entry's dQ, dK, dV to the fp32 accumulators, or,
+    `deterministic`, store each item's dK/dV in its workspace rows; with `teacher`, also write it."""
     emit_teacher = teacher is not None
     if teacher is None:
         teacher = torch.empty((1, BLOCK_SIZE), dtype=TEACHER_DTYPE, device=q.device)
@@ -147,15 +121,13 @@ def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedul
         "dq_acc": dq_acc, "dk_acc": dk_acc, "dv_acc": dv_acc, "teacher": teacher.view(-1, BLOCK_SIZE),
     }
     num_kv_heads = k.shape[1]
-    # Its own scalar: softmax_scale, which scales dQ and dK.
     launch(_compiled(q.dtype, num_kv_heads, deterministic, emit_teacher), operands(num_kv_heads, deterministic), tensors,
            schedule, key_count, topk, softmax_scale, (softmax_scale,), sm_count(q.device))
 
 
 @functools.cache
 def _compiled(dtype: torch.dtype, num_kv_heads: int, deterministic: bool, emit_teacher: bool):
-    """One executable per process and (dtype, Hkv, variant); token, key and item counts are dynamic."""
-
+    """One executable per (dtype, Hkv, variant); token, key and item counts are dynamic."""
     return launcher(compile_blocks_kernel(dtype, num_kv_heads, deterministic=deterministic, emit_teacher=emit_teacher))
 
 
@@ -168,10 +140,7 @@ def compile_blocks_kernel(
     deterministic: bool = False,
     emit_teacher: bool = False,
 ):
-    """`cute.compile` the blocks kernel (`arch=None`: this host's GPU; `deterministic`: the variant
-    without dQ that stores dK/dV per item; `emit_teacher`: the variant that writes the KL teacher)
-    on fake tensors with dynamic leading extents.
-    `dump_dir` keeps the cubin there, and with `listings` the PTX and SASS too."""
+    """`cute.compile` the blocks kernel variant (`common.compile_blocks`; `arch=None`: this GPU)."""
     require_cute_dsl()
     import cutlass
 

@@ -1,61 +1,7 @@
-"""The SM90 (Hopper, sm_90a) backward kernel in CuTe DSL: KV-outer, dK/dV on chip, dQ by bulk reduce-add.
-
-Scope: the SM90 forward kernel's (`forward_kernel.py`): G = 16 query heads per KV head, D = 128,
-key blocks of 128, bf16 or fp16 (MiniMax-M3); any top-k. The host side (input checks, delta, the
-accumulators and their casts, launch, compile cache, the deterministic composition) is
-`backward_host.py`; what this kernel shares with the forward kernel is listed in
-`forward_kernel.py`.
-
-Design
-------
-* **Work.** The step's plan, walked as in the forward (`tile_scheduler.py`): items of one KV
-  head's key block and the (query, slot) entries that chose it, taken four tokens (a 64-row tile
-  of 4 tokens x 16 heads) at a time.
-* **CTA.** Two warpgroups (256 threads), one CTA per SM (193 KiB of shared memory). Warp 0
-  produces the TMA load pipelines (`pipeline.py`): the block's K and V once per item (two TMA
-  boxes) and, per tile, Q and dO (one 16 x 128 TMA box per token each, two stages: the next tile
-  loads while this one is computed; a stage is released once the tile's dK/dV GEMMs have read it).
-* **Math, keys as the wgmma M side** (warpgroup w owns keys 64 w .. 64 w + 63):
-  `S^T = K Q^T` and `dP^T = V dO^T` (both operands from shared memory);
-  `P^T = exp2(S^T scale - lse)` and `dS^T = P^T (dP^T - delta)` in registers, with the
-  per-column lse, delta and last visible key of the tile's 64 rows read from shared memory, where
-  warps 6-7 staged them during the tile before (their loads depend on the plan's entries, so on
-  the critical path they would stall every tile);
-  `dV += P^T dO` and `dK += dS^T Q` with P^T and dS^T as register A operands and dO, Q read
-  through transposed views of their tiles, the fp32 dK/dV accumulators living for the whole
-  item; dS^T goes to shared memory as dS (transposing `stmatrix`, four per thread and tile) and
-  `dQ = dS K` (warpgroup w computes dims 64 w .. 64 w + 63, K read through a transposed view).
-* **dQ leaves by warps.** A warp holds one token's 16 heads x 64 dims of the tile's dQ (its
-  warpgroup's half of the dims): it stores them, scaled, to its own 4 KiB of the fp32 dQ tile in
-  shared memory and adds them with one `cp.reduce.async.bulk .add.f32` to the accumulator
-  `[Tq, Hq, D]` (a token's 16 heads x 128 dims of one KV head are contiguous there) while the
-  next tile is computed: no per-element atomics, no barrier. Tile and accumulator group each
-  token's dims by 8 (`common.DQ_DIM_GROUP`: `[16 dim groups, 16 heads, 8 dims]`), so a warp's
-  share is contiguous and its 8-byte stores are free of bank conflicts; the host's cast ungroups.
-* **dK/dV** are added once per item (several items may share a block) with 8-byte vector atomics
-  into fp32 accumulators `[Tk, Hkv, D]`, for the keys inside the block's document only.
-* **Document isolation under NaN.** Masks are selects, never products (a hidden key's NaN dP
-  cannot reach dS); K rows past the document end are zeroed in shared memory before `dQ = dS K`
-  (`0 * NaN = NaN`), and dK/dV rows past it are not written. Every query of an item lies in the
-  block's document; a tile's padding rows reload its first token and are masked out.
-* **Deterministic variant** (`deterministic=True`, a compile-time switch): no dQ; each item's
-  dK/dV are stored in the item's own workspace rows `[items * 128, D]` instead of being added, so
-  that the Triton deterministic backward can reduce them in a fixed order (`backward_host.py`).
-* **Teacher** (`emit_teacher=True`, a compile-time switch, either variant): the index branch's
-  KL teacher, the mean over a token's 16 heads of `P^T` on the tile's keys, leaves as fp16
-  `teacher[(token * Hkv + kv_head) * topk + slot, key]` (16 KiB per token at M3): each thread sums
-  its 4 columns of a token per key row, two butterfly shuffles finish the quad's sum, and the
-  quad's lane `s` stores token `s`'s value (its row read from the schedule at the tile's start,
-  so the read's latency hides behind the GEMMs), while the tile's dK/dV GEMMs run. Hidden keys carry
-  `P = 0`, so every key of a scheduled entry's block is written; entries the plan does not list
-  are not.
-
-Traffic per token (M3, bf16, top-16, long documents): its 64 entries read Q and dO once each,
-2 x 256 KiB, and add 64 dQ tiles of 8 KiB (512 KiB, reduced in L2); K/V are read once per item.
-The five GEMMs of a tile do 10.5 MFLOP on 48 KiB of operands read (Q, dO) and 8 KiB reduced.
-Both warpgroups work on the same tile and meet once per tile, at the CTA barrier before dQ = dS K
-(which needs both warpgroups' dS); dS is double-buffered by the Q/dO stage, so no barrier guards
-its reuse. Measured speed, what bounds it and what is left to gain: docs/performance.md.
+"""The SM90 backward kernel (CuTe DSL, sm_90a): KV-outer, dK/dV accumulated on chip per item, dQ
+added by bulk reduce-add. Compile-time variants: `deterministic` (no dQ; dK/dV stored per item)
+and `emit_teacher` (also writes the index loss's teacher). Host side `backward_host.py`, design
+`README.md`.
 """
 
 import cutlass
@@ -80,7 +26,7 @@ from .mask import key_hidden, zero_keys_past
 from .pipeline import consumer_state, producer_state
 from .softmax import probability, quad_sum
 from .tile_scheduler import Item, ItemScheduler
-from .tiles import (
+from .tma import (
     accumulator_as_operand_a,
     accumulator_rows_cols,
     load_key_blocks,
@@ -92,8 +38,7 @@ from .tiles import (
 THREADS = 256  # two MMA warpgroups
 CONSUMER_WARPS = THREADS // 32
 KEYS_PER_WARPGROUP = BLOCK_SIZE // 2
-# Q and dO tiles are fetched two at a time: the next tile loads while this one is computed.
-TILE_STAGES = 2
+TILE_STAGES = 2  # Q/dO: the next tile loads while this one is computed
 # A warp's share of a tile's dQ, in fp32 elements: its token's 16 heads x its warpgroup's 64 dims.
 DQ_SHARE = HEADS_PER_KV * HEAD_DIM // 2
 
@@ -112,7 +57,7 @@ class Sm90BackwardKernel(BlocksKernel):
         mdO: cute.Tensor,  # [Tq, Hq, 128]
         mLse: cute.Tensor,  # fp32 [Tq, Hq], natural log
         mDelta: cute.Tensor,  # fp32 [Tq, Hq]
-        mdQ: cute.Tensor,  # fp32 [Tq, Hq, 128], added to; each (token, KV head) block dim-grouped
+        mdQ: cute.Tensor,  # fp32 [Tq, Hq, 128], added to; dim-grouped (`DQ_DIM_GROUP`)
         mdK: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
         mdV: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
         mTeacher: cute.Tensor,  # fp16 [Tq * Hkv * topk, 128], written with `emit_teacher`
@@ -120,16 +65,11 @@ class Sm90BackwardKernel(BlocksKernel):
     ):
         schedule, (topk, scale_log2, softmax_scale, grid_size, stream) = self.split_schedule(schedule_and_scalars)
         self.dtype = mQ.element_type
-        # S^T = K Q^T, dP^T = V dO^T: M = 128 keys (64 per warpgroup), N = 64 rows, K = 128 dims.
+        # sdp: S^T = K Q^T, dP^T = V dO^T; dkv: dV += P^T dO, dK += dS^T Q (A from registers); dq: dQ = dS K.
         mma_sdp = self.tiled_mma(K_MAJOR, (2, 1, 1), (KEYS_PER_WARPGROUP, TILE_ROWS))
-        # dV += P^T dO, dK += dS^T Q: M = 128 keys, N = 128 dims, K = 64 rows; A from registers.
         mma_dkv = self.tiled_mma(MN_MAJOR, (2, 1, 1), (KEYS_PER_WARPGROUP, HEAD_DIM), warpgroup.OperandSource.RMEM)
-        # dQ = dS K: M = 64 rows, N = 128 dims (64 per warpgroup), K = 128 keys.
         mma_dq = self.tiled_mma(MN_MAJOR, (1, 2, 1), (TILE_ROWS, HEAD_DIM // 2))
         sdp_tiler = (BLOCK_SIZE, TILE_ROWS, HEAD_DIM)
-        # K and V: (key, dim) tiles; Q and dO: (row, dim) tiles; dS: (row, key). All K-major
-        # with the 128-byte swizzle; the GEMMs that need them transposed read them through
-        # views with the modes swapped (MN-major).
         sK_layout = self.operand_a_tiles(sdp_tiler, 1)
         sQ_layout = self.operand_b_tiles(sdp_tiler, TILE_STAGES)
         sdS_layout = self.operand_a_tiles((TILE_ROWS, HEAD_DIM, BLOCK_SIZE), TILE_STAGES)
@@ -143,8 +83,7 @@ class Sm90BackwardKernel(BlocksKernel):
             {"sK": sK_layout, "sV": sK_layout, "sQ": sQ_layout, "sdO": sQ_layout, "sdS": sdS_layout},
             {
                 "sdQ": cute.struct.Align[cute.struct.MemRange[Float32, TILE_ROWS * HEAD_DIM], 1024],
-                # Per row of a tile: lse (log2 domain), delta, and the last key it sees (-1: none);
-                # two buffers, the next tile's rows are staged while this one is computed.
+                # Per row: lse (log2), delta, last visible key; one buffer per tile stage.
                 "sLse": cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES],
                 "sDelta": cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES],
                 "sLast": cute.struct.MemRange[Int32, TILE_ROWS * TILE_STAGES],
@@ -194,7 +133,7 @@ class Sm90BackwardKernel(BlocksKernel):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        # (row, dim), a row being (token, head): each token's block is [dim groups, 16 heads, 8 dims].
+        # (row, dim) over each token's [dim groups, 16 heads, 8 dims] block.
         sdQ = storage.sdQ.get_tensor(cute.make_layout(
             ((HEADS_PER_KV, TOKENS_PER_TILE), (DQ_DIM_GROUP, HEAD_DIM // DQ_DIM_GROUP)),
             stride=((DQ_DIM_GROUP, HEADS_PER_KV * HEAD_DIM), (1, HEADS_PER_KV * DQ_DIM_GROUP)),
@@ -203,8 +142,7 @@ class Sm90BackwardKernel(BlocksKernel):
         sLse = storage.sLse.get_tensor(rows_layout)
         sDelta = storage.sDelta.get_tensor(rows_layout)
         sLast = storage.sLast.get_tensor(rows_layout)
-        # Transposed views (the same bytes, modes swapped): Q and dO as (dim, row), K as
-        # (dim, key), dS as (key, row).
+        # Transposed views for the GEMMs that read these MN-major.
         sQt = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[1, 0, 2]))
         sdOt = cute.make_tensor(sdO.iterator, cute.select(sdO.layout, mode=[1, 0, 2]))
         sKt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0, 2]))
@@ -215,7 +153,6 @@ class Sm90BackwardKernel(BlocksKernel):
             (TILE_STAGES, self.tile_bytes, CONSUMER_WARPS),
         )
 
-        # Q and dO: 16-row token blocks of the [Tq * Hq, 128] views into a tile's 4 token slots.
         tQsQ, tQgQ = token_tile_partition(tma_atom_Q, tma_Q, sQ, TILE_STAGES)
         tdOsdO, tdOgdO = token_tile_partition(tma_atom_dO, tma_dO, sdO, TILE_STAGES)
         key_copies = ((tma_atom_K, tma_K, sK), (tma_atom_V, tma_V, sV))
@@ -232,7 +169,6 @@ class Sm90BackwardKernel(BlocksKernel):
         tKrQ = mma_dkv.make_fragment_B(thr_dkv.partition_B(sQt))
         tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
         tQrK = mma_dq.make_fragment_B(thr_dq.partition_B(sKt))
-        # dS^T leaves the accumulator layout by transposing 8 x 8 matrix stores (keys contiguous).
         dS_store = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
             mma_sdp,
@@ -273,16 +209,15 @@ class Sm90BackwardKernel(BlocksKernel):
                     sLse, sDelta, sLast, mLse, mDelta, items, item, item.start, tidx - (THREADS - TILE_ROWS),
                     tile_read.index,
                 )
-            # The first tile's rows are visible to every thread.
             cute.arch.barrier()
             acc_dK.fill(0.0)
             acc_dV.fill(0.0)
 
-            # A tile's row buffer and dS tile are those of its Q/dO stage, reused two tiles
-            # later: the barrier of the tile between orders each reuse after the last read.
+            # Row buffers and dS tiles are reused two tiles later: the tile between's barrier
+            # orders the reuse after the last read.
             for tile in cutlass.range(item.num_tiles, unroll=1):
                 first = item.start + tile * TOKENS_PER_TILE
-                # Loaded here, so the latency of the schedule reads hides behind the GEMMs.
+                # Read before the GEMMs, which hide the latency.
                 if cutlass.const_expr(self.emit_teacher):
                     teacher_row = self.teacher_row(items, first, item.end, item.kv_head)
                 if cutlass.const_expr(not self.deterministic):
@@ -297,7 +232,6 @@ class Sm90BackwardKernel(BlocksKernel):
                         zero_keys_past(sK[None, None, 0], item.key_count, tidx)
                         cute.arch.barrier()
 
-                # S^T = K Q^T, dP^T = V dO^T
                 warpgroup.fence()
                 mma_sdp.set(warpgroup.Field.ACCUMULATE, False)
                 for k in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
@@ -308,8 +242,7 @@ class Sm90BackwardKernel(BlocksKernel):
                     cute.gemm(mma_sdp, acc_dP, tSrV[None, None, k, 0], tSrdO[None, None, k, stage], acc_dP)
                     mma_sdp.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
-                # The next tile's rows, in the shadow of the GEMMs; the barriers below make
-                # them visible.
+                # The next tile's rows, in the GEMMs' shadow; the barriers below publish them.
                 if tidx >= THREADS - TILE_ROWS:
                     if tile + 1 < item.num_tiles:
                         self.stage_row(
@@ -318,7 +251,6 @@ class Sm90BackwardKernel(BlocksKernel):
                         )
                 warpgroup.wait_group(0)
 
-                # P^T and dS^T, column by column (a column is one query row of the tile).
                 for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                     col = cS_rc[0, c][1]
                     row_lse = sLse[col, stage]
@@ -335,7 +267,6 @@ class Sm90BackwardKernel(BlocksKernel):
                 rP.store(acc_S.load().to(self.dtype))
                 rdS.store(acc_dP.load().to(self.dtype))
 
-                # dV += P^T dO, dK += dS^T Q
                 warpgroup.fence()
                 for k in cutlass.range_constexpr(cute.size(tVrP, mode=[2])):
                     cute.gemm(mma_dkv, acc_dV, tVrP[None, None, k], tVrdO[None, None, k, stage], acc_dV)
@@ -350,8 +281,7 @@ class Sm90BackwardKernel(BlocksKernel):
                     warpgroup.wait_group(0)
                     cute.arch.barrier()
                 else:
-                    # dS to shared memory, for dQ = dS K, which needs both warpgroups' keys: the
-                    # tile's one CTA barrier.
+                    # dQ = dS K needs both warpgroups' dS: the tile's one CTA barrier.
                     cute.copy(dS_store, dS_store.retile(rdS), dS_store.partition_D(sdSt[None, None, stage]))
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier()
@@ -363,19 +293,16 @@ class Sm90BackwardKernel(BlocksKernel):
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
 
-                    # Each warp stores and reduces its own share of the dQ tile, so no barrier:
-                    # its previous share has left, its stores precede the TMA engine's reads.
+                    # A warp's own dQ share: warp-level waits and fences suffice.
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                     cute.arch.sync_warp()
                     tdQsdQ.store(acc_dQ.load() * softmax_scale)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.sync_warp()
                     self.reduce_dq(sdQ, mdQ, dq_offset, warp)
-                # Every GEMM that reads the tile's Q and dO has completed.
                 tile_pipeline.consumer_release(tile_read)
                 tile_read.advance()
 
-            # Every warp's GEMMs of the item have completed: the next item may refill K and V.
             kv_pipeline.consumer_release(kv_read)
             kv_read.advance()
             if cutlass.const_expr(self.deterministic):
@@ -392,9 +319,7 @@ class Sm90BackwardKernel(BlocksKernel):
         self, sLse: cute.Tensor, sDelta: cute.Tensor, sLast: cute.Tensor, mLse: cute.Tensor, mDelta: cute.Tensor,
         items: ItemScheduler, item: Item, first: Int32, row: Int32, buffer: Int32,
     ):
-        """Row `row` of `item`'s tile of entries `first ..` (token `row // 16`, head `row % 16`)
-        into row buffer `buffer`: its lse in the log2 domain, delta, and the last key of the block
-        it sees (-1 for a padding row)."""
+        """Stage row `row` of the tile at entry `first`: lse (log2), delta, last visible key (-1: padding)."""
         entry = first + row // HEADS_PER_KV
         last = Int32(-1)
         if entry < item.end:
@@ -411,9 +336,7 @@ class Sm90BackwardKernel(BlocksKernel):
 
     @cute.jit
     def dq_offset(self, items: ItemScheduler, first: Int32, end: Int32, kv_head: Int32, warp: Int32) -> Int64:
-        """The element offset in the fp32 dQ accumulator of warp `warp`'s share of the tile of
-        entries `first ..`: its token's (`warp % 4`) block of 16 heads x 128 dims, plus its
-        warpgroup's half of the dims; -1 past `end` (nothing to add)."""
+        """Offset in the dQ accumulator of warp `warp`'s share of the tile at entry `first`; -1 past `end`."""
         entry = first + warp % TOKENS_PER_TILE
         offset = Int64(-1)
         if entry < end:
@@ -422,15 +345,12 @@ class Sm90BackwardKernel(BlocksKernel):
         return offset
 
     def dq_half(self, warp):
-        """The offset of warp `warp`'s half of the dims (its warpgroup's) within a token's dQ block,
-        the same in the tile and the accumulator (the dim groups are outermost)."""
+        """Offset of warp `warp`'s half of the dims in a token's dQ block (tile and accumulator alike)."""
         return (warp // TOKENS_PER_TILE) * DQ_SHARE
 
     @cute.jit
     def reduce_dq(self, sdQ: cute.Tensor, mdQ: cute.Tensor, offset: Int64, warp: Int32):
-        """Add warp `warp`'s share of the dQ tile (16 heads x 64 dims of its token, contiguous in
-        the tile's and the accumulator's order) at accumulator element `offset` (nothing if
-        negative) with one bulk reduce-add, then close the warp's bulk group."""
+        """Bulk reduce-add warp `warp`'s dQ share at `offset` (none if negative); close its bulk group."""
         with cute.arch.elect_one():
             if offset >= 0:
                 source = (sdQ.iterator + (warp % TOKENS_PER_TILE) * HEADS_PER_KV * HEAD_DIM + self.dq_half(warp)).toint()
@@ -439,8 +359,7 @@ class Sm90BackwardKernel(BlocksKernel):
 
     @cute.jit
     def teacher_row(self, items: ItemScheduler, first: Int32, end: Int32, kv_head: Int32) -> Int64:
-        """The teacher row `(token, kv_head, selection slot)` this thread writes for the tile of
-        entries `first ..`: lane `s` of each quad writes token `s`'s; -1 past `end` (nothing)."""
+        """The teacher row this thread writes (quad lane `s`: token `s`'s); -1 past `end`."""
         entry = first + cute.arch.lane_idx() % 4
         row = Int64(-1)
         if entry < end:
@@ -450,9 +369,8 @@ class Sm90BackwardKernel(BlocksKernel):
 
     @cute.jit
     def store_teacher(self, mTeacher: cute.Tensor, probs_rc: cute.Tensor, coords_rc: cute.Tensor, row: Int64):
-        """The teacher of the tile: per token and key of the block, the mean of `P^T` over the
-        token's 16 heads, in fp16, into `row` (`teacher_row`). A thread's columns are 4 per token
-        (adjacent pairs of two 8-column groups: `tiles.accumulator_rows_cols`), in token order."""
+        """Write the tile's teacher to `row`: per key, the fp16 mean of `P^T` over the token's 16
+        heads. A thread's columns are 4 per token, in token order."""
         lane_in_quad = cute.arch.lane_idx() % 4
         columns_per_token = cute.size(probs_rc, mode=[1]) // TOKENS_PER_TILE
         # A pointer of its own: the teacher may pass 2**31 elements.
@@ -463,7 +381,7 @@ class Sm90BackwardKernel(BlocksKernel):
                 partial = Float32(0.0)
                 for c in cutlass.range_constexpr(slot * columns_per_token, (slot + 1) * columns_per_token):
                     partial = partial + probs_rc[r, c]
-                # Every lane takes part in the shuffles and keeps its own token's sum.
+                # Shuffles need every lane, so all compute each token's sum.
                 head_sum = quad_sum(partial)
                 if lane_in_quad == slot:
                     own_sum = head_sum
@@ -475,8 +393,7 @@ class Sm90BackwardKernel(BlocksKernel):
         self, accumulator: cute.Tensor, acc: cute.Tensor, acc_rc: cute.Tensor, coords_rc: cute.Tensor, item: Item,
         scale: Float32,
     ):
-        """accumulator[key_row + key, kv_head, :] += scale * acc for `item`'s block's keys inside
-        its document (`key < key_count`), two adjacent dims per 8-byte atomic."""
+        """`accumulator[key_row + key, kv_head] += scale * acc` for keys inside the document (atomics)."""
         for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
             key = coords_rc[r, 0][0]
             if key < item.key_count:
@@ -491,8 +408,7 @@ class Sm90BackwardKernel(BlocksKernel):
         self, workspace: cute.Tensor, acc_rc: cute.Tensor, coords_rc: cute.Tensor, item: Int32, key_count: Int32,
         scale: Float32,
     ):
-        """workspace[item * 128 + key, :] = scale * acc for the block's keys inside its document
-        (`key < key_count`; the reduction reads no key past the item's horizon, which is inside)."""
+        """`workspace[item * 128 + key] = scale * acc` for keys inside the document (the only ones read)."""
         for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
             key = coords_rc[r, 0][0]
             if key < key_count:

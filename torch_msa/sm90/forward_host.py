@@ -1,18 +1,5 @@
-"""`msa::forward` on Hopper (sm_90a): the host side of the CuTe DSL forward kernel.
-
-Scope: G = 16 query heads per KV head, D = 128, key blocks of 128, bf16 or fp16 (MiniMax-M3:
-Hq = 64, Hkv = 4); any top-k. Everything else is the Triton backend's: `check_served` and
-`check_rows` raise `UnsupportedInputs` before any work.
-
-`forward` takes the step's plan (or builds one), sizes the partial outputs `[Tq * Hkv * topk *
-16, 128]` and their log2-sum-exp, launches the kernel on a persistent grid of `CTAS_PER_SM` CTAs
-per SM (capped by the item count), and merges the partials of every query into `out` and `lse`
-with the Triton combine (`torch_msa.triton.stages.combine`). The kernel itself, its design and its bytes per token:
-`forward_kernel.py`; the constants and checks it shares with the backward: `common.py`.
-
-Importing this module imports neither cutlass nor triton: `compile_blocks_kernel` imports the
-kernel module (and so cutlass) on the first compile, after `require_cute_dsl()`; one executable
-serves a process, dtype and KV head count (sequence lengths are runtime arguments).
+"""`msa::forward` on Hopper: the host side of `forward_kernel.py`. The kernel writes per-(query,
+slot) partials, `combine` merges them. One executable per dtype and Hkv.
 """
 
 import functools
@@ -27,18 +14,13 @@ from ..cute_dsl.cute_io import aligned_operand, launcher
 from ..stages.combine import combine
 from .common import HEAD_DIM, HEADS_PER_KV, blocks_operands, check_served, compile_blocks, launch, step_schedule
 
-CTAS_PER_SM = 1  # one CTA of three warpgroups fills an SM (224 KiB of shared memory)
-
-
-# The kernel's tensor arguments carry 32-bit dynamic extents (`cute_rows`). Q and the partial
-# outputs are read and written only by TMA, whose coordinates are 32-bit per dimension and whose
-# addresses are 64-bit, so the bound is on rows, not elements: the partials' `Tq * Hkv * topk * G`
-# rows (2**31 at two million queries for M3), whose lse the threads index directly.
+CTAS_PER_SM = 1  # one CTA uses 224 KiB of shared memory
+# Rows, not elements: TMA addresses 64-bit, but extents and the partial lse's index are 32-bit.
 MAX_PARTIAL_ROWS = 2**31 - 1
 
 
 def check_rows(num_queries: int, num_kv_heads: int, topk: int) -> None:
-    """Raise `UnsupportedInputs` when the partial rows would not fit 32-bit indices."""
+    """Raises `UnsupportedInputs` when the `Tq * Hkv * topk * 16` partial rows exceed int32."""
     rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
     if rows > MAX_PARTIAL_ROWS:
         raise UnsupportedInputs(
@@ -51,13 +33,11 @@ def check_rows(num_queries: int, num_kv_heads: int, topk: int) -> None:
 def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
     """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
 
-    Walks `plan`'s items (any item size), or, without one, those of a new plan with the public
-    API's item size. Query fragments (`torch_msa/documents.py`) are read from the plan: a token's
-    position and a key block's document are all the kernel needs.
+    Walks `plan`'s items (any item size), or those of a new plan.
 
     Raises:
-        UnsupportedInputs: outside the served configuration (see `check_served`) or beyond
-            32-bit row indices (`check_rows`).
+        UnsupportedInputs: outside the served configuration (`check_served`) or beyond int32
+            partial rows (`check_rows`).
     """
     check_served(q, k, v, block_size)
     check_rows(q.shape[0], k.shape[1], block_indices.shape[-1])
@@ -82,7 +62,7 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
 
 
 def operands(num_kv_heads: int):
-    """The kernel's tensor operands (`common.blocks_operands`); its own: the partial outputs and their lse."""
+    """The kernel's tensor operands (`common.blocks_operands`); its own: the partials and their lse."""
     return blocks_operands(num_kv_heads, (("partial_out", (HEAD_DIM,), None), ("partial_lse", (), torch.float32)))
 
 
@@ -96,8 +76,7 @@ def launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, 
 
 @functools.cache
 def _compiled(dtype: torch.dtype, num_kv_heads: int):
-    """One executable per process and (dtype, Hkv); token, key and item counts are dynamic."""
-
+    """One executable per (dtype, Hkv); token, key and item counts are dynamic."""
     return launcher(compile_blocks_kernel(dtype, num_kv_heads))
 
 
@@ -108,8 +87,7 @@ def compile_blocks_kernel(
     dump_dir: str | None = None,
     listings: bool = False,
 ):
-    """`cute.compile` the blocks kernel (`arch=None`: this host's GPU) on fake tensors with dynamic
-    leading extents. `dump_dir` keeps the cubin there, and with `listings` the PTX and SASS too."""
+    """`cute.compile` the blocks kernel (`common.compile_blocks`; `arch=None`: this GPU)."""
     require_cute_dsl()
     from .forward_kernel import Sm90ForwardKernel
 

@@ -1,8 +1,5 @@
-"""`msa::backward_with_index_loss` on Hopper: the backward kernel writes the index branch's KL
-teacher where it recomputes `P` (fp16 `[Tq, Hkv, topk, 128]`, the `emit_teacher` variant of
-`backward_kernel.py`), and the loss and the index gradients are formed from that teacher alone
-(`torch_msa.index_loss.sparse.index_loss_from_teacher`, or its deterministic twin): no second
-`Q K^T`.
+"""`msa::backward_with_index_loss` on Hopper: the backward kernel writes the index loss's teacher,
+from which the loss and index gradients are formed without a second `Q K^T`.
 """
 
 import torch
@@ -17,8 +14,7 @@ def backward_with_index_loss(grad_out, grad_loss, q, k, v, out, lse, index_q, in
     """Same contract as `torch_msa.index_loss.separate`: `(dq, dk, dv, d_index_q, d_index_k, loss)`.
 
     Raises:
-        UnsupportedInputs: attention inputs outside the kernels' configuration, or index inputs the
-            teacher's loss kernels do not take; nothing launched.
+        UnsupportedInputs: attention or index inputs the kernels do not serve; nothing launched.
     """
     backward_host.check_inputs(grad_out, q, k, v, block_size)
     check_dtype_and_group("index_q", index_q.dtype)

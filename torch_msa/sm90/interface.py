@@ -1,6 +1,4 @@
-"""The SM90 backend's ops, in the backends' form (`torch_msa.backends.Backend`): the forward over
-query windows (`torch_msa/query_windows.py`), the backward (atomic, or bitwise reproducible under
-`torch.use_deterministic_algorithms(True)`), and the backward with the fused index loss."""
+"""The SM90 backend's ops (`torch_msa.backends.Backend` form)."""
 
 import torch
 

@@ -1,18 +1,5 @@
-"""Which keys a query sees, for the SM90 forward and backward kernels.
-
-A query at document position `p` sees the keys at positions `<= p` of its own document. Inside an
-item's block (block-local key `c`, the block's key 0 at position `first_key`) that is
-`c <= last_key` with `last_key = p - first_key` (`tile_scheduler.ItemScheduler.last_visible_key`):
-a key of another document, or past the packed keys, always lies past the position, since
-positions are document-local and the block starts inside the query's document. Hidden scores are
-selected away (to `-inf`, or a zero probability), never multiplied by a mask, so that a hidden
-key's NaN cannot reach a visible one's result.
-
-`zero_keys_past` covers the other half of document isolation: `P = 0` does not stop a NaN in the
-operand it multiplies (`0 * NaN = NaN`), so the rows of a block tile past its document's end are
-zeroed in shared memory before a GEMM reads them.
-
-Device code: this module imports cutlass at the top, and only the kernel modules import it.
+"""Which keys a query sees in the SM90 kernels: block-local key `c <= position - first_key`. Hidden
+scores are selected away, never multiplied by a mask, so a hidden key's NaN cannot leak.
 """
 
 import cutlass
@@ -29,8 +16,7 @@ def key_hidden(key: Int32, last_key: Int32):
 
 @cute.jit
 def hide_scores_past(scores_rc: cute.Tensor, coords_rc: cute.Tensor, row: cutlass.Constexpr[int], last_key: Int32):
-    """Row `row` of a (rows, keys) accumulator view (`tiles.accumulator_rows_cols`): the scores of
-    hidden keys become `-inf` (`coords_rc` holds each element's (row, key) coordinate)."""
+    """Set row `row`'s hidden scores to `-inf` (`coords_rc`: each element's (row, key))."""
     for c in cutlass.range_constexpr(cute.size(scores_rc, mode=[1])):
         if key_hidden(coords_rc[row, c][1], last_key):
             scores_rc[row, c] = -Float32.inf
@@ -38,12 +24,11 @@ def hide_scores_past(scores_rc: cute.Tensor, coords_rc: cute.Tensor, row: cutlas
 
 @cute.jit
 def zero_keys_past(tile: cute.Tensor, key_count: Int32, thread: Int32):
-    """Zero keys `key_count ..` of a (key, dim) tile (another document's, or TMA fill), thread
-    `thread < 128` taking key `thread`, and fence the stores for the tensor cores' reads. The
-    caller's barrier over the threads that called it then orders the stores before those reads."""
+    """Zero keys `key_count ..` of a (key, dim) tile, since `0 * NaN = NaN` (thread `t` < 128 takes
+    key `t`), and fence for the tensor cores; the caller's barrier then orders the stores."""
     if thread < BLOCK_SIZE and thread >= key_count:
-        # A rolled loop: unrolled, its 128 swizzled addresses would be hoisted out of the kernel's
-        # loops and held in registers (or spilled) for stores that run once per partial block.
+        # Rolled: unrolled, its 128 swizzled addresses would be hoisted out of the kernel's loops
+        # into registers for stores that rarely run.
         for d in cutlass.range(HEAD_DIM, unroll=1):
             tile[thread, d] = tile.element_type(0.0)
     cute.arch.fence_proxy("async.shared", space="cta")

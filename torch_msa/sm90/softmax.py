@@ -1,14 +1,5 @@
-"""The softmax over one key block, for the SM90 forward and backward kernels, in the log2 domain.
-
-Each slot of a query's selection is one block of 128 keys, so the forward needs no online
-rescale: a row's max and sum over its block are final for that slot, and the combine merges the
-slots. The backward recomputes the probabilities with the final (natural-log) lse the forward
-returned, converted to log2 when its rows are staged.
-
-A row of the forward's 64 x 128 score accumulator lives in the 4 threads of a quad (each holding
-two adjacent columns of every 8), so row reductions end with two butterfly shuffles.
-
-Device code: this module imports cutlass at the top, and only the kernel modules import it.
+"""The one-block softmax of the SM90 kernels, in the log2 domain (no online rescale: a slot is one
+block). A score row lives in a quad's 4 threads, so row reductions end with two shuffles.
 """
 
 import cutlass
@@ -32,9 +23,8 @@ def quad_sum(value: Float32) -> Float32:
 
 @cute.jit
 def block_softmax_row(scores_rc: cute.Tensor, row: cutlass.Constexpr[int], scale_log2: Float32):
-    """Row `row` of a (rows, keys) accumulator view: `exp2(scale_log2 * s - shift)` in place, with
-    `shift = scale_log2 * max(s)` (0 when every key is hidden, so a hidden row stays all zeros).
-    Returns `(shift, sum)`: the row's log2-sum-exp is `shift + log2(sum)`."""
+    """Row `row` in place: `exp2(scale_log2 * s - shift)`, `shift = scale_log2 * max(s)` (0 if all
+    hidden, so the row stays zero). Returns `(shift, sum)`; log2-sum-exp is `shift + log2(sum)`."""
     best = quad_max(scores_rc[row, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
     if best == -Float32.inf:
         best = Float32(0.0)
@@ -46,6 +36,5 @@ def block_softmax_row(scores_rc: cute.Tensor, row: cutlass.Constexpr[int], scale
 
 
 def probability(score: Float32, scale_log2: Float32, lse_log2: Float32) -> Float32:
-    """A recomputed probability: `exp2(scale_log2 * score - lse_log2)`, `lse_log2` the row's final
-    log2-sum-exp (0 for a row that sees no key)."""
+    """`exp2(scale_log2 * score - lse_log2)`, `lse_log2` the row's final log2-sum-exp."""
     return cute.math.exp2(score * scale_log2 - lse_log2, fastmath=True)

@@ -1,13 +1,5 @@
-"""The persistent walk over a plan's items, shared by the SM90 forward and backward kernels.
-
-A plan (`torch_msa/plan/schedule.py`) lists *items*: one KV head's key block (a *bucket*) and a run of
-the (query, slot) *entries* that chose it. The grid is persistent: CTA `c` of a grid of `n` takes
-items `c, c + n, ...` up to the item count, which it reads on the device (no host sync, so a
-launch is CUDA-graph safe). Within an item both kernels take the entries `TOKENS_PER_TILE` at a
-time, one token per 16-row slot of a 64-row tile; the slots of a last, partial tile repeat the
-tile's first entry, whose rows the kernels then mask or do not write.
-
-Device code: this module imports cutlass at the top, and only the kernel modules import it.
+"""The persistent walk over a plan's items in the SM90 kernels: CTA `c` of `n` takes items
+`c, c + n, ...`, the item count read on the device (no host sync).
 """
 
 import dataclasses
@@ -20,9 +12,8 @@ from .common import BLOCK_SIZE, TOKENS_PER_TILE, ScheduleOperands
 
 
 class Item(NamedTuple):
-    """What a kernel needs of one item: its entries `start .. end - 1`, in `num_tiles` tiles, and
-    its bucket: the KV head, the packed row of the block's key 0, that key's document position,
-    and how many of the block's keys lie inside its document (`key_count <= 128`)."""
+    """One item: entries `start .. end - 1` in `num_tiles` tiles; its bucket's KV head, packed row and
+    document position of key 0, and keys inside the document (`key_count <= 128`)."""
 
     start: Int32
     end: Int32
@@ -35,12 +26,8 @@ class Item(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class ItemScheduler:
-    """This CTA's share of the plan's items, and the facts of their entries.
-
-    Made by `ItemScheduler.create`; walk it as
-    `for index in cutlass.range(items.first, items.count, items.stride, unroll=1)` and read each
-    item with `items.item(index)`. Frozen, so that the CuTe DSL reads it inside run-time loops
-    instead of carrying it through them."""
+    """This CTA's items: `for index in cutlass.range(items.first, items.count, items.stride)`, then
+    `items.item(index)`. Frozen, so the CuTe DSL does not carry it through run-time loops."""
 
     schedule: ScheduleOperands
     topk: Int32
@@ -71,15 +58,14 @@ class ItemScheduler:
 
     @cute.jit
     def tile_entry(self, first: Int32, slot: Int32, end: Int32) -> Int32:
-        """The entry in slot `slot` of the tile that starts at entry `first`: the item's entry
-        `first + slot`, or `first` for a slot past the item's end."""
+        """Entry `first + slot`, or `first` for a slot past the item's end."""
         entry = first + slot
         if entry >= end:
             entry = first
         return entry
 
     def token_and_slot(self, entry: Int32) -> tuple[Int32, Int32]:
-        """The query token of `entry` and the slot (0 .. topk - 1) of its selection it fills."""
+        """`(token, slot)` of `entry`: its query token and selection slot."""
         query = self.schedule.entry_query[entry]
         token = query // self.topk
         return token, query - token * self.topk
@@ -88,6 +74,5 @@ class ItemScheduler:
         return self.schedule.entry_query[entry] // self.topk
 
     def last_visible_key(self, token: Int32, item: Item) -> Int32:
-        """The last key of `item`'s block that `token` sees (block-local; keys past it are
-        hidden): its document position minus the block's first."""
+        """The last block-local key of `item` that `token` sees."""
         return self.schedule.position[token] - item.first_key
