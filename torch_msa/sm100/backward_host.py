@@ -10,8 +10,11 @@ import torch
 
 from ..backends import UnsupportedInputs
 from ..cute_dsl import require_cute_dsl, sm_count
+from ..cute_dsl.cute_io import aligned_operand, compile_kernel, fake_rows, launcher
 from .common import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, TOKENS_PER_TASK, require_sm100
-from .task_tables import TaskTables
+from .postprocess import finish_gradients
+from .preprocess import prepare_delta
+from .task_tables import TaskTables, align_kv, build_tasks
 
 
 def run_backward(
@@ -51,11 +54,6 @@ def run_backward(
     del max_seqlen_q, max_seqlen_k
     require_sm100(q.device)
     _check_contract(q, k, v, grad_out, out, lse, block_indices)
-    from ..cute_dsl.cute_io import aligned_operand
-    from .postprocess import finish_gradients
-    from .preprocess import prepare_delta
-    from .task_tables import align_kv, build_tasks
-
     # The kernel reads these with TMA and vector loads: contiguous, 16-byte aligned rows.
     q, grad_out, lse = (aligned_operand(x) for x in (q, grad_out, lse))
     delta = prepare_delta(out, grad_out, grad_lse)
@@ -169,8 +167,6 @@ def launch_main(
 
 @functools.cache
 def _compile():
-    from ..cute_dsl.cute_io import launcher
-
     return launcher(compile_main_kernel())
 
 
@@ -182,8 +178,6 @@ def compile_for_target(arch: str, dump_dir: str | None = None) -> dict:
 def compile_main_kernel(arch: str | None = None, dump_dir: str | None = None, listings: bool = False):
     """`cute.compile` the main kernel (`arch=None`: this host's GPU) for `OPERANDS`. `dump_dir` keeps
     the cubin there, and with `listings` also the PTX and the SASS."""
-    from ..cute_dsl.cute_io import compile_kernel, fake_rows
-
     require_cute_dsl()
     import cutlass
 

@@ -10,6 +10,7 @@ import torch
 
 from ..backends import UnsupportedInputs
 from ..contract import M3
+from ..cute_dsl.cute_io import compile_kernel, fake_rows
 from ..plan.kernels import bucket_key_count, schedule_for
 
 HEADS_PER_KV = M3.group
@@ -93,8 +94,6 @@ def compile_blocks(
     `operands` (q's dtype `dtype`) and stand-ins for the scalars (`own_scalars`: the kernel's own);
     `dump_dir` and `listings` as in `cute_io.compile_kernel`."""
     import cutlass
-
-    from ..cute_dsl.cute_io import compile_kernel, fake_rows
 
     fakes = [fake_rows(dtype if want is None else want, inner) for _, inner, want in operands]
     scalars = (cutlass.Int32(1), cutlass.Float32(1.0), *own_scalars, cutlass.Int32(1))
