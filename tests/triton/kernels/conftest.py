@@ -16,7 +16,19 @@ computes:
 
 import os
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+
+def _interpreter_has_the_internals_patched_here() -> bool:
+    """The private interpreter members both shortcuts replace (those of the triton releases CI runs);
+    a release without them runs the interpreter as it is, only slower."""
+    from triton.runtime import interpreter
+
+    reduce_ops = getattr(interpreter, "ReduceOps", None)
+    return all((reduce_ops is not None and hasattr(reduce_ops, "apply_impl"),
+                hasattr(interpreter, "_patch_lang"), hasattr(interpreter, "_LangPatchScope"),
+                hasattr(interpreter, "GridExecutor")))
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and _interpreter_has_the_internals_patched_here():
     import inspect
 
     import numpy as np
