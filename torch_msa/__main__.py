@@ -1,25 +1,10 @@
 """`python -m torch_msa`: a self-check of the MSA ops on this machine.
 
-It builds MiniMax-M3-shaped random inputs packed as several documents (each document's queries
-the causal suffix of its keys, the first one with `Lq < Lk`), runs `select_blocks ->
-sparse_attention -> backward` through the public ops on the best available device, times each
-stage, and checks the results against an independent float64 computation written here in plain
-torch (no code shared with the backends):
-
-* selection, out, lse and dq on a sample of query tokens spread over the documents;
-* dv and dk through two identities that hold exactly for any selection, summed over all keys
-  of each KV head: `sum_j dv[j] = sum_{t, h} grad_out[t, h]` (the probabilities of a row sum to 1)
-  and `sum_j dk[j] = 0` (softmax is shift invariant, so each row of dS sums to 0).
-
-On CPU the default problem has fewer queries than on CUDA (`CPU_DEFAULT_QUERIES`: the reference
-does the same work for every query, whatever its position) and torch's threads are sized to the
-cores this process gets (`cpu_threads`). A warm-up on a slice of the problem (on CUDA the whole
-problem, which also compiles the kernels) gives each stage's expected time. Every stage prints a
-line on stdout when it starts, with that time, and one when it ends, flushed at once on any
-stream; on a terminal stderr also shows the stage running (`torch_msa._progress`). The header
-says which `torch_msa` runs (path, version, how it is installed) and warns on stderr when that is
-not the installed copy. The last line is `self-check: PASS` (exit code 0) or `self-check: FAIL`
-(exit code 1).
+Runs `select_blocks -> sparse_attention -> backward` on MiniMax-M3-shaped packed documents on the
+best device, times each stage, and checks against an independent float64 computation written
+here: selection, out, lse and dq on sampled tokens, and dv, dk through two identities exact for
+any selection (`sum_j dv[j] = sum_{t, h} grad_out[t, h]`, `sum_j dk[j] = 0`). Prints
+`self-check: PASS` (exit 0) or `self-check: FAIL` (exit 1) last.
 """
 
 import argparse
@@ -47,20 +32,15 @@ from torch_msa.testing import pick_device
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 SAMPLED_TOKENS = 32
 
-# Share of --seqlen (the key tokens) held by each document: 4096 -> 3072, 512, 320, 192. The first
-# document is longer than topk * block_size keys, so its late queries really choose among blocks.
+# Share of --seqlen held by each document; the first is longer than topk * block_size keys, so its
+# late queries really choose among blocks.
 DOCUMENT_SHARES = (0.75, 0.125, 0.078125, 0.046875)
-# In the full layout the first document's queries are the causal suffix of its keys; this share of
-# its keys (not a multiple of the block size) has no query, so p(t) = Lk - Lq + t is exercised with
-# Lq < Lk. The other documents have a query per key.
+# This share of the first document's keys has no query, so `p(t) = Lk - Lq + t` runs with Lq < Lk.
 SUFFIX_KEY_SHARE = 0.15
 DEFAULT_SEQLEN = 4096
-# The default number of queries on CPU. The reference does the work of topk * block_size keys for
-# every query, whatever its position, so its time is proportional to the queries: 640 of the full
-# layout's 3636 at 4096 keys make the run about 20 s of CPU time at most, the import included. The
-# first document keeps 460 queries, at key positions 2612-3071, which choose 16 of 21-24 blocks.
+# Queries on CPU, where the reference's time is proportional to the queries (not their positions).
 CPU_DEFAULT_QUERIES = 640
-# Queries of the first document in the CPU warm-up that sizes the expected times (5% of the default).
+# Queries of the first document in the CPU warm-up that sizes the expected times.
 CPU_WARMUP_QUERIES = 32
 
 
@@ -76,11 +56,8 @@ class Tolerance:
     selection: float = 1e-3  # relative score gap allowed at the top-k threshold (GEMM ties)
 
 
-# bf16/fp16 errors come mostly from rounding the outputs (and `out`, which feeds delta in the
-# backward) to the input dtype, unit roundoff 2^-8 and 2^-11. fp32/fp64 are testing dtypes whose
-# accumulation must be at least as precise as the inputs (a TF32 shortcut fails on purpose); lse is
-# accumulated in fp32 or better for every dtype. Each tolerance is 3x or more above the errors the
-# reference showed from 4 to 16384 tokens, on CPU and CUDA.
+# bf16/fp16 errors come mostly from rounding the outputs to the input dtype; fp32/fp64 must
+# accumulate at least as precisely as the inputs (a TF32 shortcut fails on purpose).
 TOLERANCES = {
     torch.bfloat16: Tolerance(out=1e-2, lse=1e-4, dq=2e-2, dv_sum=1e-2, dk_sum=1e-2),
     torch.float16: Tolerance(out=2e-3, lse=1e-4, dq=4e-3, dv_sum=2e-3, dk_sum=2e-3),
@@ -575,8 +552,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def cpu_threads(cores: int, load: float, current: int) -> int:
     """Threads for torch's CPU ops: the `cores` this process may run on less those the other
     processes keep busy (`load`, the 1-minute load average, rounded), at least one and at most
-    torch's own choice `current`. More threads than free cores make them preempt each other
-    inside every parallel region: on two cores at a load of 5 that made the run 17 times slower."""
+    torch's own choice `current`: more threads than free cores preempt each other in every
+    parallel region."""
     return max(1, min(current, cores - math.floor(load + 0.5)))
 
 

@@ -209,11 +209,9 @@ def select_blocks(
     Args:
         index_q: `[Tq, Hi, Di]` index queries, bf16/fp16/fp32/fp64, `Di >= 1`.
         index_k: `[Tk, 1, Di]` index keys (one shared index head), index_q's dtype and device.
-        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` document boundaries of the queries and keys
-            (`cu_seqlens_q` is `[F + 1]` with fragments), both or neither; neither means one
-            document.
-        max_seqlen_q, max_seqlen_k: host ints bounding the documents' query and key counts;
-            default `Tq` and `Tk`.
+        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` boundaries (`cu_seqlens_q` `[F + 1]` with
+            fragments), both or neither (one document).
+        max_seqlen_q, max_seqlen_k: host ints bounding the documents; default `Tq` and `Tk`.
         topk: blocks kept per query, the local one included, `>= 1`.
         block_size: keys per block, 64 or 128.
         fragment_documents, fragment_starts: int32 `[F]` query fragments, both or neither.
@@ -223,12 +221,9 @@ def select_blocks(
         first, `-1` after. Not differentiable.
 
     Raises:
-        TypeError: an argument of the wrong type or dtype; the message names it.
-        ValueError: a shape, head dim, `topk`, `block_size` or host int outside the contract, or a
-            `cu_seqlens` / fragment argument without its partner; the message names it. Values
-            (boundaries, lengths) are checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`.
-        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the op on
-            the inputs' device.
+        TypeError, ValueError: an argument outside the contract, named in the message (values are
+            checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`).
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the device.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _document_args(_rows("index_q", index_q, "[Tq, Hi, Di]"), _rows("index_k", index_k, "[Tk, 1, Di]"),
@@ -266,11 +261,9 @@ def build_plan(
         checked per call; a stale plan is caught by `TORCH_MSA_DEBUG=1` and `validate_inputs`.
 
     Raises:
-        TypeError: an argument of the wrong type or dtype; the message names it.
-        ValueError: a shape, `block_size` or host int outside the contract, or a `cu_seqlens` /
-            fragment argument without its partner; the message names it.
-        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the op on
-            the inputs' device.
+        TypeError, ValueError: an argument outside the contract, named in the message (values are
+            checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`).
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the device.
     """
     _rows("block_indices", block_indices, "[Hkv, Tq, topk]")
     # Checked before num_keys stands in for max_seqlen_k's default.
@@ -361,13 +354,9 @@ def sparse_attention(
         Differentiable in q, k, v, through `lse` too; a query that reads no key gets `out = 0`.
 
     Raises:
-        TypeError: an argument of the wrong type or dtype; the message names it.
-        ValueError: a shape, head count, head dim, `block_size` or host int outside the contract,
-            a plan of the wrong length, or a `cu_seqlens` / fragment argument without its
-            partner; the message names it. Values (boundaries, block ids, a stale plan) are
-            checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`.
-        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the op on
-            the inputs' device.
+        TypeError, ValueError: an argument (a plan of the wrong length too), named in the
+            message (values are checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`).
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the device.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
@@ -566,14 +555,10 @@ def msa_attention(
         kl_value`).
 
     Raises:
-        TypeError: an argument of the wrong type or dtype (`index_loss` not a bool included); the
-            message names it.
-        ValueError: a shape, head count, head dim, index head count, `topk`, `block_size` or host
-            int outside the contract, index inputs whose rows or device do not match q and k, a
-            `cu_seqlens` / fragment argument without its partner, or `index_loss_value` without
-            `index_loss`, not 0-D, or given under a torch.func transform; the message names it.
-        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve an op on
-            the inputs' device.
+        TypeError, ValueError: an argument outside the contract (`index_loss` not a bool,
+            `index_loss_value` without `index_loss`, not 0-D or under a torch.func transform
+            included), named in the message.
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the device.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
@@ -649,12 +634,9 @@ def indexer_kl_loss(
         `KL(P_t || P_s)`, 0 when `Tq == 0`. Gradients flow to `index_q` and `index_k` only.
 
     Raises:
-        TypeError: an argument of the wrong type or dtype (`lse` or `block_indices` not a
-            tensor included); the message names it.
-        ValueError: a shape, head count, `block_size` or host int outside the contract, or a
-            `cu_seqlens` / fragment argument without its partner; the message names it.
-        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the op on
-            the inputs' device.
+        TypeError, ValueError: an argument outside the contract, named in the message (values are
+            checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`).
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the device.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
@@ -749,9 +731,8 @@ def validate_inputs(
         None: the inputs honour the contract.
 
     Raises:
-        TypeError: an argument of the wrong type or dtype; the message names the first one.
-        ValueError: any other breach of the contract; the message names the first offending
-            argument with the expected and the actual value.
+        TypeError, ValueError: the first breach of the contract, naming the argument with the
+            expected and the actual value.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     documents = Documents(*_attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -94,19 +94,9 @@ class PendingSelection:
                                  topk=self.topk, block_size=self.block_size)
 
     def block_indices(self, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The selection in HF's indexer's layout.
-
-        Args:
-            attention_mask: None (every slot real), a 2-D padding mask `[B, Sk]` or a 4-D causal
-                padding mask `[B, 1, Sq, Sk]`, as `attention_forward` takes them.
-
-        Returns:
-            int64 `[B, H_idx, Sq, topk]` block ids relative to each row's first real token: valid
-            ids first (a set: their order differs from HF's), `-1` after.
-
-        Raises:
-            TypeError, ValueError: a mask of another type or shape.
-        """
+        """The selection in HF's layout, int64 `[B, H_idx, Sq, topk]`, ids relative to each row's
+        first real token (`-1` after the valid ones), for a mask as `attention_forward` takes it;
+        TypeError or ValueError for a mask of another type or shape."""
         batch, heads, q_len, _ = self.index_q.shape
         documents = _documents(attention_mask, batch, q_len, self.index_k.shape[2], self.index_q.device)
         blocks = self.select(*documents)
@@ -182,18 +172,8 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
     def forward(self, hidden_states, position_embeddings, past_key_values, position_ids) -> PendingSelection | torch.Tensor:
         """HF's indexer's projections, norms and RoPE; the selection is left to the attention.
 
-        Args:
-            hidden_states: `[B, Sq, hidden_size]`.
-            position_embeddings: `(cos, sin)` of the text model's rotary embedding.
-            past_key_values: HF's cache, or None; a `DynamicCache` takes the index keys.
-            position_ids: `[B, Sq]`, used by HF's own selection only.
-
-        Returns:
-            Under `"torch_msa"` attention a `PendingSelection`; under another implementation HF's
-            int64 `[B, H_idx, Sq, topk]` block ids.
-
-        Raises:
-            ValueError: `past_key_values` holds a static cache layer.
+        Returns a `PendingSelection` (HF's block ids under another attention implementation);
+        a `DynamicCache` in `past_key_values` takes the index keys, a static one raises ValueError.
         """
         if self.config._attn_implementation != ATTENTION_NAME:
             return super().forward(hidden_states, position_embeddings, past_key_values, position_ids)
@@ -207,8 +187,8 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
         if past_key_values is not None:
             layer = past_key_values.layers[self.layer_idx]
             if isinstance(layer, MiniMaxM3VLSparseStaticCacheLayer):
-                # A static cache's keys are a fixed-size buffer filled from the front; torch_msa's
-                # queries are the newest keys of their document, which that layout does not give.
+                # A static cache fills a fixed buffer from the front; torch_msa's queries must be the
+                # newest keys of their document.
                 raise ValueError("past_key_values: torch_msa decodes from a DynamicCache; got a static cache "
                                  f"({type(layer).__name__})")
             index_k = layer.update_index(index_k)
@@ -482,10 +462,8 @@ def attention_forward(
     Args:
         module: the calling `MiniMaxM3VLAttention`.
         query: `[B, Hq, Sq, D]`; key, value: `[B, Hkv, Sk, D]` (D 64 or 128 for sparse layers).
-        attention_mask: None (causal, every token real), a 2-D padding mask `[B, Sk]` (bool, True
-            at real tokens: what `"torch_msa"`'s registered mask function passes), or a 4-D causal
-            padding mask `[B, 1, Sq, Sk]` (bool keep, or additive with 0 = keep). None with
-            packed rows.
+        attention_mask: None, a 2-D padding mask `[B, Sk]` (nonzero at real tokens), or a 4-D
+            causal padding mask `[B, 1, Sq, Sk]` (bool keep, or additive with 0 = keep).
         block_indices: HF's int64 `[B, H_idx, Sq, topk]` (`-1` padded, ids relative to the row
             start), a `PendingSelection` from `TorchMSAIndexer`, or None for a full-attention
             layer (SDPA). With an `index_loss_support` the index loss is stored in
@@ -496,10 +474,9 @@ def attention_forward(
         `(out [B, Sq, Hq, D], None)` in query's dtype: no attention weights are materialised.
 
     Raises:
-        ValueError: attention dropout in a sparse layer; HF's own `block_indices` of another
-            shape, with packed rows, or keeping keys of a left-padded row that are no union of
-            whole blocks of its tokens; a mask of another shape; incomplete packed-row
-            arguments, or packed rows with a mask or while decoding.
+        ValueError: attention dropout in a sparse layer; HF's `block_indices` of another shape,
+            with packed rows, or not whole blocks of a left-padded row; a mask of another shape;
+            incomplete packed-row arguments, or packed rows with a mask or a cache.
         TypeError: a mask or packed-row boundaries that are not tensors.
     """
     if kwargs.get("output_attentions"):
@@ -563,16 +540,8 @@ def padding_mask(
 ) -> torch.Tensor | None:
     """HF mask function registered as `"torch_msa"`: the padding mask as is (nothing `O(S^2)`).
 
-    Args:
-        batch_size, q_length, kv_length, q_offset, kv_offset: HF's mask-interface arguments; only
-            `kv_length` and `kv_offset` are read.
-        attention_mask: HF's 2-D padding mask `[B, S]`, or None.
-        kwargs: the rest of HF's mask-interface arguments, not read.
-
-    Returns:
-        `attention_mask` in its dtype, nonzero at real tokens, right-padded to
-        `kv_length + kv_offset` columns when shorter (HF's `prepare_padding_mask`), or None
-        without one.
+    Returns HF's 2-D `attention_mask` (or None) right-padded to `kv_length + kv_offset` columns
+    (`prepare_padding_mask`); the other mask-interface arguments are not read.
     """
     return prepare_padding_mask(attention_mask, kv_length, kv_offset)
 
@@ -638,9 +607,8 @@ def _check_index_loss_args(index_loss, detach_index_inputs) -> None:
 
 def use_torch_msa(model: _Model, *, index_loss: IndexLossSupport | None = None,
                   detach_index_inputs: bool = True) -> _Model:
-    """Switch a HF MiniMax-M3 model to torch_msa, in place: `MiniMaxM3VLForCausalLM`, `MiniMaxM3VLTextModel`,
-    or the vision-language `MiniMaxM3SparseForConditionalGeneration` / `MiniMaxM3VLModel` (only the text
-    model switches; the vision tower keeps its attention).
+    """Switch a HF MiniMax-M3 model (causal LM, text model or vision-language; only the text model
+    switches) to torch_msa, in place.
 
     The sparse layers' indexers become `TorchMSAIndexer` and the text model's attention
     implementation `"torch_msa"`; parameters and state-dict keys are unchanged. With `index_loss`,
@@ -658,13 +626,10 @@ def use_torch_msa(model: _Model, *, index_loss: IndexLossSupport | None = None,
     Returns:
         `model` itself, switched.
 
-    Raises:
+    Raises (before anything is changed):
         TypeError: `index_loss` not None or a string, `detach_index_inputs` not a bool.
-        ValueError: naming the config field torch_msa cannot serve (`head_dim`,
-            `index_block_size`, `index_topk_blocks`, `index_local_blocks`, `index_n_heads`,
-            `num_attention_heads`), `model` when it has no MiniMax-M3 sparse layers, `index_loss`
-            outside `INDEX_LOSS_SUPPORTS`, or `detach_index_inputs=False` without an
-            `index_loss`, before anything is changed.
+        ValueError: a config field torch_msa cannot serve (named), no MiniMax-M3 sparse layers,
+            `index_loss` outside `INDEX_LOSS_SUPPORTS`, or `detach_index_inputs=False` without it.
     """
     _check_index_loss_args(index_loss, detach_index_inputs)
     register()
@@ -704,14 +669,12 @@ def index_losses(model: PreTrainedModel) -> list[torch.Tensor]:
         model: a model switched with `use_torch_msa(model, index_loss=...)`.
 
     Returns:
-        One 0-D tensor per sparse layer (fp32; fp64 for an fp64 model), in layer order, as
-        `torch_msa.indexer_kl_loss` (`index_loss="sparse"`) or `torch_msa.indexer_kl_loss_dense`
-        (`"dense"`) returns it; differentiable in the indexers' parameters (and, with
-        `detach_index_inputs=False`, the trunk's).
+        One 0-D tensor per sparse layer (fp32; fp64 for an fp64 model), in layer order,
+        differentiable in the indexers' parameters (and the trunk's without detached inputs).
 
     Raises:
-        ValueError: `model` was not switched with an `index_loss`, or a sparse layer has no KL
-            from the latest forward (none yet, or it ran under another attention implementation).
+        ValueError: `model` was not switched with an `index_loss`, or a sparse layer has no index
+            loss from the latest forward.
     """
     indexers = _indexers_with_losses(model)
     losses = [cast(torch.Tensor, indexer.index_loss) for indexer in indexers]
