@@ -31,18 +31,13 @@ class ContextParallelLayout:
     """One rank's share of a packed batch, from `load_balanced_layout`.
 
     Attributes:
-        world_size, rank: the group the layout is for and this rank's place in it.
-        num_tokens: `T`, tokens of the whole pack.
+        world_size, rank, num_tokens: the group, this rank's place in it, and `T`.
         padded_local_tokens: the largest local token count over the ranks (the collectives' rows).
-        rows: int64 `[Tl]`, the whole pack's rows of this rank's tokens, in local order.
-        positions: int64 `[Tl]`, each local token's position inside its document.
-        cu_seqlens_q: int32 `[F + 1]`, the local query fragments, `F = 2 x B` on every rank
-            (empty fragments included).
-        fragment_documents: int32 `[F]`, the document of each fragment.
-        fragment_starts: int32 `[F]`, the document-local position of each fragment's first query.
-        max_seqlen_q: the longest local fragment.
-        cu_seqlens_k: int32 `[B + 1]`, the documents of the whole pack (the gathered keys).
-        max_seqlen_k: the longest document.
+        rows, positions: int64 `[Tl]`, the whole pack's row and the in-document position of each
+            local token, in local order.
+        cu_seqlens_q, fragment_documents, fragment_starts, max_seqlen_q: the local queries as
+            `F = 2 x B` fragments on every rank (empty ones included).
+        cu_seqlens_k, max_seqlen_k: the whole pack's documents (the gathered keys).
         gathered_rows: int64 `[T]`, each token's row in the rank-major gather
             (`world_size x padded_local_tokens` rows): the permutation back to packed order.
     """
@@ -304,8 +299,7 @@ def all_gather_tokens(x: torch.Tensor, layout: ContextParallelLayout, group: dis
 
     Raises:
         TypeError: `layout` is not a `ContextParallelLayout` or `x` is not a tensor.
-        ValueError: `layout` is another rank's or another group size's, or `x` has not
-            `num_local_tokens` tokens along `dim`.
+        ValueError: `layout` is not this rank's, or `x` has not `num_local_tokens` along `dim`.
     """
     _check_group(layout, group)
     _check_local(layout, dim, x=x)
@@ -384,18 +378,16 @@ def msa_attention(
             this rank's tokens (`layout.shard`); dtypes as in `torch_msa.msa_attention`.
         layout: this rank's `load_balanced_layout`, on the device of the inputs.
         group: the context-parallel process group (default: the world).
-        topk, block_size, softmax_scale: as in `torch_msa.msa_attention`.
-        return_lse, return_block_indices: as in `torch_msa.msa_attention`.
+        topk, block_size, softmax_scale, return_lse, return_block_indices: as in
+            `torch_msa.msa_attention`.
 
     Returns:
         As `torch_msa.msa_attention` returns them, for the local tokens (`Tl` rows). `index_q`
         and `index_k` get no gradient: train them with `indexer_kl_loss`.
 
     Raises:
-        TypeError: `layout` is not a `ContextParallelLayout`, or an input is not a tensor or has
-            the wrong dtype; the message names it.
-        ValueError: `layout` is another rank's, an input has not `layout.num_local_tokens` rows,
-            or a shape breaks `torch_msa.msa_attention`'s contract; the message names it.
+        TypeError, ValueError: `layout` is not this rank's `ContextParallelLayout`, an input has
+            not `layout.num_local_tokens` rows, or breaks `torch_msa.msa_attention`'s contract.
     """
     _check_group(layout, group)
     _check_local(layout, q=q, k=k, v=v, index_q=index_q, index_k=index_k)
@@ -453,10 +445,8 @@ def indexer_kl_loss(
         `index_q` and `index_k`.
 
     Raises:
-        TypeError: `layout` is not a `ContextParallelLayout`, or an input is not a tensor or has
-            the wrong dtype; the message names it.
-        ValueError: `layout` is another rank's, an input has not `layout.num_local_tokens` rows,
-            or a shape breaks `torch_msa.indexer_kl_loss`'s contract; the message names it.
+        TypeError, ValueError: as `msa_attention` raises them, for `torch_msa.indexer_kl_loss`'s
+            contract.
     """
     _check_group(layout, group)
     _check_local(layout, q=q, k=k, lse=lse, index_q=index_q, index_k=index_k)
@@ -486,8 +476,7 @@ def indexer_kl_loss_dense(
         q, k, index_q, index_k: this rank's tokens, as in `indexer_kl_loss`.
         layout, group: as in `msa_attention`.
         lse: the dense attention's `[Tl, Hq]` log-sum-exp of the local queries; computed when omitted.
-        block_size, softmax_scale, index_softmax_scale: as in
-            `torch_msa.indexer_kl_loss_dense`.
+        block_size, softmax_scale, index_softmax_scale: as in `torch_msa.indexer_kl_loss_dense`.
 
     Returns:
         A 0-D tensor as `indexer_kl_loss` returns it. Gradients reach `index_q` and `index_k`.

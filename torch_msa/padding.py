@@ -46,8 +46,7 @@ def unpad_input(
         ...)`, one document per row, and the longest row as a host int.
 
     Raises:
-        TypeError: `x` or `attention_mask` is not a tensor, or the mask is floating point or
-            complex.
+        TypeError: `x` or `attention_mask` is not a tensor, or the mask is a float or complex one.
         ValueError: `x` has fewer than 2 dims, or the mask is not `[B, S]` of x's first two dims.
     """
     _check_padded("x", x)
@@ -70,12 +69,10 @@ def pad_input(packed: torch.Tensor, indices: torch.Tensor, batch_size: int, seql
         batch_size, seqlen: `B` and `S` of the padded batch (host ints).
 
     Returns:
-        `[B, S, ...]` with `packed`'s dtype and device, zeros at the padding. Differentiable in
-        `packed`.
+        `[B, S, ...]`, packed's dtype and device, zeros at the padding; differentiable in `packed`.
 
     Raises:
-        TypeError: `packed` is not a tensor of at least 1 dim, or `indices` is not a 1-D int64
-            tensor.
+        TypeError: `packed` is not a tensor of >= 1 dim, or `indices` not a 1-D int64 tensor.
         ValueError: `indices` has not `T` entries.
     """
     if not isinstance(packed, torch.Tensor) or packed.dim() < 1:
@@ -94,17 +91,17 @@ def padded_cu_seqlens(attention_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Documents of a left- or right-padded batch kept in place (no host sync but with `TORCH_MSA_DEBUG=1`).
 
     Args:
-        attention_mask: `[B, S]` bool or integer, nonzero at real tokens; each row's real tokens
-            must be one contiguous run at the row's start (right padding) or end (left padding).
+        attention_mask: `[B, S]` bool or integer, nonzero at real tokens, each row left- or
+            right-padded.
 
     Returns:
         `(cu_seqlens [2B + 1] int32, max_seqlen = S)`, for `x.reshape(B * S, ...)`: row `b` is
         documents `2b` and `2b + 1`, its real tokens and its padding in the order they lie.
 
     Raises:
-        TypeError: `attention_mask` is not a tensor, or is floating point or complex.
-        ValueError: the mask is not 2-D; with `TORCH_MSA_DEBUG=1`, a row that is neither left-
-            nor right-padded.
+        TypeError: `attention_mask` is not a tensor, or is a float or complex one.
+        ValueError: the mask is not 2-D; with `TORCH_MSA_DEBUG=1`, a row neither left- nor
+            right-padded.
     """
     _check_mask(attention_mask)
     if debug_enabled():

@@ -321,14 +321,11 @@ def packed_kwargs_from_position_ids(position_ids: torch.Tensor, batch_size: int 
 
     Args:
         position_ids: `[B, S]`, or `[1, S]` for every row alike.
-        batch_size: the batch's `B`, when `position_ids` is `[1, S]` for all of its rows; None
-            for `position_ids.shape[0]`.
+        batch_size: the batch's `B`; None for `position_ids.shape[0]`.
 
     Returns:
-        A dict of `PACKED_KWARGS`: int32 `cu_seq_lens_q` and `cu_seq_lens_k` (the same `[N + 1]`
-        boundaries over the `B * S` flattened slots, on position_ids' device) and the longest
-        document as host ints `max_length_q`, `max_length_k`; None when every row is a single
-        document.
+        A dict of `PACKED_KWARGS` (the same int32 `[N + 1]` boundaries over the `B * S` slots,
+        the longest document as host ints), or None when every row is one document.
 
     Raises:
         ValueError: `position_ids` is not 2-D, or has neither 1 nor `batch_size` rows.
