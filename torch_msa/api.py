@@ -49,8 +49,7 @@ class MSABlocksOutput(NamedTuple):
 
 
 class MSALseBlocksOutput(NamedTuple):
-    """What `msa_attention(..., return_lse=True, return_block_indices=True)` returns: fields as in
-    `MSAAttentionOutput`."""
+    """`msa_attention(..., return_lse=True, return_block_indices=True)`'s result (`MSAAttentionOutput`'s fields)."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -66,8 +65,7 @@ class MSAIndexLossOutput(NamedTuple):
 
 
 class MSALseIndexLossOutput(NamedTuple):
-    """What `msa_attention(..., return_lse=True, index_loss=True)` returns: fields as in
-    `MSAAttentionOutput`."""
+    """`msa_attention(..., return_lse=True, index_loss=True)`'s result (`MSAAttentionOutput`'s fields)."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -76,8 +74,7 @@ class MSALseIndexLossOutput(NamedTuple):
 
 
 class MSABlocksIndexLossOutput(NamedTuple):
-    """What `msa_attention(..., return_block_indices=True, index_loss=True)` returns: fields as in
-    `MSAAttentionOutput`."""
+    """`msa_attention(..., return_block_indices=True, index_loss=True)`'s result (`MSAAttentionOutput`'s fields)."""
 
     out: torch.Tensor
     block_indices: torch.Tensor
@@ -341,8 +338,7 @@ def sparse_attention(
         k, v: `[Tk, Hkv, D]` keys and values, q's dtype and device, `Hq % Hkv == 0`.
         block_indices: int32 `[Hkv, Tq, topk]`, e.g. from `select_blocks`; read as a set, `-1`
             slots skipped.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
-            `select_blocks`.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as in `select_blocks`.
         block_size: keys per block, 64 or 128.
         softmax_scale: defaults to `D ** -0.5`.
         return_lse: also return the log-sum-exp.
@@ -533,17 +529,14 @@ def msa_attention(
     Args:
         q: `[Tq, Hq, D]` queries, bf16/fp16/fp32/fp64, `D` 64 or 128.
         k, v: `[Tk, Hkv, D]` keys and values, q's dtype and device, `Hq % Hkv == 0`.
-        index_q: `[Tq, Hkv, Di]` index queries (one index head per KV head), bf16/fp16/fp32/fp64
-            (not necessarily q's), q's device.
+        index_q: `[Tq, Hkv, Di]` index queries, any float dtype (not necessarily q's), q's device.
         index_k: `[Tk, 1, Di]` index keys, index_q's dtype.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
-            `select_blocks`.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as in `select_blocks`.
         topk: blocks read per query, the local one included, `>= 1`.
         block_size: keys per block, 64 or 128.
         softmax_scale: defaults to `D ** -0.5`.
-        return_lse: return the log-sum-exp too.
-        return_block_indices: return the selection too.
-        index_loss: return the index loss too (a bool).
+        return_lse, return_block_indices, index_loss: bools: return the lse, the selection, the
+            index loss too.
         fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
         index_loss_value: with `index_loss`, a 0-D tensor (fp32, fp64 for fp64 index inputs, on
             q's device) that receives the loss's value and is returned as `kl_value`; needed
@@ -622,8 +615,7 @@ def indexer_kl_loss(
         lse: `[Tq, Hq]`, the attention's `lse` (fp32; fp64 for fp64 q).
         index_q: `[Tq, Hkv, Di]` index queries; index_k: `[Tk, 1, Di]`, index_q's dtype.
         block_indices: int32 `[Hkv, Tq, topk]`, the selection the attention used.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
-            `select_blocks`.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as in `select_blocks`.
         block_size: keys per block, 64 or 128.
         softmax_scale: the attention's, defaults to `D ** -0.5`.
         index_softmax_scale: the student's, defaults to `Di ** -0.5`.
@@ -671,8 +663,7 @@ def indexer_kl_loss_dense(
 
     Args:
         q, k, index_q, index_k: as in `indexer_kl_loss`.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
-            `select_blocks`.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as in `select_blocks`.
         lse: `[Tq, Hq]`, the dense causal attention's log-sum-exp; computed here when omitted.
         block_size: sizes the key spans only, 64 or 128.
         softmax_scale, index_softmax_scale: as in `indexer_kl_loss`.
@@ -719,9 +710,7 @@ def validate_inputs(
         q, k, v: as in `sparse_attention`.
         block_indices: int32 `[Hkv, Tq, topk]`: valid prefix then `-1`, distinct, `< nvb`, local
             block last.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
-            `select_blocks`: boundaries from 0 up to the token counts, `Lq <= Lk`, bounds large
-            enough.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as in `select_blocks`.
         index_q, index_k: as in `msa_attention`, both or neither.
         plan: from `build_plan`, with `block_indices`: built for this selection and documents.
         topk, block_size, softmax_scale: as in `msa_attention`.
