@@ -1,9 +1,7 @@
 """torch_msa: MiniMax Sparse Attention as `torch.ops.msa.*` custom ops.
 
-`import torch_msa` registers the ops with their reference kernels, fake kernels and autograd;
-it imports neither triton nor cutlass (optional backends bind on first use), nor transformers (it
-registers `attn_implementation="torch_msa"` with HF once HF's MiniMax-M3 modeling code is imported,
-before or after torch_msa).
+`import torch_msa` registers the ops with their reference kernels, fake kernels and autograd; it
+imports neither triton, cutlass nor transformers (backends bind on first use).
 """
 
 from . import (

@@ -1,25 +1,10 @@
 """`python -m torch_msa`: a self-check of the MSA ops on this machine.
 
-It builds MiniMax-M3-shaped random inputs packed as several documents (each document's queries
-the causal suffix of its keys, the first one with `Lq < Lk`), runs `select_blocks ->
-sparse_attention -> backward` through the public ops on the best available device, times each
-stage, and checks the results against an independent float64 computation written here in plain
-torch (no code shared with the backends):
-
-* selection, out, lse and dq on a sample of query tokens spread over the documents;
-* dv and dk through two identities that hold exactly for any selection, summed over all keys
-  of each KV head: `sum_j dv[j] = sum_{t, h} grad_out[t, h]` (the probabilities of a row sum to 1)
-  and `sum_j dk[j] = 0` (softmax is shift invariant, so each row of dS sums to 0).
-
-On CPU the default problem has fewer queries than on CUDA (`CPU_DEFAULT_QUERIES`: the reference
-does the same work for every query, whatever its position) and torch's threads are sized to the
-cores this process gets (`cpu_threads`). A warm-up on a slice of the problem (on CUDA the whole
-problem, which also compiles the kernels) gives each stage's expected time. Every stage prints a
-line on stdout when it starts, with that time, and one when it ends, flushed at once on any
-stream; on a terminal stderr also shows the stage running (`torch_msa._progress`). The header
-says which `torch_msa` runs (path, version, how it is installed) and warns on stderr when that is
-not the installed copy. The last line is `self-check: PASS` (exit code 0) or `self-check: FAIL`
-(exit code 1).
+Runs `select_blocks -> sparse_attention -> backward` on MiniMax-M3-shaped packed documents on the
+best device, times each stage, and checks against an independent float64 computation written
+here: selection, out, lse and dq on sampled tokens, and dv, dk through two identities exact for
+any selection (`sum_j dv[j] = sum_{t, h} grad_out[t, h]`, `sum_j dk[j] = 0`). Prints
+`self-check: PASS` (exit 0) or `self-check: FAIL` (exit 1) last.
 """
 
 import argparse
@@ -47,20 +32,15 @@ from torch_msa.testing import pick_device
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 SAMPLED_TOKENS = 32
 
-# Share of --seqlen (the key tokens) held by each document: 4096 -> 3072, 512, 320, 192. The first
-# document is longer than topk * block_size keys, so its late queries really choose among blocks.
+# Share of --seqlen held by each document; the first is longer than topk * block_size keys, so its
+# late queries really choose among blocks.
 DOCUMENT_SHARES = (0.75, 0.125, 0.078125, 0.046875)
-# In the full layout the first document's queries are the causal suffix of its keys; this share of
-# its keys (not a multiple of the block size) has no query, so p(t) = Lk - Lq + t is exercised with
-# Lq < Lk. The other documents have a query per key.
+# This share of the first document's keys has no query, so `p(t) = Lk - Lq + t` runs with Lq < Lk.
 SUFFIX_KEY_SHARE = 0.15
 DEFAULT_SEQLEN = 4096
-# The default number of queries on CPU. The reference does the work of topk * block_size keys for
-# every query, whatever its position, so its time is proportional to the queries: 640 of the full
-# layout's 3636 at 4096 keys make the run about 20 s of CPU time at most, the import included. The
-# first document keeps 460 queries, at key positions 2612-3071, which choose 16 of 21-24 blocks.
+# Queries on CPU, where the reference's time is proportional to the queries (not their positions).
 CPU_DEFAULT_QUERIES = 640
-# Queries of the first document in the CPU warm-up that sizes the expected times (5% of the default).
+# Queries of the first document in the CPU warm-up that sizes the expected times.
 CPU_WARMUP_QUERIES = 32
 
 
@@ -76,11 +56,8 @@ class Tolerance:
     selection: float = 1e-3  # relative score gap allowed at the top-k threshold (GEMM ties)
 
 
-# bf16/fp16 errors come mostly from rounding the outputs (and `out`, which feeds delta in the
-# backward) to the input dtype, unit roundoff 2^-8 and 2^-11. fp32/fp64 are testing dtypes whose
-# accumulation must be at least as precise as the inputs (a TF32 shortcut fails on purpose); lse is
-# accumulated in fp32 or better for every dtype. Each tolerance is 3x or more above the errors the
-# reference showed from 4 to 16384 tokens, on CPU and CUDA.
+# bf16/fp16 errors come mostly from rounding the outputs to the input dtype; fp32/fp64 must
+# accumulate at least as precisely as the inputs (a TF32 shortcut fails on purpose).
 TOLERANCES = {
     torch.bfloat16: Tolerance(out=1e-2, lse=1e-4, dq=2e-2, dv_sum=1e-2, dk_sum=1e-2),
     torch.float16: Tolerance(out=2e-3, lse=1e-4, dq=4e-3, dv_sum=2e-3, dk_sum=2e-3),
@@ -112,14 +89,8 @@ def _proportional_split(total: int, weights: list[int]) -> list[int]:
 
 
 def document_layout(seqlen: int, queries: int | None = None) -> list[Document]:
-    """Split `seqlen` key tokens into `len(DOCUMENT_SHARES)` documents (each at least one token).
-
-    Each document's queries are the causal suffix of its keys. The full layout (`queries=None`)
-    gives the first document queries for all but its first `SUFFIX_KEY_SHARE` of keys and the
-    others a query per key; fewer `queries` are split among the documents in proportion to the
-    full layout's, at least one each, so every document keeps its keys and loses queries from its
-    front.
-    """
+    """Split `seqlen` key tokens into `len(DOCUMENT_SHARES)` documents, each with the causal suffix
+    of its keys as queries; fewer `queries` than the full layout (None) are split in proportion."""
     if seqlen < len(DOCUMENT_SHARES):
         raise ValueError(f"seqlen: expected at least {len(DOCUMENT_SHARES)} tokens (one per document), got {seqlen}")
     rest = [max(1, int(seqlen * share)) for share in DOCUMENT_SHARES[1:]]
@@ -227,10 +198,8 @@ def about(seconds: float) -> str:
 @contextlib.contextmanager
 def timed_stage(label: str, device: torch.device, stage_ms: dict[str, float] | None = None, name: str = "",
                 progress: Progress | None = None, expected_s: float | None = None):
-    """Time the block: print `label ...` on stdout when it starts (with `expected_s`, the time it
-    should take, when known) and `label: <ms> ms` when it ends, each flushed at once. CUDA is
-    synchronised around it because kernel launches return before the work is done. With
-    `progress`, the block is its next step, named `name`."""
+    """Time the block, printing `label ...` (with `expected_s`) when it starts and `label: <ms> ms`
+    when it ends; CUDA is synchronised around it, as launches return before the work is done."""
     expectation = "" if expected_s is None else f" (expected about {about(expected_s)})"
     if progress is not None:
         progress.start(name or label, expected_s)
@@ -262,11 +231,7 @@ STAGES = ("select_blocks", "forward", "backward")
 
 def run_ops(problem: Problem, step: str = "", timed: bool = True, label: str = "running the ops",
             expected_s: dict[str, float] | None = None) -> OpResults:
-    """select_blocks -> sparse_attention(return_lse=True) -> backward of sum(out * grad_out).
-
-    Each stage prints a line when it starts (with its time in `expected_s`, when given) and one
-    with its time when it ends, on stdout; on a terminal stderr shows `label`'s progress.
-    """
+    """select_blocks -> sparse_attention(return_lse=True) -> backward of sum(out * grad_out), timed."""
     shape, device = problem.shape, problem.q.device
     expected_s = expected_s or {}
     q, k, v = (x.detach().clone().requires_grad_() for x in (problem.q, problem.k, problem.v))
@@ -292,10 +257,8 @@ def run_ops(problem: Problem, step: str = "", timed: bool = True, label: str = "
 
 
 def warm_up_problem(problem: Problem, seed: int) -> Problem:
-    """The problem the warm-up runs: on CPU the last `CPU_WARMUP_QUERIES` queries of `problem`'s
-    first document over all its keys (the reference's time per query is the same for every
-    query, so a slice predicts the whole); elsewhere `problem` itself, whose first run also
-    compiles the kernels."""
+    """On CPU the last `CPU_WARMUP_QUERIES` queries of the first document (the reference's time per
+    query is constant, so a slice predicts the whole); elsewhere `problem`, compiling the kernels."""
     if problem.q.device.type != "cpu":
         return problem
     first = problem.documents[0]
@@ -308,9 +271,7 @@ WARMUP_CHECKED_TOKENS = 4
 
 
 def warm_up(problem: Problem, seed: int) -> dict[str, float]:
-    """Run the stages on `warm_up_problem` and return each one's expected seconds on `problem`:
-    the warm-up's times scaled by the ratio of queries, and for `"check"` the float64 check of
-    `len(sample_tokens(problem.documents))` tokens, from its time on a few."""
+    """Each stage's expected seconds on `problem`, from its time on `warm_up_problem`."""
     warm = warm_up_problem(problem, seed)
     if warm is problem:
         print("warm-up on the same inputs, which also compiles the kernels on first use", flush=True)
@@ -333,9 +294,8 @@ def warm_up(problem: Problem, seed: int) -> dict[str, float]:
 class Check:
     """One compared quantity: `error = max_abs / max(scale, 1)` must stay <= `tolerance`.
 
-    `scale` is the size of the quantity (or of the terms summed into it). The floor of 1 turns the
-    error into an absolute one where the quantity vanishes in exact arithmetic (dq and dk of a
-    query that sees a single key); the inputs are unit normals, so 1 is their natural size.
+    The floor of 1 makes it absolute where the quantity vanishes exactly (dq, dk of a query
+    seeing one key); the inputs are unit normals, so 1 is their natural size.
     """
 
     name: str
@@ -423,11 +383,9 @@ def check_attention(problem: Problem, results: OpResults, tokens: list[int], tol
 def check_selection(problem: Problem, block_indices: torch.Tensor, tokens: list[int], tolerance: Tolerance) -> Check:
     """The sampled tokens' block choices against float64 index scores.
 
-    A choice is right when it keeps `min(topk, nvb)` distinct visible ids ending with the local
-    block, and no rejected non-local block scores above a chosen one. The error is the worst
-    such inversion (best rejected minus worst chosen block score), relative to
-    max(|best rejected|, 1); an inversion within the tolerance is a near-tie that independent
-    GEMMs may break either way. A broken id contract counts as an infinite error.
+    The error is the worst inversion (best rejected minus worst chosen block score) relative to
+    max(|best rejected|, 1): within the tolerance, a near-tie that independent GEMMs may break
+    either way. A broken id contract is an infinite error.
     """
     shape = problem.shape
     key_start, position = problem.query_layout()
@@ -573,10 +531,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def cpu_threads(cores: int, load: float, current: int) -> int:
-    """Threads for torch's CPU ops: the `cores` this process may run on less those the other
-    processes keep busy (`load`, the 1-minute load average, rounded), at least one and at most
-    torch's own choice `current`. More threads than free cores make them preempt each other
-    inside every parallel region: on two cores at a load of 5 that made the run 17 times slower."""
+    """Threads for torch's CPU ops: free cores (`cores` less the rounded 1-minute `load`), between 1
+    and `current`; more threads than free cores preempt each other in every parallel region."""
     return max(1, min(current, cores - math.floor(load + 0.5)))
 
 
@@ -616,9 +572,8 @@ class InstalledCopy:
 def installed_copy() -> InstalledCopy | None:
     """The installed torch_msa distribution (from its metadata, whatever `import` finds), or None.
 
-    Installed means installed by an installer such as pip, which lists the files it wrote in
-    `RECORD`; the `torch_msa.egg-info` folder that building a checkout leaves next to its
-    `torch_msa` folder is skipped, or run from that checkout it would pass for the installed copy.
+    Only a distribution with a `RECORD` counts: a checkout's build-time `torch_msa.egg-info` would
+    otherwise pass for the installed copy.
     """
     distribution = next((d for d in importlib.metadata.distributions(name="torch_msa") if d.read_text("RECORD")), None)
     if distribution is None:

@@ -1,14 +1,9 @@
 """The progress display of torch_msa's command-line tools: `python -m torch_msa` and the
 repository's benchmarks (`python -m benchmarks`, `python -m benchmarks.kl`).
 
-One `Progress` follows one stage of a run: a known number of steps, each named when it starts.
-On a terminal it keeps one line up to date, redrawn in place whenever a step starts or ends::
-
-    [2/5] T=32768: 7/23 done, torch_msa bwd, 0:41 elapsed, about 1:33 left
-
-On any other stream (a pipe, a log file, a captured stream) it draws nothing and prints at most
-one plain line, when the stage ends (`summary=False`: nothing at all). It needs nothing beyond
-the standard library.
+One `Progress` follows one stage of named steps: on a terminal one line redrawn in place
+(`[2/5] T=32768: 7/23 done, torch_msa bwd, 0:41 elapsed, about 1:33 left`), elsewhere at most one
+plain line when the stage ends. Standard library only.
 """
 
 import math
@@ -52,17 +47,12 @@ class Progress:
         total: the number of steps (>= 0).
         stream: where the display goes (default: `sys.stderr` when constructed).
         clock: seconds, monotonic (default `time.monotonic`); tests pass a fake one.
-        rate_estimate: estimate the steps without an `expected_s` from the mean time of the
-            steps done so far (as tqdm does). False for stages whose steps differ too much
-            for that to mean anything: the time left is then known only from `expected_s`.
-        summary: on a stream that is not a terminal, print one line when the stage ends
-            (`label: 23/23 in 1:12`, or `stopped at 7/23 after 0:41`); False prints nothing.
+        rate_estimate: estimate steps without an `expected_s` from the mean time so far; False
+            for stages whose steps differ too much.
+        summary: off a terminal, print one line when the stage ends; False prints nothing.
         leave: on a terminal, keep the last line when the stage ends (False: clear it).
 
-    The time left is the current step's `expected_s` minus the time it has run (when given),
-    plus the rate estimate for the steps after it; unknown (`?`) when a needed estimate is
-    missing. Use it as a context manager, or call `close()`: that ends the line on a terminal
-    and prints the summary elsewhere, also when the stage stopped early.
+    Use it as a context manager, or call `close()`, also when the stage stops early.
     """
 
     def __init__(self, label: str, total: int, *, stream: TextIO | None = None,

@@ -1,25 +1,12 @@
 """The public Python API: typed wrappers over `torch.ops.msa.*` with the M3 defaults.
 
-Layouts (packed tokens, documents delimited by int32 `cu_seqlens`):
-
-* `q [Tq, Hq, D]`, `k, v [Tk, Hkv, D]`: bf16, fp16, fp32 or fp64; `Hq % Hkv == 0`, `D in {64, 128}`.
-* `index_q [Tq, Hi, Di]` with `Hi == Hkv`, `index_k [Tk, 1, Di]`: one shared index key per token.
-* `block_indices [Hkv, Tq, topk]` int32: per (KV head, query) block ids, valid ids first, `-1` after.
-* `cu_seqlens_q, cu_seqlens_k [B + 1]` int32; omitted, the inputs are one document. Queries are
-  the causal suffix of their document's keys (`p(t) = Lk - Lq + t`).
-* `fragment_documents, fragment_starts [F]` int32 (keyword, both or neither): query *fragments*
-  for context parallelism. `cu_seqlens_q [F + 1]` then delimits fragments and `cu_seqlens_k
-  [B + 1]` documents; fragment `f` belongs to document `fragment_documents[f]`, and its first
-  query sits at the document-local position `fragment_starts[f]`, so its query `i` sees the
-  document's keys `j <= fragment_starts[f] + i`. Several fragments may share one document's keys
-  (stored once). `max_seqlen_q` bounds the fragments. Block ids stay document-local.
-* `max_seqlen_q, max_seqlen_k`: host ints; omitted, they default to the token counts `Tq`, `Tk`
-  (always a valid bound, but a looser one for packs of short documents: pass the real values when
-  you have them).
-
-Every function traces under `torch.compile(fullgraph=True)` and `torch.export` without a graph
-break or a host sync (`validate_inputs` excepted: it reads values on the host). The layouts next
-to flash-attn's, fla's and HF's, and how to convert between them: docs/api.md.
+Packed layouts: `q [Tq, Hq, D]`, `k, v [Tk, Hkv, D]`, `index_q [Tq, Hkv, Di]`, `index_k [Tk, 1, Di]`,
+`block_indices` int32 `[Hkv, Tq, topk]`; documents are delimited by int32 `cu_seqlens_q`,
+`cu_seqlens_k` `[B + 1]` (omitted: one document), queries being the causal suffix of their
+document's keys, or by query fragments (`fragment_documents`, `fragment_starts`, int32 `[F]`).
+`max_seqlen_q`, `max_seqlen_k` default to `Tq`, `Tk`. Everything but `validate_inputs` traces
+under `torch.compile(fullgraph=True)` and `torch.export` without a host sync. Details, and the
+conversions from flash-attn's, fla's and HF's layouts: docs/api.md.
 """
 
 import warnings
@@ -35,10 +22,10 @@ from .documents import FRAGMENT_ARGUMENTS, Documents
 from .index_loss import attention_with_index_loss
 from .plan.schedule import entries_per_item
 
-_Documents = tuple[torch.Tensor, torch.Tensor, int, int]
-"""The ops' four document arguments: `(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`."""
-_Fragments = tuple[torch.Tensor | None, torch.Tensor | None]
-"""The ops' two trailing fragment arguments: `(fragment_documents, fragment_starts)`."""
+# The ops' positional document arguments: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+# and the trailing (fragment_documents, fragment_starts); together the fields of `Documents`.
+_DocumentArgs = tuple[torch.Tensor, torch.Tensor, int, int]
+_FragmentArgs = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 class AttentionOutput(NamedTuple):
@@ -46,10 +33,8 @@ class AttentionOutput(NamedTuple):
 
     Attributes:
         out: `[Tq, Hq, D]` in q's dtype.
-        lse: `[Tq, Hq]`, token-major: the natural-log log-sum-exp of each query head's scaled
-            scores over the keys it read, fp32 (fp64 for fp64 inputs), `-inf` for a query that
-            read no key. Differentiable in q and k. flash-attn's varlen lse is `[Hq, Tq]`:
-            `lse.t()` is that layout (docs/api.md).
+        lse: `[Tq, Hq]` fp32 (fp64 for fp64 inputs), the natural-log log-sum-exp of each query
+            head's scaled scores, `-inf` for a query that read no key; differentiable in q and k.
     """
 
     out: torch.Tensor
@@ -64,8 +49,7 @@ class MSABlocksOutput(NamedTuple):
 
 
 class MSALseBlocksOutput(NamedTuple):
-    """What `msa_attention(..., return_lse=True, return_block_indices=True)` returns: fields as in
-    `MSAAttentionOutput`."""
+    """`msa_attention(..., return_lse=True, return_block_indices=True)`'s result (`MSAAttentionOutput`'s fields)."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -81,8 +65,7 @@ class MSAIndexLossOutput(NamedTuple):
 
 
 class MSALseIndexLossOutput(NamedTuple):
-    """What `msa_attention(..., return_lse=True, index_loss=True)` returns: fields as in
-    `MSAAttentionOutput`."""
+    """`msa_attention(..., return_lse=True, index_loss=True)`'s result (`MSAAttentionOutput`'s fields)."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -91,8 +74,7 @@ class MSALseIndexLossOutput(NamedTuple):
 
 
 class MSABlocksIndexLossOutput(NamedTuple):
-    """What `msa_attention(..., return_block_indices=True, index_loss=True)` returns: fields as in
-    `MSAAttentionOutput`."""
+    """`msa_attention(..., return_block_indices=True, index_loss=True)`'s result (`MSAAttentionOutput`'s fields)."""
 
     out: torch.Tensor
     block_indices: torch.Tensor
@@ -103,23 +85,17 @@ class MSABlocksIndexLossOutput(NamedTuple):
 class MSAAttentionOutput(NamedTuple):
     """What `msa_attention(..., return_lse=True, return_block_indices=True, index_loss=True)` returns.
 
-    `msa_attention` returns exactly the fields asked for, in this order: `out`, then `lse` with
-    `return_lse`, `block_indices` with `return_block_indices`, `kl` and `kl_value` with
-    `index_loss`. Each combination is its own named tuple (`AttentionOutput`, `MSABlocksOutput`,
-    `MSALseBlocksOutput`, `MSAIndexLossOutput`, `MSALseIndexLossOutput`,
-    `MSABlocksIndexLossOutput`, this one for all three flags), so the result unpacks positionally
-    (`out, lse = msa_attention(..., return_lse=True)`) and reads by name (`result.lse`) alike.
+    With fewer flags the result is the named tuple of `out` and just the fields asked for, in this
+    order (`AttentionOutput`, `MSABlocksOutput`, ...).
 
     Attributes:
         out: `[Tq, Hq, D]` in q's dtype.
         lse: `[Tq, Hq]` as in `AttentionOutput.lse`.
-        block_indices: the int32 `[Hkv, Tq, topk]` selection the attention used (head-major;
-            valid ids first, `-1` after), the input of `indexer_kl_loss`.
-        kl: the index branch's KL loss on this call's own selection and lse (a 0-D tensor as
-            `indexer_kl_loss` returns it, differentiable in `index_q` and `index_k` only); in
-            training a placeholder of value 0 whose loss the backward computes (`msa_attention`).
-        kl_value: a 0-D tensor without autograd history that holds the loss's value: at once
-            where the forward computes the loss, once the backward has run where the backward does.
+        block_indices: the int32 `[Hkv, Tq, topk]` selection the attention used.
+        kl: the index loss on this call's selection and lse, 0-D, differentiable in `index_q`
+            and `index_k` only; in training a placeholder of value 0 (docs/api.md).
+        kl_value: a 0-D tensor without autograd history that holds the loss's value (in training,
+            once the backward has run).
     """
 
     out: torch.Tensor
@@ -129,12 +105,12 @@ class MSAAttentionOutput(NamedTuple):
     kl_value: torch.Tensor
 
 
+# Any of `msa_attention`'s results with a flag set (the type of a call whose flags are plain bools).
 MSAResult = (AttentionOutput | MSABlocksOutput | MSALseBlocksOutput | MSAIndexLossOutput | MSALseIndexLossOutput
              | MSABlocksIndexLossOutput | MSAAttentionOutput)
-"""Any of `msa_attention`'s results with a flag set (the type of a call whose flags are plain bools)."""
 
 _MSA_RESULT_TYPES: dict[tuple[bool, bool, bool], type[MSAResult]] = {
-    # (return_lse, return_block_indices, index_loss): the result's type; its fields say what it holds.
+    # (return_lse, return_block_indices, index_loss)
     (True, False, False): AttentionOutput,
     (False, True, False): MSABlocksOutput,
     (True, True, False): MSALseBlocksOutput,
@@ -147,8 +123,7 @@ _MSA_RESULT_TYPES: dict[tuple[bool, bool, bool], type[MSAResult]] = {
 
 def _msa_result(out: torch.Tensor, *, return_lse: bool, return_block_indices: bool, index_loss: bool,
                 **fields: torch.Tensor) -> torch.Tensor | MSAResult:
-    """`out` alone without a flag; otherwise the named tuple of `out` and exactly the asked fields,
-    in `MSAAttentionOutput`'s order, taken by name from `fields` (which may hold more)."""
+    """`out` alone without a flag, else the named tuple of `out` and the asked fields from `fields`."""
     if not (return_lse or return_block_indices or index_loss):
         return out
     result_type = _MSA_RESULT_TYPES[return_lse, return_block_indices, index_loss]
@@ -162,8 +137,7 @@ for _output in _MSA_RESULT_TYPES.values():
 
 
 def _document_args(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   block_size, topk=None, softmax_scale=None) -> _Documents:
-    """Fill the document defaults and check the host arguments; returns the ops' four document args."""
+                   block_size, topk=None, softmax_scale=None) -> _DocumentArgs:
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         validation.check_optional_tensor(name, cu, "int32 [B + 1]")
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -179,7 +153,7 @@ def _document_args(num_queries, num_keys, device, cu_seqlens_q, cu_seqlens_k, ma
     return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
-def _fragments(fragment_documents, fragment_starts, cu_seqlens_q) -> _Fragments:
+def _fragments(fragment_documents, fragment_starts, cu_seqlens_q) -> _FragmentArgs:
     """The ops' two trailing fragment arguments, checked to come together with `cu_seqlens`."""
     for name, x in zip(FRAGMENT_ARGUMENTS, (fragment_documents, fragment_starts)):
         validation.check_optional_tensor(name, x, "int32 [F]")
@@ -201,7 +175,7 @@ def _rows(name, x, layout) -> int:
 
 
 def _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk,
-                             softmax_scale) -> _Documents:
+                             softmax_scale) -> _DocumentArgs:
     return _document_args(_rows("q", q, "[Tq, Hq, D]"), _rows("k", k, "[Tk, Hkv, D]"), q.device,
                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
 
@@ -226,35 +200,27 @@ def select_blocks(
     """Choose the key blocks each query attends to (the MSA index branch's selection).
 
     Scores `Di^-0.5 <index_q[t, r], index_k[j]>` in fp32 over the visible keys `j <= p(t)`,
-    max-pools them per block, and keeps the `min(topk - 1, nvb - 1)` best non-local visible
-    blocks (lower id first on ties) followed by the local block `nvb - 1`, where
-    `nvb = p(t) // block_size + 1`.
+    max-pools them per block, and keeps the `min(topk - 1, nvb - 1)` best non-local blocks (lower
+    id first on ties) then the local block `nvb - 1`, where `nvb = p(t) // block_size + 1`.
 
     Args:
         index_q: `[Tq, Hi, Di]` index queries, bf16/fp16/fp32/fp64, `Di >= 1`.
         index_k: `[Tk, 1, Di]` index keys (one shared index head), index_q's dtype and device.
-        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` document boundaries of the queries and keys
-            (`cu_seqlens_q` is `[F + 1]` with fragments), both or neither; neither means one
-            document.
-        max_seqlen_q, max_seqlen_k: host ints bounding the documents' query and key counts;
-            default `Tq` and `Tk`.
+        cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` boundaries (`cu_seqlens_q` `[F + 1]` with
+            fragments), both or neither (one document).
+        max_seqlen_q, max_seqlen_k: host ints bounding the documents; default `Tq` and `Tk`.
         topk: blocks kept per query, the local one included, `>= 1`.
         block_size: keys per block, 64 or 128.
-        fragment_documents, fragment_starts: int32 `[F]` query fragments, both or neither
-            (module docstring).
+        fragment_documents, fragment_starts: int32 `[F]` query fragments, both or neither.
 
     Returns:
-        int32 `[Hi, Tq, topk]`, head-major: per (index head, query) the block ids, valid ids
-        first, `-1` after; ids are document-local. Not differentiable. fla's NSA and HF's
-        MiniMax-M3 indexer lay their block ids out differently (docs/api.md).
+        int32 `[Hi, Tq, topk]`: per (index head, query) the document-local block ids, valid ids
+        first, `-1` after. Not differentiable.
 
     Raises:
-        TypeError: an argument of the wrong type or dtype; the message names it.
-        ValueError: a shape, head dim, `topk`, `block_size` or host int outside the contract, or a
-            `cu_seqlens` / fragment argument without its partner; the message names it. Values
-            (boundaries, lengths) are checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`.
-        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the op on
-            the inputs' device.
+        TypeError, ValueError: an argument outside the contract, named in the message (values are
+            checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`).
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the device.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _document_args(_rows("index_q", index_q, "[Tq, Hi, Di]"), _rows("index_k", index_k, "[Tk, 1, Di]"),
@@ -275,38 +241,29 @@ def build_plan(
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The key-to-query schedule of `block_indices`, to build once and pass to `sparse_attention`.
-
-    `sparse_attention` builds one per call when given none, and its backward reuses it; build it
-    yourself to share it between calls on the same selection and documents (for example
-    several attention calls of one layer and step).
+    """The key-to-query schedule of `block_indices`, to share between `sparse_attention` calls.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`, e.g. from `select_blocks`.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
             `select_blocks` (`max_seqlen_k` defaults to `num_keys`).
         num_keys: `Tk`, rows of the packed keys, `>= 0`.
-        num_heads: `Hq`, query heads, `>= 1` (with `Hkv` they size the plan's work items).
+        num_heads: `Hq`, query heads, `>= 1`.
         block_size: keys per block, 64 or 128.
         fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
 
     Returns:
-        A 1-D int32 tensor (`msa::plan`; layout in `torch_msa/plan/schedule.py`) on block_indices'
-        device, valid for calls with these `block_indices`, documents, `Tk` and `block_size`.
-        Every call checks its length against the shapes; a plan of the same shapes built for
-        another selection or other documents (a stale plan) is caught only by
-        `TORCH_MSA_DEBUG=1` and `validate_inputs(..., plan=plan)`: otherwise the kernels compute
-        the plan's selection.
+        A 1-D int32 tensor on block_indices' device (layout in `torch_msa/plan/schedule.py`),
+        valid for these `block_indices`, documents, `Tk` and `block_size`. Only its length is
+        checked per call; a stale plan is caught by `TORCH_MSA_DEBUG=1` and `validate_inputs`.
 
     Raises:
-        TypeError: an argument of the wrong type or dtype; the message names it.
-        ValueError: a shape, `block_size` or host int outside the contract, or a `cu_seqlens` /
-            fragment argument without its partner; the message names it.
-        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the op on
-            the inputs' device.
+        TypeError, ValueError: an argument outside the contract, named in the message (values are
+            checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`).
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the device.
     """
     _rows("block_indices", block_indices, "[Hkv, Tq, topk]")
-    # Checked before they stand in for defaults (max_seqlen_k defaults to num_keys).
+    # Checked before num_keys stands in for max_seqlen_k's default.
     validation.check_host_int("num_keys", num_keys, 0)
     validation.check_host_int("num_heads", num_heads, 1)
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
@@ -379,31 +336,23 @@ def sparse_attention(
     Args:
         q: `[Tq, Hq, D]` queries, bf16/fp16/fp32/fp64, `D` 64 or 128.
         k, v: `[Tk, Hkv, D]` keys and values, q's dtype and device, `Hq % Hkv == 0`.
-        block_indices: int32 `[Hkv, Tq, topk]` (head-major), e.g. from `select_blocks`; valid ids
-            are read as a set, `-1` slots are skipped.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
-            `select_blocks`.
+        block_indices: int32 `[Hkv, Tq, topk]`, e.g. from `select_blocks`; read as a set, `-1`
+            slots skipped.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as in `select_blocks`.
         block_size: keys per block, 64 or 128.
         softmax_scale: defaults to `D ** -0.5`.
-        return_lse: also return the log-sum-exp (one flag, flash-attn 4's name; docs/api.md).
-        plan: from `build_plan` on the same `block_indices` and documents; by default one is
-            built here. Either way the backward reuses it.
+        return_lse: also return the log-sum-exp.
+        plan: from `build_plan` on the same `block_indices` and documents; by default built here.
         fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
 
     Returns:
-        `out [Tq, Hq, D]` in q's dtype; with `return_lse`, an `AttentionOutput(out, lse)` with
-        `lse [Tq, Hq]` fp32 (fp64 for fp64 inputs), the natural-log log-sum-exp, token-major
-        (flash-attn's varlen lse is `[Hq, Tq]`: `lse.t()`). Differentiable in q, k, v, including
-        through `lse`; a query that reads no key gets `out = 0`, `lse = -inf`.
+        `out [Tq, Hq, D]` in q's dtype; with `return_lse`, `AttentionOutput(out, lse)`.
+        Differentiable in q, k, v, through `lse` too; a query that reads no key gets `out = 0`.
 
     Raises:
-        TypeError: an argument of the wrong type or dtype; the message names it.
-        ValueError: a shape, head count, head dim, `block_size` or host int outside the contract,
-            a plan of the wrong length, or a `cu_seqlens` / fragment argument without its
-            partner; the message names it. Values (boundaries, block ids, a stale plan) are
-            checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`.
-        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the op on
-            the inputs' device.
+        TypeError, ValueError: an argument (a plan of the wrong length too), named in the
+            message (values are checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`).
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the device.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
@@ -571,72 +520,38 @@ def msa_attention(
 ) -> torch.Tensor | MSAResult:
     """MiniMax Sparse Attention: `select_blocks` (no gradient) then `sparse_attention`.
 
-    The selection gives `index_q` and `index_k` no gradient. With `index_loss=True` the result's
-    `kl` field is the index branch's KL loss (`indexer_kl_loss`, spec section 6) on this call's
-    own selection and lse, so `(task_loss + kl_coeff * result.kl).backward()` trains both
-    branches: the teacher (`q`, `k`, the lse) is detached, so the KL's gradients reach `index_q`
-    and `index_k` only, and the attention's reach `q`, `k`, `v` only. Without it, index inputs
-    that require grad get a one-time warning. The student's scale is `Di ** -0.5`; for another
-    scale, another lse or another selection, call `indexer_kl_loss` on `return_lse` and
-    `return_block_indices`.
-
-    **When the KL's value is known.** In training (grad mode on, `index_q` or `index_k` requiring
-    grad, no torch.func transform) the attention and the loss are one autograd node
-    (`msa::forward_with_index_loss`): the backward computes the loss's teacher where it
-    recomputes the attention's probabilities, with no separate `Q K^T` pass. There `kl` is a
-    placeholder of value 0 that carries the gradient, and the loss's value is written into
-    `kl_value` when the backward of a loss that uses `kl` runs (eagerly, from a CUDA graph or
-    compiled). Elsewhere `kl` is computed in the forward and `kl_value` holds it at once. Under
-    `torch.compile` the fused node needs `index_loss_value`, a tensor made outside the compiled
-    function (a compiled backward can only write into the graph's inputs); without it the
-    compiled call takes the separate loss. Give each call its own `index_loss_value` and leave
-    it alone until the backward has run.
-
-    **Use the placeholder linearly.** Its gradient is right for a loss that adds `c * kl` (any
-    constant `c`): the backward receives `c` whatever `kl`'s value. A loss that uses it otherwise
-    (`log(kl)`, a clamp, a coefficient computed from `kl`, a threshold on its value) would see 0;
-    for those, take `return_lse=True, return_block_indices=True` and call `indexer_kl_loss`.
+    With `index_loss=True` the result's `kl` is the index loss (`indexer_kl_loss` with the student
+    scale `Di ** -0.5`) on this call's own selection and lse; its gradients reach `index_q` and
+    `index_k` only. Without it, index inputs that require grad get a one-time warning. In training
+    `kl` is a placeholder of value 0 whose loss the backward computes: use it linearly
+    (`loss + c * kl`), and read the value from `kl_value` after the backward (docs/api.md).
 
     Args:
         q: `[Tq, Hq, D]` queries, bf16/fp16/fp32/fp64, `D` 64 or 128.
         k, v: `[Tk, Hkv, D]` keys and values, q's dtype and device, `Hq % Hkv == 0`.
-        index_q: `[Tq, Hkv, Di]` index queries (one index head per KV head), bf16/fp16/fp32/fp64
-            (not necessarily q's), q's device.
+        index_q: `[Tq, Hkv, Di]` index queries, any float dtype (not necessarily q's), q's device.
         index_k: `[Tk, 1, Di]` index keys, index_q's dtype.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
-            `select_blocks`.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as in `select_blocks`.
         topk: blocks read per query, the local one included, `>= 1`.
         block_size: keys per block, 64 or 128.
         softmax_scale: defaults to `D ** -0.5`.
-        return_lse: return the log-sum-exp too (one flag, flash-attn 4's name; docs/api.md).
-        return_block_indices: return the selection too.
-        index_loss: return the KL loss of the index branch too (a bool).
+        return_lse, return_block_indices, index_loss: bools: return the lse, the selection, the
+            index loss too.
         fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
         index_loss_value: with `index_loss`, a 0-D tensor (fp32, fp64 for fp64 index inputs, on
-            q's device) that receives the loss's value and is returned as `kl_value`; by default
-            one is made here.
+            q's device) that receives the loss's value and is returned as `kl_value`; needed
+            for the fused loss under `torch.compile`; by default made here.
 
     Returns:
-        Without a flag, `out [Tq, Hq, D]` in q's dtype. With any, a named tuple of `out` and
-        exactly the fields asked for, in this order, so it unpacks as asked (`out, lse =
-        msa_attention(..., return_lse=True)`; `out, kl, kl_value = msa_attention(...,
-        index_loss=True)`) and reads by name: `lse [Tq, Hq]` as in `sparse_attention` with
-        `return_lse`, `block_indices` int32 `[Hkv, Tq, topk]` (head-major) as in `select_blocks`
-        with `return_block_indices`, and with `index_loss` both `kl`, a 0-D tensor as
-        `indexer_kl_loss` returns it (fp32, fp64 for fp64 index inputs; 0 when `Tq == 0`), and
-        `kl_value`, the tensor that holds its value (see above). The type names the fields:
-        `AttentionOutput(out, lse)`, `MSABlocksOutput(out, block_indices)`, ...,
-        `MSAAttentionOutput(out, lse, block_indices, kl, kl_value)` with all three flags.
+        Without a flag, `out [Tq, Hq, D]` in q's dtype. With any, the named tuple of `out` and
+        the fields asked for, in `MSAAttentionOutput`'s order (`out, lse, block_indices, kl,
+        kl_value`).
 
     Raises:
-        TypeError: an argument of the wrong type or dtype (`index_loss` not a bool included); the
-            message names it.
-        ValueError: a shape, head count, head dim, index head count, `topk`, `block_size` or host
-            int outside the contract, index inputs whose rows or device do not match q and k, a
-            `cu_seqlens` / fragment argument without its partner, or `index_loss_value` without
-            `index_loss`, not 0-D, or given under a torch.func transform; the message names it.
-        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve an op on
-            the inputs' device.
+        TypeError, ValueError: an argument outside the contract (`index_loss` not a bool,
+            `index_loss_value` without `index_loss`, not 0-D or under a torch.func transform
+            included), named in the message.
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the device.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, topk, softmax_scale)
@@ -688,24 +603,19 @@ def indexer_kl_loss(
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The index branch's KL distillation loss over the selected support.
+    """The index loss: KL distillation of the attention into the index branch over the selection.
 
-    For query `t` and index head `r`, on `J(t, r)` (the visible keys of `block_indices[r, t]`, read
-    as a set like the attention does): teacher `P_t = mean over the G query heads of KV head r of
-    exp(softmax_scale <q, k> - lse)`, the main attention's probabilities; student
-    `P_s = softmax over J of index_softmax_scale <index_q[t, r], index_k[j]>`.
+    For query `t` and index head `r`, on `J(t, r)`, the visible keys of `block_indices[r, t]`:
+    teacher `P_t = mean over the query heads of KV head r of exp(softmax_scale <q, k> - lse)`;
+    student `P_s = softmax over J of index_softmax_scale <index_q[t, r], index_k[j]>`.
 
     Args:
         q: `[Tq, Hq, D]` and k: `[Tk, Hkv, D]`: the main branch's queries and keys
             (bf16/fp16/fp32/fp64, one dtype).
-        lse: `[Tq, Hq]`, the attention's log-sum-exp (natural log, token-major): the `lse` field of
-            `sparse_attention(..., return_lse=True)` or `msa_attention(..., return_lse=True)`
-            (fp32; fp64 for fp64 q). A flash-attn varlen lse `[Hq, Tq]` enters as `lse.t()`.
+        lse: `[Tq, Hq]`, the attention's `lse` (fp32; fp64 for fp64 q).
         index_q: `[Tq, Hkv, Di]` index queries; index_k: `[Tk, 1, Di]`, index_q's dtype.
-        block_indices: int32 `[Hkv, Tq, topk]`, the selection the attention used (the
-            `block_indices` field of `msa_attention(..., return_block_indices=True)`).
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
-            `select_blocks`.
+        block_indices: int32 `[Hkv, Tq, topk]`, the selection the attention used.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as in `select_blocks`.
         block_size: keys per block, 64 or 128.
         softmax_scale: the attention's, defaults to `D ** -0.5`.
         index_softmax_scale: the student's, defaults to `Di ** -0.5`.
@@ -713,16 +623,12 @@ def indexer_kl_loss(
 
     Returns:
         A 0-D tensor, fp32 (fp64 for fp64 index inputs): the mean over `(t, r)` of
-        `KL(P_t || P_s)`, 0 when `Tq == 0`. Gradients flow to `index_q` and `index_k` only: the
-        teacher (`q`, `k`, `lse`) is a constant of this loss.
+        `KL(P_t || P_s)`, 0 when `Tq == 0`. Gradients flow to `index_q` and `index_k` only.
 
     Raises:
-        TypeError: an argument of the wrong type or dtype (`lse` or `block_indices` not a
-            tensor included); the message names it.
-        ValueError: a shape, head count, `block_size` or host int outside the contract, or a
-            `cu_seqlens` / fragment argument without its partner; the message names it.
-        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the op on
-            the inputs' device.
+        TypeError, ValueError: an argument outside the contract, named in the message (values are
+            checked only by `validate_inputs` and `TORCH_MSA_DEBUG=1`).
+        torch_msa.BackendError: `TORCH_MSA_BACKEND` forces a backend that cannot serve the device.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
@@ -753,19 +659,12 @@ def indexer_kl_loss_dense(
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The index branch's KL loss over the full causal support, for the dense warm-up stage.
-
-    `J(t, r)` is every key `j <= p(t)` of `t`'s document, and the teacher is the dense causal
-    attention's probabilities. Memory stays bounded: queries in chunks, keys in spans, never a
-    `T x T` buffer.
+    """The index loss over the full causal support (every key `j <= p(t)`), for the dense warm-up.
 
     Args:
         q, k, index_q, index_k: as in `indexer_kl_loss`.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
-            `select_blocks`.
-        lse: `[Tq, Hq]`, the dense causal attention's natural-log log-sum-exp (token-major; a
-            flash-attn varlen lse `[Hq, Tq]` enters as `lse.t()`), when the caller has it;
-            omitted, it is computed here (public SDPA does not return it).
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as in `select_blocks`.
+        lse: `[Tq, Hq]`, the dense causal attention's log-sum-exp; computed here when omitted.
         block_size: sizes the key spans only, 64 or 128.
         softmax_scale, index_softmax_scale: as in `indexer_kl_loss`.
         fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
@@ -805,22 +704,15 @@ def validate_inputs(
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
 ) -> None:
-    """Check every input the way `TORCH_MSA_DEBUG=1` does, including values (host sync).
-
-    Use it in eager code when debugging; it is not meant for compiled regions.
+    """Check every input the way `TORCH_MSA_DEBUG=1` does, values included (host sync; eager only).
 
     Args:
         q, k, v: as in `sparse_attention`.
-        block_indices: int32 `[Hkv, Tq, topk]`, checked against the block-id contract (valid
-            prefix then `-1`, distinct, `< nvb`, local block last) when given.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the documents, as in
-            `select_blocks`; checked to start at 0, not decrease, end at the token counts, give
-            `Lq <= Lk` per document (with fragments: each names a document and fits in it), and
-            `max_seqlen_*` large enough.
-        index_q, index_k: as in `msa_attention`, both or neither; checked when given.
-        plan: from `build_plan`, which needs `block_indices`: checked for its length and for
-            having been built for this selection and these documents (a stale plan of the same
-            shapes would make the kernels compute the plan's own selection).
+        block_indices: int32 `[Hkv, Tq, topk]`: valid prefix then `-1`, distinct, `< nvb`, local
+            block last.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as in `select_blocks`.
+        index_q, index_k: as in `msa_attention`, both or neither.
+        plan: from `build_plan`, with `block_indices`: built for this selection and documents.
         topk, block_size, softmax_scale: as in `msa_attention`.
         fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
 
@@ -828,9 +720,8 @@ def validate_inputs(
         None: the inputs honour the contract.
 
     Raises:
-        TypeError: an argument of the wrong type or dtype; the message names the first one.
-        ValueError: any other breach of the contract; the message names the first offending
-            argument with the expected and the actual value.
+        TypeError, ValueError: the first breach of the contract, naming the argument with the
+            expected and the actual value.
     """
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     documents = Documents(*_attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -1,20 +1,11 @@
 """Which implementation serves each op on each device.
 
-A backend is a named bundle of op implementations with the devices it serves. The op kernels in
-`ops.py` ask `resolve(op, device)` at run time (never while tracing: the ops are opaque to
-`torch.compile` and `torch.export`), so the choice follows `TORCH_MSA_BACKEND` and the devices
-present without recompiling anything.
-
-Resolution: if `TORCH_MSA_BACKEND` names a backend, that backend serves every op it implements
-(if it cannot serve one on the device, `BackendError` says why, never a silent fallback); ops it
-does not implement resolve as usual. Otherwise the highest-priority available backend that
-serves the op wins, skipping opt-in backends (those with an `opt_in_note`), which serve only
-when forced. The pure-PyTorch reference serves every op on every device at priority 0.
-A backend, forced or not, may decline particular inputs by raising `UnsupportedInputs` before
-it writes any output; the call then falls through to the next backend of the default order,
-with a warning printed once. A CUDA
-tensor that ends up on the reference (no GPU backend available, or every one declined) gets a
-one-time warning that this is the slow path, with the reason.
+The op kernels in `ops.py` call `resolve` / `call` at run time (never while tracing), so the
+choice follows `TORCH_MSA_BACKEND` and the devices present without recompiling. A forced backend
+serves every op it implements or raises `BackendError`; otherwise the highest-priority available
+backend wins, opt-in ones (with an `opt_in_note`) serving only when forced. A backend may decline
+inputs with `UnsupportedInputs` before writing anything: the call falls through to the next one,
+with a one-time warning. The registry in detail: docs/backends.md.
 """
 
 import dataclasses
@@ -38,8 +29,7 @@ OPS = tuple(name for name in SCHEMAS if name not in COMPOSED_OPS)  # the ops bac
 # that op, composed of its backward and the loss's ops otherwise (`torch_msa.index_loss`).
 SERVED_WITH = {"backward_with_index_loss": "backward"}
 REFERENCE = "reference"
-# The optional backends, by import path: each package defines `BACKEND` and imports neither triton
-# nor cutlass; the registry imports them when it is first asked, and their kernels on first use.
+# The optional backends' packages, each defining `BACKEND`; imported when the registry is first asked.
 BUILTIN_BACKENDS = ("torch_msa.triton", "torch_msa.sm90", "torch_msa.sm100")
 
 
@@ -59,16 +49,11 @@ class UnavailableError(ImportError):
 class Backend:
     """Op implementations sharing a name and a device gate.
 
-    `ops` maps op names (those of `OPS`) to callables that take the op's arguments in the
-    schema's order with the six document arguments as one `torch_msa.documents.Documents` in
-    place of `cu_seqlens_q` (the form `torch_msa.reference` shows, op by op), or to the import
-    path `"package.module:function"` of such a callable, imported when the op is first served.
-    `available(device)` is consulted lazily, so optional dependencies are imported only when a
-    device first asks; `device_types=None` means any device.
-    `unavailable_reason(device)` says why `available` is False (what is missing, what to
-    install), for error messages. A backend with `opt_in_note` serves only when
-    `TORCH_MSA_BACKEND` names it; `opt_in_note(device)` is the note printed once when default
-    resolution passes it over on a device where it could be enabled (None: nothing to say).
+    `ops` maps op names of `OPS` to callables taking the op's arguments with the six document
+    arguments as one `Documents` (as `torch_msa.reference` does), or to a `"module:function"`
+    path imported on first use. `available(device)` is asked lazily; `unavailable_reason(device)`
+    says why not. A backend with `opt_in_note` serves only when `TORCH_MSA_BACKEND` names it; the
+    note is printed once when default resolution passes it over.
     """
 
     name: str
@@ -115,8 +100,7 @@ def _imported(path: str) -> Callable:
 
 
 def _register_builtins() -> None:
-    """Register `BUILTIN_BACKENDS` once, the first time the registry is asked; a backend registered
-    earlier under the same name stays."""
+    """Register `BUILTIN_BACKENDS` once; a backend registered earlier under the same name stays."""
     global _builtins_registered
     if not _builtins_registered:
         _builtins_registered = True
@@ -150,10 +134,7 @@ def registered_backends() -> list[str]:
 
 
 def candidates(op: str, device: torch.device) -> list[Backend]:
-    """Backends that may serve `op` on `device`, best first, honouring `TORCH_MSA_BACKEND`.
-
-    A forced backend comes first; the others follow only as fallbacks for inputs it declines.
-    """
+    """Backends that may serve `op` on `device`, best first; a forced one first, the rest as fallbacks."""
     forced = os.environ.get(BACKEND_ENV, "").strip()
     if forced:
         backend = _BACKENDS.get(forced)
@@ -173,8 +154,7 @@ def candidates(op: str, device: torch.device) -> list[Backend]:
 
 
 def _by_default(op: str, device: torch.device, notes: bool) -> list[Backend]:
-    """The backends serving `op` on `device` without forcing, best first; opt-in ones are passed
-    over (with their one-time note when `notes`)."""
+    """The backends serving `op` on `device` without forcing, best first, opt-in ones passed over."""
     found = []
     for backend in _ordered():
         if backend.opt_in_note is not None:
@@ -196,8 +176,7 @@ def resolve(op: str, device: torch.device) -> Backend:
         device: the device of the op's tensors.
 
     Returns:
-        The `Backend` chosen first (`TORCH_MSA_BACKEND`'s when it names one that implements the
-        op); it may still decline particular inputs, which then fall back to the next one.
+        The `Backend` chosen first; it may still decline particular inputs.
 
     Raises:
         torch_msa.BackendError: `TORCH_MSA_BACKEND` names no backend, or one that cannot serve
@@ -258,7 +237,6 @@ def _ordered() -> list[Backend]:
 register_backend(
     Backend(
         name=REFERENCE,
-        # `reference_kl` holds the KL losses (`indexer_kl*`), `reference` the attention ops.
         ops={op: getattr(reference_kl if op.startswith("indexer_kl") else reference, op)
              for op in OPS if op not in SERVED_WITH},
         priority=0,

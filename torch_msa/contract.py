@@ -14,8 +14,7 @@ INDEX_DTYPE = torch.int32  # block_indices and cu_seqlens
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """Head counts and block parameters of an MSA layer; the defaults are MiniMax-M3's (index heads
-    == KV heads)."""
+    """Head counts and block parameters of an MSA layer; the defaults are MiniMax-M3's."""
 
     query_heads: int = 64
     kv_heads: int = 4
@@ -30,8 +29,7 @@ class Shape:
         return self.query_heads // self.kv_heads
 
 
-M3 = Shape()
-"""MiniMax-M3's sparse layers: 64 query heads over 4 KV heads of dim 128, 16 blocks of 128 keys."""
+M3 = Shape()  # MiniMax-M3's sparse layers
 
 # The public API's defaults.
 DEFAULT_TOPK = M3.topk
@@ -39,8 +37,5 @@ DEFAULT_BLOCK_SIZE = M3.block_size
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype, also the dtype of `lse`: fp64 for fp64 inputs, fp32 otherwise.
-
-    fp64 inputs keep an fp64 `lse` so that gradient checks in fp64 stay exact.
-    """
+    """Accumulation dtype, also `lse`'s: fp64 for fp64 inputs (exact fp64 gradient checks), else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,35 +1,11 @@
 """Context parallelism: one packed batch of MSA over the ranks of a `torch.distributed` group.
 
-Every rank holds a share of the tokens of a packed batch of self-attention documents (`Lq == Lk`)
-and all-gathers the keys it may read: a query may select any earlier block of its document, so
-every design for top-k sparse attention gathers K, V and the index keys rather than passing them
-around a ring. Each rank then selects and attends for its own queries, which it describes to the
-ops as *fragments* of the gathered documents (`fragment_documents`, `fragment_starts`).
-
-Layout (`load_balanced_layout`): each document is cut into `2 * world_size` contiguous chunks
-whose sizes differ by at most one token, and rank `r` takes chunks `r` and `2 * world_size - 1 - r`
-of every document. A causal query's work grows with its position, so pairing an early chunk with
-the mirrored late one gives every rank the same work; the documents' remainder tokens go round
-the ranks, so local token counts differ by at most one over the whole pack.
-
-Per step and rank, for `T` tokens over `W` ranks: the selection scores `1/W` of the query-key
-pairs and the attention runs `1/W` of the queries; the gathered K, V and index keys hold
-`T x (2 x Hkv x D + Di)` elements per rank (about 2.3 KB per token at MiniMax-M3 shapes in
-bf16), and the backward reduce-scatters as many gradient elements (K and V; the index keys too
-when the KL loss is used).
-
-Collectives: `all_gather_into_tensor` (async, overlapped with the selection) and
-`reduce_scatter_tensor` (their `*_single` names where torch has them), on any backend. NCCL runs
-both natively. gloo runs `reduce_scatter_tensor` as an all-reduce of the whole buffer keeping the
-own slice (since torch 2.3, so on every torch this package supports, 2.11 and 2.14 included):
-correct, twice the traffic; gloo also accepts CUDA tensors (staged through the host), which lets
-several ranks share one GPU where NCCL refuses to. Ranks whose local token counts differ pad to
-the largest count for the collectives.
-
-Autograd: the gathered tensors' backward reduce-scatters (sums) their gradients back to the
-owning ranks, so each rank's gradients are those of the sum over ranks of the ranks' losses.
-Every rank must make the same calls in the same order, with the same `requires_grad` settings
-(collectives run inside them, also in the backward).
+Every rank holds a share of the tokens (`load_balanced_layout`), all-gathers K, V and the index
+keys (a query may select any earlier block of its document, so a ring would not do), and selects
+and attends for its own queries as fragments of the gathered documents. The gathers' backward
+reduce-scatters the gradients to the owning ranks, so each rank's gradients are those of the sum
+of the ranks' losses. Every call is a collective: all ranks make the same calls in the same order,
+with the same `requires_grad` settings. Design, costs and backends: docs/context_parallelism.md.
 """
 
 import dataclasses
@@ -44,8 +20,8 @@ from . import api
 from .api import AttentionOutput, MSABlocksOutput, MSALseBlocksOutput, MSAResult
 from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK, INDEX_DTYPE
 
-# Recent torch (2.14 here) names the tensor collectives `*_single` and deprecates the old names,
-# which older versions (such as 2.11) have alone.
+# Recent torch names the tensor collectives `*_single` and deprecates the old names, which older
+# versions have alone.
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -55,25 +31,15 @@ class ContextParallelLayout:
     """One rank's share of a packed batch, from `load_balanced_layout`.
 
     Attributes:
-        world_size, rank: the group the layout is for and this rank's place in it.
-        num_tokens: `T`, tokens of the whole pack.
-        padded_local_tokens: the largest local token count over the ranks: the rows each rank
-            contributes to the collectives.
-        rows: int64 `[Tl]`, the packed rows (of the whole pack) of this rank's tokens, in local
-            order; `x[rows]` shards a global tensor (`shard`).
-        positions: int64 `[Tl]`, each local token's position inside its document (RoPE's
-            position ids).
-        cu_seqlens_q: int32 `[F + 1]`, the local query fragments, `F = 2 x B` (two chunks per
-            document, in document order; empty fragments included, so `F` is the same on
-            every rank).
-        fragment_documents: int32 `[F]`, the document of each fragment.
-        fragment_starts: int32 `[F]`, the document-local position of each fragment's first query.
-        max_seqlen_q: the longest local fragment.
-        cu_seqlens_k: int32 `[B + 1]`, the documents of the whole pack (the gathered keys).
-        max_seqlen_k: the longest document.
-        gathered_rows: int64 `[T]`, for each token of the whole pack, its row in the rank-major
-            gather (`world_size x padded_local_tokens` rows, rank `s`'s tokens at
-            `s x padded_local_tokens` onwards): the permutation back to packed order.
+        world_size, rank, num_tokens: the group, this rank's place in it, and `T`.
+        padded_local_tokens: the largest local token count over the ranks (the collectives' rows).
+        rows, positions: int64 `[Tl]`, the whole pack's row and the in-document position of each
+            local token, in local order.
+        cu_seqlens_q, fragment_documents, fragment_starts, max_seqlen_q: the local queries as
+            `F = 2 x B` fragments on every rank (empty ones included).
+        cu_seqlens_k, max_seqlen_k: the whole pack's documents (the gathered keys).
+        gathered_rows: int64 `[T]`, each token's row in the rank-major gather
+            (`world_size x padded_local_tokens` rows): the permutation back to packed order.
     """
 
     world_size: int
@@ -96,15 +62,7 @@ class ContextParallelLayout:
         return self.rows.shape[0]
 
     def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        """This rank's rows of a tensor of the whole pack, in local order.
-
-        Args:
-            x: a tensor with the whole pack's `T` tokens along `dim`, any dtype and device.
-            dim: the token dimension.
-
-        Returns:
-            `x` with `Tl = num_local_tokens` rows along `dim` (a copy, `x.index_select`), its
-            dtype and device.
+        """This rank's `Tl` rows along `dim` of a tensor with the whole pack's `T` (a copy).
 
         Raises:
             TypeError: `x` is not a tensor.
@@ -145,9 +103,8 @@ def _host_boundaries(cu_seqlens) -> list[int]:
 
 
 def _chunk_sizes(length: int, world_size: int, first_owner: int) -> list[int]:
-    """Sizes of a document's `2 x world_size` chunks: `length // chunks` each, and one more token
-    for `length % chunks` of them, handed to the ranks in turn from `first_owner` (late chunk
-    first, then early), so that the remainders of many documents spread over all ranks."""
+    """Sizes of a document's `2 x world_size` chunks; the remainder tokens go to the ranks in turn
+    from `first_owner` (late chunk first), so many documents' remainders spread over all ranks."""
     chunks = 2 * world_size
     sizes = [length // chunks] * chunks
     for turn in range(length % chunks):
@@ -160,23 +117,18 @@ def load_balanced_layout(cu_seqlens: torch.Tensor | Sequence[int], world_size: i
                          device: torch.device | str | None = None) -> ContextParallelLayout:
     """Split a pack of self-attention documents over `world_size` ranks; return `rank`'s share.
 
-    Each document is cut into `2 x world_size` contiguous chunks (sizes differ by at most one;
-    documents shorter than that leave some chunks empty) and rank `r` takes chunks `r` and
-    `2 x world_size - 1 - r`: equal causal work per rank, and local token counts that differ by
-    at most one over the whole pack. Host-side and deterministic, so every rank builds its own
-    layout without communication.
+    Each document is cut into `2 x world_size` contiguous chunks (sizes differ by at most one) and
+    rank `r` takes chunks `r` and `2 x world_size - 1 - r`, pairing early with late causal work.
+    Host-side and deterministic: every rank builds its own layout without communication.
 
     Args:
         cu_seqlens: `[B + 1]` boundaries of the whole pack (host ints, or an integer tensor, read
             with one host sync), `Lq == Lk` per document.
         world_size: ranks in the context-parallel group; rank: this rank, `0 <= rank < world_size`.
-        device: where the layout's tensors live (the device of the activations); defaults to
-            the device of `cu_seqlens` (CPU for host ints).
+        device: where the layout's tensors live; defaults to `cu_seqlens`'s (CPU for host ints).
 
     Returns:
-        The `ContextParallelLayout` of `rank`: its rows and positions (int64 `[Tl]`), its query
-        fragments (int32 `cu_seqlens_q [2B + 1]`, `fragment_documents`, `fragment_starts [2B]`),
-        the whole pack's documents (int32 `cu_seqlens_k [B + 1]`) and the gather permutation.
+        The `ContextParallelLayout` of `rank`.
 
     Raises:
         TypeError: `world_size` or `rank` is not an int, or `cu_seqlens` is neither a sequence of
@@ -210,7 +162,6 @@ def load_balanced_layout(cu_seqlens: torch.Tensor | Sequence[int], world_size: i
     padded = max(counts)
 
     def expand(offsets, lengths):
-        """`offset[s] + i` for every token `i` of segment `s`, over segments laid end to end."""
         lengths = torch.tensor(lengths, dtype=torch.int64)
         offsets = torch.tensor(offsets, dtype=torch.int64)
         return torch.repeat_interleave(offsets, lengths) + torch.arange(int(lengths.sum()), dtype=torch.int64)
@@ -260,12 +211,12 @@ def _check_group(layout, group) -> None:
                          f"got rank {layout.rank} of {layout.world_size}")
 
 
-def _check_local(layout, **tensors) -> None:
+def _check_local(layout, dim=0, **tensors) -> None:
     for name, x in tensors.items():
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-        if x.dim() == 0 or x.shape[0] != layout.num_local_tokens:
-            raise ValueError(f"{name}: expected this rank's {layout.num_local_tokens} tokens along dim 0 "
+        if x.dim() == 0 or x.shape[dim] != layout.num_local_tokens:
+            raise ValueError(f"{name}: expected this rank's {layout.num_local_tokens} tokens along dim {dim} "
                              f"(layout.num_local_tokens), got shape {tuple(x.shape)}")
 
 
@@ -333,10 +284,8 @@ def all_gather_tokens(x: torch.Tensor, layout: ContextParallelLayout, group: dis
                       dim: int = 0) -> torch.Tensor:
     """Gather every rank's local tokens (`Tl` along `dim`) into the whole pack's order (`T`).
 
-    The inverse of `layout.shard` across the group: for outputs (`out`, `lse`, or
-    `block_indices` with `dim=1`) and for tests. Differentiable: the backward sums the ranks'
-    gradients and returns each rank its own rows (the convention that the total loss is the sum of
-    the ranks' losses). A collective: every rank of `group` must call it.
+    The inverse of `layout.shard` across the group; differentiable (the backward sums the ranks'
+    gradients and returns each rank its rows).
 
     Args:
         x: this rank's tensor, `layout.num_local_tokens` tokens along `dim`, any dtype, on the
@@ -346,20 +295,14 @@ def all_gather_tokens(x: torch.Tensor, layout: ContextParallelLayout, group: dis
         dim: the token dimension.
 
     Returns:
-        `x`'s tokens of every rank in the whole pack's order: `T = layout.num_tokens` along
-        `dim`, x's dtype and device.
+        `T = layout.num_tokens` tokens along `dim`, x's dtype and device.
 
     Raises:
         TypeError: `layout` is not a `ContextParallelLayout` or `x` is not a tensor.
-        ValueError: `layout` is another rank's or another group size's, or `x` has not
-            `num_local_tokens` tokens along `dim`.
+        ValueError: `layout` is not this rank's, or `x` has not `num_local_tokens` along `dim`.
     """
     _check_group(layout, group)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() == 0 or x.shape[dim] != layout.num_local_tokens:
-        raise ValueError(f"x: expected this rank's {layout.num_local_tokens} tokens along dim {dim} "
-                         f"(layout.num_local_tokens), got shape {tuple(x.shape)}")
+    _check_local(layout, dim, x=x)
     tokens_first = x.movedim(dim, 0)
     (gathered,) = _gather(layout, group, [_PendingGather(tokens_first, layout, group)], tokens_first)
     return gathered.movedim(0, dim)
@@ -427,36 +370,24 @@ def msa_attention(
 ) -> torch.Tensor | MSAResult:
     """`torch_msa.msa_attention` for this rank's tokens, reading the keys of the whole group.
 
-    All-gathers the index keys, then starts the all-gathers of K and V and selects the local
-    queries' blocks (`torch_msa.select_blocks` over the gathered index keys) while they complete,
-    then runs `torch_msa.sparse_attention` over the gathered K and V. The local queries are
-    fragments of the gathered documents (`layout`). The backward reduce-scatters dK and dV to
-    the ranks that own the keys. A collective: every rank of `group` calls it, in the same order
-    as its other collectives.
+    The gathers of K and V overlap the selection over the gathered index keys; the backward
+    reduce-scatters dK and dV to the ranks that own the keys.
 
     Args:
         q: `[Tl, Hq, D]`; k, v: `[Tl, Hkv, D]`; index_q: `[Tl, Hi, Di]`; index_k: `[Tl, 1, Di]`:
-            this rank's tokens (`layout.shard` of the whole pack's tensors), `Tl =
-            layout.num_local_tokens`. Dtypes and head counts as in `torch_msa.msa_attention`.
+            this rank's tokens (`layout.shard`); dtypes as in `torch_msa.msa_attention`.
         layout: this rank's `load_balanced_layout`, on the device of the inputs.
         group: the context-parallel process group (default: the world).
-        topk, block_size, softmax_scale: as in `torch_msa.msa_attention`.
-        return_lse, return_block_indices: as in `torch_msa.msa_attention`.
+        topk, block_size, softmax_scale, return_lse, return_block_indices: as in
+            `torch_msa.msa_attention`.
 
     Returns:
-        As `torch_msa.msa_attention` returns them, for the local tokens: `out [Tl, Hq, D]` in q's
-        dtype, or with a flag a named tuple of `out` and exactly the fields asked for, in this
-        order, so `out, lse = msa_attention(..., return_lse=True)` unpacks it
-        (`AttentionOutput`, `MSABlocksOutput`, `MSALseBlocksOutput`): `lse [Tl, Hq]`,
-        token-major, as in `torch_msa.sparse_attention`; `block_indices` int32
-        `[Hkv, Tl, topk]`, head-major, document-local ids. `index_q` and `index_k` get no
-        gradient here: train them with `torch_msa.distributed.indexer_kl_loss`.
+        As `torch_msa.msa_attention` returns them, for the local tokens (`Tl` rows). `index_q`
+        and `index_k` get no gradient: train them with `indexer_kl_loss`.
 
     Raises:
-        TypeError: `layout` is not a `ContextParallelLayout`, or an input is not a tensor or has
-            the wrong dtype; the message names it.
-        ValueError: `layout` is another rank's, an input has not `layout.num_local_tokens` rows,
-            or a shape breaks `torch_msa.msa_attention`'s contract; the message names it.
+        TypeError, ValueError: `layout` is not this rank's `ContextParallelLayout`, an input has
+            not `layout.num_local_tokens` rows, or breaks `torch_msa.msa_attention`'s contract.
     """
     _check_group(layout, group)
     _check_local(layout, q=q, k=k, v=v, index_q=index_q, index_k=index_k)
@@ -472,13 +403,12 @@ def msa_attention(
 
 
 def _share_of_the_mean(loss, layout):
-    """The local loss is a mean over the local `(t, r)`; scaled to `Tl / T`, the ranks' losses sum
-    to the mean over the whole pack."""
+    """Scaled by `Tl / T`, the ranks' local means sum to the mean over the whole pack."""
     return loss * (layout.num_local_tokens / layout.num_tokens) if layout.num_tokens else loss
 
 
 def _gather_teacher_and_student_keys(k, index_k, layout, group):
-    """The gathered index keys (differentiable) and keys (a constant: the teacher's)."""
+    """The gathered keys (the teacher's, a constant) and index keys (differentiable)."""
     pending_keys = _PendingGather(k, layout, group)
     (index_keys,) = _gather(layout, group, [_PendingGather(index_k, layout, group)], index_k)
     return pending_keys.result(layout), index_keys
@@ -500,18 +430,13 @@ def indexer_kl_loss(
 ) -> torch.Tensor:
     """This rank's share of `torch_msa.indexer_kl_loss` over the whole pack.
 
-    `torch_msa.indexer_kl_loss` for the local queries against the gathered keys and index keys,
-    scaled by `Tl / T` so that the SUM over the ranks' losses equals the single-process loss (a
-    mean over the `(t, r)` of all `T` tokens); all-reduce a detached copy to log it. The
-    backward reduce-scatters the index keys' gradient to their owners. It gathers K and the index
-    keys itself (`T x (Hkv x D + Di)` elements; `msa_attention` does not keep its gathers). A
-    collective: every rank of `group` calls it.
+    Scaled by `Tl / T`, so the SUM of the ranks' losses is the single-process loss; all-reduce a
+    detached copy to log it. It gathers K and the index keys itself.
 
     Args:
-        q, k, lse, index_q, index_k, block_indices: this rank's tokens (`Tl` rows; `Tl` queries of
-            `block_indices [Hkv, Tl, topk]`), dtypes and layouts as in
-            `torch_msa.indexer_kl_loss` (`lse` and `block_indices`: the fields of
-            `torch_msa.distributed.msa_attention(..., return_lse=True, return_block_indices=True)`).
+        q, k, lse, index_q, index_k, block_indices: this rank's tokens (`block_indices
+            [Hkv, Tl, topk]`), as in `torch_msa.indexer_kl_loss`; `lse` and `block_indices` from
+            this module's `msa_attention`.
         layout, group: as in `msa_attention`.
         block_size, softmax_scale, index_softmax_scale: as in `torch_msa.indexer_kl_loss`.
 
@@ -520,10 +445,8 @@ def indexer_kl_loss(
         `index_q` and `index_k`.
 
     Raises:
-        TypeError: `layout` is not a `ContextParallelLayout`, or an input is not a tensor or has
-            the wrong dtype; the message names it.
-        ValueError: `layout` is another rank's, an input has not `layout.num_local_tokens` rows,
-            or a shape breaks `torch_msa.indexer_kl_loss`'s contract; the message names it.
+        TypeError, ValueError: as `msa_attention` raises them, for `torch_msa.indexer_kl_loss`'s
+            contract.
     """
     _check_group(layout, group)
     _check_local(layout, q=q, k=k, lse=lse, index_q=index_q, index_k=index_k)
@@ -547,16 +470,13 @@ def indexer_kl_loss_dense(
     softmax_scale: float | None = None,
     index_softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """This rank's share of `torch_msa.indexer_kl_loss_dense` (the dense warm-up) over the whole
-    pack: scaled, gathered and reduce-scattered as `indexer_kl_loss` is.
+    """This rank's share of `torch_msa.indexer_kl_loss_dense` over the whole pack, as `indexer_kl_loss`.
 
     Args:
         q, k, index_q, index_k: this rank's tokens, as in `indexer_kl_loss`.
         layout, group: as in `msa_attention`.
-        lse: the dense attention's `[Tl, Hq]` natural-log log-sum-exp of the local queries, when
-            the caller has it; omitted, it is computed.
-        block_size, softmax_scale, index_softmax_scale: as in
-            `torch_msa.indexer_kl_loss_dense`.
+        lse: the dense attention's `[Tl, Hq]` log-sum-exp of the local queries; computed when omitted.
+        block_size, softmax_scale, index_softmax_scale: as in `torch_msa.indexer_kl_loss_dense`.
 
     Returns:
         A 0-D tensor as `indexer_kl_loss` returns it. Gradients reach `index_q` and `index_k`.

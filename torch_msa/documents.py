@@ -1,20 +1,10 @@
 """Where each packed query token sits inside its document.
 
-Packed (THD) tensors hold documents back to back, delimited by int32 `cu_seqlens_q` and
-`cu_seqlens_k`. Inside a document with `Lq <= Lk` tokens the queries are the causal suffix of
-the keys: local query `t` sits at key position `p(t) = Lk - Lq + t`.
-
-With fragments (context parallelism), `cu_seqlens_q` `[F + 1]` delimits query *fragments* and
-`cu_seqlens_k` `[B + 1]` the documents: fragment `f` belongs to document `fragment_documents[f]`
-and its first query sits at the document-local position `fragment_starts[f]`, so its query `i`
-sits at `fragment_starts[f] + i`. Several fragments may share one document's keys. The suffix
-rule is the case `fragment_documents = [0, 1, ..., B - 1]`, `fragment_starts[b] = Lk - Lq`.
-
-Below the op schemas (`torch_msa/_schemas.py`), the six document arguments travel as one
-`Documents` value, built once per op call by `torch_msa/ops.py`.
-
-Everything here is computed on the tensors' device with no host synchronisation, so it is safe
-inside CUDA-graph capture.
+Inside a document with `Lq <= Lk` tokens the queries are the causal suffix of the keys: local
+query `t` sits at key position `p(t) = Lk - Lq + t`. With fragments, query `i` of fragment `f`
+sits at `fragment_starts[f] + i` of document `fragment_documents[f]`; the suffix rule is the case
+`fragment_documents = [0, ..., B - 1]`, `fragment_starts[b] = Lk - Lq`. No host sync, so it is
+safe inside CUDA-graph capture.
 """
 
 import dataclasses
@@ -30,12 +20,8 @@ DOCUMENT_ARGUMENTS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqle
 
 
 class QueryDocuments(NamedTuple):
-    """Per-query document facts, each `[Tq]` int64.
-
-    `key_start`: packed row of the first key of the query's document.
-    `position`: `p(t)`, the query's key position inside its document; `-1` for a token that no
-    well-formed document covers (malformed `cu_seqlens`), which then sees no key at all.
-    """
+    """Per query, int64 `[Tq]`: `key_start`, the packed row of its document's first key, and
+    `position`, `p(t)`, or `-1` (sees no key) where no well-formed document covers it."""
 
     key_start: torch.Tensor
     position: torch.Tensor
@@ -43,13 +29,10 @@ class QueryDocuments(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Documents:
-    """The documents of one op call: boundaries, their length bounds and the optional fragments.
+    """The six document arguments of one op call, as given (the op's checks vouch for them).
 
-    `cu_seqlens_q` int32 `[B + 1]` (`[F + 1]` with fragments) and `cu_seqlens_k` int32 `[B + 1]`
-    delimit the packed queries and keys; `max_seqlen_q` / `max_seqlen_k` bound the documents'
-    (or fragments') query and key counts; `fragment_documents` and `fragment_starts`, int32 `[F]`
-    each or both None, describe query fragments (see the module docstring). The value holds the
-    op's arguments as given: the op's checks (`torch_msa/validation.py`) vouch for them.
+    `cu_seqlens_q` int32 `[B + 1]` (`[F + 1]` with fragments), `cu_seqlens_k` int32 `[B + 1]`,
+    host-int bounds `max_seqlen_q` / `max_seqlen_k`, and int32 `[F]` fragments (both or None).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -61,22 +44,17 @@ class Documents:
 
     @property
     def has_fragments(self) -> bool:
-        """Whether fragments are given (either of the pair; the checks require both or neither)."""
+        """Whether fragments are given (the checks require both or neither)."""
         return self.fragment_documents is not None or self.fragment_starts is not None
 
     @property
     def fragments(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """`(fragment_documents, fragment_starts)`."""
-        return self.fragment_documents, self.fragment_starts
+            return self.fragment_documents, self.fragment_starts
 
     @property
     def num_documents(self) -> int:
         """`B`, the documents of `cu_seqlens_k`."""
         return self.cu_seqlens_k.shape[0] - 1
-
-    def as_arguments(self) -> dict:
-        """The six values by argument name (`DOCUMENT_ARGUMENTS`), as the ops take them."""
-        return {name: getattr(self, name) for name in DOCUMENT_ARGUMENTS}
 
     def map_tensors(self, function) -> "Documents":
         """The same documents with `function` applied to each tensor (`.cpu()`, `.contiguous()`)."""
@@ -101,15 +79,10 @@ def locate_queries(
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
 ) -> QueryDocuments:
-    """Map every packed query row to its document's key offset and causal position.
+    """Every packed query row's document key offset and causal position.
 
-    Args:
-        cu_seqlens_q: int32 `[B + 1]` document boundaries, or `[F + 1]` fragment boundaries.
-        cu_seqlens_k: int32 `[B + 1]` document boundaries.
-        num_queries: `Tq`, rows of the packed queries.
-        num_keys: `Tk`, rows of the packed keys; positions that would fall outside them are
-            marked `-1`, so malformed boundaries can never produce an out-of-range key row.
-        fragment_documents, fragment_starts: int32 `[F]` each, or None (the suffix rule).
+    Positions that would fall outside the `num_keys` rows are `-1`, so malformed boundaries never
+    produce an out-of-range key row. Fragments: int32 `[F]` each, or None (the suffix rule).
     """
     _, key_start, position, valid = _locate(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys,
                                             fragment_documents, fragment_starts)
@@ -126,11 +99,9 @@ def token_fragments(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query token as a fragment of its own: int32 `(documents [Tq], starts [Tq])`.
 
-    Query `t` belongs to document `documents[t]` at the document-local position `starts[t]`,
-    both from the same rule as `locate_queries`; a token no well-formed document covers gets
-    document `-1` (out of range, so it sees no key). Any run of queries `[a, b)` is then described
-    exactly by the fragments `documents[a:b]`, `starts[a:b]` over `cu_seqlens_q = arange(b - a + 1)`,
-    which is how a forward is split into windows of queries (`torch_msa/query_windows.py`).
+    Placed by `locate_queries`'s rule; a token no well-formed document covers gets document `-1`.
+    Any run `[a, b)` is then exactly the fragments `documents[a:b]`, `starts[a:b]` over
+    `cu_seqlens_q = arange(b - a + 1)` (how `torch_msa/query_windows.py` splits a forward).
     """
     document, _, position, valid = _locate(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys,
                                            fragment_documents, fragment_starts)

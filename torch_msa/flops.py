@@ -1,18 +1,10 @@
 """FLOPs of MSA work: the formulas of the performance notes, and their registration with
 `torch.utils.flop_counter` so that `FlopCounterMode` (and MFU tools built on it) count the ops.
 
-Per (query, key) pair: the attention forward costs `4 * Hq * D` (two GEMMs), the backward
-`2 * (3D + 2D) * Hq` (five GEMMs, 2.5 x the forward), index scoring `2 * Di * Hi`. The benchmark
-multiplies them by the pairs a problem really computes (`benchmarks.flops`).
-
-A registered formula sees shapes, not values, so it counts the *nominal* work: every query reads
-`topk * block_size` keys per head in the forward and the backward, and scores `max_seqlen_k` keys
-per index head in the selection (no more than the `Tk` keys present). That is an upper bound of the
-valid work the benchmark counts
-(early queries see fewer blocks, the local block is causal, `-1` slots read nothing).
-
-`torch.utils.flop_counter` imports triton, which `import torch_msa` must not: the formulas are
-registered when that module is first imported (at once if it already is).
+Per (query, key) pair: forward `4 * Hq * D`, backward `2 * (3D + 2D) * Hq`, index scoring
+`2 * Di * Hi`. A registered formula sees shapes only, so it counts the nominal work (`topk *
+block_size` keys per query, `max_seqlen_k` scored keys), an upper bound of the valid work. The
+formulas are registered when `torch.utils.flop_counter` is first imported.
 """
 
 import importlib.abc
@@ -81,10 +73,8 @@ def backward_with_index_loss_flops(grad_out, grad_loss, q, k, v, out, lse, index
                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, softmax_scale,
                                    index_softmax_scale, grad_lse=None, plan=None, fragment_documents=None,
                                    fragment_starts=None, out_shape=None) -> int:
-    """`msa::backward_with_index_loss`: the attention backward's, plus the KL loss from its teacher:
-    four index GEMMs per pair (the logits twice, the reductions into d index_q and d index_k).
-    What the fused design needs: a backend serving the op with the separate ops also recomputes
-    the teacher's `Q K^T`, which is not counted."""
+    """`msa::backward_with_index_loss`: the attention backward's plus four index GEMMs per pair
+    (the fused design's; a composed backend's extra teacher `Q K^T` is not counted)."""
     num_queries, index_heads, index_dim = index_q
     pairs = num_queries * block_indices[2] * block_size
     return (backward_flops(grad_out, q, k, v, out, lse, block_indices, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

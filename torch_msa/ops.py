@@ -1,15 +1,10 @@
 """Registration of the `msa::` ops: schemas, kernels, fake kernels, autograd, autocast and
 FLOP formulas.
 
-The schemas are defined here unless the process already holds them (the C++ stub of
-`csrc_stub/`, loaded to deserialise an exported artifact without Python); in that case the
-existing schemas are checked against `_schemas.SCHEMAS` and the Python kernels, fakes and
-autograd are attached to them.
-
-One kernel per op is registered for every device (`CompositeExplicitAutograd`): it validates
-metadata, runs the value checks in debug mode, then asks the backend registry which
-implementation to call. Because it runs at execution time, never while tracing, the choice of
-backend adds no guard and no graph break.
+Schemas already defined (by the C++ stub of `csrc_stub/`) are checked against `_schemas.SCHEMAS`
+and get the Python kernels attached. One kernel per op serves every device: it checks metadata
+(values in debug mode) and asks the registry for the backend at run time, never while tracing,
+so the choice adds no guard and no graph break.
 """
 
 from collections.abc import Callable
@@ -68,9 +63,8 @@ def _schema_arguments(name: str) -> tuple[tuple[str, ...], tuple]:
 
 
 def _backend_form(name: str) -> Callable[..., list]:
-    """The converter of `msa::name`'s arguments (as the dispatcher passes them: trailing ones left
-    at their defaults may be absent) to the form the checks and the backends take: the schema's
-    order, with the six document arguments as one `Documents` where `cu_seqlens_q` stands."""
+    """The converter of `msa::name`'s dispatched arguments (trailing defaults may be absent) to the
+    backends' form: schema order, the six document arguments as one `Documents`."""
     names, defaults = _schema_arguments(name)
     at = {argument: i for i, argument in enumerate(names)}
     documents_at = tuple(at[argument] for argument in DOCUMENT_ARGUMENTS)
@@ -92,9 +86,7 @@ _NUM_ARGUMENTS = {name: len(_schema_arguments(name)[0]) for name in SCHEMAS}
 
 
 def backend_arguments(name: str, *args, **kwargs) -> list:
-    """`msa::name`'s arguments (positional in the schema's order, trailing ones optional, or by
-    name) in the form the checks and the backends take: the six document arguments as one
-    `Documents` where `cu_seqlens_q` stands."""
+    """`msa::name`'s arguments (positional or by name) in the backends' form (`_backend_form`)."""
     return _BACKEND_FORMS[name](args, kwargs)
 
 
@@ -314,9 +306,8 @@ def _forward_with_index_loss_setup_context(ctx, inputs, output):
 
 
 def _forward_with_index_loss_backward(ctx, grad_out, grad_lse, grad_loss):
-    """The attention's gradients reach q, k and v, the KL's index_q and index_k (its teacher is a
-    constant); the loss value is written into `loss_value`. Without a gradient of the loss term,
-    the attention backward alone runs and `loss_value` is left as it is."""
+    """Gradients to q, k, v and (the index loss's) to index_q, index_k; the value goes into
+    `loss_value`. Without a gradient of the loss term only the attention backward runs."""
     q, k, v, out, lse, index_q, index_k, block_indices, cu_seqlens_q, cu_seqlens_k, plan, *fragments = ctx.saved_tensors
     loss_value = ctx.loss_value
     num_arguments = _NUM_ARGUMENTS["forward_with_index_loss"]

@@ -1,23 +1,9 @@
-"""Padded batches to packed documents and back.
+"""Padded batches `[B, S, ...]` with a mask `[B, S]` (nonzero = real) to packed documents and back.
 
-torch_msa's ops take packed tokens: documents back to back, delimited by int32 `cu_seqlens`.
-A padded batch `x [B, S, ...]` with an attention mask `[B, S]` (nonzero or True = a real token)
-becomes packed tokens in one of two ways:
-
-* `unpad_input` / `pad_input` remove the padding and put it back (the layout of flash-attn's
-  `bert_padding`). The packed tensor holds only real tokens, at the price of one host sync (the
-  token count and the longest row are read on the host). Any mask works: each row's real tokens,
-  in order, form one document.
-* `padded_cu_seqlens` keeps the padding in place: `x.reshape(B * S, ...)` is the packed tensor
-  and each row is two documents, its real tokens and its padding. Nothing is read on the host and
-  every shape is static, so a compiled model keeps one graph. The padding documents only see
-  themselves, so they never touch a real token; their outputs are to be ignored. The mask must
-  be left- or right-padded: each row's real tokens one contiguous run at its start or its end
-  (what tokenizers produce); other masks are rejected with `TORCH_MSA_DEBUG=1` or
-  `check_padding_mask`.
-
-In both layouts a row's real tokens start at position 0 of their document, so left and right
-padding give the same result as running each sequence alone.
+`unpad_input` / `pad_input` drop the padding and restore it (flash-attn's `bert_padding` layout;
+one host sync, any mask). `padded_cu_seqlens` keeps it in place, each row being two documents, its
+real tokens and its padding (no sync, static shapes; left- or right-padded masks only). Either way
+a row's real tokens start at position 0 of their document, as if run alone.
 """
 
 import torch
@@ -48,24 +34,19 @@ def _check_padded(name: str, x: torch.Tensor) -> None:
 def unpad_input(
     x: torch.Tensor, attention_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Remove the padding of a batch.
-
-    Reads the token count and `max_seqlen` on the host (one sync); use `padded_cu_seqlens` where
-    a sync is not acceptable.
+    """Remove the padding of a batch (one host sync).
 
     Args:
         x: `[B, S, ...]`, any dtype.
         attention_mask: `[B, S]` bool or integer, nonzero at real tokens.
 
     Returns:
-        `(packed [T, ...], indices [T] int64, cu_seqlens [B + 1] int32, max_seqlen)`: the real
-        tokens in row-major order (x's dtype and device), their flat positions in
-        `x.reshape(B * S, ...)` (for `pad_input`), one document per row, and the longest row as a
-        host int. The tensors are on x's device.
+        `(packed [T, ...], indices [T] int64, cu_seqlens [B + 1] int32, max_seqlen)` on x's
+        device: the real tokens in row-major order, their flat positions in `x.reshape(B * S,
+        ...)`, one document per row, and the longest row as a host int.
 
     Raises:
-        TypeError: `x` or `attention_mask` is not a tensor, or the mask is floating point or
-            complex.
+        TypeError: `x` or `attention_mask` is not a tensor, or the mask is a float or complex one.
         ValueError: `x` has fewer than 2 dims, or the mask is not `[B, S]` of x's first two dims.
     """
     _check_padded("x", x)
@@ -88,12 +69,10 @@ def pad_input(packed: torch.Tensor, indices: torch.Tensor, batch_size: int, seql
         batch_size, seqlen: `B` and `S` of the padded batch (host ints).
 
     Returns:
-        `[B, S, ...]` with `packed`'s dtype and device, zeros at the padding. Differentiable in
-        `packed`.
+        `[B, S, ...]`, packed's dtype and device, zeros at the padding; differentiable in `packed`.
 
     Raises:
-        TypeError: `packed` is not a tensor of at least 1 dim, or `indices` is not a 1-D int64
-            tensor.
+        TypeError: `packed` is not a tensor of >= 1 dim, or `indices` not a 1-D int64 tensor.
         ValueError: `indices` has not `T` entries.
     """
     if not isinstance(packed, torch.Tensor) or packed.dim() < 1:
@@ -109,26 +88,20 @@ def pad_input(packed: torch.Tensor, indices: torch.Tensor, batch_size: int, seql
 
 
 def padded_cu_seqlens(attention_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Documents of a left- or right-padded batch kept in place, computed on the device.
-
-    No host sync and no data-dependent shape. With `TORCH_MSA_DEBUG=1` the mask's layout is
-    checked (`check_padding_mask`, one sync).
+    """Documents of a left- or right-padded batch kept in place (no host sync but with `TORCH_MSA_DEBUG=1`).
 
     Args:
-        attention_mask: `[B, S]` bool or integer, nonzero at real tokens; each row's real tokens
-            must be one contiguous run at the row's start (right padding) or end (left padding).
+        attention_mask: `[B, S]` bool or integer, nonzero at real tokens, each row left- or
+            right-padded.
 
     Returns:
-        `(cu_seqlens [2B + 1] int32, max_seqlen = S)`, cu_seqlens on the mask's device: row `b` is
-        documents `2b` and `2b + 1`, its real tokens and its padding in the order they lie (a
-        right-padded row: real, then padding; a left-padded row: padding, then real; an
-        unpadded row has an empty padding document). Use it with `x.reshape(B * S, ...)`;
-        reshape the result back to `[B, S, ...]`.
+        `(cu_seqlens [2B + 1] int32, max_seqlen = S)`, for `x.reshape(B * S, ...)`: row `b` is
+        documents `2b` and `2b + 1`, its real tokens and its padding in the order they lie.
 
     Raises:
-        TypeError: `attention_mask` is not a tensor, or is floating point or complex.
-        ValueError: the mask is not 2-D; with `TORCH_MSA_DEBUG=1`, a row that is neither left-
-            nor right-padded.
+        TypeError: `attention_mask` is not a tensor, or is a float or complex one.
+        ValueError: the mask is not 2-D; with `TORCH_MSA_DEBUG=1`, a row neither left- nor
+            right-padded.
     """
     _check_mask(attention_mask)
     if debug_enabled():
@@ -145,15 +118,8 @@ def padded_cu_seqlens(attention_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def check_padding_mask(attention_mask: torch.Tensor) -> None:
-    """Raise ValueError unless every row of `attention_mask [B, S]` is left- or right-padded.
-
-    Reads the mask on the host (one sync): for debugging and input pipelines, not for the step.
-
-    Args:
-        attention_mask: `[B, S]` bool or integer, nonzero at real tokens.
-
-    Returns:
-        None: every row's real tokens are one contiguous run at its start or its end.
+    """Raise ValueError unless every row of `attention_mask [B, S]` (bool or integer, nonzero at
+    real tokens) is left- or right-padded. One host sync: for debugging and input pipelines.
 
     Raises:
         TypeError: `attention_mask` is not a tensor, or is floating point or complex.
@@ -164,7 +130,6 @@ def check_padding_mask(attention_mask: torch.Tensor) -> None:
     mask = (attention_mask != 0).to(torch.int8)
     if mask.shape[1] < 2:
         return
-    # A left- or right-padded row changes value at most once along the sequence.
     changes = (mask[:, 1:] != mask[:, :-1]).sum(dim=1)
     bad = torch.nonzero(changes > 1).flatten()
     if bad.numel():

@@ -1,18 +1,10 @@
 """A KV-outer forward run over windows of queries, so that its partial outputs take bounded memory.
 
-The Triton and SM90 forwards are KV-outer: a program owns one key block and writes one partial
-output row per (query, KV head, slot, query head of the group), which a combine then merges per
-query. Those partials take `Hq * topk * (D * itemsize + 4)` bytes per query (260 KiB for
-MiniMax-M3 in bf16), more than the layer's inputs, so at long lengths they, not the inputs,
-would set the memory of a step.
-
-`forward_in_windows` runs such a forward on consecutive windows of at most `window_queries(...)`
-queries, sized so that one window's partials fit `PARTIAL_BYTES` whatever the length. Every
-window reads all keys; its queries are passed as one-token fragments
-(`Documents.token_fragments`) that place each of them exactly where the unwindowed call does, so
-each query's output and lse are those of one call over all queries. A problem that fits one
-window is passed through unchanged, with its plan; the windows walk the call's plan
-(`torch_msa.plan.schedule.query_windows`), built here once when none is given.
+The KV-outer forwards write `Hq * topk * (D * itemsize + 4)` bytes of partials per query, more than
+the layer's inputs. `forward_in_windows` runs one window of queries at a time, each window's
+queries passed as one-token fragments (`Documents.token_fragments`) placed exactly where the
+unwindowed call places them, so outputs and lse are those of one call. The windows walk the call's
+one plan (`torch_msa.plan.schedule.query_windows`).
 """
 
 import dataclasses
@@ -26,9 +18,9 @@ from .documents import Documents
 from .plan.schedule import Schedule, entries_per_item, unpack
 from .plan.schedule import query_windows as plan_windows
 
+# Memory the partial outputs of one window may take: enough for common training lengths of
+# MiniMax-M3 in one window, on the plan they are given.
 PARTIAL_BYTES = 3 << 30
-"""Memory the partial outputs of one window may take (3 GiB: 12098 queries of MiniMax-M3, so that
-the common training lengths up to 12K tokens run in one window, on the plan they are given)."""
 
 
 def partial_bytes_per_query(num_heads: int, topk: int, dim: int, dtype: torch.dtype) -> int:
@@ -42,11 +34,8 @@ def window_queries(num_heads: int, topk: int, dim: int, dtype: torch.dtype, budg
 
 
 def query_windows(documents: Documents, num_queries: int, num_keys: int, window: int):
-    """The windows of at most `window` consecutive queries: `(start, stop, documents)` each, the
-    window's documents placing its queries where the call's do. One window holding every query
-    keeps the call's own documents; otherwise each window's queries are one-token fragments
-    (`Documents.token_fragments`) over `arange(stop - start + 1)`. The windows follow from shapes
-    alone (no host synchronisation)."""
+    """`(start, stop, documents)` per window of at most `window` consecutive queries, from shapes
+    alone (no host sync); a single window keeps the call's own documents."""
     if num_queries <= window:
         yield 0, num_queries, documents
         return
@@ -62,12 +51,8 @@ def query_windows(documents: Documents, num_queries: int, num_keys: int, window:
 
 def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Documents, block_size, softmax_scale,
                        plan=None, budget: int | None = None):
-    """`forward(...)` (the `msa::forward` contract, in the backends' form) with its partials bounded
-    by `budget` bytes (`PARTIAL_BYTES` when None).
-
-    Returns `out [Tq, Hq, D]` and `lse [Tq, Hq]` as `forward` does. No host synchronisation: the
-    windows follow from shapes alone.
-    """
+    """`forward(...)` (`msa::forward` in the backends' form) with its partials bounded by `budget`
+    bytes (`PARTIAL_BYTES` when None); returns `(out, lse)` as `forward` does."""
     num_queries, num_heads, dim = q.shape
     window = window_queries(num_heads, block_indices.shape[-1], dim, q.dtype, PARTIAL_BYTES if budget is None else budget)
     if num_queries <= window:

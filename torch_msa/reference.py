@@ -1,12 +1,8 @@
 """Pure-PyTorch reference of the MSA ops: the oracle every backend is tested against.
 
-It runs on any device, accumulates in fp32 (fp64 for fp64 inputs), never synchronises with the
-host, and never builds a `T x T` buffer: query tokens are processed in chunks whose working set
-(`_chunk_rows`) is bounded, and each query gathers only the keys it may read, so the work is
-`O(T * topk * block_size)` rather than `O(T^2)`.
-
-Block ids are read as a *set*: negative ids, ids beyond the causal horizon and repeated ids add
-nothing, so no input can index outside the tensors (the fast backends keep the same guarantee).
+Any device, fp32 accumulation (fp64 for fp64 inputs), no host sync, no `T x T` buffer: queries go
+in chunks of bounded working set and gather only the keys they may read. Block ids are read as a
+set: negative, out-of-horizon and repeated ids add nothing, so no input indexes out of bounds.
 """
 
 import math
@@ -17,9 +13,8 @@ from .contract import compute_dtype
 from .documents import Documents, QueryDocuments
 from .plan.schedule import build_schedule, pack
 
-# Working-set budget of one query chunk. On CPU a small set keeps temporaries below glibc's
-# mmap threshold (fresh page faults dominated larger chunks); elsewhere fewer, larger launches
-# win. docs/backends.md states both bounds.
+# Working-set budget of one query chunk: on CPU small enough to keep temporaries below glibc's
+# mmap threshold (fresh page faults), elsewhere large for fewer launches.
 _CHUNK_BYTES_CPU = 32 << 20
 _CHUNK_BYTES_DEVICE = 512 << 20
 
@@ -47,10 +42,7 @@ def select_blocks(
     Args:
         index_q: `[Tq, Hi, Di]` index queries.
         index_k: `[Tk, 1, Di]` index keys, shared by all index heads.
-        documents: the documents; their `max_seqlen_k` bounds the candidate blocks a query scores,
-            `ceil(min(max_seqlen_k, Tk) / bs)`:
-            a generous bound (a fixed one that keeps compiled graphs static) costs nothing, since
-            no document holds more than the `Tk` keys present.
+        documents: the documents; `max_seqlen_k` bounds the candidate blocks, capped at `Tk`.
 
     Returns:
         int32 `[Hi, Tq, topk]`: the `min(topk - 1, nvb - 1)` best non-local visible blocks by
@@ -67,8 +59,7 @@ def select_blocks(
     num_blocks = max(1, math.ceil(min(documents.max_seqlen_k, num_keys) / block_size))
     keys = index_k.reshape(num_keys, index_dim)
     scale = index_dim**-0.5
-    # Scores are built per (query chunk, key span): a span of whole blocks sized so that even a
-    # one-query chunk stays within the budget, however long the documents are.
+    # Key spans of whole blocks keep even a one-query chunk within the budget, however long the documents.
     bytes_per_key = index_dim * (keys.element_size() + 4) + 12 * num_heads
     blocks_per_span = _chunk_rows(num_blocks, block_size * bytes_per_key, device)
     span = blocks_per_span * block_size
@@ -106,10 +97,9 @@ def select_blocks(
 class _KeyGather:
     """The keys one chunk of queries may read, per KV head, as `N = topk * block_size` slots.
 
-    `rows` index the `[Tk * Hkv, D]` view of k / v; `valid` marks slots that are in the query's
-    key set `K(t, r)`. An invalid slot reads row 0 but takes zeros in its place (`take`), so a
-    non-finite value there never meets the slot's zero weight (`0 * NaN = NaN`); gradients of
-    invalid slots go to a scratch row past the end (`scatter_rows`), never into a document.
+    `rows` index the `[Tk * Hkv, D]` view of k / v; `valid` marks the query's key set. Invalid
+    slots take zeros (`take`, so `0 * NaN` never happens) and scatter their gradients to a scratch
+    row past the end (`scatter_rows`).
     """
 
     def __init__(self, block_indices: torch.Tensor, docs: QueryDocuments, start: int, end: int,
@@ -180,6 +170,16 @@ def _attention_row_bytes(num_heads: int, num_kv_heads: int, keys: int, dim: int,
     return keys * buffers * (num_kv_heads * dim * 6 + num_heads * 8)
 
 
+def _key_chunks(q, k, block_indices, documents: Documents, block_size: int, buffers: int):
+    """`(start, end, gather)` per query chunk of the attention ops."""
+    num_queries, num_heads, dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    docs = documents.locate(num_queries, num_keys)
+    row_bytes = _attention_row_bytes(num_heads, num_kv_heads, block_indices.shape[-1] * block_size, dim, buffers)
+    for start, end in _chunks(num_queries, row_bytes, q.device):
+        yield start, end, _KeyGather(block_indices, docs, start, end, num_kv_heads, block_size, num_keys * num_kv_heads)
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -190,10 +190,8 @@ def forward(
     softmax_scale: float,
     plan: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse attention forward. Returns `out [Tq, Hq, D]` (q's dtype) and `lse [Tq, Hq]`
-    (natural log; fp32, fp64 for fp64 inputs). A query whose key set is empty (only possible
-    with out-of-contract inputs) gets `out = 0`, `lse = -inf`. The reference works query-major
-    and does not read `plan`."""
+    """Sparse attention forward: `out [Tq, Hq, D]` (q's dtype) and `lse [Tq, Hq]` (fp32, fp64 for
+    fp64 inputs); an empty key set gives `out = 0`, `lse = -inf`. `plan` is not read."""
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     cdtype = compute_dtype(q.dtype)
@@ -201,12 +199,8 @@ def forward(
     lse = torch.full((num_queries, num_heads), -math.inf, dtype=cdtype, device=q.device)
     if num_queries == 0 or num_keys == 0:
         return out, lse
-    docs = documents.locate(num_queries, num_keys)
     k_flat, v_flat = k.reshape(-1, dim), v.reshape(-1, dim)
-    keys_per_query = block_indices.shape[-1] * block_size
-    row_bytes = _attention_row_bytes(num_heads, num_kv_heads, keys_per_query, dim, buffers=1)
-    for start, end in _chunks(num_queries, row_bytes, q.device):
-        gather = _KeyGather(block_indices, docs, start, end, num_kv_heads, block_size, k_flat.shape[0])
+    for start, end, gather in _key_chunks(q, k, block_indices, documents, block_size, buffers=1):
         scores = _scores(q[start:end], gather.take(k_flat, cdtype), gather, softmax_scale)
         row_max = _finite_or_zero(scores.amax(-1, keepdim=True))
         weights = scores.sub_(row_max).exp_()  # [Hkv, C, G, N], unnormalised
@@ -234,8 +228,7 @@ def backward(
     """Sparse attention backward: `(dq, dk, dv)` in the inputs' dtype, accumulated in fp32.
 
     `P = exp(S - lse)`, `dS = P * (dP - delta + grad_lse)` with `delta = rowsum(dO * O)`;
-    `grad_lse` (`[Tq, Hq]`) may be None when the loss does not depend on `lse`. `plan` is not
-    read (as in `forward`).
+    `grad_lse` (`[Tq, Hq]`) may be None. `plan` is not read.
     """
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
@@ -245,12 +238,8 @@ def backward(
     dk_acc = torch.zeros(num_keys * num_kv_heads + 1, dim, dtype=cdtype, device=q.device)
     dv_acc = torch.zeros(num_keys * num_kv_heads + 1, dim, dtype=cdtype, device=q.device)
     if num_queries > 0 and num_keys > 0:
-        docs = documents.locate(num_queries, num_keys)
         k_flat, v_flat = k.reshape(-1, dim), v.reshape(-1, dim)
-        keys_per_query = block_indices.shape[-1] * block_size
-        row_bytes = _attention_row_bytes(num_heads, num_kv_heads, keys_per_query, dim, buffers=3)
-        for start, end in _chunks(num_queries, row_bytes, q.device):
-            gather = _KeyGather(block_indices, docs, start, end, num_kv_heads, block_size, k_flat.shape[0])
+        for start, end, gather in _key_chunks(q, k, block_indices, documents, block_size, buffers=3):
             scatter_rows = gather.scatter_rows
             assert scatter_rows is not None  # built with num_rows
             d_out = _heads_first(grad_out[start:end], num_kv_heads, cdtype)  # [Hkv, C, G, D]

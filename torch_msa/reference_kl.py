@@ -1,38 +1,17 @@
-"""Pure-PyTorch reference of the index branch's KL distillation loss (`msa::indexer_kl` and
-`msa::indexer_kl_backward`).
+"""Pure-PyTorch reference of the index loss (`msa::indexer_kl` and `msa::indexer_kl_backward`).
 
-For query `t` and index head `r` (index head `r` serves KV head `r` and its `G` query heads
-`h = G * r + g`), over the support `J(t, r)`:
+For query `t` and index head `r` (serving KV head `r` and its query heads `h = G * r + g`), over
+the support `J(t, r)`: the visible keys of the selected blocks read as a set (sparse), or every key
+`j <= p(t)` of `t`'s document (dense, `block_indices=None`). Teacher
+`P_t[j] = mean_g exp(softmax_scale <q[t, h], k[j, r]> - lse[t, h])`, a constant (`lse` omitted:
+the log-sum-exp over the support); student `P_s[j] = exp(u[j] - lse_s)`,
+`u[j] = index_softmax_scale <index_q[t, r], index_k[j, 0]>`.
 
-* sparse (`block_indices` given): the keys of the selected blocks visible to `t`, read as a set
-  exactly as the attention reads them (`-1`, repeated and invisible ids add nothing);
-* dense (`block_indices=None`): every key `j <= p(t)` of `t`'s document.
-
-Teacher `P_t[j] = mean_g exp(softmax_scale <q[t, h], k[j, r]> - lse[t, h])`, a constant; `lse`
-omitted, it is the log-sum-exp of those scores over the support (what the attention over the
-same support returns). Student `P_s[j] = exp(u[j] - lse_s)` with
-`u[j] = index_softmax_scale <index_q[t, r], index_k[j, 0]>` and `lse_s = logsumexp_J u`.
-
-`loss = sum_(t, r) KL(P_t || P_s) / (Tq * Hi)` (`0` when `Tq == 0`). With `A = sum_J P_t (log P_t - u)`
-and the teacher's mass `M = sum_J P_t` (1 when `lse` is the attention's over `J`):
-`KL = A + M * lse_s` and `dKL / du[j] = M * P_s[j] - P_t[j]`, the exact gradient. Its teacher half
-does not depend on the student's normaliser nor on the incoming gradient, so the forward, which
-computes `P_t` anyway, also returns the two reductions of it the backward needs:
-`teacher_index_keys[t, r] = sum_J P_t[j] index_k[j]` and
-`teacher_index_queries[j] = sum_((t, r): j in J(t, r)) P_t[t, r, j] index_q[t, r]`. The backward
-then reads neither q nor k: it recomputes only the student (index-dim GEMMs). Everything
-accumulates over spans of the support, so memory stays bounded: queries are processed in chunks,
-and nothing of size `T x T` is built. The sparse support gathers each query's selected keys
-(`topk * block_size` of them); the dense one walks the packed keys in spans shared by the whole
-chunk, so its scores are plain GEMMs, and masks what lies outside each query's document or
-causal horizon. Invalid slots are removed with `where` (and the dense backward's GEMM operands
-are made finite), so a NaN in one document never reaches another.
-
-The teacher can also be given as a tensor (the attention backward can emit it): on the sparse
-support `teacher_probabilities` lays `P_t` out per selected slot, `[Tq, Hkv, topk, block_size]`,
-and `index_loss_from_teacher` takes that tensor instead of q, k and lse and returns the loss
-together with its gradients (one reduction of `M * P_s - P_t` each for `d index_q` and
-`d index_k`), the same values as `indexer_kl` followed by `indexer_kl_backward`.
+`loss = sum_(t, r) KL(P_t || P_s) / (Tq * Hi)`. With `A = sum_J P_t (log P_t - u)` and the mass
+`M = sum_J P_t`: `KL = A + M * lse_s` and `dKL / du[j] = M * P_s[j] - P_t[j]`. The teacher half of
+the gradient is reduced in the forward (`teacher_index_keys`, `teacher_index_queries`), so the
+backward recomputes only the student. Queries go in chunks and keys in spans (no `T x T` buffer);
+invalid slots are removed with `where`, so a NaN in one document never reaches another.
 """
 
 import math
@@ -50,9 +29,8 @@ def loss_dtype(index_dtype: torch.dtype) -> torch.dtype:
 
 
 class _Span:
-    """A span of the support of one query chunk: `token_rows` (packed key rows) and `valid`
-    (bool). Gathered per query (`[Hkv, C, N]`), or `shared` by the chunk's queries
-    (`token_rows [N]`, `valid [1, C, N]`)."""
+    """A span of one query chunk's support: gathered per query (`[Hkv, C, N]`), or `shared` by the
+    chunk's queries (`token_rows [N]`, `valid [1, C, N]`)."""
 
     def __init__(self, token_rows: torch.Tensor, valid: torch.Tensor, shared: bool):
         self.token_rows = token_rows
@@ -89,8 +67,7 @@ class _Problem:
 
     def __init__(self, q, k, index_q, index_k, block_indices, documents: Documents, block_size, softmax_scale,
                  index_softmax_scale):
-        """`q` and `k` are None for the student alone (the backward), `index_q` and `index_k` for
-        the teacher alone (`teacher_probabilities`): only the inputs given are read."""
+        """`q`, `k` are None for the student alone, `index_q`, `index_k` for the teacher alone."""
         self.q, self.k, self.index_q, self.index_k = q, k, index_q, index_k
         self.block_indices, self.block_size = block_indices, block_size
         self.softmax_scale, self.index_softmax_scale = softmax_scale, index_softmax_scale
@@ -115,13 +92,11 @@ class _Problem:
             self.num_heads, self.dim = 0, 0
         self.docs = documents.locate(self.num_queries, self.num_keys)
         if block_indices is None:
-            # Bytes one (query, key) pair of a shared span holds: scores and probabilities of the
-            # query heads, logits and gradient terms of the index heads.
+            # Bytes per (query, key) pair of a shared span.
             per_key = 16 * self.num_heads + 32 * self.num_kv_heads
             self.span_keys = max(1, min(self.num_keys, _DENSE_SPAN_KEYS))
         else:
-            # Bytes one (query, support key) pair holds: gathered keys (native + compute copies),
-            # teacher scores and probabilities, index keys, student terms and a key-sum row.
+            # Bytes per (query, support key) pair: gathered keys in two dtypes, scores, student terms.
             per_key = (self.num_kv_heads * (self.dim + 2 * self.index_dim) * (element_size + 8)
                        + self.num_heads * 24 + self.num_kv_heads * 24)
             self.span_keys = block_indices.shape[-1] * block_size
@@ -242,7 +217,7 @@ def indexer_kl(
     softmax_scale: float,
     index_softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The loss and what its backward needs.
+    """The loss and the forward's reductions its backward needs.
 
     Args:
         q: `[Tq, Hq, D]`, k: `[Tk, Hkv, D]`: the main branch's queries and keys.
@@ -251,11 +226,10 @@ def indexer_kl(
         block_indices: int32 `[Hkv, Tq, topk]`, or None for the dense support.
 
     Returns:
-        `loss` (0-D), `teacher_lse [Tq, Hq]` (the lse used, in lse's dtype), `index_lse [Tq, Hi]`
-        (the student's log-sum-exp over the support, `-inf` where it is empty), `teacher_mass
-        [Tq, Hi]` (`sum_J P_t`), `teacher_index_keys [Tq, Hi, Di]` (`sum_J P_t[j] index_k[j]`) and
-        `teacher_index_queries [Tk, 1, Di]` (`sum_((t, r): j in J) P_t[t, r, j] index_q[t, r]`). All
-        but `teacher_lse` are fp32 (fp64 for fp64 index inputs).
+        `loss` (0-D), `teacher_lse [Tq, Hq]` (lse's dtype), `index_lse [Tq, Hi]` (`-inf` on an
+        empty support), `teacher_mass [Tq, Hi]`, `teacher_index_keys [Tq, Hi, Di]`
+        (`sum_J P_t[j] index_k[j]`) and `teacher_index_queries [Tk, 1, Di]`
+        (`sum_((t, r): j in J) P_t[t, r, j] index_q[t, r]`); fp32, fp64 for fp64 index inputs.
     """
     problem = _Problem(q, k, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale)
     out_dtype = loss_dtype(index_q.dtype)
@@ -344,20 +318,8 @@ def teacher_probabilities(
     block_size: int,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """The teacher of the sparse loss per selected slot, the input of `index_loss_from_teacher`.
-
-    Args:
-        q: `[Tq, Hq, D]`, k: `[Tk, Hkv, D]`: the main branch's queries and keys.
-        lse: `[Tq, Hq]` the main attention's log-sum-exp, or None (then the log-sum-exp of the
-            scores over the support, as in `indexer_kl`).
-        block_indices: int32 `[Hkv, Tq, topk]`.
-
-    Returns:
-        `teacher [Tq, Hkv, topk, block_size]`, fp32 (fp64 for fp64 q): `teacher[t, r, s, c] =
-        mean_g exp(softmax_scale <q[t, G r + g], k[j, r]> - lse[t, G r + g])` for the key `j` at
-        position `c` of block `block_indices[r, t, s]` of `t`'s document, where that key is in the
-        support (`j <= p(t)`, the slot's id `>= 0` and not a repeat of an earlier slot's); 0 elsewhere.
-    """
+    """`P_t` of the sparse loss per selected slot, `[Tq, Hkv, topk, block_size]` fp32 (fp64 for
+    fp64 q), 0 outside the support: the input of `index_loss_from_teacher`. `lse` as in `indexer_kl`."""
     problem = _Problem(q, k, None, None, block_indices, documents, block_size, softmax_scale, None)
     num_kv_heads, num_queries, topk = block_indices.shape
     teacher = torch.zeros((num_queries, num_kv_heads, topk, block_size), dtype=problem.dtype, device=q.device)
@@ -383,20 +345,14 @@ def index_loss_from_teacher(
     """The sparse loss and its gradients from a given teacher: q, k and lse are not read.
 
     Args:
-        teacher: `[Tq, Hi, topk, block_size]` (float16 from the attention; any float dtype),
-            laid out as `teacher_probabilities` returns it. Only the slots of the support are read
-            (through `where`, so whatever the others hold, NaN included, adds nothing): ids `>= 0`
-            within the query's horizon, each id once (its first slot), keys `j <= p(t)`.
+        teacher: `[Tq, Hi, topk, block_size]`, any float dtype, as `teacher_probabilities` lays it
+            out; slots outside the support are never read (NaN there adds nothing).
         grad_loss: the loss's incoming gradient (0-D), or None for the loss alone.
         index_q: `[Tq, Hi, Di]`; index_k: `[Tk, 1, Di]`; block_indices: int32 `[Hi, Tq, topk]`.
 
     Returns:
-        `(loss, d_index_q, d_index_k)`: the loss of `indexer_kl` with this teacher (0-D,
-        `loss_dtype(index_q.dtype)`), and `grad_loss` times its exact gradients, `[Tq, Hi, Di]` and
-        `[Tk, 1, Di]` in the index inputs' dtypes, as `indexer_kl_backward` gives them:
-        `d index_q[t, r] = c sum_J (M P_s[j] - P_t[j]) index_k[j]` and
-        `d index_k[j] = c sum_((t, r): j in J) (M P_s - P_t)[t, r, j] index_q[t, r]` with
-        `c = grad_loss * index_softmax_scale / (Tq * Hi)`; both None when `grad_loss` is None.
+        `(loss, d_index_q, d_index_k)`, as `indexer_kl` then `indexer_kl_backward` give them;
+        the gradients are None when `grad_loss` is None.
     """
     problem = _Problem(None, None, index_q, index_k, block_indices, documents, block_size, None, index_softmax_scale)
     num_queries, num_index_heads, index_dim = index_q.shape

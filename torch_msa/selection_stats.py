@@ -1,10 +1,9 @@
 """How much the selections of neighbouring tokens share: union sizes per group of tokens.
 
-A group is `group_size` consecutive queries of one document (or query fragment), counted from its
-first query; the last group of a document may be shorter. For each (KV head, group) the union is
-the set of distinct valid blocks its queries select, and a block is *shared* when every query of
-the group selects it. Kernels that walk a group's union query-outer read each shared block once
-for the whole group; `union / topk` is how many times more blocks a group reads than one token.
+A group is `group_size` consecutive queries of one document (or fragment). Per (KV head, group)
+the union is the distinct valid blocks its queries select; a block is *shared* when every query
+of the group selects it. `union / topk` is how many more blocks a query-outer kernel reads per
+group than per token.
 """
 
 import dataclasses
@@ -86,8 +85,7 @@ def selection_sharing(
             repeats and `-1` are not counted).
         cu_seqlens_q, cu_seqlens_k: int32 `[B + 1]` document boundaries; `cu_seqlens_k` defaults to
             `cu_seqlens_q` (self-attention).
-        group_size: queries per group, >= 1 (8 is a 128-row tile of 16 query heads; 128 a query
-            block).
+        group_size: queries per group, >= 1.
         block_size: keys per block.
         position_edges: increasing positions that split the groups by their first query's `p(t)`.
 

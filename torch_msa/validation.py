@@ -1,15 +1,8 @@
 """Input checks of the MSA ops.
 
-Two tiers:
-
-* `check_*` functions look at metadata only (types, ranks, shapes, dtypes, devices, host ints).
-  They never synchronise, so they run on every call, from the real kernels and the fake ones
-  (errors then surface at trace time under `torch.compile`).
-* `check_values` reads tensor contents (a host sync). It runs when `TORCH_MSA_DEBUG=1` and from
-  `torch_msa.validate_inputs`.
-
-Every message names the argument and says what was expected and what was given, in concrete
-numbers even while tracing with dynamic shapes (a symbolic size shows the example's value).
+`check_*` read metadata only (no host sync) and run on every call, real and fake kernels alike;
+`check_values` / `check_plan_values` read contents (a host sync) under `TORCH_MSA_DEBUG=1` and in
+`torch_msa.validate_inputs`. Messages name the argument, the expected and the given value.
 """
 
 import math
@@ -116,9 +109,8 @@ def check_optional_tensor(name: str, value, layout: str) -> None:
 
 
 def check_host_args(max_seqlen_q, max_seqlen_k, block_size, topk=None, softmax_scale=None) -> None:
-    """The non-tensor arguments. The ops check them, and the public API checks them again before
-    dispatch, whose own type errors name neither the expectation nor the fix; `None` skips
-    `topk` / `softmax_scale`."""
+    """The non-tensor arguments, checked by the public API too since the dispatcher's type errors
+    name no fix; `None` skips `topk` / `softmax_scale`."""
     check_host_int("max_seqlen_q", max_seqlen_q, 0)
     check_host_int("max_seqlen_k", max_seqlen_k, 0)
     _block_size(block_size)
@@ -278,11 +270,9 @@ def check_plan_args(block_indices, documents: Documents, num_keys, block_size, e
 
 
 def check_plan(plan, block_indices, num_keys, num_docs, block_size) -> None:
-    """Metadata checks of the optional `plan` of `msa::forward` / `msa::backward` (no host sync):
-    a 1-D int32 tensor on the device of `block_indices` whose length fits `block_indices`,
-    `num_keys` (`Tk`), `num_docs` (`B`) and `block_size`, as `msa::plan` builds it
-    (`torch_msa.plan.schedule.item_rows`). While tracing with dynamic shapes the length is compared for
-    the example being traced (no guard); the kernel compares it again on every call."""
+    """The optional `plan`: 1-D int32 on block_indices' device, of the length `msa::plan` gives
+    these shapes. While tracing the length is compared for the example only (no guard); the
+    kernel compares it again on every call."""
     if plan is None:
         return
     if not isinstance(plan, torch.Tensor):
@@ -303,14 +293,9 @@ def _first(mask: torch.Tensor) -> tuple[int, ...]:
 
 
 def check_values(documents: Documents, num_queries, num_keys, block_indices=None, block_size=None) -> None:
-    """Content checks (host sync): document boundaries and, if given, the block-id contract.
-
-    Boundaries start at 0, never decrease, end at `Tq` / `Tk`; every document has `Lq <= Lk`
-    (with fragments: every fragment names a document and fits in it, `fragment_starts[f] + Lq_f
-    <= Lk`) and fits `max_seqlen_*`. Each `block_indices[r, t]` row holds distinct ids in
-    `[0, nvb(t))` as a prefix, `-1` after it, and the local block `nvb(t) - 1` as its last
-    valid id.
-    """
+    """Content checks (host sync): boundaries from 0 up to `Tq` / `Tk`, `Lq <= Lk` per document
+    (fragments fit theirs), `max_seqlen_*` large enough; rows of `block_indices`, if given: distinct
+    ids in `[0, nvb(t))`, `-1` after, the local block `nvb(t) - 1` last."""
     lengths = {}
     for name, cu, total, max_name, max_len in (
         ("cu_seqlens_q", documents.cu_seqlens_q, num_queries, "max_seqlen_q", documents.max_seqlen_q),
@@ -408,13 +393,8 @@ def _check_block_ids(block_indices, documents: Documents, num_queries, num_keys,
 
 
 def check_plan_values(plan, block_indices, documents: Documents, num_keys, block_size) -> None:
-    """Content checks of `plan` (host sync): it must be the plan of this selection and these
-    documents, not a stale one of the same shapes.
-
-    Every query's position in the plan is the one the documents give it, and the plan's entries
-    are exactly the valid entries of `block_indices` (each bucket's key block, KV head and first
-    key row matching them), the set of (query, block) pairs the kernels will compute.
-    """
+    """Content checks of `plan` (host sync): built for this selection and these documents, its
+    positions and entries matching theirs exactly (not a stale plan of the same shapes)."""
     schedule = unpack(plan.detach(), block_indices, num_keys, documents.num_documents, block_size)
     num_kv_heads, num_queries, topk = block_indices.shape
     ids = block_indices.detach().to("cpu", torch.int64)
@@ -510,7 +490,7 @@ def check_indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_ma
 def check_forward_with_index_loss(q, k, v, index_q, index_k, block_indices, documents: Documents, block_size,
                                   softmax_scale, index_softmax_scale, loss_value, plan=None) -> None:
     """Metadata checks of `msa::forward_with_index_loss` (no host sync): the forward's and the
-    sparse KL loss's, and `loss_value` a 0-D tensor of the loss's dtype on q's device."""
+    sparse index loss's, and `loss_value` a 0-D tensor of the loss's dtype on q's device."""
     check_forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan)
     check_indexer_kl(q, k, None, index_q, index_k, block_indices, documents, block_size, softmax_scale,
                      index_softmax_scale)
@@ -527,7 +507,7 @@ def check_backward_with_index_loss(grad_out, grad_loss, q, k, v, out, lse, index
                                    documents: Documents, block_size, softmax_scale, index_softmax_scale, grad_lse=None,
                                    plan=None) -> None:
     """Metadata checks of `msa::backward_with_index_loss` (no host sync): the attention
-    backward's and the sparse KL loss's, and `grad_loss` a 0-D tensor of the loss's dtype."""
+    backward's and the sparse index loss's, and `grad_loss` a 0-D tensor of the loss's dtype."""
     check_backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse, plan)
     check_indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale,
                      index_softmax_scale)
@@ -535,7 +515,7 @@ def check_backward_with_index_loss(grad_out, grad_loss, q, k, v, out, lse, index
 
 
 def _loss_scalar(name: str, x, layout: str, index_q, anchor_name: str, anchor) -> None:
-    """`x` a 0-D tensor of the KL loss's dtype (`compute_dtype` of index_q's) on `anchor`'s device."""
+    """`x` a 0-D tensor of the index loss's dtype (`compute_dtype` of index_q's) on `anchor`'s device."""
     dtype = compute_dtype(index_q.dtype)
     _tensor(name, x, 0, layout)
     _dtype(name, x, (dtype,), str(dtype))

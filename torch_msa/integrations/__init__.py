@@ -1,9 +1,8 @@
 """Integrations of torch_msa with model libraries; each submodule needs its library installed.
 
-* `torch_msa.integrations.transformers`: HF transformers' MiniMax-M3 (`pip install ".[hf]"` in a
-  checkout, or `pip install "transformers>=5.17,<6"`). It registers `attn_implementation="torch_msa"`
-  with HF when it is imported, and `import torch_msa` imports it as soon as HF's MiniMax-M3 modeling
-  code is (`register_with_transformers`), whatever the import order.
+`torch_msa.integrations.transformers` (HF MiniMax-M3, `pip install ".[hf]"`) registers
+`attn_implementation="torch_msa"` on import; `import torch_msa` imports it once HF's MiniMax-M3
+modeling code is imported, in either order.
 """
 
 import importlib.abc
@@ -11,9 +10,8 @@ import importlib.machinery
 import sys
 import types
 
+# Every way of building a MiniMax-M3 model imports this module first.
 HF_MODELING_MODULE = "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl"
-"""HF's MiniMax-M3 modeling code: importing it, which every way of building the model does, registers
-`"torch_msa"` with HF."""
 
 
 def _register() -> bool:
@@ -42,8 +40,7 @@ class _RegisteringLoader(importlib.abc.Loader):
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Finds HF's MiniMax-M3 modeling module through the other finders and wraps its loader; leaves
-    every other import alone."""
+    """Wraps the loader of HF's MiniMax-M3 modeling module; leaves every other import alone."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname != HF_MODELING_MODULE:
@@ -63,14 +60,9 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
 def register_with_transformers() -> bool:
     """Register `"torch_msa"` with HF whatever the import order; `import torch_msa` calls this.
 
-    When HF's MiniMax-M3 modeling code (`HF_MODELING_MODULE`) is already imported, this imports
-    `torch_msa.integrations.transformers` (which registers the name) now. Otherwise it puts an
-    import hook on `sys.meta_path` that does so right after that module is first imported: HF
-    checks `attn_implementation` when it builds a model, and any way of building a MiniMax-M3
-    model (`from transformers import MiniMaxM3VLForCausalLM`, `AutoModelForCausalLM.from_pretrained`,
-    ...) imports its modeling code first. Nothing here imports transformers: importing HF's
-    modeling code takes seconds and pulls in triton. A transformers without MiniMax-M3, or without
-    what the integration needs, is left alone.
+    Imports `torch_msa.integrations.transformers` now if `HF_MODELING_MODULE` is imported, else
+    puts a `sys.meta_path` hook that does so right after it is. Nothing here imports transformers,
+    which takes seconds.
 
     Returns:
         Whether the name is registered now (False while the hook waits for HF's modeling code).

@@ -1,62 +1,14 @@
 """torch_msa in HF transformers' MiniMax-M3 (`transformers.models.minimax_m3_vl`).
 
-Two lines switch a MiniMax-M3 model to torch_msa::
+`use_torch_msa(model)` makes the sparse layers' indexers select with `torch_msa.select_blocks`
+and sets the attention implementation to `"torch_msa"` (`ATTENTION_NAME`): sparse layers run
+`torch_msa.sparse_attention` on packed tokens, full-attention layers SDPA. Importing this module
+registers `"torch_msa"` with HF's attention and mask interfaces, so
+`attn_implementation="torch_msa"` alone works too, on HF's own indexer's `block_indices`.
 
-    from torch_msa.integrations.transformers import use_torch_msa
-    model = use_torch_msa(model)
-
-`use_torch_msa` makes the sparse layers' indexers select their key blocks with
-`torch_msa.select_blocks` (the same projections, norms and RoPE as HF's indexer, `O(S)` memory
-instead of HF's `[B, H_idx, S, S]` fp32 scores) and sets the model's attention implementation to
-`"torch_msa"` (`ATTENTION_NAME`): sparse layers run `torch_msa.sparse_attention` on packed
-tokens, full-attention layers run PyTorch SDPA.
-
-Importing this module registers `"torch_msa"` with HF's `AttentionInterface` and
-`AttentionMaskInterface`, so `from_pretrained(..., attn_implementation="torch_msa")` works too; the
-attention function then consumes HF's own indexer's `block_indices` (`[B, H_idx, S, topk]`
-int64, `-1` padded). HF checks the name when it builds the model; `import torch_msa` imports this
-module as soon as HF's MiniMax-M3 modeling code is imported, before or after torch_msa
-(`torch_msa.integrations.register_with_transformers`), so either import order works.
-
-Padding: each row's real tokens form one document that starts at position 0, and its padding is
-a second document that only sees itself (`torch_msa.padding.padded_cu_seqlens`: no host sync,
-static shapes). With right padding this equals HF exactly. With left padding HF's indexer
-anchors its blocks to absolute slots, so its result depends on the padding; torch_msa's result
-equals HF run on each sequence alone (RoPE is relative; pass `position_ids` counting from each
-row's first real token for the same positions too). With HF's own indexer
-(`attn_implementation="torch_msa"` alone) torch_msa attends to exactly the keys HF's selection
-keeps, and so equals HF on the same batch, wherever those keys are whole blocks of the row's
-tokens: always without left padding, and with it for a padding of whole blocks or selections
-that keep every visible block; any other left-padded selection raises a `ValueError`, eagerly
-and compiled (`use_torch_msa`'s indexer selects per document and serves every padding).
-
-Packed rows (HF's padding-free training, `DataCollatorWithFlattening`): HF's packed kwargs
-(`PACKED_KWARGS`: `cu_seq_lens_q/k`, `max_length_q/k`) make each document a torch_msa document in
-the sparse layers and a causal block of its own in the full-attention layers, so each document
-gets the result it gets alone (HF's own indexer scores across documents). With `use_torch_msa`,
-`position_ids` that restart per document (no mask; `[1, S]` packs every row of the batch alike,
-as HF's masks read it) are read too, at one host sync per forward. Packed rows take no cache:
-their forward returns none, and with one (`generate`, which continues one sequence per row)
-they raise a `ValueError`. HF's indexer (`attn_implementation="torch_msa"` alone) refuses packed
-kwargs.
-
-Switching back: after `use_torch_msa`, `set_attn_implementation` to another implementation
-makes the patched indexers HF's again.
-
-Training the indexer: `use_torch_msa(model, index_loss="sparse")` (or `"dense"` for the dense
-warm-up) makes every sparse layer compute the index branch's KL loss on each forward, and
-`index_losses(model)` returns them, one per sparse layer, for the training loop to add
-(`loss + kl_coeff * sum(index_losses(model))`). In stage-2 training the backward computes the
-KLs (one fused node per layer, as `torch_msa.msa_attention(..., index_loss=True)`), so their
-values are read after it with `index_loss_values(model)`. The indexer reads detached hidden
-states, so the KL trains the index projections and norms and gives the trunk no gradient
-(`detach_index_inputs=False` lets it through).
-
-Supported: training, prefill and decoding from a `DynamicCache` (`generate`; padded batches
-left-padded, as `generate` wants them; not from a static cache), with no mask, a 2-D padding
-mask or a 4-D causal padding mask, and packed rows in training and inference without a cache. Not supported:
-attention dropout in sparse layers, masks with other patterns than causal + padding, attention
-weights (`output_attentions=True` warns once and returns None for these layers).
+Each padded row is two documents, its real tokens and its padding (`padded_cu_seqlens`); HF's
+packed kwargs (`PACKED_KWARGS`) or restarting `position_ids` make each packed document one of its
+own. Padding, packing, caches, switching back and training the indexer: docs/transformers.md.
 """
 
 import warnings
@@ -87,12 +39,10 @@ from ..index_loss import attention_with_index_loss
 from ..padding import padded_cu_seqlens
 
 ATTENTION_NAME = "torch_msa"
-"""The name under which the attention function is registered (`config._attn_implementation`)."""
 
+# `use_torch_msa`'s `index_loss` values: the index loss on the selected blocks, or the dense warm-up's.
 IndexLossSupport = Literal["sparse", "dense"]
-"""`use_torch_msa`'s `index_loss` values: the KL on the selected blocks, or the dense warm-up's."""
 INDEX_LOSS_SUPPORTS: tuple[str, ...] = get_args(IndexLossSupport)
-"""The same values as a tuple, for checks and messages."""
 
 __all__ = [
     "ATTENTION_NAME",
@@ -112,18 +62,15 @@ __all__ = [
 
 @dataclass
 class PendingSelection:
-    """The index branch's projected inputs, selected once the attention function knows the documents.
-
-    HF's indexer returns block ids; this one returns its inputs, because the documents (the
-    padding) are known only inside the attention function. `block_indices()` gives HF's layout.
+    """The index branch's projected inputs, selected once the attention function knows the documents
+    (the padding is known only there).
 
     Attributes:
         index_q: `[B, H_idx, Sq, Di]` index queries after the norm and RoPE.
         index_k: `[B, 1, Sk, Di]` index keys after the norm and RoPE (with the cached history).
         topk: blocks kept per query, the local one included.
         block_size: keys per block.
-        index_loss_support: the KL the attention function computes for the indexer
-            (`use_torch_msa`'s `index_loss`: `"sparse"`, `"dense"`), or None for none.
+        index_loss_support: `use_torch_msa`'s `index_loss` (`"sparse"`, `"dense"`), or None.
     """
 
     index_q: torch.Tensor
@@ -141,34 +88,15 @@ class PendingSelection:
 
     def select(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                max_seqlen_k: int) -> torch.Tensor:
-        """Select the blocks over the packed rows (`torch_msa.select_blocks`).
-
-        Args:
-            cu_seqlens_q, cu_seqlens_k: int32 document boundaries over the `B * Sq` query and
-                `B * Sk` key slots.
-            max_seqlen_q, max_seqlen_k: host ints bounding the documents.
-
-        Returns:
-            int32 `[H_idx, B * Sq, topk]` block ids (torch_msa's head-major layout), on the index
-            inputs' device.
-        """
+        """`torch_msa.select_blocks` over the packed `B * Sq` query and `B * Sk` key slots: int32
+        `[H_idx, B * Sq, topk]`."""
         return api.select_blocks(*self.packed(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  topk=self.topk, block_size=self.block_size)
 
     def block_indices(self, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The selection in HF's indexer's layout.
-
-        Args:
-            attention_mask: None (every slot real), a 2-D padding mask `[B, Sk]` or a 4-D causal
-                padding mask `[B, 1, Sq, Sk]`, as `attention_forward` takes them.
-
-        Returns:
-            int64 `[B, H_idx, Sq, topk]` block ids relative to each row's first real token: valid
-            ids first (a set: their order differs from HF's), `-1` after.
-
-        Raises:
-            TypeError, ValueError: a mask of another type or shape.
-        """
+        """The selection in HF's layout, int64 `[B, H_idx, Sq, topk]`, ids relative to each row's
+        first real token (`-1` after the valid ones), for a mask as `attention_forward` takes it;
+        TypeError or ValueError for a mask of another type or shape."""
         batch, heads, q_len, _ = self.index_q.shape
         documents = _documents(attention_mask, batch, q_len, self.index_k.shape[2], self.index_q.device)
         blocks = self.select(*documents)
@@ -176,14 +104,12 @@ class PendingSelection:
 
 
 class _LatestIndexLoss:
-    """A layer's latest KL. Copies and pickles of the model start without one: the KL belongs to
-    the step's autograd graph, which `copy.deepcopy` cannot copy (it takes graph leaves only)."""
+    """A layer's latest index loss. Copies and pickles start without one: `copy.deepcopy` cannot
+    copy the step's autograd graph it belongs to."""
 
     def __init__(self) -> None:
         self.value: torch.Tensor | None = None
-        # The KL's value without autograd history: in training the backward writes it.
-        self.known_value: torch.Tensor | None = None
-        # The tensor the sparse KL's value goes into, one per forward of the text model.
+        self.known_value: torch.Tensor | None = None  # in training the backward writes it
         self.value_sink: torch.Tensor | None = None
 
     def __deepcopy__(self, memo) -> "_LatestIndexLoss":
@@ -196,19 +122,14 @@ class _LatestIndexLoss:
 class TorchMSAIndexer(MiniMaxM3VLIndexer):
     """HF's MiniMax-M3 indexer (same parameters) whose selection runs in `torch_msa.select_blocks`.
 
-    `forward` computes the index queries and keys exactly as HF's indexer does and returns a
-    `PendingSelection`; the `"torch_msa"` attention function selects from it. `use_torch_msa`
-    swaps the class of existing indexers in place, so weights and state-dict keys are unchanged.
-    Under any other attention implementation (`model.set_attn_implementation("eager")`, say) it
-    is HF's indexer again, so the switch is reversible.
+    `forward` returns a `PendingSelection` under `"torch_msa"` attention, HF's selection under any
+    other implementation. `use_torch_msa` swaps existing indexers' class in place.
 
     Attributes (set by `use_torch_msa`):
-        index_loss_support: `"sparse"`, `"dense"` or None: the KL its layer computes.
+        index_loss_support: `"sparse"`, `"dense"` or None.
         detach_index_inputs: whether it reads the hidden states detached from the trunk.
-        index_loss: the KL of its layer's latest forward (a 0-D tensor), None before one (the
-            text model resets it at the start of each forward); read it with `index_losses`.
-        index_loss_value: its value (a 0-D tensor without autograd history), None before a
-            forward; read it with `index_loss_values` (when it is known: see there).
+        index_loss: the 0-D index loss of its layer's latest forward, or None.
+        index_loss_value: its value without autograd history, or None.
     """
 
     index_loss_support: IndexLossSupport | None = None
@@ -221,7 +142,7 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
 
     @index_loss.setter
     def index_loss(self, value: torch.Tensor | None) -> None:
-        """A KL known in the forward, or None: the start of a forward, without a KL."""
+        """An index loss known in the forward, or None at the start of a forward."""
         if value is None:
             self.__dict__["_latest_index_loss"] = _LatestIndexLoss()
         else:
@@ -233,17 +154,14 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
         return None if slot is None else slot.known_value
 
     def store_index_loss(self, kl: torch.Tensor | None, kl_value: torch.Tensor | None) -> None:
-        """Keep `kl` as `index_loss` and `kl_value`, the tensor that holds (or will hold) its value,
-        as `index_loss_value`."""
+        """Keep `kl` as `index_loss` and the tensor that holds (or will hold) its value."""
         slot = self.__dict__.setdefault("_latest_index_loss", _LatestIndexLoss())
         slot.value, slot.known_value = kl, kl_value
 
     def index_loss_sink(self, index_q: torch.Tensor) -> torch.Tensor | None:
-        """The 0-D tensor that receives this forward's sparse KL value (`msa_attention`'s
-        `index_loss_value`): one per forward of the text model, so that a recomputation under
-        gradient checkpointing, whose backward fills the first forward's, reuses it. None under
-        torch.compile (a tensor made inside the compiled graph cannot receive the compiled
-        backward's write) and torch.func transforms: the KL is then computed in the forward."""
+        """The 0-D `index_loss_value` of this forward's sparse index loss, reused by a recomputation
+        under gradient checkpointing; None where the loss is computed in the forward (compiled,
+        where the compiled backward cannot write into it, or under torch.func)."""
         if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             return None
         slot = self.__dict__.setdefault("_latest_index_loss", _LatestIndexLoss())
@@ -252,25 +170,14 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
         return slot.value_sink
 
     def forward(self, hidden_states, position_embeddings, past_key_values, position_ids) -> PendingSelection | torch.Tensor:
-        """HF's indexer's projections, norms and RoPE, with the selection left to the attention.
+        """HF's indexer's projections, norms and RoPE; the selection is left to the attention.
 
-        Args:
-            hidden_states: `[B, Sq, hidden_size]`.
-            position_embeddings: `(cos, sin)` of the text model's rotary embedding.
-            past_key_values: HF's cache, or None; a `DynamicCache` takes the index keys.
-            position_ids: `[B, Sq]`, used by HF's own selection only.
-
-        Returns:
-            Under `"torch_msa"` attention a `PendingSelection`; under another implementation HF's
-            int64 `[B, H_idx, Sq, topk]` block ids.
-
-        Raises:
-            ValueError: `past_key_values` holds a static cache layer.
+        Returns a `PendingSelection` (HF's block ids under another attention implementation);
+        a `DynamicCache` in `past_key_values` takes the index keys, a static one raises ValueError.
         """
         if self.config._attn_implementation != ATTENTION_NAME:
-            # The model was switched to another attention implementation: HF's own selection.
             return super().forward(hidden_states, position_embeddings, past_key_values, position_ids)
-        if self.detach_index_inputs:  # the index branch's gradients (its KL) stay out of the trunk
+        if self.detach_index_inputs:  # the index loss's gradients stay out of the trunk
             hidden_states = hidden_states.detach()
         batch, q_len, _ = hidden_states.shape
         index_q = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
@@ -280,8 +187,8 @@ class TorchMSAIndexer(MiniMaxM3VLIndexer):
         if past_key_values is not None:
             layer = past_key_values.layers[self.layer_idx]
             if isinstance(layer, MiniMaxM3VLSparseStaticCacheLayer):
-                # A static cache's keys are a fixed-size buffer filled from the front; torch_msa's
-                # queries are the newest keys of their document, which that layout does not give.
+                # A static cache fills a fixed buffer from the front; torch_msa's queries must be the
+                # newest keys of their document.
                 raise ValueError("past_key_values: torch_msa decodes from a DynamicCache; got a static cache "
                                  f"({type(layer).__name__})")
             index_k = layer.update_index(index_k)
@@ -301,20 +208,12 @@ def _real_keys_of_4d(attention_mask: torch.Tensor, q_len: int, k_len: int) -> to
 @torch.library.custom_op("torch_msa_hf::slot_block_indices", mutates_args=())
 def _slot_block_indices(block_indices: torch.Tensor, real_keys: torch.Tensor, block_size: int) -> torch.Tensor:
     """HF's block ids `[B, H_idx, Sq, topk]` (int64, `-1` padded) as torch_msa's int32 `[H_idx, B * Sq, topk]`
-    over the documents of `real_keys` (`[B, Sk]` bool, True at real tokens; left- or right-padded rows).
+    over the documents of `real_keys` (`[B, Sk]` bool, True at real tokens).
 
-    HF's indexer counts its blocks from the row's first slot, padding included (block `b` holds slots
-    `[b * block_size, (b + 1) * block_size)`); torch_msa's blocks count from the first real token of
-    the row (`padded_cu_seqlens`). A real query of HF keeps the real keys of its blocks up to
-    itself. Each such key set is mapped to the blocks of torch_msa's document that hold those keys:
-    exact when it is a union of whole blocks of the document (each cut at the query, as the causal
-    mask cuts them), which it always is without left padding, and with left padding wherever HF's
-    blocks cover the document's blocks they touch (a padding that is a multiple of `block_size`, or
-    selections that keep every visible block). Anything else, or a real query left with no key, has
-    no torch_msa selection and raises. The ids come out ascending (the local block last when kept),
-    `-1` after; a padding query keeps its own block of the padding document. The check reads the
-    selection, so it is an op of its own that runs on every call, compiled or not (a host sync;
-    during CUDA-graph capture a device-side assert instead).
+    HF counts blocks from the row's first slot, torch_msa from its first real token. Each real
+    query's kept keys map to the document's blocks holding them, which is exact only when they are
+    whole blocks (cut at the query); otherwise it raises `ValueError` (a device assert during
+    CUDA-graph capture). An op of its own, so the check runs compiled too.
     """
     batch, heads, q_len, width = block_indices.shape
     k_len = real_keys.shape[1]
@@ -388,10 +287,9 @@ def _hf_block_indices(block_indices: torch.Tensor, attention_mask, q_len: int, k
     return _slot_block_indices(block_indices, real_keys, block_size)
 
 
+# HF's kwargs of packed rows (`DataCollatorWithFlattening(return_flash_attn_kwargs=True)`): int32
+# boundaries over the `B * S` flattened slots and the longest document as host ints.
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-"""HF's keyword arguments of packed, padding-free rows (what `DataCollatorWithFlattening(
-return_flash_attn_kwargs=True)` returns): int32 boundaries over the `B * S` flattened slots and
-the longest document as host ints."""
 
 
 def _packed_documents(kwargs: dict, attention_mask, q_len: int, k_len: int, device):
@@ -416,25 +314,18 @@ def _packed_documents(kwargs: dict, attention_mask, q_len: int, k_len: int, devi
 
 
 def packed_kwargs_from_position_ids(position_ids: torch.Tensor, batch_size: int | None = None) -> dict | None:
-    """HF's packed kwargs of rows whose `position_ids` restart at every document.
+    """HF's packed kwargs of rows whose `position_ids` restart at every document (one host sync).
 
     A document starts at each row's first slot and wherever a position is not its predecessor's
-    plus one (as HF's `find_packed_sequence_indices` reads them). One row of positions for a
-    batch of several (`[1, S]`, HF's usual unsqueezed `position_ids`) packs every row alike. This
-    reads the positions on the host (one sync, as HF's own packed path does); pass the packed
-    kwargs themselves (`DataCollatorWithFlattening(return_flash_attn_kwargs=True)`) to avoid it.
+    plus one, as HF's `find_packed_sequence_indices` reads them.
 
     Args:
-        position_ids: `[B, S]` or `[1, S]` integer positions (`DataCollatorWithFlattening`
-            returns `[1, S]` for its one row).
-        batch_size: the batch's `B`, when `position_ids` is `[1, S]` for all of its rows; None
-            for `position_ids.shape[0]`.
+        position_ids: `[B, S]`, or `[1, S]` for every row alike.
+        batch_size: the batch's `B`; None for `position_ids.shape[0]`.
 
     Returns:
-        A dict of `PACKED_KWARGS`: int32 `cu_seq_lens_q` and `cu_seq_lens_k` (the same `[N + 1]`
-        boundaries over the `B * S` flattened slots, on position_ids' device) and the longest
-        document as host ints `max_length_q`, `max_length_k`; None when every row is a single
-        document.
+        A dict of `PACKED_KWARGS` (the same int32 `[N + 1]` boundaries over the `B * S` slots,
+        the longest document as host ints), or None when every row is one document.
 
     Raises:
         ValueError: `position_ids` is not 2-D, or has neither 1 nor `batch_size` rows.
@@ -456,9 +347,8 @@ def packed_kwargs_from_position_ids(position_ids: torch.Tensor, batch_size: int 
 
 
 def _read_packed_position_ids(module, args, kwargs):
-    """Forward pre-hook of the text model (`use_torch_msa`): rows packed through `position_ids`
-    alone become HF's packed kwargs, which reach every layer's attention function. Packed rows
-    (from either) take no cache: a `cache` raises, and none is made for the output."""
+    """Text-model forward pre-hook: rows packed through `position_ids` alone become HF's packed
+    kwargs. Packed rows take no cache: a given one raises, and none is made."""
     if module.config._attn_implementation != ATTENTION_NAME:  # switched back to HF's attention
         return None
     cache = kwargs.get("cache", kwargs.get("past_key_values", args[3] if len(args) > 3 else None))
@@ -496,11 +386,8 @@ def _document_mask(cu_seqlens: torch.Tensor, batch: int, length: int) -> torch.T
 
 
 def _documents(attention_mask, batch: int, q_len: int, k_len: int, device):
-    """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` of the packed rows `[B * Sq]`, `[B * Sk]`.
-
-    With a mask, each row is two documents (`padded_cu_seqlens`); the queries are the last `Sq`
-    slots of the row, so each document's queries are the suffix of its keys that they cover.
-    """
+    """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` of the packed rows `[B * Sq]`, `[B * Sk]`;
+    with a mask each row is two documents, the queries being the row's last `Sq` slots."""
     if attention_mask is None:
         steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
         return steps * q_len, steps * k_len, q_len, k_len
@@ -572,29 +459,21 @@ def attention_forward(
     Args:
         module: the calling `MiniMaxM3VLAttention`.
         query: `[B, Hq, Sq, D]`; key, value: `[B, Hkv, Sk, D]` (D 64 or 128 for sparse layers).
-        attention_mask: None (causal, every token real), a 2-D padding mask `[B, Sk]` (bool, True
-            at real tokens: what `"torch_msa"`'s registered mask function passes), or a 4-D causal
-            padding mask `[B, 1, Sq, Sk]` (bool keep, or additive with 0 = keep). None with
-            packed rows.
+        attention_mask: None, a 2-D padding mask `[B, Sk]` (nonzero at real tokens), or a 4-D
+            causal padding mask `[B, 1, Sq, Sk]` (bool keep, or additive with 0 = keep).
         block_indices: HF's int64 `[B, H_idx, Sq, topk]` (`-1` padded, ids relative to the row
             start), a `PendingSelection` from `TorchMSAIndexer`, or None for a full-attention
-            layer (which runs SDPA). A `PendingSelection` with an `index_loss_support` has its KL stored
-            in `module.indexer.index_loss`: `"sparse"` on the selection and lse of this
-            attention (`torch_msa.indexer_kl_loss`), `"dense"` on every visible key
-            (`torch_msa.indexer_kl_loss_dense`), the layer then attending densely (SDPA, as a
-            full-attention layer) as the warm-up's teacher.
-        kwargs: HF's packed-row arguments (`PACKED_KWARGS`: `cu_seq_lens_q/k` over the `B * S`
-            flattened slots, `max_length_q/k`), if any, make each packed document a document of
-            its own in both kinds of layer; the rest goes to SDPA in full-attention layers.
+            layer (SDPA). With an `index_loss_support` the index loss is stored in
+            `module.indexer`; `"dense"` attends densely (SDPA), as the warm-up's teacher.
+        kwargs: HF's packed-row arguments (`PACKED_KWARGS`), if any; the rest goes to SDPA.
 
     Returns:
         `(out [B, Sq, Hq, D], None)` in query's dtype: no attention weights are materialised.
 
     Raises:
-        ValueError: attention dropout in a sparse layer; HF's own `block_indices` of another
-            shape, with packed rows, or keeping keys of a left-padded row that are no union of
-            whole blocks of its tokens; a mask of another shape; incomplete packed-row
-            arguments, or packed rows with a mask or while decoding.
+        ValueError: attention dropout in a sparse layer; HF's `block_indices` of another shape,
+            with packed rows, or not whole blocks of a left-padded row; a mask of another shape;
+            incomplete packed-row arguments, or packed rows with a mask or a cache.
         TypeError: a mask or packed-row boundaries that are not tensors.
     """
     if kwargs.get("output_attentions"):
@@ -609,10 +488,10 @@ def attention_forward(
     documents = _documents(attention_mask, batch, q_len, k_len, query.device) if packed is None else packed
     q = query.transpose(1, 2).reshape(batch * q_len, q_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch * k_len, kv_heads, head_dim)
-    student = None  # the packed index inputs, when the indexer asks for its KL
+    student = None  # the packed index inputs, when the indexer asks for its index loss
     if isinstance(block_indices, PendingSelection):
         block_size = block_indices.block_size
-        if block_indices.index_loss_support == "dense":  # the warm-up: dense attention, the KL on every visible key
+        if block_indices.index_loss_support == "dense":
             cast(TorchMSAIndexer, module.indexer).index_loss = api.indexer_kl_loss_dense(
                 q, k, *block_indices.packed(), *documents, block_size=block_size, softmax_scale=scaling)
             return _full_attention(module, query, key, value, attention_mask, dropout, scaling, packed, **kwargs)
@@ -634,7 +513,7 @@ def attention_forward(
     v = value.transpose(1, 2).reshape(batch * k_len, kv_heads, head_dim)
     if student is None:
         out = api.sparse_attention(q, k, v, blocks, *documents, block_size=block_size, softmax_scale=scaling)
-    else:  # the teacher (q, k, lse) is a constant of the KL: its gradients reach the indexer only
+    else:
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = documents
         docs = api._attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size,
                                             None, scaling)
@@ -656,32 +535,16 @@ def padding_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
-    """HF mask function registered as `"torch_msa"`: the padding mask as is.
+    """HF mask function registered as `"torch_msa"`: the padding mask as is (nothing `O(S^2)`).
 
-    Nothing `O(S^2)` is built for the sparse layers; full-attention layers build their SDPA mask
-    from it. HF's mask function argument (causal) is implied; packing through `position_ids` is
-    not read.
-
-    Args:
-        batch_size, q_length, kv_length, q_offset, kv_offset: HF's mask-interface arguments; only
-            `kv_length` and `kv_offset` are read.
-        attention_mask: HF's 2-D padding mask `[B, S]`, or None.
-        kwargs: the rest of HF's mask-interface arguments, not read.
-
-    Returns:
-        `attention_mask` in its dtype, nonzero at real tokens, right-padded to
-        `kv_length + kv_offset` columns when shorter (HF's `prepare_padding_mask`), or None
-        without one.
+    Returns HF's 2-D `attention_mask` (or None) right-padded to `kv_length + kv_offset` columns
+    (`prepare_padding_mask`); the other mask-interface arguments are not read.
     """
     return prepare_padding_mask(attention_mask, kv_length, kv_offset)
 
 
 def register() -> str:
-    """Register `"torch_msa"` with HF's attention and mask interfaces (done on import).
-
-    Returns:
-        `ATTENTION_NAME`, the name to pass as `attn_implementation`.
-    """
+    """Register `"torch_msa"` with HF's attention and mask interfaces (done on import); returns `ATTENTION_NAME`."""
     AttentionInterface.register(ATTENTION_NAME, attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, padding_mask)
     return ATTENTION_NAME
@@ -713,14 +576,13 @@ def _check_indexer_config(indexer: MiniMaxM3VLIndexer) -> None:
 
 _Model = TypeVar("_Model", bound=PreTrainedModel)
 
+# The text model's attributes holding `use_torch_msa`'s forward pre-hooks, so each registers once.
 _PACKING_HOOK = "_torch_msa_packing_hook"
-"""The text model's attribute holding `use_torch_msa`'s forward pre-hook (registered once)."""
 _INDEX_LOSS_HOOK = "_torch_msa_index_loss_hook"
-"""The text model's attribute holding the forward pre-hook that resets its indexers' KL (registered once)."""
 
 
 def _reset_index_losses(module, args, kwargs):
-    """Forward pre-hook of the text model (`use_torch_msa`): each forward starts without KL losses."""
+    """Text-model forward pre-hook: each forward starts without index losses."""
     for layer in module.layers:
         indexer = getattr(layer.self_attn, "indexer", None)
         if isinstance(indexer, TorchMSAIndexer):
@@ -742,45 +604,29 @@ def _check_index_loss_args(index_loss, detach_index_inputs) -> None:
 
 def use_torch_msa(model: _Model, *, index_loss: IndexLossSupport | None = None,
                   detach_index_inputs: bool = True) -> _Model:
-    """Switch a HF MiniMax-M3 model to torch_msa, in place: `MiniMaxM3VLForCausalLM`, `MiniMaxM3VLTextModel`,
-    or the vision-language `MiniMaxM3SparseForConditionalGeneration` / `MiniMaxM3VLModel` (only the text
-    model switches; the vision tower keeps its attention).
+    """Switch a HF MiniMax-M3 model (causal LM, text model or vision-language; only the text model
+    switches) to torch_msa, in place.
 
-    The sparse layers' indexers become `TorchMSAIndexer` (selection by `torch_msa.select_blocks`)
-    and the text model's attention implementation becomes `"torch_msa"`. Parameters and
-    state-dict keys are unchanged. Packed rows are read from HF's packed kwargs
-    (`PACKED_KWARGS`) or from `position_ids` that restart per document (no mask: one host sync
-    per forward), and take no cache. `model.set_attn_implementation(...)` with another implementation
-    switches back to HF's indexer and attention.
-
-    With `index_loss`, every forward of a sparse layer computes the index branch's KL loss (spec
-    section 6), which `index_losses(model)` returns: `"sparse"` on the blocks the layer selected
-    (`torch_msa.indexer_kl_loss` on the attention's own lse), `"dense"` for the dense warm-up on
-    every visible key (`torch_msa.indexer_kl_loss_dense`), the sparse layers then attending densely
-    (SDPA with an `S x S` mask, as full-attention layers) so that the logits are the dense model's.
-    The KL's teacher is a constant; with `detach_index_inputs` the indexer reads the hidden states
-    detached, so the KL's gradients reach the index projections and norms only, not the trunk.
-    The mean runs over every query slot, a padded batch's padding slots too (each row's padding is
-    a document of its own); packed rows give the mean over real tokens. Call `use_torch_msa`
-    again to change `index_loss` (`None` stops computing the KL).
+    The sparse layers' indexers become `TorchMSAIndexer` and the text model's attention
+    implementation `"torch_msa"`; parameters and state-dict keys are unchanged. With `index_loss`,
+    every forward of a sparse layer computes the index loss that `index_losses(model)` returns:
+    `"sparse"` on the selected blocks (`torch_msa.indexer_kl_loss`), `"dense"` on every visible
+    key (`torch_msa.indexer_kl_loss_dense`), the sparse layers then attending densely. Its mean
+    runs over every query slot, padding slots included. Call again to change `index_loss`.
 
     Args:
         model: a HF MiniMax-M3 model with sparse layers.
         index_loss: None, `"sparse"` or `"dense"` (`INDEX_LOSS_SUPPORTS`).
-        detach_index_inputs: the indexer reads detached hidden states (the default, as in the
-            MSA paper); False lets the KL's gradients into the trunk too (only with an
-            `index_loss`).
+        detach_index_inputs: the indexer reads detached hidden states (the default); False lets
+            the index loss's gradients into the trunk too (only with an `index_loss`).
 
     Returns:
         `model` itself, switched.
 
-    Raises:
+    Raises (before anything is changed):
         TypeError: `index_loss` not None or a string, `detach_index_inputs` not a bool.
-        ValueError: naming the config field torch_msa cannot serve (`head_dim`,
-            `index_block_size`, `index_topk_blocks`, `index_local_blocks`, `index_n_heads`,
-            `num_attention_heads`), `model` when it has no MiniMax-M3 sparse layers, `index_loss`
-            outside `INDEX_LOSS_SUPPORTS`, or `detach_index_inputs=False` without an
-            `index_loss`, before anything is changed.
+        ValueError: a config field torch_msa cannot serve (named), no MiniMax-M3 sparse layers,
+            `index_loss` outside `INDEX_LOSS_SUPPORTS`, or `detach_index_inputs=False` without it.
     """
     _check_index_loss_args(index_loss, detach_index_inputs)
     register()
@@ -809,32 +655,23 @@ def use_torch_msa(model: _Model, *, index_loss: IndexLossSupport | None = None,
 
 
 def index_losses(model: PreTrainedModel) -> list[torch.Tensor]:
-    """The KL losses of the sparse layers' index branches from the model's latest forward.
+    """The sparse layers' index losses from the model's latest forward, to add to the loss linearly.
 
-    The training loop adds them to its loss: `(loss + kl_coeff * sum(index_losses(model))).backward()`.
-    Each forward of the text model replaces them (a recomputation under non-reentrant gradient
-    checkpointing stores equal values). Reentrant checkpointing runs the first forward without
-    autograd, so its KLs could train nothing: read with grad enabled, KLs without autograd history
-    of indexers that require grad give a `TorchMSAWarning`.
-
-    In training (`index_loss="sparse"`, grad enabled, indexers that require grad, not compiled)
-    each layer's attention and KL are one autograd node whose backward computes the KL (as
-    `torch_msa.msa_attention(..., index_loss=True)` does): the tensors returned here are then
-    placeholders of value 0 that carry the gradient, and `index_loss_values` gives the values
-    once the backward has run.
+    In training with `index_loss="sparse"` they are placeholders of value 0 whose backward computes
+    the loss (as `msa_attention(..., index_loss=True)`); `index_loss_values` gives the values.
+    Read with grad enabled, losses without autograd history (reentrant checkpointing, no_grad) of
+    indexers that require grad give a `TorchMSAWarning`.
 
     Args:
         model: a model switched with `use_torch_msa(model, index_loss=...)`.
 
     Returns:
-        One 0-D tensor per sparse layer (fp32; fp64 for an fp64 model), in layer order, as
-        `torch_msa.indexer_kl_loss` (`index_loss="sparse"`) or `torch_msa.indexer_kl_loss_dense`
-        (`"dense"`) returns it; differentiable in the indexers' parameters (and, with
-        `detach_index_inputs=False`, the trunk's).
+        One 0-D tensor per sparse layer (fp32; fp64 for an fp64 model), in layer order,
+        differentiable in the indexers' parameters (and the trunk's without detached inputs).
 
     Raises:
-        ValueError: `model` was not switched with an `index_loss`, or a sparse layer has no KL
-            from the latest forward (none yet, or it ran under another attention implementation).
+        ValueError: `model` was not switched with an `index_loss`, or a sparse layer has no index
+            loss from the latest forward.
     """
     indexers = _indexers_with_losses(model)
     losses = [cast(torch.Tensor, indexer.index_loss) for indexer in indexers]
@@ -852,12 +689,8 @@ def index_losses(model: PreTrainedModel) -> list[torch.Tensor]:
 
 def index_loss_values(model: PreTrainedModel) -> list[torch.Tensor]:
     """The values of `index_losses(model)`, for logging: one 0-D tensor without autograd history
-    per sparse layer, in layer order.
-
-    Where the KL is computed in the forward (the dense warm-up, no grad, compiled) they hold the
-    value at once. In training with `index_loss="sparse"` the backward computes the KL: each holds
-    0 until the backward of a loss that uses `index_losses(model)` has run, then the KL of the
-    latest forward (read them after `backward()`, before the next forward).
+    per sparse layer, in layer order; in sparse training they hold the value once the backward of
+    a loss using `index_losses(model)` has run.
 
     Raises:
         ValueError: as `index_losses`.
