@@ -10,7 +10,7 @@ forward's lse and the selection, then its gradients to the index inputs) with an
 deterministic algorithms (the Triton backend's atomic and deterministic KL kernels on CUDA).
 `--profile` adds the device time of each kernel of one call of each (torch.profiler);
 `--sweep` times the deterministic backward once per candidate launch configuration of its dQ
-kernel, tried first in place of the tuned list (for retuning on a new device).
+kernel, pinned in place of the tuned list (for retuning on a new device).
 """
 
 import argparse
@@ -59,32 +59,11 @@ def _kernel_times(call, device: torch.device) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda row: -row[1])
 
 
-@contextlib.contextmanager
-def query_config_first(config):
-    """The deterministic backward's dQ kernel launched with `config` (memo cleared around it)."""
-    from torch_msa.stages import deterministic as backward_deterministic_kernel
-    from torch_msa.triton_utils import launch
-
-    tuned = backward_deterministic_kernel.QUERY_CONFIGS
-
-    def forget():
-        for memo in [memo for memo in launch._chosen if memo[0] == "msa_bwd_dq_kernel"]:
-            del launch._chosen[memo]
-
-    forget()
-    backward_deterministic_kernel.QUERY_CONFIGS = (config,)
-    try:
-        yield
-    finally:
-        backward_deterministic_kernel.QUERY_CONFIGS = tuned
-        forget()
-
-
 def _sweep(backward_arguments, device, warmup, iters):
     """The Triton deterministic backward called directly, so that a refused configuration is
     reported rather than served by another backend."""
     from torch_msa.triton import backward_deterministic
-    from torch_msa.triton_utils.launch import LaunchConfig
+    from torch_msa.triton_utils.launch import LaunchConfig, pinned
 
     def backward():
         return backward_deterministic.backward(*backend_arguments("backward", *backward_arguments))
@@ -92,7 +71,7 @@ def _sweep(backward_arguments, device, warmup, iters):
     for stages, warps, block_n in SWEEP_QUERY_CONFIGS:
         config = LaunchConfig(num_stages=stages, num_warps=warps, block_n=block_n)
         try:
-            with deterministic_algorithms(True), query_config_first(config):
+            with deterministic_algorithms(True), pinned("msa_bwd_dq_kernel", config):
                 ms = f"{measure(backward, device, warmup, iters).median_ms:9.3f} ms"
         except UnsupportedInputs:
             ms = "does not fit this device's shared memory"

@@ -33,7 +33,9 @@ import torch_msa  # noqa: E402
 from torch_msa import backends  # noqa: E402
 from torch_msa.index_loss import dense as kl_dense_kernel  # noqa: E402
 from torch_msa.index_loss import sparse as kl_kernel  # noqa: E402
+from torch_msa.stages import combine, delta  # noqa: E402
 from torch_msa.stages import deterministic as backward_deterministic_kernel  # noqa: E402
+from torch_msa.stages import dq as dq_stage  # noqa: E402
 from torch_msa.triton import backward as backward_kernel  # noqa: E402
 from torch_msa.triton import forward as forward_kernel  # noqa: E402
 from torch_msa.triton import select as select_kernel  # noqa: E402
@@ -72,19 +74,19 @@ def _forward_blocks(config):
 def _forward_combine(config):
     types = {"partial_out": "*bf16", "partial_lse": "*fp32", "out": "*bf16", "lse": "*fp32"}
     constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=GROUP, TOPK=M3["topk"], DIM=M3["dim"])
-    return forward_kernel.msa_fwd_combine_kernel, types, constants
+    return combine.msa_fwd_combine_kernel, types, constants
 
 
 def _backward_delta(config):
     types = {"grad_out": "*bf16", "out": "*bf16", "grad_lse": "*fp32", "delta": "*fp32"}
     constants = dict(NUM_HEADS=M3["num_heads"], DIM=M3["dim"], ROWS=config.rows, HAS_GRAD_LSE=True)
-    return backward_kernel.msa_bwd_delta_kernel, types, constants
+    return delta.msa_bwd_delta_kernel, types, constants
 
 
 def _backward_ungroup_dq(config):
     types = {"dq_acc": "*fp32", "dq": "*bf16"}
     constants = dict(HEADS=GROUP, GROUPS=M3["dim"] // 8, WIDTH=8)
-    return backward_kernel.msa_bwd_ungroup_dq_kernel, types, constants
+    return dq_stage.msa_bwd_ungroup_dq_kernel, types, constants
 
 
 def _backward_blocks(config):
@@ -231,9 +233,9 @@ def _kl_dense_grad(kernel):
 
 KERNELS = {
     "msa_fwd_blocks_kernel": (_forward_blocks, forward_kernel.BLOCKS_CONFIGS),
-    "msa_fwd_combine_kernel": (_forward_combine, forward_kernel.COMBINE_CONFIGS),
-    "msa_bwd_delta_kernel": (_backward_delta, backward_kernel.DELTA_CONFIGS),
-    "msa_bwd_ungroup_dq_kernel": (_backward_ungroup_dq, backward_kernel.UNGROUP_CONFIGS),
+    "msa_fwd_combine_kernel": (_forward_combine, combine.COMBINE_CONFIGS),
+    "msa_bwd_delta_kernel": (_backward_delta, delta.DELTA_CONFIGS),
+    "msa_bwd_ungroup_dq_kernel": (_backward_ungroup_dq, dq_stage.UNGROUP_CONFIGS),
     "msa_bwd_blocks_kernel": (_backward_blocks, backward_kernel.BLOCKS_CONFIGS),
     "msa_bwd_blocks_kernel (deterministic)": (_deterministic_key_blocks, backward_kernel.DETERMINISTIC_BLOCKS_CONFIGS),
     "msa_bwd_key_reduce_kernel": (_deterministic_key_reduce, backward_deterministic_kernel.KEY_REDUCE_CONFIGS),
@@ -396,6 +398,34 @@ def test_launch_declines_when_nothing_fits(fresh_memo):
     with pytest.raises(torch_msa.UnsupportedInputs,
                        match="no launch configuration of the Triton kernel k fits .*263680"):
         launch.launch("k", "key", (launch.LaunchConfig(num_stages=1),), launch_with)
+
+
+def test_pinned_launches_its_candidates_and_restores_the_kernels_own(fresh_memo):
+    own = (launch.LaunchConfig(num_stages=3, rows=128),)
+    pin = (launch.LaunchConfig(num_stages=1, rows=32), launch.LaunchConfig(num_stages=1, rows=16))
+    tried = []
+
+    def launch_with(config):
+        tried.append(config.rows)
+        if config.rows > 16 and config is not own[0]:
+            raise _out_of_resources(133_120)
+
+    launch.launch("kernel", "key", own, launch_with)
+    launch.launch("other", "key", own, launch_with)
+    with launch.pinned("kernel", *pin):
+        assert ("kernel", "key") not in launch._chosen and ("other", "key") in launch._chosen
+        launch.launch("kernel", "key", own, launch_with)
+        launch.launch("kernel", "key", own, launch_with)
+        with pytest.raises(ValueError, match="already pinned"):
+            with launch.pinned("kernel", *pin):
+                pass
+    assert tried == [128, 128, 32, 16, 16]
+    assert launch._pinned == {} and ("kernel", "key") not in launch._chosen and ("other", "key") in launch._chosen
+    launch.launch("kernel", "key", own, launch_with)
+    assert tried[-1] == 128
+    with pytest.raises(ValueError, match="no launch configuration"):
+        with launch.pinned("kernel"):
+            pass
 
 
 def test_a_kernel_that_fits_nothing_falls_back_to_the_reference_with_one_warning(fresh_memo, monkeypatch):

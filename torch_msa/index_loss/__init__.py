@@ -1,20 +1,4 @@
-"""The index branch's KL loss: how a call serves it, and its kernels.
-
-Two decisions live here and nowhere else:
-
-* `attention_with_index_loss` (what `msa_attention(..., index_loss=True)` runs): in training the
-  loss is computed by the backward (`msa::forward_with_index_loss`, then
-  `msa::backward_with_index_loss`), otherwise by the separate `msa::indexer_kl`.
-* `backward_with_index_loss` (what `msa::backward_with_index_loss` runs): the backend of the
-  backward serves it fused where it declares that op (the SM90 backward writes the loss's teacher
-  where it recomputes `P`), and otherwise, or for index inputs its fused kernels decline, as its
-  backward followed by the registry's `msa::indexer_kl` and `msa::indexer_kl_backward`
-  (`separate`), which recompute the teacher.
-
-The Triton kernels: `sparse.py` (the loss on the selected blocks, and from a given teacher),
-`sparse_deterministic.py` (the same with fixed-order reductions) and `dense.py` (the loss on the
-dense causal support of the warm-up stage).
-"""
+"""How a call serves the index loss (`README.md`), and its Triton kernels."""
 
 import functools
 from collections.abc import Callable
@@ -29,8 +13,8 @@ FUSED_OP = "backward_with_index_loss"
 
 
 def by_registry(op: str) -> Callable:
-    """`msa::op`'s implementation as the registry serves it on its inputs' device (the second
-    argument's for the KL backward, the first's otherwise)."""
+    """`msa::op` as the registry serves it on its inputs' device (the second argument's for
+    `indexer_kl_backward`, the first's otherwise)."""
     anchor = 1 if op == "indexer_kl_backward" else 0
     return lambda *args: backends.call(op, args[anchor].device, *args)
 
@@ -39,8 +23,8 @@ def separate(backward: Callable, indexer_kl: Callable, indexer_kl_backward: Call
              out, lse, index_q, index_k, block_indices, documents: Documents, block_size, softmax_scale,
              index_softmax_scale, grad_lse=None, plan=None):
     """`(dq, dk, dv, d_index_q, d_index_k, loss)`: `backward`, `indexer_kl` and
-    `indexer_kl_backward` (implementations of those ops, in the backends' form) one after another;
-    the KL's teacher is `q`, `k` and the attention's `lse`, constants of the loss."""
+    `indexer_kl_backward` (those ops in the backends' form) in turn; the index loss's teacher
+    (`q`, `k`, the attention's `lse`) is a constant of the loss."""
     dq, dk, dv = backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse,
                           plan)
     loss, _, index_lse, mass, teacher_index_keys, teacher_index_queries = indexer_kl(
@@ -76,11 +60,15 @@ def backward_with_index_loss(grad_out, grad_loss, q, *args):
 
 def attention_with_index_loss(q, k, v, index_q, index_k, block_indices, docs, block_size: int,
                                softmax_scale: float, plan, fragments, index_loss_value=None):
-    """`(out, lse, kl, kl_value)`: the attention over `block_indices` and the index branch's KL on
-    that selection and the attention's lse (student scale `Di ** -0.5`), as `msa_attention(...,
-    index_loss=True)` computes them (its docstring says when `kl` is a placeholder and when
-    `kl_value` receives the value). The arguments are the ops' (checked by the caller); `docs`
-    and `fragments` are the ops' four document and two fragment arguments."""
+    """`(out, lse, kl, kl_value)`: the attention over `block_indices` and the index loss on that
+    selection and the attention's lse (student scale `Di ** -0.5`), as `msa_attention(...,
+    index_loss=True)` computes them (its docstring says when `kl` is a placeholder). The
+    arguments are the ops' (checked by the caller); `docs` and `fragments` are the ops' four
+    document and two fragment arguments.
+
+    Raises:
+        ValueError: `index_loss_value` under torch.func transforms with the loss served separately.
+    """
     index_scale = index_q.shape[-1] ** -0.5
     if fused_in_backward(index_q, index_k, index_loss_value):
         if index_loss_value is None:
@@ -104,9 +92,8 @@ def attention_with_index_loss(q, k, v, index_q, index_k, block_indices, docs, bl
 
 
 def fused_in_backward(index_q, index_k, index_loss_value) -> bool:
-    """Whether `msa_attention`'s index loss is computed by the backward (`msa::forward_with_index_loss`):
-    in training, outside torch.func transforms, and under torch.compile only with a loss value
-    tensor from outside the compiled function."""
+    """Whether `msa_attention`'s index loss is computed by the backward: in training, outside
+    torch.func transforms, and under torch.compile only with an `index_loss_value` tensor."""
     training = torch.is_grad_enabled() and (index_q.requires_grad or index_k.requires_grad)
     if not training or torch._C._are_functorch_transforms_active():
         return False

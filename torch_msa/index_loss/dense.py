@@ -1,56 +1,5 @@
-"""The index branch's KL loss on the dense support in Triton, query-tile-outer (flash style).
-
-The dense support `J(t, r)` is every key `j <= p(t)` of query `t`'s document. For query `t` and
-index head `r` (serving KV head `r` and its `G` query heads `h`):
-
-    u_j  = index_scale <index_q[t, r], index_k[j]>          P_s = softmax_J(u)
-    P_t(j) = mean_h exp(scale <q[t, h], k[j, r]> - lse[t, h])      M = sum_J P_t
-    KL(t, r) = sum_J P_t (log P_t - u) + M lse_s                loss = sum_(t, r) KL / (Tq Hi)
-
-Kernels (each program owns a tile of consecutive queries of one document and walks the causally
-visible key tiles of that document; key tiles past the tile's last position are never read, so
-no value of another document is ever loaded):
-
-* `msa_kl_dense_teacher_lse_kernel` (only when the caller has no `lse`): programs over (query
-  tile, query head), an online log-sum-exp of the scores: a flash forward without the `P V`
-  product.
-* `msa_kl_dense_loss_kernel`: programs over (query tile, KV head r). Per key tile it loads the
-  keys once and runs the `G` score GEMMs of the group's heads over them (the heads' queries stream
-  through the inner loop, as keys stream through a flash forward), sums `exp(S - lse)` into
-  `P_t`, computes the student logits (one index GEMM), and accumulates per query the student's
-  online lse, `A = sum P_t (log P_t - u)`, `M` and the teacher's index keys
-  `sum_J P_t index_k`. The teacher's index queries `sum_(t, r) P_t index_q[t, r]` are a reduction
-  over queries: each program adds its `[key tile, Di]` share with fp32 atomics.
-* `msa_kl_dense_teacher_queries_kernel` (only under `torch.use_deterministic_algorithms(True)`,
-  where the loss kernel skips those atomics): programs over key tiles, walking all KV heads and
-  the queries that see the tile as the key-gradient kernel below does, recompute the teacher's
-  probabilities of the tile and reduce them into its teacher's index queries in registers.
-* `msa_kl_dense_query_grad_kernel` (query tiles) and `msa_kl_dense_key_grad_kernel` (key tiles,
-  all index heads and the queries that see them, reduced in registers): the backward reads only
-  the student, so it is two index-GEMM passes and needs no atomics.
-
-Cost at M3 (Hq 64, Hkv 4, D = Di = 128), T tokens of one document, `T^2 / 2` visible pairs:
-the teacher GEMMs are `2 Hq D T^2 / 2` FLOPs per pass (8.6 TFLOP at 32K) with one exp per
-(head, pair): one pass when `lse` is given, two when it is not. The student and the two teacher
-terms are three index GEMMs, `3 * 2 Hi Di T^2 / 2` (3/16 of a teacher pass), and the backward
-four more. Why atomics for the key-side teacher term: the alternative, a key-outer pass, would
-recompute every teacher score (one more teacher pass, 8.6 TFLOP and 34 G exps at 32K), while the
-atomics add `Hi Di T^2 / (2 TOKENS)` fp32 values (about 4 G at 32K with 64-token tiles), issued
-as contiguous `[key tile, Di]` rows: an eighth of what a flash-attention backward of the same
-length adds when it accumulates dQ with atomics (`Hq D T^2 / (2 BLOCK_N)`, 34 G). They make
-`teacher_index_queries` order-dependent in its last bits, so under
-`torch.use_deterministic_algorithms(True)` the forward pays for that key-outer pass instead
-(`msa_kl_dense_teacher_queries_kernel`: one more teacher pass, no atomics, no more memory) and
-every output has a fixed summation order. The key-tile-outer kernels (that pass and the key
-gradient) walk the queries that may see their tile run by run: the document's queries, or, with
-query fragments, each fragment of the tile's document in fragment order (`_query_run`).
-
-Memory: `O(T (Hq + Hi Di))` fp32 outputs; no buffer grows with `T x T`.
-
-Precision: scores and exponentials in fp32; the GEMMs that take probabilities as an operand
-(teacher terms, student gradient) split them into two halves of the index inputs' dtype
-(`common.weighted_dot`), so the gradient's teacher and student terms, nearly equal once the
-student has learnt, keep their difference. fp32 inputs multiply in full fp32 ("ieee").
+"""The index loss on the dense causal support in Triton, query-tile-outer (flash style); the
+formulas and kernels: `torch_msa/index_loss/README.md`.
 """
 
 import math
@@ -63,9 +12,8 @@ from ..backends import UnsupportedInputs
 from ..triton_utils.common import LN_2, LOG2_E, check_dtype_and_group, dot_precision, locate_queries, split_weights, weighted_dot
 from ..triton_utils.launch import LaunchConfig, launch
 
-# Tuned first for SM90 (228 KB of shared memory per SM), then smaller tiles and fewer stages for
-# the parts with less shared memory. `rows`: query tokens of a program's tile (or of the key-outer
-# kernel's inner tile); `block_n`: keys per tile.
+# SM90's tiles first, then smaller ones for less shared memory. `rows`: query tokens of a tile
+# (of the key-outer kernels' inner tile); `block_n`: keys per tile.
 TEACHER_LSE_CONFIGS = (LaunchConfig(rows=128, block_n=128, num_stages=3, num_warps=8),
                        LaunchConfig(rows=64, block_n=64, num_stages=2, num_warps=4))
 LOSS_CONFIGS = (LaunchConfig(rows=64, block_n=128, num_stages=2, num_warps=8),
@@ -85,7 +33,12 @@ def _check_dim(name: str, dim: int) -> None:
 
 
 def check_inputs(q, k, index_q) -> None:
-    """Decline, before any launch, what these kernels do not serve (the reference does)."""
+    """Decline, before any launch, what these kernels do not serve (the reference does).
+
+    Raises:
+        UnsupportedInputs: a dtype or head group `check_dtype_and_group` declines, or a head dim
+            or index head dim that is not a power of two in [16, 256].
+    """
     check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
     check_dtype_and_group("index_q", index_q.dtype)
     _check_dim("head dim", q.shape[-1])
@@ -94,11 +47,9 @@ def check_inputs(q, k, index_q) -> None:
 
 @triton.jit
 def _query_tile(key_start, position, cu_seqlens_q, num_queries, num_docs, tiles_per_doc, TOKENS: tl.constexpr):
-    """The program's query tile: `TOKENS` consecutive queries of one document (or fragment), the
-    last tiles of a document launched first since they see the most keys. Returns whether it is
-    empty, its query rows (int64; padded rows repeat the first), which are real, their key
-    positions (`-1`: sees no key), the packed row of their document's first key and the last
-    position any of them sees. An empty tile reads nothing."""
+    """The program's tile of `TOKENS` consecutive queries of one document (or fragment), a
+    document's last tiles first: `(empty, token, real, pos, tile_key_start, last)`, `token` int64
+    (padded rows repeat the first), `pos` -1 for a row that sees no key, `last` the largest `pos`."""
     pid = tl.program_id(0)
     doc = pid % num_docs
     end = tl.minimum(tl.load(cu_seqlens_q + doc + 1), num_queries)
@@ -182,8 +133,7 @@ def msa_kl_dense_loss_kernel(
     BLOCK_N: tl.constexpr, DIM: tl.constexpr, INDEX_DIM: tl.constexpr,
     PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DETERMINISTIC: tl.constexpr = False,
 ):
-    """`DETERMINISTIC`: `teacher_index_queries` is not touched (`msa_kl_dense_teacher_queries_kernel`
-    computes it without atomics)."""
+    """`DETERMINISTIC`: `teacher_index_queries` is not touched."""
     kv_head = tl.program_id(1)
     empty, token, real, pos, tile_key_start, last = _query_tile(key_start, position, cu_seqlens_q, num_queries, num_docs,
                                                                 tiles_per_doc, TOKENS)
@@ -467,7 +417,7 @@ def _key_documents(documents) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale, index_softmax_scale):
-    """The dense-support KL loss and what its backward needs.
+    """The index loss on the dense support and what its backward needs.
 
     Args:
         q: `[Tq, Hq, D]`, k: `[Tk, Hkv, D]` (bf16, fp16 or fp32; D a power of two in [16, 256]).

@@ -1,51 +1,5 @@
-"""`msa::indexer_kl` and `msa::indexer_kl_backward` in Triton, on the sparse support, KV-outer,
-and the same loss with its gradients from a given teacher (`index_loss_from_teacher`).
-
-Every kernel walks the shared KV-outer schedule (`torch_msa/plan/schedule.py`): one program owns one KV
-head's key block and a run of the queries that chose it, loads the block's (index) keys once
-(`_item_block`, the prologue they share) and takes the queries `TOKENS` at a time (at least 16,
-so the index GEMMs `[TOKENS, Di] x [Di, BLOCK]` are full-height).
-
-Forward: the teacher probability of a (query, key) pair is the mean over the query's `G` heads;
-the heads are taken `HEADS_PER_PASS` at a time, one `[TOKENS * HEADS_PER_PASS, BLOCK]` score GEMM
-per pass (128 rows: for M3, 16 tokens x 8 heads, two passes). This is the only place the teacher
-is computed. Each (KV head, query, slot) entry gets partial sums over its block, natural log
-except the student's running max (log2 domain): the max and sum of `exp2` of the index logits,
-`A = sum P_t (log P_t - u)` and `M = sum P_t`. A few PyTorch ops then combine the `topk`
-partials of each (query, index head) into the student's lse and `KL = A + M * lse_s`. The same
-tile also reduces `P_t` twice by GEMM, the teacher's half of the gradient: into
-`teacher_index_keys [Tq, Hi, Di]` (`P_t index_k`, fp32 atomics, one row per query, `topk` adds per
-row) and into the block's `teacher_index_queries` (`P_t^T index_q`, kept in registers over the
-item and added once).
-
-Backward: the student alone, no q, no k. The same tiles recompute the index logits, form
-`M * P_s` on the block's visible keys and reduce it into `d index_q` and `d index_k` exactly as
-the forward reduces `P_t`; the buffers start at `-c * teacher_index_*`, so
-`d = c * (student - teacher)` with `c = grad_loss * index_scale / (Tq * Hi)`. Its schedule has one
-row per entry (`ITEM_ROWS` entries per item), not the teacher's `G`.
-
-Teacher given (`index_loss_from_teacher`): the attention backward can emit the teacher itself,
-`teacher [Tq, Hi, topk, BLOCK]` (fp16), whose row `(t * Hi + r) * topk + s` holds `P_t` over the
-keys of block `block_indices[r, t, s]`. Then nothing reads q, k or lse, and the loss is two
-passes over one schedule of one row per entry. Pass 1 (`msa_kl_fwd_from_teacher_kernel`) reads
-the tile's teacher rows where the support is visible (never an absent slot: the schedule has
-dropped -1, invisible and repeated ids) and stores the forward's partials, from which
-`finish_forward` gives the loss, the student's lse and `M`. Pass 2 (`msa_kl_bwd_kernel` with
-the teacher) forms `w = M * P_s - P_t` per tile and reduces `c * w` into `d index_q` and
-`d index_k` at once: one reduction pair for both halves, and no `teacher_index_*` buffers.
-
-Precision: the weights of those reductions (`P_t`, `M * P_s`, fp32) meet 16-bit index inputs in
-two halves of that dtype (`high + low`), so each sum keeps about 16 bits of its weights and
-their difference, the gradient, loses nothing to the rounding of one of them. With a given
-teacher the difference `M * P_s - P_t` is formed in fp32 first, so the split keeps about 16 bits
-of the gradient's weights themselves.
-
-The reductions add with atomics, so their sums are order-dependent in the last bits: under
-`torch.use_deterministic_algorithms(True)` `indexer_kl`, `indexer_kl_backward` and
-`index_loss_from_teacher` with a `grad_loss` here decline and `kl_deterministic.py` serves that
-mode instead, running the same kernels with `DETERMINISTIC`: every sum is stored, each entry's
-in its own row and each item's per-key sums in the item's own rows, and then reduced in a fixed
-order. The partials are stored per entry either way.
+"""`msa::indexer_kl` and `msa::indexer_kl_backward` on the sparse support in Triton, KV-outer, and
+the index loss from a given teacher (design: `torch_msa/index_loss/README.md`).
 """
 
 import math
@@ -62,15 +16,18 @@ from ..reference_kl import loss_dtype
 from ..triton_utils.common import LN_2, LOG2_E, dot_precision, item_horizon, program_item, split_weights, weighted_dot
 from ..triton_utils.launch import LaunchConfig, launch
 
-# `rows`: teacher rows (tokens x heads) of a forward tile; tokens of a backward tile and of a
-# forward tile from a given teacher.
+# `rows`: teacher rows (tokens x heads) of a forward tile; tokens of the other kernels' tiles.
 FORWARD_CONFIGS = (LaunchConfig(rows=64, num_stages=2, num_warps=8), LaunchConfig(rows=64, num_stages=1))
 FROM_TEACHER_CONFIGS = (LaunchConfig(rows=64, num_stages=2, num_warps=8), LaunchConfig(rows=32, num_stages=1))
 BACKWARD_CONFIGS = (LaunchConfig(rows=64, num_stages=2, num_warps=8), LaunchConfig(rows=32, num_stages=1))
 
 
 def check_inputs(lse_present: bool, index_q) -> None:
-    """Decline, before any launch, what these kernels do not serve (the reference does)."""
+    """Decline, before any launch, what these kernels do not serve (the reference does).
+
+    Raises:
+        UnsupportedInputs: no lse, or an index head dim that is not a power of two in [16, 256].
+    """
     if not lse_present:
         raise UnsupportedInputs("no lse: the Triton KL kernels take the attention's lse")
     index_dim = index_q.shape[-1]
@@ -79,15 +36,18 @@ def check_inputs(lse_present: bool, index_q) -> None:
 
 
 def check_atomics_allowed() -> None:
-    """Decline under `torch.use_deterministic_algorithms(True)`: the default kernels add with
-    atomics (`kl_deterministic.py` serves that mode)."""
+    """Decline under deterministic algorithms (`sparse_deterministic.py` serves that mode).
+
+    Raises:
+        UnsupportedInputs: `torch.are_deterministic_algorithms_enabled()`.
+    """
     if torch.are_deterministic_algorithms_enabled():
         raise UnsupportedInputs("deterministic algorithms were requested and the Triton KL kernels add with atomics")
 
 
 def kl_tile_shape(num_heads: int, num_kv_heads: int, rows: int = 128) -> tuple[int, int]:
-    """`(tokens, heads_per_pass)` of a forward tile: its queries (at least 16, so the index GEMMs
-    are full-height) and how many of their query heads one teacher GEMM of about `rows` rows takes."""
+    """`(tokens, heads_per_pass)` of a forward tile: its queries (at least 16) and the query heads
+    one teacher GEMM of about `rows` rows takes."""
     group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
     tokens = max(16, rows // group_p2)
     return tokens, max(1, min(group_p2, rows // tokens))
@@ -98,20 +58,16 @@ def _item_block(
     index_k, entry_query, item_start, item_end, item_bucket, bucket_head, bucket_key_row, bucket_block, position,
     num_keys, stride_ik_token, TOPK: tl.constexpr, BLOCK: tl.constexpr, INDEX_DIM: tl.constexpr,
 ):
-    """The prologue of every KL kernel: the program's item (`program_item`), its entries
-    `start .. end - 1`, its KV head and key block (`key_row`, `key_position`, `key_ok`
-    `[BLOCK]`) and the block's index keys `[BLOCK, INDEX_DIM]` (zeros where not `key_ok`).
-
-    An unused item (`start == end`) has no key `key_ok` (its horizon is -1), so its tile loop is
-    empty and every load and store of it is masked off: the kernels need no early return."""
+    """The prologue of every index loss kernel: `(item, start, end, kv_head, key_row,
+    key_position, key_ok, index_keys [BLOCK, INDEX_DIM])`, zeros where not `key_ok`. An unused
+    item has no `key_ok` key (its horizon is -1), so its callers need no early return."""
     item, start, end = program_item(item_start, item_end)
     bucket = tl.load(item_bucket + item)
     kv_head = tl.load(bucket_head + bucket)
     offsets = tl.arange(0, BLOCK)
     key_row = (tl.load(bucket_key_row + bucket) + offsets).to(tl.int64)
     key_position = tl.load(bucket_block + bucket) * BLOCK + offsets
-    # Keys past the item's last causal position (the block's tail may be the next document's) are
-    # neither read nor written, so no value of another document meets a zero weight (0 * NaN).
+    # The block's tail may be the next document's: keep its values from meeting a zero weight (0 * NaN).
     key_ok = (key_position <= item_horizon(entry_query, position, start, end, TOPK)) & (key_row < num_keys)
     index_keys = tl.load(index_k + key_row[:, None] * stride_ik_token + tl.arange(0, INDEX_DIM)[None, :],
                          mask=key_ok[:, None], other=0.0)
@@ -124,9 +80,9 @@ def _student_tile(
     stride_iq_token, stride_iq_head,
     TOKENS: tl.constexpr, TOPK: tl.constexpr, INDEX_DIM: tl.constexpr, INDEX_PRECISION: tl.constexpr,
 ):
-    """The student's side of a tile of `TOKENS` entries: index logits (log2 domain, `-inf` off the
-    support) `[TOKENS, BLOCK]`, the support itself (`visible`), the index queries `[TOKENS, Di]`
-    (zeros for padding entries), and per entry its `t * topk + slot` and whether it is real."""
+    """The student's side of a tile of `TOKENS` entries: `(logits [TOKENS, BLOCK]` (log2 domain,
+    `-inf` off the support), `visible`, `index_queries [TOKENS, Di]` (zeros for padding), the
+    entries' `t * topk + slot`, `token_ok)`."""
     tokens = tl.arange(0, TOKENS)
     token_ok = first + tokens < end
     query = tl.load(entry_query + first + tokens, mask=token_ok, other=0)
@@ -147,8 +103,8 @@ def _teacher_tile(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PASS: tl.constexpr, TOKENS: tl.constexpr,
     TOPK: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Teacher probabilities `[TOKENS, BLOCK]` of a tile: the mean over each entry's `G` query
-    heads, `HEADS_PER_PASS` at a time, one GEMM per pass; 0 where not `visible [TOKENS, BLOCK]`."""
+    """Teacher probabilities `[TOKENS, BLOCK]` of a tile, the mean over each entry's `G` query
+    heads; 0 where not `visible`."""
     rows = tl.arange(0, TOKENS * HEADS_PER_PASS)
     row_token_ok = first + rows // HEADS_PER_PASS < end
     row_token = (tl.load(entry_query + first + rows // HEADS_PER_PASS, mask=row_token_ok, other=0) // TOPK).to(tl.int64)
@@ -170,17 +126,16 @@ def _teacher_tile(
             # The last pass's padding heads (zero rows of q, so probability 1) must add nothing.
             probs = tl.where((group_head < GROUP)[:, None], probs, 0.0)
         teacher += tl.sum(tl.reshape(probs, (TOKENS, HEADS_PER_PASS, BLOCK)), axis=1)
-    # Visibility is a property of the (token, key) pair, shared by the token's heads: masking the
-    # sum replaces whatever the hidden pairs held (Inf, NaN) with 0, once per pair, not per head.
+    # Masking the sum, not each head, clears whatever the hidden pairs held (Inf, NaN) once per pair.
     return tl.where(visible, teacher * (1.0 / GROUP), 0.0)
 
 
 @triton.jit
 def _given_teacher_tile(teacher, query, kv_head, visible, NUM_KV_HEADS: tl.constexpr, TOPK: tl.constexpr,
                         BLOCK: tl.constexpr):
-    """Teacher probabilities `[TOKENS, BLOCK]` (fp32) of a tile, read from a given teacher
-    `[Tq, Hi, topk, BLOCK]`: entry `t * topk + s` of KV head `r` is its row `(t * Hi + r) * topk + s`.
-    Only the `visible` pairs are read; the others are 0."""
+    """Teacher probabilities `[TOKENS, BLOCK]` (fp32) of a tile from a given teacher
+    `[Tq, Hi, topk, BLOCK]` (row `(t * Hi + r) * topk + s`); only `visible` pairs are read, the
+    others are 0."""
     row = (query // TOPK).to(tl.int64) * (NUM_KV_HEADS * TOPK) + kv_head * TOPK + query % TOPK
     rows = tl.load(teacher + row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :], mask=visible, other=0.0)
     return rows.to(tl.float32)
@@ -189,10 +144,8 @@ def _given_teacher_tile(teacher, query, kv_head, visible, NUM_KV_HEADS: tl.const
 @triton.jit
 def _store_partials(logits, teacher, query, token_ok, kv_head, num_queries, part_max, part_sum, part_weighted,
                     part_mass, TOPK: tl.constexpr):
-    """A tile's per-entry partials over its block from the student's `logits` (log2 domain, `-inf`
-    off the support) and the teacher `[TOKENS, BLOCK]` (0 off the support): the running max and
-    sum of `exp2` of the logits, `A = sum P_t (log P_t - u)` and `M = sum P_t`, stored at the
-    entries' `[Hkv, Tq, topk]` slots (laid out like `block_indices`)."""
+    """Store a tile's per-entry partials (`ForwardPartials`) from the student's `logits` and the
+    teacher `[TOKENS, BLOCK]`, at the entries' `[Hkv, Tq, topk]` slots."""
     row_max = tl.max(logits, axis=1)
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     total = tl.sum(tl.exp2(logits - shift[:, None]), axis=1)
@@ -211,9 +164,8 @@ def _store_partials(logits, teacher, query, token_ok, kv_head, num_queries, part
 @triton.jit
 def _add_query_sums(out, query_sums, query, token_ok, kv_head, NUM_KV_HEADS: tl.constexpr, TOPK: tl.constexpr,
                     INDEX_DIM: tl.constexpr, DETERMINISTIC: tl.constexpr):
-    """A tile's per-entry sums `[TOKENS, Di]` into `out`: added to its (query, index head) rows
-    `[Tq, Hi, Di]` with atomics, or (`DETERMINISTIC`) stored in its entry rows `[Tq, Hi, topk, Di]`,
-    each written by this one tile."""
+    """A tile's per-entry sums `[TOKENS, Di]` into `out`: added to the (query, index head) rows
+    `[Tq, Hi, Di]` with atomics, or (`DETERMINISTIC`) stored in the entry rows `[Tq, Hi, topk, Di]`."""
     pair = (query // TOPK).to(tl.int64) * NUM_KV_HEADS + kv_head
     index_dims = tl.arange(0, INDEX_DIM)
     if DETERMINISTIC:
@@ -227,9 +179,9 @@ def _add_query_sums(out, query_sums, query, token_ok, kv_head, NUM_KV_HEADS: tl.
 @triton.jit
 def _add_key_sums(out, key_sums, item, key_row, key_ok, BLOCK: tl.constexpr, INDEX_DIM: tl.constexpr,
                   DETERMINISTIC: tl.constexpr):
-    """An item's per-key sums `[BLOCK, Di]` into `out`: added to its keys' rows `[Tk, 1, Di]` with
-    atomics, or (`DETERMINISTIC`) stored in the item's own rows `item * BLOCK + c` of a workspace
-    (`backward_deterministic_kernel.reduce_item_rows` reads them); only the `key_ok` keys."""
+    """An item's per-key sums `[BLOCK, Di]` of the `key_ok` keys into `out`: added to the keys'
+    rows `[Tk, 1, Di]` with atomics, or (`DETERMINISTIC`) stored in the item's own rows
+    `item * BLOCK + c` (`torch_msa.stages.deterministic.reduce_item_rows` reads them)."""
     index_dims = tl.arange(0, INDEX_DIM)
     if DETERMINISTIC:
         rows = item.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -243,11 +195,9 @@ def _add_key_sums(out, key_sums, item, key_row, key_ok, BLOCK: tl.constexpr, IND
 def _reduce_tile(weights, scale, index_keys, index_queries, key_sums, query_out, query, token_ok, kv_head,
                  NUM_KV_HEADS: tl.constexpr, TOPK: tl.constexpr, INDEX_DIM: tl.constexpr, SPLIT: tl.constexpr,
                  INDEX_PRECISION: tl.constexpr, DETERMINISTIC: tl.constexpr):
-    """The two reductions of a tile's fp32 `weights [TOKENS, BLOCK]` (0 off the support; padding
-    entries and keys off the block are zero rows of the operands too, so nothing of another
-    document is read): `scale * weights @ index_keys` into the entries' rows of `query_out`
-    (`_add_query_sums`), and `weights^T @ index_queries` added to the item's `key_sums`, which it
-    returns."""
+    """The two reductions of a tile's fp32 `weights [TOKENS, BLOCK]` (0 off the support):
+    `scale * weights @ index_keys` into `query_out` (`_add_query_sums`), and the returned
+    `key_sums + weights^T @ index_queries`."""
     query_sums = weighted_dot(weights, index_keys, tl.zeros((weights.shape[0], INDEX_DIM), tl.float32), SPLIT,
                               INDEX_PRECISION)
     _add_query_sums(query_out, query_sums * scale, query, token_ok, kv_head, NUM_KV_HEADS, TOPK, INDEX_DIM,
@@ -441,9 +391,8 @@ def launch_forward_from_teacher(teacher, index_q, index_k, partials: ForwardPart
 
 
 def finish_forward(partials: ForwardPartials, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(loss, index_lse [Tq, Hi], teacher_mass [Tq, Hi])` in `dtype` from the partials: the
-    `topk` partials of each (query, index head) combined by torch reductions, which are
-    deterministic."""
+    """`(loss, index_lse [Tq, Hi], teacher_mass [Tq, Hi])` in `dtype`, the partials combined by
+    torch reductions (deterministic)."""
     num_index_heads, num_queries, _ = partials.max.shape
     used = partials.sum > 0
     slot_lse = torch.where(used, (partials.max + torch.where(used, partials.sum, 1).log2()) * math.log(2), -math.inf)
@@ -537,14 +486,12 @@ def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices,
                             index_softmax_scale, plan=None):
     """Same contract as `torch_msa.reference_kl.index_loss_from_teacher`: `(loss, d_index_q,
     d_index_k)` from a given teacher `[Tq, Hi, topk, block_size]`, the gradients None when
-    `grad_loss` is None. `plan`: the step's plan (as `torch_msa.plan.schedule.schedule_for` takes
+    `grad_loss` is None. `plan`: the step's plan (as `torch_msa.plan.kernels.schedule_for` takes
     it), walked in this loss's items; None builds one.
 
-    Two passes over one schedule of one row per entry: the forward of the given teacher (per-entry
-    partials, then `finish_forward`), and, with `grad_loss`, the backward with the teacher, which
-    adds `c (M P_s - P_t)` into both gradients with atomics (so then, under deterministic
-    algorithms, it declines: `kl_deterministic.index_loss_from_teacher` serves that mode). The
-    loss alone has no atomics.
+    Raises:
+        UnsupportedInputs: as `check_inputs`; with `grad_loss`, under deterministic algorithms
+            (`sparse_deterministic.index_loss_from_teacher` serves that mode).
     """
     check_inputs(True, index_q)
     if grad_loss is not None:

@@ -1,48 +1,6 @@
-"""`msa::indexer_kl` and `msa::indexer_kl_backward` on the sparse support in Triton, deterministic:
-every sum has a fixed order, so two runs on the same inputs agree bitwise. The backend serves
-these under `torch.use_deterministic_algorithms(True)`; the default kernels (`kl_kernel.py`) add
-with atomics instead.
-
-Both passes run the KV-outer kernels of `sparse.py` with `DETERMINISTIC`, on the step's plan in
-items of their own (the workspace is laid out by its items), and reduce what they store like the
-deterministic attention backward (`torch_msa/stages/deterministic.py`):
-
-* Per (query, index head) sums (`teacher_index_keys` in the forward, the student's half of
-  `d index_q` in the backward): each entry `(query, index head, slot)` is one row of one tile of
-  one item, which stores it in its own row of `[Tq, Hi, topk, Di]` (rows of entries the schedule
-  drops stay zero); a torch sum over the slots (torch's reductions have a fixed order) gives
-  `[Tq, Hi, Di]`.
-* Per key sums (`teacher_index_queries`, the student's half of `d index_k`): each item keeps its
-  block's sums in registers and stores them in its own rows of a workspace, rows
-  `item * block_size + c`; `reduce_item_rows` sums each bucket's items in item order into the
-  bucket's KV head's rows of `[Tk, Hi, Di]` (zero where no bucket of that head reads the key),
-  and a torch sum over the heads gives `[Tk, 1, Di]`.
-* The loss, the student's lse and the teacher's mass come from per-entry partials, as in the
-  default forward, which has no atomics there (`kl_kernel.finish_forward`).
-
-`index_loss_from_teacher` (the loss and its gradients from a given teacher) runs the default
-path's two kernels likewise: per window of queries, the forward of the given teacher (per-entry
-partials, no atomics) and the backward with the teacher, on the backward's items, whose sums of
-`c (M P_s - P_t)` are stored and reduced as the backward's are.
-
-Items: the forward's hold `FORWARD_ITEM_FACTOR` times the entries of the public API's plans
-(`torch_msa.plan.schedule.entries_per_item(Hq, Hkv)`), as the deterministic attention backward's
-items hold four times its tiles, to bound the workspace; the backward's hold what the default
-backward's do (`entries_per_item(Hi, Hi)`).
-
-Memory: fp32 state, with `E` entries per item. Per query: entry rows of `4 Hi topk Di` bytes
-and item rows of about `4 Di Hi topk block_size / E` (`partial_bytes_per_query`: 40 KiB at M3,
-Hi 4, topk 16, Di 128, block 128, in the forward's `E = 512`; 34 KiB in the backward's
-`E = 2048`). These are bounded: a call whose queries would pass `query_windows.PARTIAL_BYTES`
-runs over consecutive windows of queries that fit it, each window's queries passed as one-token
-fragments that place them where one call would (`documents.token_fragments`, as the attention
-forward's windows do, `torch_msa/query_windows.py`), and its per-key sums added to the others'
-in window order. Per window and key: the items' share of `max_buckets` (`torch_msa/plan/schedule.py`),
-`4 Di Hi (1 + block_size B / Tk)` bytes of item rows for `B` documents, and `4 Hi Di` bytes of
-per-head key sums (2 KiB each at M3). Nothing is `T x T`.
-
-Precision is the default kernels': the same tiles compute the same sums, only added in another,
-fixed, order.
+"""`msa::indexer_kl` and `msa::indexer_kl_backward` on the sparse support in Triton with fixed-order
+reductions, bitwise reproducible: served under `torch.use_deterministic_algorithms(True)` (design:
+`torch_msa/index_loss/README.md`).
 """
 
 import torch
@@ -52,7 +10,7 @@ from ..plan.kernels import plan_schedule, schedule_for
 from ..plan.schedule import entries_per_item, with_items
 from ..reference_kl import loss_dtype
 from ..stages.deterministic import bucket_first_items, reduce_item_rows
-from . import sparse as kl_kernel
+from . import sparse
 from .sparse import (
     ForwardPartials,
     backward_coefficient,
@@ -74,7 +32,7 @@ def forward_entries_per_item(num_heads: int, num_kv_heads: int) -> int:
 
 
 def backward_entries_per_item(num_index_heads: int) -> int:
-    """Entries per item of the backward's schedule: one row per entry, as the default backward's."""
+    """Entries per item of the backward's schedule, as the default backward's."""
     return entries_per_item(num_index_heads, num_index_heads)
 
 
@@ -85,20 +43,18 @@ def partial_bytes_per_query(num_index_heads: int, topk: int, index_dim: int, blo
 
 
 def _windows(documents, num_queries: int, num_keys: int, per_query: int):
-    """`query_windows.query_windows` with windows whose partials (`per_query` bytes per query) fit
+    """`query_windows.query_windows` with windows whose rows (`per_query` bytes a query) fit
     `query_windows.PARTIAL_BYTES`."""
     window = max(1, query_windows.PARTIAL_BYTES // max(1, per_query))
     return query_windows.query_windows(documents, num_queries, num_keys, window)
 
 
 def _windowed(partials: ForwardPartials, block_indices, documents, num_keys, block_size, items_of, index_dim, plan):
-    """Per window of queries (`_windows`, sized for `items_of` entries per item):
-    `(start, stop, window_partials, schedule, bucket_first_item, entry_rows, item_rows)`, the
-    window's own partials (`partials` itself when one window takes every query) and its
-    `_workspaces`. One window walks `plan` (as `torch_msa.plan.schedule.schedule_for` takes it) in
-    items of `items_of`; several build their own schedules (the workspace reduction reads each
-    bucket's entries as one run). Once the caller is done with a window, its partials are copied
-    into `partials`."""
+    """Per window of queries (`_windows`, sized for `items_of` entries per item), yields
+    `(start, stop, window_partials, *_workspaces(...))`; the window's partials are copied into
+    `partials` once the caller is done with it. A single window walks `plan` (as
+    `torch_msa.plan.kernels.schedule_for` takes it) in items of `items_of`; several windows build
+    a schedule each."""
     num_index_heads, num_queries, topk = block_indices.shape
     per_query = partial_bytes_per_query(num_index_heads, topk, index_dim, block_size, items_of)
     for start, stop, window in _windows(documents, num_queries, num_keys, per_query):
@@ -117,8 +73,8 @@ def _windowed(partials: ForwardPartials, block_indices, documents, num_keys, blo
 
 
 def _workspaces(schedule, num_index_heads, num_queries, topk, block_size, index_dim):
-    """`schedule`, its buckets' first items, and the zeroed entry rows `[Tq, Hi, topk, Di]` and the
-    per-item rows `[max_items * block_size, Di]` (fp32)."""
+    """`(schedule, bucket_first_item, entry_rows [Tq, Hi, topk, Di] zeroed, item_rows
+    [max_items * block_size, Di])`, fp32 rows."""
     device = schedule.entry_query.device
     entry_rows = torch.zeros((num_queries, num_index_heads, topk, index_dim), dtype=torch.float32, device=device)
     item_rows = torch.empty((schedule.item_start.numel() * block_size, index_dim), dtype=torch.float32, device=device)
@@ -126,7 +82,7 @@ def _workspaces(schedule, num_index_heads, num_queries, topk, block_size, index_
 
 
 def _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys, num_index_heads, topk, block_size):
-    """`[Tk, 1, Di]` fp32: the per-item rows summed per key, in item order per KV head, then over the heads."""
+    """`[Tk, 1, Di]` fp32: the item rows summed per key in item order, then over the heads."""
     per_head = torch.zeros((num_keys, num_index_heads, item_rows.shape[-1]), dtype=torch.float32,
                            device=item_rows.device)
     shape_key = (item_rows.device, item_rows.shape[-1], block_size, topk)
@@ -172,7 +128,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
     num_keys = index_k.shape[0]
     topk = block_indices.shape[-1]
     coefficient = backward_coefficient(grad_loss, index_softmax_scale, num_queries, num_index_heads)
-    # d = c * (student - teacher); the kernel stores c times the student's sums.
+    # d = c * (student - teacher); the kernel stores the student's half.
     d_index_q = teacher_index_keys.float() * -coefficient
     d_index_k = teacher_index_queries.float() * -coefficient
     if num_queries > 0 and num_keys > 0 and topk > 0:
@@ -197,17 +153,9 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
 
 def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices, documents, block_size,
                             index_softmax_scale, plan=None):
-    """Same contract as `torch_msa.reference_kl.index_loss_from_teacher`, bitwise reproducible.
-
-    The loss alone has no atomics: `kl_kernel.index_loss_from_teacher` serves it. With `grad_loss`,
-    each window of queries (`_windows`, sized by the backward's workspace) runs both passes on one
-    schedule of its own: the forward of the given teacher into the window's partials, whose
-    `index_lse` and mass the backward with the teacher then reads, storing `c (M P_s - P_t)`'s
-    sums in the entry and item rows that are reduced in a fixed order as in
-    `indexer_kl_backward`. The loss comes from all the partials at the end (`finish_forward`).
-    """
+    """Same contract as `torch_msa.reference_kl.index_loss_from_teacher`, bitwise reproducible."""
     if grad_loss is None:
-        return kl_kernel.index_loss_from_teacher(teacher, None, index_q, index_k, block_indices, documents, block_size,
+        return sparse.index_loss_from_teacher(teacher, None, index_q, index_k, block_indices, documents, block_size,
                                                  index_softmax_scale, plan)
     check_inputs(True, index_q)
     num_queries, num_index_heads, index_dim = index_q.shape

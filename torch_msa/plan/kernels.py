@@ -1,28 +1,6 @@
-"""`msa::plan` in Triton: the KV-outer schedule in four kernels, a sort and two scans.
-
-It writes exactly the tables of `torch_msa.plan.schedule.build_schedule` (the reference) into one
-plan tensor (layout in `torch_msa/plan/schedule.py`), with a dozen host calls instead of about a
-hundred: in eager mode each call costs a host-side launch, and below T = 64K the reference
-build's launches took longer than the attention kernels.
-
-1. `msa_plan_entry_keys_kernel`, one program per (tokens, KV head): finds each query's document
-   and position (`common.locate_tokens`, the same binary search as `torch.searchsorted`) and
-   which slots count (valid entries), and writes every entry's bucket key `head * Tk + key row of
-   its block` (invalid entries: `Hkv * Tk`, past every real key) and the positions.
-2. `torch.sort(stable=True)` orders the entries by (KV head, key block, query, slot): the
-   deterministic order of the reference.
-3. `msa_plan_bucket_starts_kernel` flags the first entry of each bucket and writes `entry_query`;
-   `torch.cumsum` numbers the buckets.
-4. `msa_plan_bucket_tables_kernel` writes each bucket's CSR offset and fields from its first
-   entry (which also counts the bucket's items, finding its end by binary search), and fills the
-   unused rows; `torch.cumsum` places the items.
-5. `msa_plan_item_tables_kernel`, one thread per item row, finds its bucket (binary search) and
-   range.
-
-No host synchronisation: every size is a shape-derived bound, as in the reference.
-
-`bucket_key_count` is `torch_msa.plan.schedule.bucket_key_count` in one kernel: what the SM90 kernels
-read beside a plan.
+"""`msa::plan` in Triton: the tables of `torch_msa.plan.schedule.build_schedule` in a dozen host
+calls instead of about a hundred (steps: `torch_msa/plan/README.md`), and `bucket_key_count` in
+one kernel.
 """
 
 import torch
@@ -53,7 +31,6 @@ def msa_plan_entry_keys_kernel(
                                    num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
     tl.store(position + tokens, pos.to(tl.int32), mask=token_ok & (head == 0))
 
-    # Valid entries: id >= 0, visible (id <= p(t) // block_size), first occurrence in the row.
     slots = tl.arange(0, TOPK_P2)
     slot_ok = token_ok[:, None] & (slots < TOPK)[None, :]
     row = block_indices + head.to(tl.int64) * stride_head + token * stride_token
@@ -170,7 +147,7 @@ def msa_plan_item_tables_kernel(
 
 
 def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> torch.Tensor:
-    """`msa::plan`: the plan of `block_indices` (see `torch_msa/plan/schedule.py`), the tables of `build_schedule`.
+    """`msa::plan`: the plan of `block_indices`, the tables of `build_schedule` packed.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
@@ -185,7 +162,6 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> to
     num_docs = documents.num_documents
     num_entries = block_indices.numel()
     if num_entries == 0:
-        # Nothing to sort: the reference's few calls on empty tensors.
         return pack(build_schedule(block_indices, documents, num_keys, block_size, entries_per_item))
     # The kernels read the boundaries as dense arrays (block_indices through its strides).
     documents = documents.map_tensors(torch.Tensor.contiguous)
@@ -205,7 +181,7 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> to
     key_stride = max(1, num_keys)
     past_all = num_kv_heads * key_stride
     strides = block_indices.stride()
-    # 32-bit keys where they fit sort faster and give the same stable order.
+    # 32-bit keys sort faster, in the same stable order.
     key_dtype = torch.int32 if past_all < 2**31 - 1 else torch.int64
     bucket_key = torch.empty(num_entries, dtype=key_dtype, device=device)
     topk_p2 = triton.next_power_of_2(topk)
@@ -248,15 +224,17 @@ def plan_schedule(block_indices, documents: Documents, num_keys, block_size, ent
 
 
 def schedule_for(block_indices, documents: Documents, num_keys, block_size, num_heads, plan=None) -> Schedule:
-    """The KV-outer schedule a kernel walks: `plan`'s, or (`None`) a new plan's (`plan_schedule`)
-    with the items the public API builds (`entries_per_item(num_heads, Hkv)`).
+    """The KV-outer schedule a kernel walks: `plan`'s, or (`None`) a new plan's with the public
+    API's items (`entries_per_item(num_heads, Hkv)`).
 
     Args:
-        block_indices: int32 `[Hkv, Tq, topk]`; documents: as for `build_schedule`; num_keys:
-            `Tk`; block_size: keys per block.
+        block_indices: int32 `[Hkv, Tq, topk]`; documents, num_keys, block_size: as for `build_schedule`.
         num_heads: the query heads `Hq` that size the items of a new plan.
-        plan: from `msa::plan` for these arguments (any item size), its `Schedule` (a backend's
-            unpacked plan, or a query window's, `torch_msa.plan.schedule.query_windows`), or None.
+        plan: from `msa::plan` for these arguments (any item size), a `Schedule` (unpacked, or a
+            query window's, `torch_msa.plan.schedule.query_windows`), or None.
+
+    Raises:
+        ValueError: a plan tensor whose length does not fit these arguments (`unpack`).
     """
     if isinstance(plan, Schedule):
         return plan
@@ -286,8 +264,7 @@ def msa_bucket_key_count_kernel(bucket_key_row, cu_seqlens_k, key_count, num_buc
 
 
 def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`torch_msa.plan.schedule.bucket_key_count` (same arguments, same int32 `[max_buckets]` result) in
-    one kernel launch on the tensors' device."""
+    """`torch_msa.plan.schedule.bucket_key_count` (same arguments and result) in one launch."""
     key_count = torch.empty_like(bucket_key_row)
     num_buckets, num_bounds = bucket_key_row.numel(), cu_seqlens_k.numel()
     if num_buckets == 0:

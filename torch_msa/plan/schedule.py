@@ -1,53 +1,5 @@
-"""The KV-outer schedule: which key blocks are read by which queries, and the plan that carries it.
-
-MSA kernels run KV-outer: a program owns one KV head's key block and walks the queries that
-chose it, so K/V of the block are loaded once and dK/dV stay on chip. This module turns the
-query-major `block_indices [Hkv, Tq, topk]` into that key-major view:
-
-* an *entry* is one valid `(kv head, query t, slot s)` of `block_indices`;
-* a *bucket* is one `(kv head, key block)`: its entries, sorted by query, form one CSR row (the
-  official library calls this the k2q CSR);
-* an *item* is a run of at most `entries_per_item` consecutive entries of one bucket: the unit of
-  work of one program. Splitting buckets bounds the work of any program, so a block every token
-  chose (block 0 under a skewed selection) is spread over many programs.
-
-Everything is built on the device with sorting and scans, with no host synchronisation: the
-tables are sized by host-known upper bounds (`max_buckets`, `max_items`) and unused rows are
-empty (`item_start == item_end`), so the builders are CUDA-graph safe and their sizes depend only
-on shapes. An entry is valid when its id is `>= 0`, its block starts at or before the query's
-position (`id < nvb`), and it is the first occurrence of that id in the row; invalid entries are
-dropped, which is how out-of-contract ids can never reach a kernel.
-
-Two builders write the same tables: `build_schedule` here (torch ops; the reference backend's
-`msa::plan`) and the Triton plan kernels (`torch_msa/plan/kernels.py`; the Triton
-backend's). The Triton and SM90 kernels get their schedule from `schedule_for` (a given plan's,
-or a new one's) or `plan_schedule` (a new one of their own item size); the SM90 kernels also read
-`bucket_key_count`. The SM100 backward walks finer task tables built from `build_schedule`
-(`torch_msa/sm100/task_tables.py`).
-
-The plan
---------
-`msa::plan` returns the schedule of one layer's `block_indices` as one flat int32 tensor;
-`msa::forward` and `msa::backward` take it as their optional `plan` argument, so a training step
-builds the schedule once per layer instead of once per op call (the public API does this, and
-autograd saves the plan for the backward). Without a plan a backend builds the schedule itself.
-
-Layout: the `Schedule` fields, in field order, back to back:
-
-    entry_query [N] | bucket_ptr [MB + 1] | bucket_head, bucket_key_row, bucket_block [MB] each |
-    item_bucket, item_start, item_end [MI] each | position [Tq] | num_buckets [1] | num_items [1]
-
-with `N = Hkv * Tq * topk`, `MB = max_buckets(...)` and `MI = max_items(N, MB, entries_per_item)`.
-Every size but `MI` follows from the shapes of the op's own arguments, and `MI` from the plan's
-length, so a consumer splits the plan without being told `entries_per_item` and without a host
-sync. The item size only bounds the work of one program; every kernel walks an item of any size.
-
-A plan is opaque: pass what `msa::plan` returned for the same arguments. Its length is checked
-against the shapes on every call and at trace time. Its values are trusted by the kernels: a
-plan of the same shapes built for another selection or other documents (a stale plan) is
-detected by `torch_msa.validation.check_plan_values`, which `TORCH_MSA_DEBUG=1` and
-`torch_msa.validate_inputs` run (a host sync); without them the kernels compute the plan's own
-selection. A hand-made plan is not a supported input.
+"""The KV-outer schedule of a selection: its tables, their sizes, the plan that packs them, and the
+reference build. Design and plan layout: `torch_msa/plan/README.md`.
 """
 
 from collections.abc import Callable, Sequence
@@ -92,20 +44,15 @@ class Schedule(NamedTuple):
 
 
 def max_key_blocks(num_keys: int, num_docs: int, block_size: int) -> int:
-    """Upper bound of the key blocks of all documents: the blocks of the packed keys plus one
-    partial block per document, `ceil(Tk / block_size) + B`.
-
-    Integer arithmetic only, so it also takes SymInts (the fake kernel of `msa::plan`)."""
+    """Upper bound of the key blocks of all documents, `ceil(Tk / block_size) + B`; takes SymInts."""
     return (num_keys + block_size - 1) // block_size + num_docs
 
 
 def max_buckets(num_kv_heads: int, num_keys: int, num_docs: int, block_size: int) -> int | torch.SymInt:
-    """Upper bound of the distinct (kv head, key block) pairs: every document's blocks, per head.
-
-    Integer arithmetic only, so it also takes SymInts (the fake kernel of `msa::plan`)."""
+    """Upper bound of the distinct (kv head, key block) pairs; takes SymInts."""
     blocks = max_key_blocks(num_keys, num_docs, block_size)
     if type(num_kv_heads) is int and type(num_keys) is int and type(blocks) is int:
-        # Plain ints (every eager call asks, several times): the builtins, without torch's symbolic dispatch.
+        # Every eager call asks several times: skip torch's symbolic dispatch.
         return max(1, num_kv_heads * min(num_keys, blocks))
     return torch.sym_max(1, num_kv_heads * torch.sym_min(num_keys, blocks))
 
@@ -116,24 +63,18 @@ def max_items(num_entries: int, num_buckets: int | torch.SymInt, entries_per_ite
 
 
 ITEM_ROWS = 2048
-"""Query rows (tokens x query heads of a KV head) per schedule item in the plans the public API
-builds: 16 tiles of 128 rows, enough to amortise a program's K/V load, small enough that a block
-every query chose is spread over many programs."""
+"""Query rows (tokens x query heads of a KV head) per item of the public API's plans."""
 
 
 def entries_per_item(num_heads: int, num_kv_heads: int) -> int:
-    """Entries (query tokens) per item for `Hq` query heads over `Hkv` KV heads: `ITEM_ROWS` rows,
-    counting the group of `Hq / Hkv` heads padded to a power of two as the kernels' tiles do."""
+    """Entries per item of `ITEM_ROWS` rows, the head group `Hq / Hkv` padded to a power of two."""
     group = max(1, num_heads // max(1, num_kv_heads))
     return max(1, ITEM_ROWS // (1 << (group - 1).bit_length()))
 
 
 def valid_entries(block_indices: torch.Tensor, position: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`[Hkv, Tq, topk]` bool: the slots a kernel must process (set semantics of the contract).
-
-    A slot counts when its id is `>= 0`, its block is visible (`id * block_size <= p(t)`), and no
-    earlier slot of the row holds the same id.
-    """
+    """`[Hkv, Tq, topk]` bool: slots whose id is `>= 0`, visible (`id * block_size <= p(t)`) and
+    not repeated by an earlier slot of the row."""
     # `id <= p(t) // block_size` is the visibility test without multiplying (possibly huge) ids.
     last_block = torch.div(position, block_size, rounding_mode="floor").view(1, -1, 1)
     visible = (block_indices >= 0) & (block_indices <= last_block)
@@ -148,22 +89,15 @@ def build_schedule(
     block_size: int,
     entries_per_item: int,
 ) -> Schedule:
-    """Build the KV-outer schedule of `block_indices` on its device, without a host sync.
-
-    This is the reference build (`msa::plan` of the reference backend, packed by `pack`); the
-    Triton backend writes the same tables with a few kernels (`torch_msa/plan/kernels.py`),
-    because in eager mode each ATen call here costs a host-side launch. It is still written with few calls:
-    scans and `searchsorted` instead of scatters, int32 tables computed directly.
-    `tests/core/test_schedule.py` bounds the count.
+    """The KV-outer schedule of `block_indices` on its device, without a host sync (the reference
+    build: the reference backend's `msa::plan`, packed by `pack`).
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
-        documents: the documents (`torch_msa/documents.py`); fragments of one document share its
-            buckets, so each key block is still one bucket.
+        documents: the documents; fragments of one document share its buckets.
         num_keys: `Tk`, rows of the packed keys.
         block_size: keys per block.
-        entries_per_item: the most entries one item holds (a multiple of the kernels' query
-            tile keeps their tiles full).
+        entries_per_item: the most entries one item holds.
     """
     num_kv_heads, num_queries, topk = block_indices.shape
     device = block_indices.device
@@ -174,8 +108,7 @@ def build_schedule(
     docs = documents.locate(num_queries, num_keys)
     valid = valid_entries(block_indices, docs.position, block_size)
 
-    # One integer per bucket, `head * Tk + packed key row of the block`; invalid entries get a
-    # key past every real one and sort last. The stable sort keeps each bucket in query order.
+    # Invalid entries get a key past every real one and sort last; stable: buckets stay in query order.
     key_stride = max(1, num_keys)
     past_all = num_kv_heads * key_stride
     head_offsets = torch.arange(0, past_all, key_stride, device=device, dtype=torch.int64).view(-1, 1)
@@ -184,10 +117,8 @@ def build_schedule(
     sorted_key, order = torch.sort(bucket_key.reshape(-1), stable=True)
     entry_query = (order % max(1, num_queries * topk)).to(torch.int32)
 
-    # 1-based bucket of each sorted entry. Invalid entries, and entries of buckets beyond the
-    # bound (impossible for well-formed documents), go to the overflow bucket `bound + 1`, which
-    # no item reads, so no table is ever written or read out of range.
-    # (`masked_fill_` rather than `where` with a scalar: on the H200 host it was the dearest call.)
+    # 1-based buckets. Invalid entries and buckets past the bound go to the overflow bucket
+    # `bound + 1`, which no item reads, so no table is indexed out of range.
     starts_bucket = sorted_key != F.pad(sorted_key[:-1], (1, 0), value=-1)
     overflow = bucket_bound + 1
     entry_bucket = torch.cumsum(starts_bucket, 0).clamp_(max=overflow)
@@ -199,8 +130,7 @@ def build_schedule(
     counts = bucket_end - bucket_ptr[:-1]
     real_bucket = counts > 0
 
-    # Each bucket's fields come from its first entry; a sentinel row keeps the gather in range
-    # for empty buckets (which point one past the last valid entry) and for empty inputs.
+    # A sentinel row keeps the gather in range for empty buckets and empty inputs.
     first_entry = bucket_ptr[:-1]
     first_key = F.pad(sorted_key, (0, 1), value=0).index_select(0, first_entry) * real_bucket
     first_order = F.pad(order, (0, 1), value=num_entries).index_select(0, first_entry)
@@ -225,9 +155,7 @@ def build_schedule(
 
 def _items(bucket_start: torch.Tensor, bucket_end: torch.Tensor, entries_per_item: int, item_bound):
     """`(item_bucket, item_start, item_end, num_items)` of buckets whose entries are
-    `[bucket_start[b], bucket_end[b])` (int32 `[MB]` each): bucket `b` holds
-    `ceil(count / entries_per_item)` consecutive items. Item `i >= num_items` lands in the last
-    bucket at or past its end, so the `minimum`s leave it empty (start == end)."""
+    `[bucket_start[b], bucket_end[b])` (int32 `[MB]` each); item rows past `num_items` are empty."""
     counts = bucket_end - bucket_start
     items_per_bucket = (counts + (entries_per_item - 1)) // entries_per_item
     item_ptr = torch.cumsum(items_per_bucket, 0, dtype=torch.int32)
@@ -243,8 +171,7 @@ def _items(bucket_start: torch.Tensor, bucket_end: torch.Tensor, entries_per_ite
 
 def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
     """`schedule` with items of `entries_per_item` entries: the same entries and buckets, new item
-    tables (a few scans; no sort, no host sync). How a stage whose items are larger or smaller
-    than the plan's (the index loss's, the deterministic backward's) walks the step's plan."""
+    tables (no sort, no host sync)."""
     num_buckets = schedule.bucket_head.numel()
     item_bound = max_items(schedule.entry_query.numel(), num_buckets, entries_per_item)
     items = _items(schedule.bucket_ptr[:-1], schedule.bucket_ptr[1:], entries_per_item, item_bound)
@@ -253,17 +180,15 @@ def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
 
 def query_windows(schedule: Schedule, topk: int, entries_per_item: int) -> Callable[[int, int], Schedule]:
     """`window(start, stop)`: the schedule of queries `[start, stop)` of `schedule`'s, as a forward
-    over `q[start:stop]` walks it. Each bucket keeps its entries of those queries (a run of them,
-    as a bucket's entries are sorted by query), split into items of `entries_per_item`;
-    `entry_query` and `position` count from `start`; `bucket_ptr` stays the whole call's (the
-    kernels read the items). No sort and no host sync: a call's plan is built once and walked
-    window by window; the search keys are computed here once for every window."""
+    over `q[start:stop]` walks it: items of `entries_per_item` over each bucket's entries of those
+    queries; `entry_query` and `position` count from `start`; `bucket_ptr` stays the whole call's.
+    No sort, no host sync; the search keys are computed once for every window."""
     num_buckets = schedule.bucket_head.numel()
     num_entries = schedule.entry_query.numel()
     device = schedule.entry_query.device
     stride = schedule.position.numel() * topk
     num_kv_heads = num_entries // max(1, stride)
-    # Sorted entries keyed (bucket, query slot): a bucket's window is one searchsorted per end.
+    # Keyed (bucket, query slot), a bucket's window is one searchsorted per end.
     entry = torch.arange(num_entries, device=device, dtype=torch.int32)
     entry_bucket = torch.searchsorted(schedule.bucket_ptr[1:], entry, right=True, out_int32=True)
     keys = entry_bucket.to(torch.int64) * stride + schedule.entry_query
@@ -281,19 +206,9 @@ def query_windows(schedule: Schedule, topk: int, entries_per_item: int) -> Calla
     return window
 
 
-# ---------------------------------------------------------------------------------------------
-# The plan: the schedule packed into one int32 tensor (layout in the module docstring).
-# ---------------------------------------------------------------------------------------------
-
-
 def section_sizes(block_shape: Sequence, num_keys, num_docs, block_size, num_items) -> list:
-    """Lengths of the plan's sections (the `Schedule` fields in order); ints or SymInts.
-
-    Args:
-        block_shape: `[Hkv, Tq, topk]`, the shape of `block_indices`.
-        num_keys: `Tk`; num_docs: `B`; block_size: keys per block.
-        num_items: `MI`, the item rows of the plan.
-    """
+    """Lengths of the plan's sections (the `Schedule` fields in order), ints or SymInts, for
+    `block_indices` of shape `block_shape`, `Tk`, `B`, the block size and `MI` item rows."""
     num_kv_heads, num_queries, topk = block_shape
     buckets = max_buckets(num_kv_heads, num_keys, num_docs, block_size)
     return [num_kv_heads * num_queries * topk, buckets + 1, buckets, buckets, buckets,
@@ -330,7 +245,7 @@ def length_error(numel, block_shape: Sequence, num_keys, num_docs, block_size) -
 
 
 def unpack(plan: torch.Tensor, block_indices: torch.Tensor, num_keys: int, num_docs: int, block_size: int) -> Schedule:
-    """The `Schedule` views of `plan`, which must have been built for these arguments.
+    """The `Schedule` views of `plan`, built by `msa::plan` for these arguments.
 
     Raises:
         ValueError: the plan's length does not fit `block_indices`, `num_keys`, `num_docs` and
@@ -344,15 +259,8 @@ def unpack(plan: torch.Tensor, block_indices: torch.Tensor, num_keys: int, num_d
 
 
 def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor, block_size: int) -> torch.Tensor:
-    """int32 `[max_buckets]`: keys of each bucket's block inside its document (1..block_size).
-
-    A block starts inside its document (`bucket_key_row` is a document's start plus a multiple of
-    `block_size`), so the document is the last one starting at or before that row. Unused buckets
-    get a harmless count.
-
-    Args:
-        bucket_key_row: a `Schedule`'s int32 `bucket_key_row`; cu_seqlens_k: int32 `[B + 1]`.
-    """
+    """int32 `[max_buckets]`: keys of each bucket's block inside its document (1..block_size;
+    any value for unused buckets), from a `Schedule`'s `bucket_key_row` and int32 `cu_seqlens_k [B + 1]`."""
     cu = cu_seqlens_k.to(torch.int64)
     document_after = torch.searchsorted(cu, bucket_key_row.to(torch.int64), right=True).clamp_(max=cu.numel() - 1)
     doc_end = cu.index_select(0, document_after)

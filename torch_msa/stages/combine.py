@@ -1,9 +1,4 @@
-"""The combine of a KV-outer forward: the per-(query, slot) partial outputs merged per query.
-
-`msa_fwd_combine_kernel`: one program per (query, KV head) merges its `topk` partials with their
-log2-sum-exps. Slots without an entry keep the `-inf` their partial lse starts with and weigh
-nothing. The public lse is natural-log.
-"""
+"""The combine of a KV-outer forward: per-(query, slot) partial outputs merged per query."""
 
 import triton
 import triton.language as tl

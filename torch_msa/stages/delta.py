@@ -1,5 +1,4 @@
-"""The first stage of a backward: `delta = rowsum(dO * O) - grad_lse` per (query, head), fp32
-(`dS = P (dP - delta)` needs it before any key pass)."""
+"""The first stage of a backward: `delta = rowsum(dO * O) - grad_lse`, fp32."""
 
 import triton
 import triton.language as tl
@@ -37,7 +36,7 @@ def compute_delta(grad_out, out, grad_lse, delta, shape_key) -> None:
         grad_out, out: `[Tq, Hq, D]` of one dtype, unit stride in D.
         grad_lse: `[Tq, Hq]` (read as fp32), or None for a loss that does not depend on lse.
         delta: fp32 `[Tq, Hq]`, contiguous; written.
-        shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
+        shape_key: the launch memo's key (`launch.launch`).
     """
     num_queries, num_heads, dim = out.shape
 

@@ -1,34 +1,4 @@
-"""The fixed-order stages of the deterministic `msa::backward`, in Triton: every dK/dV element is
-summed by one program in item order, and every dQ element is computed by one program, so two
-runs on the same inputs agree bitwise.
-
-A deterministic backward runs four stages (`backward_deterministic.py` composes them for the
-Triton backend, `torch_msa/sm90/backward_deterministic.py` for the SM90 backend):
-
-1. delta (`backward_kernel.compute_delta`);
-2. a key pass over the schedule of `key_workspace`: one program per schedule item (and key
-   slice) keeps dK/dV of its keys on chip while it walks the item's queries, computes no dQ, and
-   stores its dK/dV in the item's own slot of the `KeyWorkspace` (the Triton backend's
-   `backward_kernel.launch_blocks(deterministic=True)`, or the SM90 CuTe kernel's
-   deterministic variant);
-3. `reduce_key_workspace` (`msa_bwd_key_reduce_kernel`): one program per (bucket, key slice) sums
-   the workspace slots of the bucket's items in item order (a block many queries chose is split
-   over several items) and writes dK/dV of those keys in the inputs' dtype. Each (KV head, key)
-   belongs to one bucket, the one of its document's block, so the writes never overlap. The
-   same reduction of per-item rows (`bucket_first_items`, `reduce_item_rows`, one workspace or two)
-   serves the deterministic KL kernels' per-key sums (`kl_deterministic.py`).
-4. `query_dq` (`msa_bwd_dq_kernel`): query-outer dQ. One program owns one query and KV head, so
-   all `G` rows of dQ it writes are its own: it walks the query's `topk` slots in order, loads
-   each selected key block and recomputes `P = exp(S - lse)`, `dP = dO V^T` and
-   `dS = P (dP - delta)` to add `dS K`. The GEMMs are written transposed (`S^T = K Q^T`,
-   `dQ^T += K^T dS^T`) so that their M side is the key slice (64 or 128) rather than the `G`
-   heads. It reads `block_indices` itself and skips what the schedule drops: `-1` and negative
-   ids, blocks past the query's causal position, and repeats of an earlier slot's id.
-
-The schedule items hold `ITEM_TILES` query tiles, four times those of the plans the public API
-builds, which bounds the workspace (`2 x items x block_size x D` fp32, less than the atomic
-backward's fp32 dQ accumulator at M3 shapes) at a small cost in balance.
-"""
+"""The fixed-order stages of the deterministic backward (design: `torch_msa/stages/README.md`)."""
 
 from typing import NamedTuple
 
@@ -42,10 +12,8 @@ from ..triton_utils.common import LOG2_E, dot_precision, item_horizon, locate_qu
 from ..triton_utils.launch import LaunchConfig, launch
 from .delta import compute_delta
 
-ITEM_TILES = 64  # query tiles (of the tuned tile of `common.TILE_ROWS` rows) per schedule item
+ITEM_TILES = 64  # query tiles of `TILE_ROWS` rows per item: bounds the workspace
 KEY_REDUCE_CONFIGS = (LaunchConfig(num_stages=1, num_warps=4, block_n=32),)
-# `block_n`: keys of one step of the query kernel; the K/V tiles of `num_stages` steps are in
-# flight at once.
 QUERY_CONFIGS = (
     LaunchConfig(num_stages=3, num_warps=4, block_n=64),
     LaunchConfig(num_stages=2, num_warps=4, block_n=64),
@@ -63,10 +31,9 @@ class KeyWorkspace(NamedTuple):
         entries_per_item: the item size of `schedule`.
         bucket_first_item: int32 `[max_buckets]`, the first item of each bucket (the items of a
             bucket are consecutive).
-        dk_part, dv_part: fp32 `[max_items * block_size, D]`; the key pass stores item `i`'s dK
-            (already multiplied by `softmax_scale`) and dV of its block's key `c` in row
-            `i * block_size + c`, for every key up to the item's horizon (`common.item_horizon`)
-            inside the packed keys. No other row is read.
+        dk_part, dv_part: fp32 `[max_items * block_size, D]`: item `i`'s dK (times
+            `softmax_scale`) and dV of its block's key `c` in row `i * block_size + c`, for the
+            keys up to the item's horizon (`common.item_horizon`) inside the packed keys.
     """
 
     schedule: Schedule
@@ -78,7 +45,7 @@ class KeyWorkspace(NamedTuple):
 
 def bucket_first_items(schedule: Schedule) -> torch.Tensor:
     """int32 `[max_buckets]`: the first item of each bucket of `schedule` (a bucket's items are
-    consecutive), what a fixed-order reduction of per-item rows (`reduce_item_rows`) walks."""
+    consecutive)."""
     num_buckets = schedule.bucket_head.numel()
     return torch.searchsorted(
         schedule.item_bucket, torch.arange(num_buckets, device=schedule.item_bucket.device, dtype=torch.int32),
@@ -87,8 +54,7 @@ def bucket_first_items(schedule: Schedule) -> torch.Tensor:
 
 
 def key_workspace(schedule: Schedule, block_size, num_heads, num_kv_heads, head_dim) -> KeyWorkspace:
-    """The schedule of a deterministic backward (`schedule`'s entries in items of `ITEM_TILES` query
-    tiles) and its empty workspace, on the schedule's device.
+    """`schedule` in items of `ITEM_TILES` query tiles and its empty workspace, on its device.
 
     Args:
         schedule: the step's schedule (any item size); block_size: keys per block.
@@ -128,7 +94,7 @@ def msa_bwd_key_reduce_kernel(
     dk_sum = tl.zeros((BLOCK_N, DIM), tl.float32)
     dv_sum = tl.zeros((BLOCK_N, DIM), tl.float32)
     written = key_row < 0
-    # Items in order: a fixed summation order. An item wrote the keys up to its horizon.
+    # Items in order: a fixed summation order.
     for rank in range(tl.cdiv(count, entries_per_item)):
         item = first_item + rank
         horizon = item_horizon(entry_query, position, bucket_start + rank * entries_per_item, tl.load(item_end + item),
@@ -162,7 +128,6 @@ def msa_bwd_dq_kernel(
     pos = tl.load(position + token)
     first_key = tl.load(key_start + token)
 
-    # The slots that count (the contract's set semantics): a visible id, first in the row.
     slots = tl.arange(0, TOPK_P2)
     ids = tl.load(block_indices + (kv_head * num_queries + token) * TOPK + slots, mask=slots < TOPK, other=-1)
     visible = (ids >= 0) & (pos >= 0) & (ids <= tl.maximum(pos, 0) // BLOCK)
@@ -212,15 +177,13 @@ def reduce_item_rows(schedule: Schedule, entries_per_item: int, bucket_first_ite
     Args:
         schedule, entries_per_item: a schedule with items of that size; bucket_first_item: its
             `bucket_first_items`.
-        parts: one or two fp32 workspaces `[max_items * block_size, W]`, contiguous; item `i`
-            wrote its block's key `c` in row `i * block_size + c`, for every key up to the item's
-            horizon (`common.item_horizon`) inside the packed keys. No other row is read.
+        parts: one or two contiguous fp32 workspaces `[max_items * block_size, W]`, laid out as
+            `KeyWorkspace.dk_part`.
         outputs: as many `[Tk, H, W]` tensors (H the schedule's heads), unit stride in W; the
-            rows `(key, bucket head)` some item wrote are written (rounded to their dtype), the
-            others left as they are.
+            rows some item wrote are written in their dtype, the others left as they are.
         topk: slots per query of the `block_indices` the schedule was built from.
         block_size: keys per block.
-        shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
+        shape_key: the launch memo's key (`launch.launch`).
     """
     pair = len(parts) == 2
     first, second = outputs[0], outputs[-1]
@@ -250,7 +213,7 @@ def reduce_key_workspace(workspace: KeyWorkspace, dk, dv, topk, block_size, shap
             written, the others left as they are.
         topk: slots per query of the `block_indices` the schedule was built from.
         block_size: keys per block.
-        shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
+        shape_key: the launch memo's key (`launch.launch`).
     """
     reduce_item_rows(workspace.schedule, workspace.entries_per_item, workspace.bucket_first_item,
                      (workspace.dk_part, workspace.dv_part), (dk, dv), topk, block_size, shape_key)
@@ -266,9 +229,9 @@ def query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, documents, block_
             `compute_delta`.
         dq: `[Tq, Hq, D]` in q's dtype, unit stride in D; written.
         block_indices: int32 `[Hkv, Tq, topk]`, contiguous.
-        documents: the documents (`torch_msa/documents.py`).
+        documents: the documents.
         block_size: keys per block; softmax_scale: the scale of `q k^T`.
-        shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
+        shape_key: the launch memo's key (`launch.launch`).
     """
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
@@ -297,9 +260,8 @@ class DeterministicBackward(NamedTuple):
 
     `q, k, v, grad_out` unit-stride in D, `lse` contiguous, `delta` fp32 `[Tq, Hq]` computed;
     `dq, dk, dv` the gradients in the inputs' dtype (`dk`, `dv` zeroed, `dq` written by `finish`);
-    `empty`: nothing to attend (no query, key or slot), the gradients are the zeros they hold and
-    neither the key pass nor `finish` has anything to do (`workspace` is None then). `shape_key`:
-    the Triton launch memo's key (`launch.launch`)."""
+    `empty`: no query, key or slot, the gradients are zeros and `workspace` is None. `shape_key`:
+    the launch memo's key (`launch.launch`)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -320,7 +282,11 @@ class DeterministicBackward(NamedTuple):
 def deterministic_begin(grad_out, q, k, v, out, lse, block_indices, documents, block_size, grad_lse,
                         plan=None) -> DeterministicBackward:
     """The gradients' buffers, delta and the key workspace of `msa::backward`'s inputs (shapes as
-    in `torch_msa.reference.backward`; `plan` as `torch_msa.plan.schedule.schedule_for` takes it)."""
+    in `torch_msa.reference.backward`; `plan` as `torch_msa.plan.kernels.schedule_for` takes it).
+
+    Raises:
+        ValueError: a plan whose length does not fit the inputs.
+    """
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     topk = block_indices.shape[-1]

@@ -1,5 +1,4 @@
-"""The last stage of a backward whose dQ accumulator groups its dims (the SM90 backward's
-`[D / 8, 16 heads, 8]` blocks): dQ in natural order, cast to the inputs' dtype."""
+"""The last stage of a backward whose dQ accumulator groups its dims: dQ in natural order."""
 
 import torch
 import triton
@@ -12,7 +11,7 @@ UNGROUP_CONFIGS = (LaunchConfig(num_stages=1, num_warps=4),)
 
 @triton.jit
 def msa_bwd_ungroup_dq_kernel(dq_acc, dq, HEADS: tl.constexpr, GROUPS: tl.constexpr, WIDTH: tl.constexpr):
-    # One block of HEADS x (GROUPS * WIDTH): dq[head, group * WIDTH + w] = dq_acc[group, head, w].
+    # dq[head, group * WIDTH + w] = dq_acc[group, head, w] within a block of HEADS heads.
     base = tl.program_id(0).to(tl.int64) * (HEADS * GROUPS * WIDTH)
     head = tl.arange(0, HEADS)[:, None, None]
     group = tl.arange(0, GROUPS)[None, :, None]
@@ -22,15 +21,14 @@ def msa_bwd_ungroup_dq_kernel(dq_acc, dq, HEADS: tl.constexpr, GROUPS: tl.conste
 
 
 def ungroup_dq(dq_acc: torch.Tensor, dq: torch.Tensor, block_heads: int, width: int, shape_key) -> None:
-    """Write `dq` from the fp32 accumulator `dq_acc`, in which each block of `block_heads`
-    consecutive heads of a token is laid out `[D / width, block_heads, width]` (dims grouped by
-    `width`), cast to `dq`'s dtype.
+    """Write `dq` from the fp32 `dq_acc`, whose blocks of `block_heads` consecutive heads of a token
+    are laid out `[D / width, block_heads, width]`.
 
     Args:
         dq_acc: fp32 `[Tq, Hq, D]`, contiguous, `Hq` a multiple of `block_heads`; read.
         dq: `[Tq, Hq, D]`, contiguous, any float dtype; written in natural order.
         block_heads, width: powers of two, `width` dividing `D`.
-        shape_key: the launch memo's key (`launch.launch`): the device and the shape constants.
+        shape_key: the launch memo's key (`launch.launch`).
     """
     num_queries, num_heads, dim = dq_acc.shape
     num_blocks = num_queries * (num_heads // block_heads)

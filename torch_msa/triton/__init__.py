@@ -1,10 +1,5 @@
-"""The Triton backend: every MSA op on CUDA devices of compute capability 8.0 and newer, tuned
-on Hopper (SM90); its ops are in `interface.py`, imported on first use.
-
-It serves bf16, fp16 and fp32 inputs with at most 128 query heads per KV head; other inputs get
-`UnsupportedInputs` and fall back to the reference with a one-time warning. The kernels use only
-portable `tl.dot`; `torch_msa/triton_utils/launch.py` picks per device a configuration that fits
-its shared memory.
+"""The Triton backend: every MSA op on CUDA devices of compute capability 8.0 and newer, bf16,
+fp16 or fp32, at most 128 query heads per KV head (`README.md`). Its ops are in `interface.py`.
 """
 
 import functools
@@ -27,7 +22,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 @functools.cache
 def _triton_installed() -> bool:
-    # Cached: every op call asks, and the lookup walks sys.path (about 0.1 ms, more than a launch).
+    # Every op call asks, and the lookup walks sys.path.
     return importlib.util.find_spec("triton") is not None
 
 

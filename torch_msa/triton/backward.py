@@ -1,23 +1,5 @@
-"""`msa::backward` in Triton: KV-outer, dK/dV on chip, dQ through fp32 atomics.
-
-`msa_bwd_delta_kernel` computes `delta = rowsum(dO * O) - grad_lse` per (query, head) in fp32.
-`msa_bwd_ungroup_dq_kernel` casts a dQ accumulator whose blocks are dim-grouped (the SM90
-backward's) to dQ in natural order.
-
-`msa_bwd_blocks_kernel` takes one schedule item (a KV head's key block and a run of the queries that
-chose it) and one `BLOCK_N`-key slice of the block: it loads that K/V slice once, walks the
-queries `TOKENS` at a time with all `G` heads of the KV head (128-row tiles for M3), and for each
-tile computes `P = exp(S - lse)`, `dV += P^T dO`, `dP = dO V^T`, `dS = P (dP - delta)`,
-`dK += dS^T Q` and `dQ = dS K`. dK/dV stay in registers for the whole item and are added to
-fp32 accumulators once at the end; dQ of each tile is added with relaxed fp32 atomics.
-Splitting the 128-key block into `BLOCK_N` slices keeps the two fp32 accumulators within the
-register file.
-
-The atomics make the result order-dependent in the last bits, so under
-`torch.use_deterministic_algorithms(True)` the backend serves the deterministic backward
-(`backward_deterministic.py`) instead, and this one declines. That backward runs the two stages
-of this module too: `compute_delta`, and `launch_blocks` with `deterministic=True`, which
-stores each item's dK/dV in a workspace instead of adding them.
+"""`msa::backward` in Triton: KV-outer, dK/dV on chip, dQ through fp32 atomics (design:
+`torch_msa/triton/README.md`); also the key pass of the deterministic backward (`launch_blocks`).
 """
 
 import torch
@@ -30,8 +12,7 @@ from ..stages.delta import compute_delta
 from ..triton_utils.common import LOG2_E, dot_precision, item_horizon, program_item, tile_shape
 from ..triton_utils.launch import LaunchConfig, launch
 
-# Tuned on SM90 first (128 query rows, 64-key slices, 3 stages); the others fit sm_100 (whose
-# pipelined tiles are twice as large), then the 99 KB of sm_86/sm_89/sm_120, then fp32 tiles.
+# After SM90's: sm_100 (pipelined tiles twice as large), the 99 KB parts, then fp32 tiles.
 BLOCKS_CONFIGS = (
     LaunchConfig(rows=128, block_n=64, num_stages=3),
     LaunchConfig(rows=128, block_n=64, num_stages=1),
@@ -60,11 +41,10 @@ def msa_bwd_blocks_kernel(
 ):
     """dK/dV of one item's key slice (and, unless `DETERMINISTIC`, dQ of its queries).
 
-    Default: dQ of each tile and the item's dK/dV are added to the fp32 accumulators `dq_acc`,
-    `dk_acc`, `dv_acc` (`[T * H, D]` rows) with atomics. `DETERMINISTIC`: no dQ (`dq_acc` is not
-    touched) and dK/dV are stored, not added, into the item's own slot of the workspaces `dk_acc`,
-    `dv_acc` (rows `item * BLOCK + c` for the block's key `c`), which
-    `backward_deterministic_kernel.reduce_key_workspace` reduces in a fixed order.
+    Default: added to the fp32 accumulators `dq_acc`, `dk_acc`, `dv_acc` (`[T * H, D]` rows) with
+    atomics. `DETERMINISTIC`: `dq_acc` is not touched and dK/dV are stored in the item's rows
+    `item * BLOCK + c` of the workspaces `dk_acc`, `dv_acc`
+    (`torch_msa.stages.deterministic.reduce_key_workspace` reduces them).
     """
     item, start, end = program_item(item_start, item_end)
     if start >= end:
@@ -79,7 +59,7 @@ def msa_bwd_blocks_kernel(
     offsets = tl.arange(0, BLOCK_N)
     key_row = (first_key + offsets).to(tl.int64)
     key_position = block * BLOCK + slice_start + offsets
-    # As in the forward: keys of the next document (the block's tail) are neither read nor written.
+    # As in the forward: the block's tail (the next document's keys) is neither read nor written.
     key_ok = (key_position <= item_horizon(entry_query, position, start, end, TOPK)) & (key_row < num_keys)
     keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
                    mask=key_ok[:, None], other=0.0)
@@ -133,7 +113,11 @@ def msa_bwd_blocks_kernel(
 def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,
              plan=None):
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype.
-    `plan` (from `msa::plan`, any item size) spares building the schedule."""
+    `plan` (from `msa::plan`, any item size) spares building the schedule.
+
+    Raises:
+        UnsupportedInputs: under deterministic algorithms (`backward_deterministic.py` serves them).
+    """
     if torch.are_deterministic_algorithms_enabled():
         raise UnsupportedInputs("deterministic algorithms were requested and the Triton backward adds with atomics")
     num_queries, num_heads, dim = q.shape

@@ -1,12 +1,5 @@
-"""`msa::backward` in Triton, deterministic: every gradient element has one owner and a fixed
-summation order, so two runs on the same inputs agree bitwise. It serves the backward under
-`torch.use_deterministic_algorithms(True)`; the default backward (`backward_kernel.py`) adds
-with atomics instead.
-
-Four stages (`deterministic_stages.py`): delta; the Triton key pass (`backward_kernel.launch_blocks` with
-`deterministic=True`: the atomic backward's KV-outer kernel without dQ, storing each item's
-dK/dV in its workspace slot); the fixed-order reduction of the workspace into dK/dV; the
-query-outer dQ.
+"""`msa::backward` in Triton, deterministic: the key pass of `backward.py` without dQ, then the
+fixed-order stages of `torch_msa/stages/deterministic.py` (`torch_msa/stages/README.md`).
 """
 
 from ..stages.deterministic import deterministic_begin, deterministic_finish
@@ -16,8 +9,7 @@ from .backward import DETERMINISTIC_BLOCKS_CONFIGS, launch_blocks
 def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,
              plan=None):
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype,
-    bitwise reproducible. The key pass walks the plan's entries in items of
-    `torch_msa.stages.deterministic.ITEM_TILES` tiles (the workspace is laid out by item).
+    bitwise reproducible.
 
     Shapes: `grad_out`, `q`, `out` `[Tq, Hq, D]`; `k`, `v` `[Tk, Hkv, D]`; `lse`, `grad_lse`
     `[Tq, Hq]` fp32; `block_indices` int32 `[Hkv, Tq, topk]`.

@@ -1,17 +1,5 @@
-"""`msa::forward` in Triton: KV-outer sparse attention with a combine pass.
-
-Pass 1 (`msa_fwd_blocks_kernel`): one program per schedule item, i.e. one KV head's key block and a run
-of the queries that chose it. K and V of the block are loaded once; the queries are taken
-`TOKENS` at a time with all `G` query heads of the KV head, so one tile has `TOKENS x G` rows
-(8 x 16 = 128 for M3) that all read the same 128 keys: full-width GEMMs whatever the selection
-looks like. Each (query, slot) gets a partial output normalised over its block and the block's
-log2-sum-exp.
-
-Pass 2 (`msa_fwd_combine_kernel`): one program per (query, KV head) merges its `topk` partials with
-their log-sum-exps. Slots without an entry (`-1`, repeated or invisible ids) keep the `-inf`
-the partial lse starts with and weigh nothing.
-
-Scores are computed in the log2 domain (`exp2`); the public lse is natural-log.
+"""`msa::forward` in Triton: KV-outer sparse attention, then the combine (design:
+`torch_msa/triton/README.md`).
 """
 
 import math
@@ -26,7 +14,6 @@ from ..stages.combine import combine
 from ..triton_utils.common import LOG2_E, TILE_ROWS, dot_precision, item_horizon, program_item, tile_shape
 from ..triton_utils.launch import LaunchConfig, launch
 
-# Tuned on SM90 first; fewer rows and no pipelining for devices with less shared memory.
 BLOCKS_CONFIGS = (LaunchConfig(rows=TILE_ROWS, num_stages=3), LaunchConfig(rows=64, num_stages=1))
 
 
@@ -51,8 +38,7 @@ def msa_fwd_blocks_kernel(
     offsets = tl.arange(0, BLOCK)
     key_row = (first_key + offsets).to(tl.int64)
     key_position = block * BLOCK + offsets
-    # Keys past the item's last causal position are not read: the tail of a block belongs to the
-    # next document, and a NaN there would survive `0 * NaN` in the P @ V product.
+    # The block's tail belongs to the next document: a NaN there would survive `0 * NaN` in P @ V.
     key_ok = (key_position <= item_horizon(entry_query, position, start, end, TOPK)) & (key_row < num_keys)
     keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
                    mask=key_ok[:, None], other=0.0)

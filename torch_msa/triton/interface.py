@@ -1,6 +1,5 @@
-"""The Triton backend's ops, in the backends' form (`torch_msa.backends.Backend`): input checks,
-then the kernels of `select.py`, `forward.py`, `backward.py`, `backward_deterministic.py`, the plan's
-(`torch_msa/plan/kernels.py`) and the index loss's (`torch_msa/index_loss/`)."""
+"""The Triton backend's ops in the backends' form (`torch_msa.backends.Backend`): input checks, then
+the kernels (`README.md`)."""
 
 import torch
 
@@ -12,7 +11,7 @@ from ..query_windows import forward_in_windows
 from ..triton_utils.common import check_dtype_and_group
 from . import backward as backward_atomic
 from . import backward_deterministic, select
-from . import forward as forward_kernels
+from . import forward as kv_outer_forward
 
 
 def select_blocks(index_q, index_k, documents, topk, block_size):
@@ -26,7 +25,7 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item):
 
 def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
     check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
-    return forward_in_windows(forward_kernels.forward, q, k, v, block_indices, documents, block_size, softmax_scale,
+    return forward_in_windows(kv_outer_forward.forward, q, k, v, block_indices, documents, block_size, softmax_scale,
                               plan)
 
 

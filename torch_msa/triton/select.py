@@ -1,15 +1,5 @@
-"""`msa::select_blocks` in Triton: causal index scoring fused with an exp-free top-k.
-
-One program owns a tile of consecutive query tokens of one document and all their index heads
-(rows = tokens x heads, 128 rows for M3), so each index-key block is loaded once for every head.
-It walks the tile's candidate blocks in increasing id: a `[rows, Di] x [Di, block]` GEMM and a
-row max (the block score; no exp) per block. Scores of `KEEP_P2` consecutive blocks are
-collected in registers, then merged into a per-row top-`KEEP_P2` with two small sorts. Block
-scores are never materialised, so memory stays `O(T)` at any length.
-
-Ranking uses one int64 key per candidate: the score's order-preserving bits above the inverted
-block id. Larger key = higher score, and on equal scores the lower id, which is the contract's
-tie rule. Keys are distinct, so the kept set is exactly the contract's.
+"""`msa::select_blocks` in Triton: causal index scoring fused with an exp-free top-k (design:
+`torch_msa/triton/README.md`).
 """
 
 import torch
@@ -19,7 +9,7 @@ import triton.language as tl
 from ..triton_utils.common import dot_precision, locate_queries
 from ..triton_utils.launch import LaunchConfig, launch
 
-# Rows are tokens x index heads per program: 128 is one full wgmma tile (tuned on SM90 first).
+# `rows`: tokens x index heads per program; 128 is one full wgmma tile.
 CONFIGS = (LaunchConfig(rows=128, num_stages=2), LaunchConfig(rows=64, num_stages=1))
 
 
@@ -33,11 +23,8 @@ def _rank_key(score, block):
 
 @triton.jit
 def _merge(kept, chunk, first_block, num_candidates, slot):
-    """Top-`KEEP_P2` of the kept keys and a chunk of consecutive blocks' scores.
-
-    Both halves sorted in opposite directions form a bitonic sequence whose elementwise max is
-    the best half (the first step of a bitonic merge), so one sort per half replaces a per-block
-    insertion."""
+    """Top-`KEEP_P2` of the kept keys and a chunk of consecutive blocks' scores, by the first step
+    of a bitonic merge (one sort per half instead of a per-block insertion)."""
     block = first_block + slot[None, :]
     score = tl.where(chunk != chunk, float("-inf"), chunk)
     candidate = _rank_key(score, block)

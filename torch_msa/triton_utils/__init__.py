@@ -1,2 +1,1 @@
-"""What every Triton kernel module of the package shares: device helpers (`common.py`) and the
-launch configurations that fit the device (`launch.py`)."""
+"""Helpers the Triton kernel modules share: `common.py` and `launch.py`."""

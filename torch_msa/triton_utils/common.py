@@ -1,9 +1,6 @@
-"""What the Triton kernel modules share, so that none of them imports another: how their GEMMs
-round, the log2-domain constants, the query tile of the KV-outer kernels, where each query sits
-in its document (`locate_tokens`, and `locate_queries`, its one-kernel launch), an item's key
-horizon and the split-precision weighted GEMM of the KL kernels.
-
-Imports triton: only the kernel modules import it (the package `__init__` does not).
+"""What the Triton kernel modules share, so that none of them imports another: GEMM rounding,
+log2-domain constants, query tiles, document lookup, item horizons and the split-precision
+weighted GEMM of the index loss.
 """
 
 import math
@@ -15,8 +12,7 @@ import triton.language as tl
 from ..backends import UnsupportedInputs
 from ..documents import QueryDocuments
 
-# Constexpr so that kernels read them as constants; host code reads `.value`. The kernels score in
-# the log2 domain (`exp2`): `LOG2_E` scales natural-log quantities into it, `LN_2` back.
+# Constexpr so that kernels read them as constants; host code reads `.value`.
 LOG2_E = tl.constexpr(math.log2(math.e))
 LN_2 = tl.constexpr(math.log(2))
 
@@ -120,8 +116,7 @@ def msa_locate_kernel(cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_s
 def locate_queries(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_queries: int, num_keys: int,
                    fragment_documents: torch.Tensor | None = None,
                    fragment_starts: torch.Tensor | None = None) -> QueryDocuments:
-    """`torch_msa.documents.locate_queries` (same arguments, same int64 result) in one kernel
-    launch on the tensors' device instead of a few dozen small torch ops."""
+    """`torch_msa.documents.locate_queries` (same arguments, same int64 result) in one launch."""
     device = cu_seqlens_q.device
     key_start = torch.empty(num_queries, dtype=torch.int64, device=device)
     position = torch.empty(num_queries, dtype=torch.int64, device=device)
@@ -156,22 +151,17 @@ def program_token_group(GROUP: tl.constexpr, GROUP_P2: tl.constexpr):
 
 @triton.jit
 def program_item(item_start, item_end):
-    """The schedule item of a program of a KV-outer kernel (`program_id(0)`) and its entries
-    `start .. end - 1`; an empty item (`start >= end`) has none, and the caller either returns at
-    once or masks every load and store of it off."""
+    """`(item, start, end)`: a KV-outer program's schedule item (`program_id(0)`) and its entries
+    `start .. end - 1` (none when `start >= end`)."""
     item = tl.program_id(0)
     return item, tl.load(item_start + item), tl.load(item_end + item)
 
 
 @triton.jit
 def item_horizon(entry_query, position, start, end, TOPK: tl.constexpr):
-    """The last key position any query of an item sees: the largest position of its entries.
-
-    An item's entries all read one key block of one document, so this bounds the keys the item
-    may read to its own document. Entries are sorted by query, which within a document is
-    position order, except across query fragments of one document: hence the max, not the last
-    entry's position. One chunk of `_HORIZON_ENTRIES` covers the items the public API builds.
-    """
+    """The last key position any query of an item sees (`-1` for an empty item), which bounds
+    the keys the item reads to its own document. The max, not the last entry's: query fragments
+    of one document break position order."""
     horizon = tl.full((), -1, tl.int32)
     for first in range(start, end, _HORIZON_ENTRIES):
         entries = first + tl.arange(0, _HORIZON_ENTRIES)
@@ -195,5 +185,5 @@ def weighted_dot(weights, operand, acc, SPLIT: tl.constexpr, PRECISION: tl.const
 
 def split_weights(index_dtype: torch.dtype) -> bool:
     """Whether `weighted_dot` splits its weights: for 16-bit index inputs, whose single rounding
-    would cost the gradient's two near-equal terms (teacher and student) their difference."""
+    would lose the difference of the gradient's two near-equal terms."""
     return index_dtype in (torch.float16, torch.bfloat16)

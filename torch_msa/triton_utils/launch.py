@@ -1,23 +1,9 @@
-"""Launch configurations that fit the device's shared memory.
+"""Launch configurations that fit the device's shared memory (design: `torch_msa/triton/README.md`)."""
 
-The shared memory a Triton kernel needs depends on the architecture it is compiled for (the
-same tile takes 133 KB on sm_86 and 264 KB with three stages on sm_100) and the limit per block
-differs too (163 KB on sm_80, 99 KB on sm_86/sm_89/sm_120, 227 KB on sm_90/sm_100). So every
-kernel has a list of launch configurations, fastest first: the first is the one tuned on SM90,
-the later ones trade pipelining stages and tile rows for shared memory.
-
-The first launch of a kernel for a device and a shape tries the list in order. Triton compiles
-each configuration for the device and raises `OutOfResources` before launching one that does
-not fit, so a rejected configuration has run nothing; the first that launches is remembered for
-that (kernel, device, shape). When none fits, `UnsupportedInputs` lets the registry fall back
-to the reference with a one-time warning. `tests/triton/test_targets.py` compiles every kernel
-for sm_80, sm_86, sm_89, sm_90, sm_100 and sm_120 on the CPU and checks that the M3
-configuration finds a fitting entry on each.
-"""
-
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from triton.runtime.errors import OutOfResources
 
@@ -43,8 +29,40 @@ class LaunchConfig:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-_chosen: dict[Hashable, int] = {}
+_chosen: dict[tuple[str, Hashable], int] = {}
+_pinned: dict[str, tuple[LaunchConfig, ...]] = {}
 _lock = threading.Lock()
+
+
+def _forget(kernel: str) -> None:
+    with _lock:
+        for memo in [memo for memo in _chosen if memo[0] == kernel]:
+            del _chosen[memo]
+
+
+@contextlib.contextmanager
+def pinned(kernel: str, *candidates: LaunchConfig) -> Iterator[None]:
+    """Launch `kernel` with `candidates` in place of its own list inside the block.
+
+    The kernel's memo is cleared on entry and on exit, so the block chooses among `candidates`
+    and the choice does not outlive it. For retuning (`benchmarks/deterministic.py --sweep`).
+
+    Raises:
+        ValueError: no candidate, or `kernel` is already pinned.
+    """
+    if not candidates:
+        raise ValueError(f"pinned({kernel!r}): no launch configuration given")
+    with _lock:
+        if kernel in _pinned:
+            raise ValueError(f"pinned({kernel!r}): the kernel is already pinned")
+        _pinned[kernel] = candidates
+    _forget(kernel)
+    try:
+        yield
+    finally:
+        with _lock:
+            del _pinned[kernel]
+        _forget(kernel)
 
 
 def launch(kernel: str, key: Hashable, candidates: Sequence[LaunchConfig], launch_with: Callable[[LaunchConfig], None]) -> None:
@@ -54,12 +72,14 @@ def launch(kernel: str, key: Hashable, candidates: Sequence[LaunchConfig], launc
         kernel: the kernel's name, for the memo and the error message.
         key: everything the shared memory depends on besides the configuration: the device and
             the kernel's shape constants (dtype, head dim, block size, head group).
-        candidates: configurations, preferred first.
+        candidates: configurations, preferred first (replaced by `pinned`'s inside its block).
         launch_with: launches the kernel with one configuration.
 
     Raises:
         UnsupportedInputs: no configuration fits; nothing of this kernel has run.
     """
+    if _pinned:
+        candidates = _pinned.get(kernel, candidates)
     memo = (kernel, key)
     chosen = _chosen.get(memo)
     if chosen is not None:
