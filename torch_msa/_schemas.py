@@ -35,7 +35,7 @@ SCHEMAS: dict[str, str] = {
         "-> (Tensor, Tensor, Tensor)"
     ),
     # The index loss; `block_indices` omitted: every visible key (dense warm-up). Besides the loss it
-    # returns what the backward needs instead of q and k (torch_msa/reference_kl.py).
+    # returns what the backward needs instead of q and k (torch_msa/reference_index_loss.py).
     "indexer_kl": (
         f"indexer_kl(Tensor q, Tensor k, Tensor? lse, Tensor index_q, Tensor index_k, Tensor? block_indices, "
         f"{_DOCUMENTS}, int block_size, float softmax_scale, float index_softmax_scale, {_FRAGMENTS}) "

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from . import reference, reference_kl
+from . import reference, reference_index_loss
 from ._schemas import SCHEMAS
 from .diagnostics import TorchMSAWarning
 
@@ -237,7 +237,7 @@ def _ordered() -> list[Backend]:
 register_backend(
     Backend(
         name=REFERENCE,
-        ops={op: getattr(reference_kl if op.startswith("indexer_kl") else reference, op)
+        ops={op: getattr(reference_index_loss if op.startswith("indexer_kl") else reference, op)
              for op in OPS if op not in SERVED_WITH},
         priority=0,
     )

@@ -18,7 +18,7 @@ from ._schemas import NAMESPACE, SCHEMAS
 from .contract import INDEX_DTYPE, compute_dtype
 from .documents import DOCUMENT_ARGUMENTS, Documents
 from .plan.schedule import plan_numel
-from .reference_kl import loss_dtype
+from .reference_index_loss import loss_dtype
 
 _DISPATCH_KEY = "CompositeExplicitAutograd"
 # The schemas are defined on a library of their own that outlives a reload of this module

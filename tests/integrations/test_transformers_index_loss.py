@@ -1,7 +1,7 @@
 """Training MiniMax-M3's indexer through `use_torch_msa(model, index_loss=...)` and `index_losses`.
 
 A tiny random model with two sparse layers and one full-attention layer, in fp32. The KL itself is
-checked against its definition in tests/core/test_reference_kl.py; here: one KL per sparse layer,
+checked against its definition in tests/core/test_reference_index_loss.py; here: one KL per sparse layer,
 its gradients reach the indexers only (the trunk with `detach_index_inputs=False`), the task
 loss's gradients do not change, the dense warm-up attends densely, and the per-forward reset.
 """

@@ -15,7 +15,7 @@ import torch_msa
 from tests.support.determinism import deterministic_algorithms
 from tests.support.documents import Documents, backend_arguments
 from tests.support.sm90 import BLOCK, HKV, REFERENCE_LAYOUTS, SCALE, SM90_MARKS, TOPK, random_problem
-from torch_msa import reference, reference_kl
+from torch_msa import reference, reference_index_loss
 from torch_msa.testing import fragments
 
 pytestmark = SM90_MARKS
@@ -41,7 +41,7 @@ def test_backward_kernel_writes_the_reference_teacher(q_lens, k_lens, determinis
     host = backward_deterministic if deterministic else backward_host
     teacher = backward_host.new_teacher(q.shape[0], HKV, TOPK, q.device)
     with_teacher = host.backward(*backend_arguments("backward", *args, BLOCK, SCALE), teacher=teacher)
-    want = reference_kl.teacher_probabilities(q.float(), k.float(), lse, blocks, documents, BLOCK, SCALE)
+    want = reference_index_loss.teacher_probabilities(q.float(), k.float(), lse, blocks, documents, BLOCK, SCALE)
     assert teacher.dtype == torch.float16 and teacher.shape == want.shape
     # fp16 keeps probabilities to 2^-11 relative; P comes from bf16 q and k as in the backward.
     assert (teacher.float() - want).abs().max() < 2e-3

@@ -12,7 +12,7 @@ import torch
 
 import torch_msa
 from tests.support.documents import Documents, backend_arguments
-from torch_msa import reference_kl
+from torch_msa import reference_index_loss
 from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
 
 pytestmark = pytest.mark.cuda
@@ -65,7 +65,7 @@ def test_m3_sparse_loss_and_gradients_match_reference(layout, selection):
 
     args = _problem(layout, selection)
     got = kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
-    want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args))
+    want = reference_index_loss.indexer_kl(*backend_arguments("indexer_kl", *args))
     torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=1e-5)
     assert torch.equal(got[1], want[1])
     names = ("index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
@@ -79,7 +79,7 @@ def test_m3_sparse_loss_and_gradients_match_reference(layout, selection):
                      max_q, max_k, block_size, index_scale)
     for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backend_arguments("indexer_kl_backward",
                                                                                                        *backward_args)),
-                          reference_kl.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))):
+                          reference_index_loss.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert _relative_error(a, b) < 1e-2, (name, _relative_error(a, b))
 
@@ -176,7 +176,7 @@ def test_m3_deterministic_loss_and_gradients_match_reference(selection, determin
 
     args = _problem("suffix-pack", selection)
     got = kl_deterministic.indexer_kl(*backend_arguments("indexer_kl", *args))
-    want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args))
+    want = reference_index_loss.indexer_kl(*backend_arguments("indexer_kl", *args))
     torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=1e-5)
     names = ("index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
     for name, a, b in zip(names, got[2:], want[2:], strict=True):
@@ -187,7 +187,7 @@ def test_m3_deterministic_loss_and_gradients_match_reference(selection, determin
                      max_q, max_k, block_size, index_scale)
     backend_form = backend_arguments("indexer_kl_backward", *backward_args)
     for name, a, b in zip(("d index_q", "d index_k"), kl_deterministic.indexer_kl_backward(*backend_form),
-                          reference_kl.indexer_kl_backward(*backend_form), strict=True):
+                          reference_index_loss.indexer_kl_backward(*backend_form), strict=True):
         assert _relative_error(a, b) < 1e-2, (name, _relative_error(a, b))
 
 
@@ -202,12 +202,12 @@ def test_m3_loss_from_teacher_matches_the_float64_reference(layout, selection):
     args = _problem(layout, selection)
     q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, max_q, max_k, block_size, scale, index_scale = args
     documents = Documents(cu_q, cu_k, max_q, max_k)
-    teacher = reference_kl.teacher_probabilities(q, k, lse, block_indices, documents, block_size, scale).half()
+    teacher = reference_index_loss.teacher_probabilities(q, k, lse, block_indices, documents, block_size, scale).half()
     assert teacher.shape == (q.shape[0], KV_HEADS, TOPK, BLOCK)
     grad_loss = torch.tensor(1.0, device="cuda")
-    want = reference_kl.index_loss_from_teacher(teacher.double(), grad_loss.double(), index_q.double(),
+    want = reference_index_loss.index_loss_from_teacher(teacher.double(), grad_loss.double(), index_q.double(),
                                                 index_k.double(), block_indices, documents, block_size, index_scale)
-    computed_teacher_loss = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args))[0]
+    computed_teacher_loss = reference_index_loss.indexer_kl(*backend_arguments("indexer_kl", *args))[0]
     torch.testing.assert_close(want[0].float(), computed_teacher_loss, rtol=2e-3, atol=1e-5)
     runs = {}
     for name, module in (("default", kl_kernel), ("deterministic", kl_deterministic)):
@@ -240,7 +240,7 @@ def test_training_step_through_the_public_api():
     assert kl.dtype == torch.float32 and torch.isfinite(kl) and kl > 0
     for x in (q, k, v, index_q, index_k):
         assert x.grad is not None and torch.isfinite(x.grad).all()
-    want = reference_kl.indexer_kl(*backend_arguments(
+    want = reference_index_loss.indexer_kl(*backend_arguments(
         "indexer_kl", q.detach(), k.detach(), lse.detach(), index_q.detach(), index_k.detach(), block_indices, *docs,
         BLOCK, DIM**-0.5, INDEX_DIM**-0.5))[0]
     torch.testing.assert_close(kl.detach(), want, rtol=2e-3, atol=1e-5)
@@ -255,7 +255,7 @@ def test_dense_warm_up_is_served_by_the_triton_kernels():
         warnings.simplefilter("error")  # a fallback to the reference would warn
         loss = torch_msa.indexer_kl_loss_dense(q, k, index_q, index_k, *docs)
         loss.backward()
-    want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", q, k, None, index_q.detach(), index_k.detach(), None,
+    want = reference_index_loss.indexer_kl(*backend_arguments("indexer_kl", q, k, None, index_q.detach(), index_k.detach(), None,
                                                       *docs, BLOCK, DIM**-0.5, INDEX_DIM**-0.5))[0]
     torch.testing.assert_close(loss.detach(), want, rtol=2e-3, atol=1e-5)
     assert torch.isfinite(index_q.grad).all() and torch.isfinite(index_k.grad).all()

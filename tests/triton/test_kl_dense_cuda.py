@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support.documents import Documents, backend_arguments
-from torch_msa import reference_kl
+from torch_msa import reference_index_loss
 from torch_msa.testing import cu_seqlens
 
 pytestmark = pytest.mark.cuda
@@ -51,11 +51,12 @@ def test_m3_dense_loss_and_gradients_match_reference(layout, with_lse):
     q, k, index_q, index_k, docs = _problem(layout)
     lse = None
     if with_lse:  # the exact lse, shifted so that the teacher's mass is not 1
-        lse = reference_kl.indexer_kl(*backend_arguments("indexer_kl", q, k, None, index_q, index_k, None, *docs, 128,
+        lse = reference_index_loss.indexer_kl(*backend_arguments("indexer_kl", q, k, None, index_q, index_k, None, *docs, 128,
                                                          *SCALES))[1]
         lse = lse + 0.1 * torch.randn_like(lse)
     got = kl_dense_kernel.indexer_kl_dense(q, k, lse, index_q, index_k, Documents(*docs), *SCALES)
-    want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", q, k, lse, index_q, index_k, None, *docs, 128, *SCALES))
+    want = reference_index_loss.indexer_kl(
+        *backend_arguments("indexer_kl", q, k, lse, index_q, index_k, None, *docs, 128, *SCALES))
     torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=1e-5)
     names = ("teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
     for name, a, b in zip(names, got[1:], want[1:], strict=True):
@@ -65,7 +66,7 @@ def test_m3_dense_loss_and_gradients_match_reference(layout, with_lse):
 
     # Each backward from its own forward's outputs.
     grad_loss = torch.tensor(1.0, device="cuda")
-    expected = reference_kl.indexer_kl_backward(*backend_arguments("indexer_kl_backward", grad_loss, index_q, index_k,
+    expected = reference_index_loss.indexer_kl_backward(*backend_arguments("indexer_kl_backward", grad_loss, index_q, index_k,
                                                                    *want[2:], None, *docs, 128, SCALES[1]))
     actual = kl_dense_kernel.indexer_kl_dense_backward(grad_loss, index_q, index_k, *got[2:], Documents(*docs), SCALES[1])
     for name, a, b in zip(("d index_q", "d index_k"), actual, expected):
@@ -150,14 +151,14 @@ def test_m3_query_fragments_match_reference(deterministic, request):
     index_q, index_k = tensor(num_queries, KV_HEADS, INDEX_DIM), tensor(num_keys, 1, INDEX_DIM)
     documents = Documents(*frag.op_args, *frag.tensors)
     got = kl_dense_kernel.indexer_kl_dense(q, k, None, index_q, index_k, documents, *SCALES)
-    want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", q, k, None, index_q, index_k, None, *frag.op_args,
+    want = reference_index_loss.indexer_kl(*backend_arguments("indexer_kl", q, k, None, index_q, index_k, None, *frag.op_args,
                                                       128, *SCALES, *frag.tensors))
     torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=1e-5)
     names = ("teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
     for name, a, b in zip(names, got[1:], want[1:], strict=True):
         assert _relative_error(a.nan_to_num(neginf=0), b.nan_to_num(neginf=0)) < 1e-3, name
     grad_loss = torch.tensor(1.0, device="cuda")
-    expected = reference_kl.indexer_kl_backward(*backend_arguments(
+    expected = reference_index_loss.indexer_kl_backward(*backend_arguments(
         "indexer_kl_backward", grad_loss, index_q, index_k, *want[2:], None, *frag.op_args, 128, SCALES[1], *frag.tensors))
     actual = kl_dense_kernel.indexer_kl_dense_backward(grad_loss, index_q, index_k, *got[2:], documents, SCALES[1])
     for name, a, b in zip(("d index_q", "d index_k"), actual, expected):

@@ -141,7 +141,7 @@ def _select(config):
 
 
 def _kl_forward(config):
-    tokens, heads_per_pass = kl_kernel.kl_tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
+    tokens, heads_per_pass = kl_kernel.index_loss_tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
     types = dict.fromkeys(("q", "k", "index_q", "index_k"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
     types |= dict.fromkeys(("lse", "part_max", "part_sum", "part_weighted", "part_mass", "teacher_index_keys",
                             "teacher_index_queries"), "*fp32")

@@ -12,7 +12,7 @@ import triton.language as tl
 from ..backends import UnsupportedInputs
 from ..plan.kernels import schedule_for
 from ..plan.schedule import entries_per_item, with_items
-from ..reference_kl import loss_dtype
+from ..reference_index_loss import loss_dtype
 from ..triton_utils.common import LN_2, LOG2_E, dot_precision, item_horizon, program_item, split_weights, weighted_dot
 from ..triton_utils.launch import LaunchConfig, launch
 
@@ -45,7 +45,7 @@ def check_atomics_allowed() -> None:
         raise UnsupportedInputs("deterministic algorithms were requested and the Triton KL kernels add with atomics")
 
 
-def kl_tile_shape(num_heads: int, num_kv_heads: int, rows: int = 128) -> tuple[int, int]:
+def index_loss_tile_shape(num_heads: int, num_kv_heads: int, rows: int = 128) -> tuple[int, int]:
     """`(tokens, heads_per_pass)` of a forward tile: its queries (at least 16) and the query heads
     one teacher GEMM of about `rows` rows takes."""
     group_p2 = triton.next_power_of_2(num_heads // num_kv_heads)
@@ -349,7 +349,7 @@ def launch_forward(q, k, lse, index_q, index_k, partials: ForwardPartials, teach
     index_dim = index_q.shape[-1]
 
     def launch_config(config):
-        tokens, heads_per_pass = kl_tile_shape(num_heads, num_kv_heads, config.rows)
+        tokens, heads_per_pass = index_loss_tile_shape(num_heads, num_kv_heads, config.rows)
         msa_kl_fwd_kernel[(schedule.item_start.numel(),)](
             q, k, lse, index_q, index_k, *partials, *teacher_sums, *_schedule_tables(schedule),
             num_queries, num_keys, softmax_scale * LOG2_E.value, index_softmax_scale * LOG2_E.value,
@@ -404,7 +404,7 @@ def finish_forward(partials: ForwardPartials, dtype: torch.dtype) -> tuple[torch
 
 
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale):
-    """Same contract as `torch_msa.reference_kl.indexer_kl` (sparse support, `lse` given)."""
+    """Same contract as `torch_msa.reference_index_loss.indexer_kl` (sparse support, `lse` given)."""
     check_inputs(lse is not None, index_q)
     check_atomics_allowed()
     num_queries, num_heads, dim = q.shape
@@ -463,7 +463,7 @@ def launch_backward(index_q, index_k, index_lse, teacher_mass, coefficient, stud
 
 def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
                         teacher_index_queries, block_indices, documents, block_size, index_softmax_scale):
-    """Same contract as `torch_msa.reference_kl.indexer_kl_backward` (sparse support)."""
+    """Same contract as `torch_msa.reference_index_loss.indexer_kl_backward` (sparse support)."""
     check_inputs(True, index_q)
     check_atomics_allowed()
     num_queries, num_index_heads, _ = index_q.shape
@@ -484,7 +484,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
 
 def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices, documents, block_size,
                             index_softmax_scale, plan=None):
-    """Same contract as `torch_msa.reference_kl.index_loss_from_teacher`: `(loss, d_index_q,
+    """Same contract as `torch_msa.reference_index_loss.index_loss_from_teacher`: `(loss, d_index_q,
     d_index_k)` from a given teacher `[Tq, Hi, topk, block_size]`, the gradients None when
     `grad_loss` is None. `plan`: the step's plan (as `torch_msa.plan.kernels.schedule_for` takes
     it), walked in this loss's items; None builds one.

@@ -8,7 +8,7 @@ import torch
 from .. import query_windows
 from ..plan.kernels import plan_schedule, schedule_for
 from ..plan.schedule import entries_per_item, with_items
-from ..reference_kl import loss_dtype
+from ..reference_index_loss import loss_dtype
 from ..stages.deterministic import bucket_first_items, reduce_item_rows
 from . import sparse
 from .sparse import (
@@ -91,7 +91,7 @@ def _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys, num_in
 
 
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale):
-    """Same contract as `torch_msa.reference_kl.indexer_kl` (sparse support, `lse` given), bitwise
+    """Same contract as `torch_msa.reference_index_loss.indexer_kl` (sparse support, `lse` given), bitwise
     reproducible."""
     check_inputs(lse is not None, index_q)
     num_queries, num_heads, _ = q.shape
@@ -121,7 +121,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size
 
 def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
                         teacher_index_queries, block_indices, documents, block_size, index_softmax_scale):
-    """Same contract as `torch_msa.reference_kl.indexer_kl_backward` (sparse support), bitwise
+    """Same contract as `torch_msa.reference_index_loss.indexer_kl_backward` (sparse support), bitwise
     reproducible."""
     check_inputs(True, index_q)
     num_queries, num_index_heads, index_dim = index_q.shape
@@ -153,7 +153,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
 
 def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices, documents, block_size,
                             index_softmax_scale, plan=None):
-    """Same contract as `torch_msa.reference_kl.index_loss_from_teacher`, bitwise reproducible."""
+    """Same contract as `torch_msa.reference_index_loss.index_loss_from_teacher`, bitwise reproducible."""
     if grad_loss is None:
         return sparse.index_loss_from_teacher(teacher, None, index_q, index_k, block_indices, documents, block_size,
                                                  index_softmax_scale, plan)

@@ -55,7 +55,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
     """Same contract as `torch_msa.reference.backward`: `(dq, dk, dv)` in the inputs' dtype.
 
     `teacher`: None, or `new_teacher()` for the kernel to fill with the index loss's teacher
-    (layout: `torch_msa.reference_kl.teacher_probabilities`). Walks `plan`'s items (any item
+    (layout: `torch_msa.reference_index_loss.teacher_probabilities`). Walks `plan`'s items (any item
     size), or those of a new plan.
 
     Raises:

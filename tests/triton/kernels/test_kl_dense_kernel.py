@@ -2,7 +2,7 @@
 
 Against a float64 computation of the loss written here from the math (dense `[Tq, Tk]` masks,
 fine at these sizes), with the index gradients taken by autograd through it, and against
-`torch_msa.reference_kl` for the outputs it has. Run natively on a CUDA host, or on CPU under the
+`torch_msa.reference_index_loss` for the outputs it has. Run natively on a CUDA host, or on CPU under the
 Triton interpreter by `tests/triton/test_interpret.py`; fp32 and fp16 only (the interpreter's
 bf16 `tl.dot` is wrong, see `tests/support/triton_kernels.py`).
 """
@@ -13,7 +13,7 @@ import torch
 
 from tests.support.documents import Documents, backend_arguments
 from tests.support.triton_kernels import DEVICE, require_a_device
-from torch_msa import reference_kl, testing
+from torch_msa import reference_index_loss, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.index_loss import dense as kl_dense_kernel
 
@@ -123,7 +123,8 @@ def test_dense_loss_and_gradients_match_float64(case, with_lse):
         assert torch.equal(got[1], lse)
 
     # The outputs the reference has agree with it too.
-    expected = reference_kl.indexer_kl(*backend_arguments("indexer_kl", q, k, lse, index_q, index_k, None, *docs, 128, *scales))
+    expected = reference_index_loss.indexer_kl(
+        *backend_arguments("indexer_kl", q, k, lse, index_q, index_k, None, *docs, 128, *scales))
     for name, a, b in zip(names, got, expected):
         _close(a, b, tolerance, f"{name} vs reference")
 
@@ -231,8 +232,9 @@ def test_fragments_match_the_reference_forward_and_backward(deterministic, reque
         return (*forward, *grads)
 
     got = run()
-    want = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args, None, *frag.op_args, 64, 0.125, 0.25, *frag.tensors))
-    want_grads = reference_kl.indexer_kl_backward(
+    want = reference_index_loss.indexer_kl(
+        *backend_arguments("indexer_kl", *args, None, *frag.op_args, 64, 0.125, 0.25, *frag.tensors))
+    want_grads = reference_index_loss.indexer_kl_backward(
         *backend_arguments("indexer_kl_backward", torch.ones((), device=DEVICE), index_q, index_k, *want[2:], None,
                            *frag.op_args, 64, 0.25, *frag.tensors))
     names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries",

@@ -15,7 +15,7 @@ import torch
 import torch_msa.triton.interface as triton_backend
 from tests.support.documents import backend_arguments
 from tests.support.triton_kernels import DEVICE, require_a_device
-from torch_msa import query_windows, reference, reference_kl, testing
+from torch_msa import query_windows, reference, reference_index_loss, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.index_loss import sparse as kl_kernel
 from torch_msa.index_loss import sparse_deterministic as kl_deterministic
@@ -98,7 +98,7 @@ def test_deterministic_kl_matches_reference_and_repeats_bitwise(case, request):
     if split:
         request.getfixturevalue("small_items")
     args = _problem(*shape, dtype)
-    expected = _forward(reference_kl, args)
+    expected = _forward(reference_index_loss, args)
     got = _forward(kl_deterministic, args)
     assert expected[0] > 0 and expected[4].abs().sum() > 0
     _assert_forward_close(got, expected, 2e-5 if dtype == torch.float32 else 3e-3)
@@ -108,7 +108,7 @@ def test_deterministic_kl_matches_reference_and_repeats_bitwise(case, request):
 
     backward_args = _backward_args(args, expected)
     grads = _backward(kl_deterministic, backward_args)
-    _assert_backward_close(grads, _backward(reference_kl, backward_args),
+    _assert_backward_close(grads, _backward(reference_index_loss, backward_args),
                            1e-4 if dtype == torch.float32 else 2e-3)
     for name, a, b in zip(BACKWARD_NAMES, grads, _backward(kl_deterministic, backward_args), strict=True):
         assert torch.equal(a, b), name
@@ -144,7 +144,7 @@ def test_fragments_match_reference(small_items):
     _, lse = reference.forward(*backend_arguments("forward", q, k, k, block_indices, *frag.op_args, block_size, scales[0],
                                                    None, *fragments))
     args = (q, k, lse, index_q, index_k, block_indices, *frag.op_args, block_size, *scales, *fragments)
-    expected = _forward(reference_kl, args)
+    expected = _forward(reference_index_loss, args)
     got = _forward(kl_deterministic, args)
     assert expected[0] > 0 and expected[4].abs().sum() > 0
     _assert_forward_close(got, expected, 2e-5)
@@ -152,7 +152,7 @@ def test_fragments_match_reference(small_items):
         assert torch.equal(a, b), name
     backward_args = _backward_args(args, expected, grad_loss=1.3)
     _assert_backward_close(_backward(kl_deterministic, backward_args),
-                           _backward(reference_kl, backward_args), 1e-4)
+                           _backward(reference_index_loss, backward_args), 1e-4)
 
 
 @pytest.mark.parametrize("fragmented", [False, True], ids=["pack", "fragments"])
@@ -196,7 +196,7 @@ def test_query_windows_match_reference(fragmented, monkeypatch):
 
     for name in ("launch_forward", "launch_backward"):
         monkeypatch.setattr(kl_deterministic, name, counted(name))
-    expected = _forward(reference_kl, args)
+    expected = _forward(reference_index_loss, args)
     got = _forward(kl_deterministic, args)
     assert launches.count("launch_forward") == -(-num_queries // 37)
     _assert_forward_close(got, expected, 2e-5)
@@ -204,7 +204,7 @@ def test_query_windows_match_reference(fragmented, monkeypatch):
         assert torch.equal(a, b), name
     backward_args = _backward_args(args, expected)
     _assert_backward_close(_backward(kl_deterministic, backward_args),
-                           _backward(reference_kl, backward_args), 1e-4)
+                           _backward(reference_index_loss, backward_args), 1e-4)
     assert launches.count("launch_backward") > 1
 
 
@@ -213,7 +213,7 @@ def test_empty_inputs_give_zero_loss_and_gradients():
     loss, _, index_lse, mass, teacher_keys, teacher_queries = _forward(kl_deterministic, args)
     assert loss.item() == 0 and index_lse.shape == (0, 2) and mass.shape == (0, 2)
     assert teacher_keys.shape == (0, 2, 32) and teacher_queries.shape == (0, 1, 32)
-    d_index_q, d_index_k = _backward(kl_deterministic, _backward_args(args, _forward(reference_kl, args)))
+    d_index_q, d_index_k = _backward(kl_deterministic, _backward_args(args, _forward(reference_index_loss, args)))
     assert d_index_q.shape == (0, 2, 32) and d_index_k.shape == (0, 1, 32)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from tests.support.documents import backend_arguments
 from tests.support.triton_kernels import DEVICE, require_a_device
-from torch_msa import reference, reference_kl, testing
+from torch_msa import reference, reference_index_loss, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.index_loss import sparse as kl_kernel
 from torch_msa.index_loss import sparse_deterministic as kl_deterministic
@@ -47,7 +47,7 @@ def test_kl_forward_and_backward_match_reference(case):
     scales = (dim**-0.5, index_dim**-0.5)
     _, lse = reference.forward(*backend_arguments("forward", q, k, v, block_indices, *docs, block_size, scales[0]))
     args = (q, k, lse, index_q, index_k, block_indices, *docs, block_size, *scales)
-    expected = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args))
+    expected = reference_index_loss.indexer_kl(*backend_arguments("indexer_kl", *args))
     got = kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
     tolerance = 2e-5 if dtype == torch.float32 else 3e-3
     names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
@@ -64,7 +64,7 @@ def test_kl_forward_and_backward_match_reference(case):
     backward_args = (grad_loss, index_q, index_k, *expected[2:], block_indices, *docs, block_size, scales[1])
     for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backend_arguments("indexer_kl_backward",
                                                                                                        *backward_args)),
-                          reference_kl.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))):
+                          reference_index_loss.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         # Both sides start from the same index_lse and teacher terms: the gradients differ by
         # little more than their final rounding to the index dtype.
@@ -156,7 +156,7 @@ def test_fragments_match_reference():
     _, lse = reference.forward(*backend_arguments("forward", q, k, k, block_indices, *frag.op_args, block_size, scales[0],
                                                   None, *fragments))
     args = (q, k, lse, index_q, index_k, block_indices, *frag.op_args, block_size, *scales, *fragments)
-    expected = reference_kl.indexer_kl(*backend_arguments("indexer_kl", *args))
+    expected = reference_index_loss.indexer_kl(*backend_arguments("indexer_kl", *args))
     got = kl_kernel.indexer_kl(*backend_arguments("indexer_kl", *args))
     assert expected[0] > 0 and expected[4].abs().sum() > 0
     names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
@@ -167,6 +167,6 @@ def test_fragments_match_reference():
                      block_size, scales[1], *fragments)
     for name, a, b in zip(("d index_q", "d index_k"), kl_kernel.indexer_kl_backward(*backend_arguments("indexer_kl_backward",
                                                                                                        *backward_args)),
-                          reference_kl.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))):
+                          reference_index_loss.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *backward_args))):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item(),
                                    msg=lambda m, name=name: f"{name}: {m}")

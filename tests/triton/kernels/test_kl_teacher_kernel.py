@@ -1,6 +1,6 @@
 """The Triton KL loss from a given teacher (`index_loss_from_teacher` of `torch_msa/index_loss/sparse.py`
 and of `kl_deterministic.py`) against the reference's at small shapes, on an fp16 teacher from
-`reference_kl.teacher_probabilities`.
+`reference_index_loss.teacher_probabilities`.
 
 Run natively on a CUDA host, or on CPU under the Triton interpreter by
 `tests/triton/test_interpret.py`; fp32 and fp16 index inputs only (the interpreter's bf16
@@ -15,7 +15,7 @@ import torch
 
 from tests.support.documents import Documents
 from tests.support.triton_kernels import DEVICE, require_a_device
-from torch_msa import query_windows, reference, reference_kl, testing
+from torch_msa import query_windows, reference, reference_index_loss, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.index_loss import sparse as kl_kernel
 from torch_msa.index_loss import sparse_deterministic as kl_deterministic
@@ -60,7 +60,7 @@ def _problem(layout, seed=0):
     q, k, v = randn(num_queries, HEADS, DIM), randn(num_keys, KV_HEADS, DIM), randn(num_keys, KV_HEADS, DIM)
     index_q, index_k = randn(num_queries, KV_HEADS, index_dim, dtype=dtype), randn(num_keys, 1, index_dim, dtype=dtype)
     _, lse = reference.forward(q, k, v, block_indices, documents, BLOCK, SCALE, None)
-    teacher = reference_kl.teacher_probabilities(q, k, lse, block_indices, documents, BLOCK, SCALE)
+    teacher = reference_index_loss.teacher_probabilities(q, k, lse, block_indices, documents, BLOCK, SCALE)
     return (teacher.half(), index_q, index_k, block_indices, documents, BLOCK, index_dim**-0.5), teacher > 0
 
 
@@ -91,7 +91,7 @@ def test_loss_from_teacher_matches_reference(layout, module):
     args, support = _problem(layout)
     teacher, index_q = args[0], args[1]
     grad_loss = torch.tensor(1.7, device=DEVICE)
-    want = reference_kl.index_loss_from_teacher(teacher, grad_loss, *args[1:])
+    want = reference_index_loss.index_loss_from_teacher(teacher, grad_loss, *args[1:])
     assert want[0] > 0 and (~support).any()
     got = MODULES[module].index_loss_from_teacher(teacher, grad_loss, *args[1:])
     _assert_close(got, want, index_q.dtype)
@@ -133,7 +133,7 @@ def test_split_buckets_and_query_windows_match_reference(monkeypatch):
     got = kl_deterministic.index_loss_from_teacher(args[0], grad_loss, *args[1:])
     num_queries = args[1].shape[0]
     assert len(launches) == -(-num_queries // 37) and sum(launches) == num_queries
-    _assert_close(got, reference_kl.index_loss_from_teacher(args[0], grad_loss, *args[1:]), torch.float32)
+    _assert_close(got, reference_index_loss.index_loss_from_teacher(args[0], grad_loss, *args[1:]), torch.float32)
     _assert_equal(kl_deterministic.index_loss_from_teacher(args[0], grad_loss, *args[1:]), got)
 
 

@@ -1,7 +1,7 @@
 """The index branch's KL distillation loss (`torch_msa.indexer_kl_loss`, `indexer_kl_loss_dense`).
 
 The oracle below is written from the definition (spec, section 6) on full `[H, Tq, Tk]` float64
-tensors, with autograd for the gradients; it shares nothing with `torch_msa.reference_kl`.
+tensors, with autograd for the gradients; it shares nothing with `torch_msa.reference_index_loss`.
 """
 
 import functools
@@ -13,7 +13,7 @@ import torch
 
 import torch_msa
 from tests.support import dense
-from torch_msa import api, reference, reference_kl, testing
+from torch_msa import api, reference, reference_index_loss, testing
 from torch_msa.documents import Documents
 
 BLOCK = 64
@@ -175,7 +175,7 @@ def _teacher_problem(layout):
 def test_teacher_probabilities_lay_out_the_definitions_teacher_per_slot():
     q, k, lse, index_q, index_k, block_indices, documents = _teacher_problem("pack")
     cu_q, cu_k = documents.cu_seqlens_q, documents.cu_seqlens_k
-    teacher = reference_kl.teacher_probabilities(q, k, lse, block_indices, documents, BLOCK, 64**-0.5)
+    teacher = reference_index_loss.teacher_probabilities(q, k, lse, block_indices, documents, BLOCK, 64**-0.5)
     num_kv_heads, num_queries, topk = block_indices.shape
     assert teacher.shape == (num_queries, num_kv_heads, topk, BLOCK) and teacher.dtype == torch.float64
     _, dense_teacher, _, _ = _oracle_terms(q, k, lse, index_q, index_k, block_indices, cu_q, cu_k, 64**-0.5, 16**-0.5)
@@ -194,7 +194,7 @@ def test_teacher_probabilities_lay_out_the_definitions_teacher_per_slot():
     assert expected.sum() > 0 and (expected == 0).any()
     torch.testing.assert_close(teacher, expected, rtol=1e-12, atol=1e-14)
     # Without lse the teacher is normalised on the support: the same, as lse is the attention's there.
-    torch.testing.assert_close(reference_kl.teacher_probabilities(q, k, None, block_indices, documents, BLOCK, 64**-0.5),
+    torch.testing.assert_close(reference_index_loss.teacher_probabilities(q, k, None, block_indices, documents, BLOCK, 64**-0.5),
                                teacher, rtol=1e-12, atol=1e-14)
 
 
@@ -205,13 +205,14 @@ def test_index_loss_from_teacher_is_indexer_kl_and_its_backward(layout):
     q, k, lse, index_q, index_k, block_indices, documents = _teacher_problem(layout)
     scales = (64**-0.5, 16**-0.5)
     grad_loss = torch.tensor(1.7, dtype=torch.float64)
-    loss, _, *kept = reference_kl.indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, BLOCK, *scales)
-    want = reference_kl.indexer_kl_backward(grad_loss, index_q, index_k, *kept, block_indices, documents, BLOCK, scales[1])
-    teacher = reference_kl.teacher_probabilities(q, k, lse, block_indices, documents, BLOCK, scales[0])
+    loss, _, *kept = reference_index_loss.indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, BLOCK, *scales)
+    want = reference_index_loss.indexer_kl_backward(grad_loss, index_q, index_k, *kept, block_indices, documents, BLOCK,
+                                                    scales[1])
+    teacher = reference_index_loss.teacher_probabilities(q, k, lse, block_indices, documents, BLOCK, scales[0])
     # Inside the support every teacher probability is positive: poison everything else.
     poisoned = teacher.masked_fill(teacher == 0, math.nan)
     for given in (teacher, poisoned):
-        got_loss, *got = reference_kl.index_loss_from_teacher(given, grad_loss, index_q, index_k, block_indices,
+        got_loss, *got = reference_index_loss.index_loss_from_teacher(given, grad_loss, index_q, index_k, block_indices,
                                                               documents, BLOCK, scales[1])
         assert got_loss.dtype == torch.float64 and got_loss.dim() == 0 and loss > 0
         torch.testing.assert_close(got_loss, loss, rtol=1e-12, atol=1e-14)
@@ -219,7 +220,7 @@ def test_index_loss_from_teacher_is_indexer_kl_and_its_backward(layout):
             assert a.shape == b.shape and a.dtype == b.dtype and b.abs().max() > 0, name
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12 * b.abs().max().item(),
                                        msg=lambda m, name=name: f"{name}: {m}")
-    loss_only = reference_kl.index_loss_from_teacher(teacher.half(), None, index_q.float(), index_k.float(),
+    loss_only = reference_index_loss.index_loss_from_teacher(teacher.half(), None, index_q.float(), index_k.float(),
                                                      block_indices, documents, BLOCK, scales[1])
     assert loss_only[1:] == (None, None) and loss_only[0].dtype == torch.float32
     torch.testing.assert_close(loss_only[0].double(), loss, rtol=2e-3, atol=1e-6)
@@ -228,9 +229,9 @@ def test_index_loss_from_teacher_is_indexer_kl_and_its_backward(layout):
 def test_index_loss_from_teacher_without_queries_is_zero():
     q, k, v, index_q, index_k, block_indices, docs = _problem((0,), (9,), 4, 2, 64, 16, 2)
     documents = Documents(*docs)
-    teacher = reference_kl.teacher_probabilities(q, k, torch.zeros(0, 4), block_indices, documents, BLOCK, 0.125)
+    teacher = reference_index_loss.teacher_probabilities(q, k, torch.zeros(0, 4), block_indices, documents, BLOCK, 0.125)
     assert teacher.shape == (0, 2, 2, BLOCK)
-    loss, d_index_q, d_index_k = reference_kl.index_loss_from_teacher(teacher, torch.tensor(1.0), index_q, index_k,
+    loss, d_index_q, d_index_k = reference_index_loss.index_loss_from_teacher(teacher, torch.tensor(1.0), index_q, index_k,
                                                                       block_indices, documents, BLOCK, 0.25)
     assert loss.item() == 0 and d_index_q.shape == index_q.shape and d_index_k.shape == index_k.shape
     assert not d_index_k.any()
@@ -244,16 +245,16 @@ def test_dense_loss_spans_keys_with_bounded_memory(monkeypatch):
     whole_grads = torch.autograd.grad(whole, (index_q, index_k))
     budget, span_keys = 64 << 10, 100
     monkeypatch.setattr(reference, "_CHUNK_BYTES_CPU", budget)
-    monkeypatch.setattr(reference_kl, "_DENSE_SPAN_KEYS", span_keys)
+    monkeypatch.setattr(reference_index_loss, "_DENSE_SPAN_KEYS", span_keys)
     shapes = []
-    original = reference_kl._dense_spans
+    original = reference_index_loss._dense_spans
 
     def recording(*args):
         for span in original(*args):
             shapes.append(tuple(span.valid.shape))
             yield span
 
-    monkeypatch.setattr(reference_kl, "_dense_spans", recording)
+    monkeypatch.setattr(reference_index_loss, "_dense_spans", recording)
     split = torch_msa.indexer_kl_loss_dense(q, k, index_q, index_k, *docs, block_size=BLOCK)
     forward_shapes = list(shapes)
     shapes.clear()
