@@ -9,6 +9,7 @@ with a one-time warning. The registry in detail: docs/backends.md.
 """
 
 import dataclasses
+import functools
 import importlib
 import os
 import warnings
@@ -91,19 +92,22 @@ class Backend:
 
 _BACKENDS: dict[str, Backend] = {}
 _warned: set[tuple] = set()
-_builtins_registered = False
+_builtins_registered_in: dict | None = None  # the registry dict the built-ins were added to
 
 
+@functools.cache
 def _imported(path: str) -> Callable:
+    # Cached: every op call resolves its implementation, and an import lookup costs microseconds.
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
 def _register_builtins() -> None:
     """Register `BUILTIN_BACKENDS` once; a backend registered earlier under the same name stays."""
-    global _builtins_registered
-    if not _builtins_registered:
-        _builtins_registered = True
+    global _builtins_registered_in
+    # Keyed on the dict itself, so a registry swapped for another (tests do) gets them too.
+    if _builtins_registered_in is not _BACKENDS:
+        _builtins_registered_in = _BACKENDS
         for path in BUILTIN_BACKENDS:
             backend = importlib.import_module(path).BACKEND
             _BACKENDS.setdefault(backend.name, backend)
@@ -135,6 +139,7 @@ def registered_backends() -> list[str]:
 
 def candidates(op: str, device: torch.device) -> list[Backend]:
     """Backends that may serve `op` on `device`, best first; a forced one first, the rest as fallbacks."""
+    _register_builtins()
     forced = os.environ.get(BACKEND_ENV, "").strip()
     if forced:
         backend = _BACKENDS.get(forced)
