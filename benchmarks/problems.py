@@ -12,8 +12,8 @@ import torch
 
 import torch_msa
 from torch_msa.contract import Shape
-from torch_msa.documents import locate_queries
-from torch_msa.selection_stats import selection_sharing
+from torch_msa.documents import Documents, locate_queries
+from torch_msa.selection_stats import query_outer_work, selection_sharing
 from torch_msa.testing import skewed_block_indices
 
 from . import trained_selection
@@ -180,10 +180,16 @@ def make_inputs(spec: ProblemSpec, shape: Shape, device: torch.device, selection
 
 def describe_sharing(inputs: Inputs) -> str:
     """The selection's union statistics (`torch_msa.selection_stats`): blocks per 8-token group and
-    per 128-token tile, and the share of (token, slot) pairs in blocks the whole group selects."""
+    per 128-token tile, the share of (token, slot) pairs in blocks the whole group selects, and the
+    work the plan's rule runs query-outer."""
     groups = {size: selection_sharing(inputs.block_indices, inputs.cu_seqlens, group_size=size,
                                       block_size=inputs.shape.block_size).overall for size in (8, 128)}
     parts = [f"{size}-token groups read {stats.union_mean:.1f} blocks (p90 {stats.union_p90:.0f}), "
              f"{stats.shared_pairs:.0%} of their (token, slot) pairs shared" for size, stats in groups.items()]
+    documents = Documents(inputs.cu_seqlens, inputs.cu_seqlens, inputs.max_seqlen, inputs.max_seqlen)
+    q_outer = query_outer_work(inputs.block_indices, documents, inputs.spec.tokens, inputs.shape.query_heads,
+                               inputs.shape.block_size)
     return (f"{inputs.selection} selection: " + "; ".join(parts)
-            + f"; block 0 in {groups[8].block0:.0%} of the rows with a choice")
+            + f"; block 0 in {groups[8].block0:.0%} of the rows with a choice; the plan's query-outer rule takes "
+            f"{q_outer.entries:.0%} of the pairs ({q_outer.group_size}-token tiles {q_outer.tile_fill:.0%} full, "
+            f"{q_outer.rows_without_combine:.0%} of the rows left without a combine)")

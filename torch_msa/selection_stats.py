@@ -1,4 +1,5 @@
-"""How much the selections of neighbouring tokens share: union sizes per group of tokens.
+"""How much the selections of neighbouring tokens share: union sizes per group of tokens, and the
+work the plan's rule (`torch_msa.plan.groups`) runs query-outer.
 
 A group is `group_size` consecutive queries of one document (or fragment). Per (KV head, group)
 the union is the distinct valid blocks its queries select; a block is *shared* when every query
@@ -10,7 +11,8 @@ import dataclasses
 
 import torch
 
-from .documents import locate_queries
+from .documents import Documents, locate_queries
+from .plan.groups import build_query_groups, group_tokens, q_outer_entries
 from .plan.schedule import valid_entries
 
 POSITION_EDGES = (2048, 8192)  # position buckets: dense prefix (topk * block_size at M3), mid, long
@@ -167,4 +169,51 @@ def selection_sharing(
         overall=summary(present, everything),
         by_position={name: summary(present & (pair_bucket == index), row_bucket == index)
                      for index, name in enumerate(names)},
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryOuterWork:
+    """`query_outer_work`'s result; shares are in [0, 1], NaN where nothing was counted.
+
+    Attributes:
+        group_size: `G`, the queries of a group.
+        entries: share of the valid (token, slot) pairs that run query-outer.
+        tile_fill: of the (query, block) passes the query-outer tiles make (`G` per block of a
+            group), the share a query selected; the rest are masked.
+        rows_without_combine: share of the (KV head, query) rows with a valid entry whose entries
+            all run query-outer, so that no KV-outer partial is left to merge.
+    """
+
+    group_size: int
+    entries: float
+    tile_fill: float
+    rows_without_combine: float
+
+
+def query_outer_work(block_indices: torch.Tensor, documents: Documents, num_keys: int, num_heads: int,
+                     block_size: int = 128) -> QueryOuterWork:
+    """How much of `block_indices` the plan's rule (`torch_msa.plan.groups`) runs query-outer.
+
+    Args:
+        block_indices: int `[Hkv, Tq, topk]`, the op contract's selection.
+        documents: its documents; num_keys: `Tk`; num_heads: `Hq`, which sizes the groups;
+        block_size: keys per block.
+
+    Returns:
+        A `QueryOuterWork`; computing it syncs with the host.
+    """
+    size = group_tokens(num_heads, block_indices.shape[0])
+    block_indices = block_indices.to(torch.int32)
+    groups = build_query_groups(block_indices, documents, num_keys, block_size, size)
+    position = documents.locate(block_indices.shape[1], num_keys).position
+    valid = valid_entries(block_indices, position, block_size)
+    q_outer = q_outer_entries(groups, block_indices, position, block_size)
+    passes = (groups.group_blocks >= 0).sum() * size
+    rows = valid.any(-1)
+    return QueryOuterWork(
+        group_size=size,
+        entries=_share(q_outer.sum(), valid.sum()),
+        tile_fill=_share(q_outer.sum(), passes),
+        rows_without_combine=_share((rows & ~(valid & ~q_outer).any(-1)).sum(), rows.sum()),
     )

@@ -17,7 +17,7 @@ import torch
 import torch_msa
 from benchmarks import cli, command, devices, flops, msa, peers, problems, runner, targets, timing
 from benchmarks.flex_mask import TILE_ROWS, fold_query_heads, kv_heads_first, msa_block_mask
-from benchmarks.problems import Inputs, ProblemSpec, make_inputs, parse_pack, parse_seqlens
+from benchmarks.problems import Inputs, ProblemSpec, describe_sharing, make_inputs, parse_pack, parse_seqlens
 from benchmarks.results import ERROR, OK, OOM, SKIPPED, STEP_TOLERANCE, BenchResult, ProblemResult, Row
 from benchmarks.subject import Measurement, Subject
 from benchmarks.timing import Timing, is_out_of_memory, measure
@@ -174,6 +174,15 @@ def test_cudnn_bsa_is_a_peer_only_where_it_can_run():
     assert subject.impl == "cuDNN BSA blk128" and subject.phases == ("fwd", "bwd")
     assert "needs CUDA" in subject.skip_reason
     assert peers.bsa_subject(inputs, 64).phases == ("fwd",)
+
+
+def test_the_sharing_note_gives_the_work_the_query_outer_rule_takes():
+    # 8 query heads over 2 KV heads: 32-token groups, inside the tiled selection's 64-token tiles.
+    note = describe_sharing(make_inputs(ProblemSpec((256,)), SMALL, CPU, "tiled", seed=0))
+    assert "the plan's query-outer rule takes 100% of the pairs (32-token tiles 100% full, 100% of the rows" in note
+    note = describe_sharing(make_inputs(ProblemSpec((1024,)), SMALL, CPU, "index", seed=0))
+    share = int(note.split("query-outer rule takes ")[1].split("%")[0])
+    assert 0 < share < 100, note
 
 
 def test_inputs_use_torch_msa_selection():

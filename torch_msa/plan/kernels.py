@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 
 from ..documents import Documents
-from ..triton_utils.common import binary_search_steps, locate_tokens
+from ..triton_utils.common import binary_search_steps, find_segments, locate_tokens
+from .groups import Q_OUTER_COST, QueryGroups, build_query_groups, group_ids, max_group_blocks
 from .schedule import Schedule, build_schedule, entries_per_item, max_buckets, max_items, pack, section_sizes, unpack
 
 _ENTRIES = 1024  # entries per program of the 1-D kernels
@@ -242,6 +243,116 @@ def schedule_for(block_indices, documents: Documents, num_keys, block_size, num_
         return plan_schedule(block_indices, documents, num_keys, block_size,
                              entries_per_item(num_heads, block_indices.shape[0]))
     return unpack(plan, block_indices, num_keys, documents.num_documents, block_size)
+
+
+@triton.jit
+def msa_plan_query_groups_kernel(
+    block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
+    token_group, group_start, group_end, group_union, group_blocks,
+    num_queries, num_keys, num_segments, num_docs, search_steps, block_size, num_ids,
+    stride_head, stride_token, stride_slot,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, GROUP: tl.constexpr, MOST: tl.constexpr,
+    COST_NUMERATOR: tl.constexpr, COST_DENOMINATOR: tl.constexpr, FRAGMENTS: tl.constexpr,
+):
+    group = tl.program_id(0)
+    head = tl.program_id(1)
+    # The group's segment: the probes of torch.searchsorted(keys, group, right=True) - 1 over the
+    # segments' first ids `max(c_s, 0) // GROUP + s`.
+    low = tl.zeros((), tl.int32)
+    high = low + num_segments
+    for _ in range(search_steps):
+        active = low < high
+        middle = low + ((high - low) >> 1)
+        first_id = tl.maximum(tl.load(cu_seqlens_q + middle, mask=active, other=0), 0) // GROUP + middle
+        right = first_id > group
+        high = tl.where(active & right, middle, high)
+        low = tl.where(active & ~right, middle + 1, low)
+    has_segment = low > 0
+    segment = tl.maximum(low - 1, 0)
+    first = tl.load(cu_seqlens_q + segment, mask=has_segment, other=0).to(tl.int64)
+    last = tl.load(cu_seqlens_q + segment + 1, mask=has_segment, other=0).to(tl.int64)
+    start = first + (group - (tl.maximum(first, 0) // GROUP + segment)) * GROUP
+    end = tl.minimum(tl.minimum(start + GROUP, last), num_queries)
+
+    # Lanes (query of the group, slot); the group is kept when each of its queries lies in its
+    # segment and sees a key.
+    lanes = tl.arange(0, GROUP * TOPK_P2)
+    member_index = lanes // TOPK_P2
+    slot = lanes % TOPK_P2
+    token = start + member_index
+    in_group = (token < end) & (token >= 0)
+    pos, _ = locate_tokens(token, in_group, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
+                           num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
+    token_segment, _ = find_segments(token, in_group, cu_seqlens_q, num_segments, search_steps)
+    strangers = tl.sum((in_group & ((token_segment != segment) | (pos < 0))).to(tl.int32), axis=0)
+    kept = has_segment & (start >= 0) & (start < end) & (strangers == 0)
+
+    slot_ok = in_group & kept & (slot < TOPK)
+    row = block_indices + head.to(tl.int64) * stride_head + token * stride_token
+    ids = tl.load(row + slot * stride_slot, mask=slot_ok, other=-1)
+    last_block = tl.where(pos >= 0, pos // block_size, -1)
+    valid = slot_ok & (ids >= 0) & (ids.to(tl.int64) <= last_block)
+    for earlier in range(TOPK):
+        other = tl.load(row + earlier * stride_slot, mask=slot_ok, other=-1)
+        valid &= ~((ids == other) & (slot > earlier))
+
+    # Per lane: the group's queries that select its block, and whether an earlier one does.
+    slots = tl.arange(0, TOPK_P2)
+    count = tl.zeros((GROUP * TOPK_P2,), tl.int32)
+    earlier_query = tl.zeros((GROUP * TOPK_P2,), tl.int1)
+    for member in range(GROUP):
+        member_token = start + member
+        member_ok = kept & (member_token < end)
+        member_last = tl.max(tl.where(member_index == member, last_block, -1), axis=0)
+        chosen = tl.load(block_indices + head.to(tl.int64) * stride_head + member_token * stride_token
+                         + slots * stride_slot, mask=member_ok & (slots < TOPK), other=-1)
+        chosen_ok = (chosen >= 0) & (chosen.to(tl.int64) <= member_last)
+        hit = tl.max(((ids[:, None] == chosen[None, :]) & chosen_ok[None, :]).to(tl.int32), axis=1)
+        count += hit
+        earlier_query |= (hit > 0) & (member_index > member)
+    first_choice = valid & ~earlier_query
+    union = tl.sum(first_choice.to(tl.int32), axis=0)
+    entries = tl.sum(valid.to(tl.int32), axis=0)
+    whole = union * GROUP * COST_NUMERATOR <= entries * COST_DENOMINATOR
+    q_outer = first_choice & (whole | (count * COST_DENOMINATOR >= GROUP * COST_NUMERATOR))
+    blocks = tl.sort(tl.where(q_outer, ids, 2147483647))
+
+    pair = head.to(tl.int64) * num_ids + group
+    tl.store(group_blocks + pair * MOST + lanes, tl.where(blocks == 2147483647, -1, blocks), mask=lanes < MOST)
+    tl.store(group_union + pair, tl.where(kept, union, 0))
+    if head == 0:
+        tl.store(group_start + group, tl.where(kept, start, 0).to(tl.int32))
+        tl.store(group_end + group, tl.where(kept, end, 0).to(tl.int32))
+        tl.store(token_group + token, group + tl.zeros_like(slot), mask=in_group & kept & (slot == 0))
+
+
+def query_groups(block_indices, documents: Documents, num_keys, block_size, tokens_per_group) -> QueryGroups:
+    """`torch_msa.plan.groups.build_query_groups` (same arguments, same tables) in two launches."""
+    num_kv_heads, num_queries, topk = block_indices.shape
+    if block_indices.numel() == 0:
+        return build_query_groups(block_indices, documents, num_keys, block_size, tokens_per_group)
+    documents = documents.map_tensors(torch.Tensor.contiguous)
+    cu_seqlens_q, cu_seqlens_k = documents.cu_seqlens_q, documents.cu_seqlens_k
+    fragments = documents.has_fragments
+    device = block_indices.device
+    num_segments = cu_seqlens_q.numel() - 1
+    num_ids = group_ids(num_queries, num_segments, tokens_per_group)
+    most = max_group_blocks(topk, tokens_per_group)
+    token_group = torch.full((num_queries,), -1, dtype=torch.int32, device=device)
+    bounds = torch.empty(2 * num_ids, dtype=torch.int32, device=device)
+    group_union = torch.empty((num_kv_heads, num_ids), dtype=torch.int32, device=device)
+    group_blocks = torch.empty((num_kv_heads, num_ids, most), dtype=torch.int32, device=device)
+    group_start, group_end = bounds.split_with_sizes((num_ids, num_ids))
+    msa_plan_query_groups_kernel[(num_ids, num_kv_heads)](
+        block_indices, cu_seqlens_q, cu_seqlens_k,
+        documents.fragment_documents if fragments else cu_seqlens_q, documents.fragment_starts if fragments else cu_seqlens_q,
+        token_group, group_start, group_end, group_union, group_blocks,
+        num_queries, num_keys, num_segments, documents.num_documents, binary_search_steps(num_segments), block_size,
+        num_ids, *block_indices.stride(),
+        TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), GROUP=tokens_per_group, MOST=most,
+        COST_NUMERATOR=Q_OUTER_COST[0], COST_DENOMINATOR=Q_OUTER_COST[1], FRAGMENTS=fragments,
+    )
+    return QueryGroups(token_group, group_start, group_end, group_union, group_blocks)
 
 
 @triton.jit

@@ -56,17 +56,11 @@ def binary_search_steps(length: int | torch.SymInt) -> int:
 
 
 @triton.jit
-def locate_tokens(token, token_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, num_keys,
-                  num_segments, num_docs, search_steps, FRAGMENTS: tl.constexpr):
-    """Per lane, `(position, key_start)` (int64) of the packed query `token` (int64; lanes with
-    `token_ok` false load nothing): the rule of `torch_msa.documents.locate_queries`, position -1
-    and key start 0 for a token no well-formed document covers.
-
-    `num_segments` documents (or fragments, with `FRAGMENTS`) of `cu_seqlens_q`, `num_docs` of
-    `cu_seqlens_k`; `search_steps = binary_search_steps(num_segments)`.
-    """
-    # The probes of torch.searchsorted(cu_seqlens_q[1:], token, right=True), so that even
-    # unsorted (malformed) boundaries give the reference's document (or fragment).
+def find_segments(token, token_ok, cu_seqlens_q, num_segments, search_steps):
+    """Per lane, `(segment, in_range)`: the document (or fragment) of `cu_seqlens_q` whose queries
+    hold `token` (int64), clamped to the last, and whether one does. The probes of
+    `torch.searchsorted(cu_seqlens_q[1:], token, right=True)`, so that even unsorted (malformed)
+    boundaries give the reference's segment."""
     low = tl.zeros(token.shape, tl.int32)
     high = tl.zeros(token.shape, tl.int32) + num_segments
     for _ in range(search_steps):
@@ -76,8 +70,20 @@ def locate_tokens(token, token_ok, cu_seqlens_q, cu_seqlens_k, fragment_document
         right = boundary > token
         high = tl.where(active & right, middle, high)
         low = tl.where(active & ~right, middle + 1, low)
-    in_range = low < num_segments
-    segment = tl.minimum(low, num_segments - 1)
+    return tl.minimum(low, num_segments - 1), low < num_segments
+
+
+@triton.jit
+def locate_tokens(token, token_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, num_keys,
+                  num_segments, num_docs, search_steps, FRAGMENTS: tl.constexpr):
+    """Per lane, `(position, key_start)` (int64) of the packed query `token` (int64; lanes with
+    `token_ok` false load nothing): the rule of `torch_msa.documents.locate_queries`, position -1
+    and key start 0 for a token no well-formed document covers.
+
+    `num_segments` documents (or fragments, with `FRAGMENTS`) of `cu_seqlens_q`, `num_docs` of
+    `cu_seqlens_k`; `search_steps = binary_search_steps(num_segments)`.
+    """
+    segment, in_range = find_segments(token, token_ok, cu_seqlens_q, num_segments, search_steps)
     doc_ok = token_ok & (num_segments > 0)
     q_start = tl.load(cu_seqlens_q + segment, mask=doc_ok, other=0).to(tl.int64)
     q_end = tl.load(cu_seqlens_q + segment + 1, mask=doc_ok, other=0).to(tl.int64)

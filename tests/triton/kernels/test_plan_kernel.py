@@ -15,6 +15,7 @@ from tests.support.triton_kernels import (
 )
 from torch_msa import testing
 from torch_msa.plan import kernels as plan_kernel
+from torch_msa.plan.groups import build_query_groups
 from torch_msa.plan.schedule import build_schedule, pack
 from torch_msa.triton_utils import common
 
@@ -61,6 +62,46 @@ def test_plan_build_equals_reference_on_malformed_documents():
         block_indices = torch.randint(-2, 5, (2, max(131, q_bounds[-1]), 4), dtype=torch.int32, device=DEVICE)
         expected = pack(build_schedule(block_indices, documents_of(cu_q, cu_k), num_keys, 64, 8))
         assert torch.equal(plan_kernel.plan(block_indices, documents_of(cu_q, cu_k), num_keys, 64, 8), expected), q_bounds
+
+
+@pytest.mark.parametrize(("case", "tokens_per_group"), [("pack-empty-and-1-token", 8), ("one-doc-block-128", 2)])
+def test_query_groups_equal_the_reference_tables(case, tokens_per_group):
+    q_lens, k_lens, num_kv_heads, block_size, topk = PLAN_CASES[case]
+    cu_q, cu_k, _, num_keys, _, _ = layout(q_lens, k_lens)
+    block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    # Runs of 4 queries share their last query's visible blocks, so that groups run blocks query-outer.
+    source = (torch.arange(block_indices.shape[1], device=DEVICE) // 4 * 4 + 3).clamp(max=block_indices.shape[1] - 1)
+    visible = block_indices[:, source] * block_size <= torch.arange(block_indices.shape[1], device=DEVICE).view(1, -1, 1)
+    block_indices = torch.where(visible, block_indices[:, source], block_indices)
+    documents = documents_of(cu_q, cu_k)
+    expected = build_query_groups(block_indices, documents, num_keys, block_size, tokens_per_group)
+    assert (expected.group_blocks >= 0).any()
+    got = plan_kernel.query_groups(block_indices, documents, num_keys, block_size, tokens_per_group)
+    for name, a, b in zip(expected._fields, got, expected):
+        assert torch.equal(a, b), name
+    if case == "pack-empty-and-1-token":  # read through the selection's strides
+        strided = block_indices.transpose(0, 1).contiguous().transpose(0, 1)
+        got = plan_kernel.query_groups(strided, documents, num_keys, block_size, tokens_per_group)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_query_groups_equal_the_reference_on_fragments_and_malformed_documents():
+    frag = testing.fragments((150, 0, 1, 90), ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40)), DEVICE)
+    documents, starts = frag.tensors
+    block_indices = testing.random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, 2, 4, 16,
+                                                 fragment_documents=documents, fragment_starts=starts)
+    block_indices[:, 1::2] = block_indices[:, ::2][:, : block_indices[:, 1::2].shape[1]]
+    cases = [(block_indices, documents_of(frag.cu_seqlens_q, frag.cu_seqlens_k, documents, starts),
+              int(frag.cu_seqlens_k[-1]))]
+    for q_bounds, k_bounds, num_keys in (([0, 90, 40, 131], [0, 140, 100, 236], 236), ([0, 50, 131], [0, 60, 400], 236)):
+        cu_q, cu_k = (torch.tensor(bounds, dtype=torch.int32, device=DEVICE) for bounds in (q_bounds, k_bounds))
+        cases.append((torch.randint(-2, 5, (2, 131, 4), dtype=torch.int32, device=DEVICE), documents_of(cu_q, cu_k),
+                      num_keys))
+    for selection, docs, num_keys in cases:
+        expected = build_query_groups(selection, docs, num_keys, 16, 8)
+        got = plan_kernel.query_groups(selection, docs, num_keys, 16, 8)
+        for name, a, b in zip(expected._fields, got, expected):
+            assert torch.equal(a, b), (name, docs.cu_seqlens_q.tolist())
 
 
 def test_located_queries_equal_the_documents_rule():

@@ -1,0 +1,180 @@
+"""The query groups and their query-outer blocks (`torch_msa.plan.groups`) against a plain-Python
+construction, and the rule's edges."""
+
+import pytest
+import torch
+
+from tests.support.documents import documents_of
+from tests.support.groups_oracle import query_groups_python
+from torch_msa import testing
+from torch_msa.plan.groups import (
+    Q_OUTER_COST,
+    build_query_groups,
+    group_ids,
+    group_tokens,
+    max_group_blocks,
+    q_outer_entries,
+)
+
+# (q lengths, k lengths, block size, topk, G)
+LAYOUTS = {
+    "pack-with-empty-and-1-token-documents": ([40, 0, 1, 90], [140, 5, 1, 90], 16, 4, 8),
+    "suffix-pack-lq-below-lk": ([5, 200], [300, 260], 32, 6, 4),
+    "one-document-topk-16": ([700], [700], 16, 16, 8),
+    "one-token-groups": ([30, 17], [30, 40], 8, 5, 1),
+}
+
+
+def _selection(kind, cu_q, cu_k, num_kv_heads, topk, block_size):
+    if kind == "random":
+        return testing.random_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    if kind == "skewed":
+        return testing.skewed_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    # "tiled": runs of 4 queries take the selection of the run's last query, where it is visible
+    # to them all; a mix of blocks shared by every query of a group, by some and by one.
+    chosen = testing.random_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    tiled = chosen.clone()
+    for t in range(chosen.shape[1]):
+        source = min(chosen.shape[1] - 1, (t // 4) * 4 + 3)
+        row = chosen[:, source]
+        tiled[:, t] = torch.where(row * block_size <= t, row, chosen[:, t])
+    return tiled
+
+
+def _check(groups, expected, num_kv_heads, tokens_per_group, topk):
+    assert all(t.dtype == torch.int32 for t in groups)
+    assert groups.group_blocks.shape[-1] == max_group_blocks(topk, tokens_per_group)
+    assert groups.token_group.tolist() == expected["token_group"]
+    num_ids = groups.group_start.numel()
+    for gid in range(num_ids):
+        bounds = (int(groups.group_start[gid]), int(groups.group_end[gid]))
+        assert bounds == expected["groups"].get(gid, (0, 0)), gid
+        for head in range(num_kv_heads):
+            blocks = [b for b in groups.group_blocks[head, gid].tolist() if b >= 0]
+            assert blocks == expected["blocks"].get((head, gid), []), (head, gid)
+            assert (groups.group_blocks[head, gid, len(blocks):] == -1).all()
+            assert int(groups.group_union[head, gid]) == expected["union"].get((head, gid), 0), (head, gid)
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed", "tiled"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_groups_match_the_python_build(layout, kind):
+    q_lens, k_lens, block_size, topk, size = LAYOUTS[layout]
+    cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens)
+    block_indices = _selection(kind, cu_q, cu_k, 2, topk, block_size)
+    groups = build_query_groups(block_indices, documents_of(cu_q, cu_k), sum(k_lens), block_size, size)
+    assert groups.group_start.numel() == group_ids(sum(q_lens), len(q_lens), size)
+    _check(groups, query_groups_python(block_indices, cu_q, cu_k, block_size, size), 2, size, topk)
+
+
+def test_out_of_contract_ids_count_as_nothing():
+    q_lens, k_lens, block_size, topk, size = LAYOUTS["pack-with-empty-and-1-token-documents"]
+    cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens)
+    block_indices = testing.random_block_indices(cu_q, cu_k, 3, topk, block_size)
+    block_indices[0, :, -1] = block_indices[0, :, 0]  # repeats
+    block_indices[1, ::2, 0] = 1 << 30  # beyond the causal horizon
+    block_indices[2, 1::3, -1] = -7
+    groups = build_query_groups(block_indices, documents_of(cu_q, cu_k), sum(k_lens), block_size, size)
+    _check(groups, query_groups_python(block_indices, cu_q, cu_k, block_size, size), 3, size, topk)
+
+
+def test_fragments_are_segments_of_their_own():
+    frag = testing.fragments((150, 0, 1, 90), ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40)))
+    documents, starts = frag.tensors
+    block_indices = testing.random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, 2, 4, 16,
+                                                 fragment_documents=documents, fragment_starts=starts)
+    groups = build_query_groups(block_indices, documents_of(frag.cu_seqlens_q, frag.cu_seqlens_k, documents, starts),
+                                int(frag.cu_seqlens_k[-1]), 16, 8)
+    expected = query_groups_python(block_indices, frag.cu_seqlens_q, frag.cu_seqlens_k, 16, 8, documents, starts)
+    _check(groups, expected, 2, 8, 4)
+    # No group holds queries of two fragments, though fragments 1 and 3 are one document.
+    bounds = frag.cu_seqlens_q.tolist()
+    for start, end in expected["groups"].values():
+        assert any(a <= start and end <= b for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+@pytest.mark.parametrize(("shared", "pool", "expected"), [
+    (16, 0, "all"),  # every query selects the same blocks
+    (15, 2, "all"),  # union 17: small enough for the whole group, though blocks 15 and 16 are half-shared
+    (12, 16, "all"),  # union 28 over 256 entries, the most a group runs query-outer: 28 * 16 * 9 <= 256 * 16
+    (12, 17, "shared"),  # union 29: 29 * 16 * 9 > 256 * 16
+    (6, 256, "shared"),
+    (0, 256, "none"),  # no block is shared by 9 of the 16 queries
+])
+def test_the_cost_rule_decides_each_block(shared, pool, expected):
+    """One 16-query group whose queries each select `shared` common blocks and the rest from a pool
+    of `pool` more, in turn: the whole group runs query-outer while its union is small, else the
+    blocks at least 9 of its 16 queries select (`Q_OUTER_COST` = 9 / 16)."""
+    assert Q_OUTER_COST == (9, 16)
+    size, topk, block_size = 16, 16, 4
+    num_queries = 1024
+    cu_q, cu_k = testing.cu_seqlens([num_queries])
+    block_indices = torch.full((1, num_queries, topk), -1, dtype=torch.int32)
+    for member, t in enumerate(range(num_queries - size, num_queries)):
+        own = [shared + (member * (topk - shared) + i) % pool for i in range(topk - shared)] if pool else []
+        block_indices[0, t] = torch.tensor(list(range(shared)) + own)
+    groups = build_query_groups(block_indices, documents_of(cu_q, cu_k), num_queries, block_size, size)
+    gid = (num_queries - size) // size
+    union = shared + min(pool, size * (topk - shared))
+    assert int(groups.group_union[0, gid]) == union
+    blocks = [b for b in groups.group_blocks[0, gid].tolist() if b >= 0]
+    assert blocks == {"all": list(range(union)), "shared": list(range(shared)), "none": []}[expected]
+
+
+def test_q_outer_entries_are_the_listed_blocks_of_each_group():
+    q_lens, k_lens, block_size, topk, size = LAYOUTS["suffix-pack-lq-below-lk"]
+    cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens)
+    block_indices = _selection("tiled", cu_q, cu_k, 2, topk, block_size)
+    block_indices[1, ::5, 0] = -3
+    documents = documents_of(cu_q, cu_k)
+    groups = build_query_groups(block_indices, documents, sum(k_lens), block_size, size)
+    position = documents.locate(sum(q_lens), sum(k_lens)).position
+    got = q_outer_entries(groups, block_indices, position, block_size)
+    expected = query_groups_python(block_indices, cu_q, cu_k, block_size, size)
+    ids = block_indices.tolist()
+    for head in range(2):
+        for t in range(sum(q_lens)):
+            gid = expected["token_group"][t]
+            listed = expected["blocks"].get((head, gid), [])
+            seen = set()
+            for s, block in enumerate(ids[head][t]):
+                valid = block >= 0 and block * block_size <= int(position[t]) and block not in seen
+                seen.add(block)
+                assert bool(got[head, t, s]) == (valid and block in listed), (head, t, s)
+
+
+def test_malformed_boundaries_leave_their_queries_in_no_group():
+    # Unsorted boundaries, a document past the keys, no documents, no keys, queries past the last boundary.
+    cases = (([0, 90, 40, 131], [0, 140, 100, 236], 236), ([0, 50, 131], [0, 60, 400], 236), ([0], [0], 236),
+             ([0, 131], [0, 0], 0), ([0, 100], [0, 100], 100))
+    for q_bounds, k_bounds, num_keys in cases:
+        cu_q, cu_k = (torch.tensor(bounds, dtype=torch.int32) for bounds in (q_bounds, k_bounds))
+        block_indices = torch.randint(-2, 5, (2, 131, 4), dtype=torch.int32)
+        documents = documents_of(cu_q, cu_k)
+        groups = build_query_groups(block_indices, documents, num_keys, 64, 8)
+        position = documents.locate(131, num_keys).position
+        members = groups.token_group >= 0
+        assert (position[members] >= 0).all(), q_bounds
+        for gid in range(groups.group_start.numel()):
+            start, end = int(groups.group_start[gid]), int(groups.group_end[gid])
+            assert 0 <= start <= end <= 131 and end - start <= 8
+            assert (groups.token_group[start:end] == gid).all()
+        assert int(members.sum()) == int(sum(groups.group_end - groups.group_start))
+
+
+def test_group_tokens_fill_a_tile_of_rows():
+    assert group_tokens(64, 4) == 8  # M3: 16 heads per KV head
+    assert group_tokens(16, 1) == 8
+    assert group_tokens(6, 2) == 32  # 3 heads pad to 4
+    assert group_tokens(64, 64) == 128
+    assert group_tokens(256, 1) == 1
+    assert max_group_blocks(16, 8) == 16 * Q_OUTER_COST[1] // Q_OUTER_COST[0]
+    assert max_group_blocks(16, 1) == 16
+
+
+def test_empty_inputs():
+    cu_q, cu_k = testing.cu_seqlens([0], [5])
+    for shape in ((2, 0, 4), (0, 0, 4), (2, 0, 0)):
+        groups = build_query_groups(torch.zeros(shape, dtype=torch.int32), documents_of(cu_q, cu_k), 5, 4, 8)
+        assert groups.token_group.shape == (0,) and groups.group_blocks.shape[:2] == (shape[0], 1)
+        assert (groups.group_end == groups.group_start).all()

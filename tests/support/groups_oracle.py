@@ -1,0 +1,71 @@
+"""A plain-Python build of the query groups (`torch_msa.plan.groups`): the oracle their device
+builders are tested against.
+
+Written with loops over Python lists from the rule's statement (groups of `G` consecutive queries of
+one segment, from its first query; the cost rule of `Q_OUTER_COST`), sharing nothing with
+`build_query_groups` or the Triton kernel, so that the builders and the oracle cannot share a
+mistake. Well-formed boundaries only; small inputs only.
+"""
+
+import torch
+
+from torch_msa.plan.groups import Q_OUTER_COST
+
+
+def query_groups_python(
+    block_indices: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_size: int,
+    tokens_per_group: int,
+    fragment_documents: torch.Tensor | None = None,
+    fragment_starts: torch.Tensor | None = None,
+) -> dict:
+    """The query groups of `torch_msa.plan.groups.build_query_groups`, built with plain Python.
+
+    Returns `{"token_group": [gid or -1 per query], "groups": {gid: (start, end)},
+    "union": {(head, gid): distinct blocks}, "blocks": {(head, gid): [query-outer blocks ascending]}}`
+    over the groups kept (those whose queries all see a key).
+    """
+    num_kv_heads, num_queries, _ = block_indices.shape
+    ids = block_indices.tolist()
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    size = tokens_per_group
+    numerator, denominator = Q_OUTER_COST
+    position = [-1] * num_queries
+    for segment in range(len(cu_q) - 1):
+        length_q = cu_q[segment + 1] - cu_q[segment]
+        if fragment_documents is None:
+            doc = segment
+            first = cu_k[doc + 1] - cu_k[doc] - length_q
+        else:
+            doc, first = int(fragment_documents[segment]), int(fragment_starts[segment])
+        for t in range(cu_q[segment], cu_q[segment + 1]):
+            local = first + (t - cu_q[segment])
+            position[t] = local if 0 <= local < cu_k[doc + 1] - cu_k[doc] else -1
+
+    result: dict = {"token_group": [-1] * num_queries, "groups": {}, "union": {}, "blocks": {}}
+    for segment in range(len(cu_q) - 1):
+        for offset in range(0, cu_q[segment + 1] - cu_q[segment], size):
+            start = cu_q[segment] + offset
+            end = min(start + size, cu_q[segment + 1])
+            if any(position[t] < 0 for t in range(start, end)):
+                continue
+            gid = cu_q[segment] // size + segment + offset // size
+            result["groups"][gid] = (start, end)
+            for t in range(start, end):
+                result["token_group"][t] = gid
+            for head in range(num_kv_heads):
+                chosen_by: dict[int, int] = {}
+                entries = 0
+                for t in range(start, end):
+                    row = {b for b in ids[head][t] if b >= 0 and b * block_size <= position[t]}
+                    entries += len(row)
+                    for b in row:
+                        chosen_by[b] = chosen_by.get(b, 0) + 1
+                union = len(chosen_by)
+                whole = union * size * numerator <= entries * denominator
+                result["union"][head, gid] = union
+                result["blocks"][head, gid] = sorted(
+                    b for b, count in chosen_by.items() if whole or count * denominator >= size * numerator)
+    return result

@@ -1,0 +1,163 @@
+"""The query groups of a selection and the blocks each group runs query-outer: the rule, its tables
+and the reference build. Design and cost model: `torch_msa/plan/README.md`.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..documents import Documents
+from .schedule import valid_entries
+
+GROUP_ROWS = 128
+"""Query rows (tokens x query heads of a KV head) of a group: the rows of one query-outer tile."""
+
+Q_OUTER_COST = (9, 16)
+"""`(numerator, denominator)`: what one token's pass over one block costs in a query-outer tile,
+whether the token selected the block or is masked, relative to one KV-outer entry."""
+
+
+class QueryGroups(NamedTuple):
+    """Device tables of the query groups (all int32).
+
+    A group is at most `G` consecutive queries of one document (one fragment when fragments are
+    given), cut from its first query; group ids come from the segment boundaries alone
+    (`group_ids`), so some ids hold no group.
+
+    Attributes:
+        token_group: `[Tq]` the group of each query, `-1` for a query in none.
+        group_start, group_end: `[NG]` the group's queries `[start, end)`; empty (`0, 0`) for an
+            id that holds no group.
+        group_union: `[Hkv, NG]` the distinct blocks the group's queries validly select.
+        group_blocks: `[Hkv, NG, MQ]` the blocks the group runs query-outer, ascending, `-1` after.
+    """
+
+    token_group: torch.Tensor
+    group_start: torch.Tensor
+    group_end: torch.Tensor
+    group_union: torch.Tensor
+    group_blocks: torch.Tensor
+
+
+def group_tokens(num_heads: int, num_kv_heads: int) -> int:
+    """`G`, the queries of a group: `GROUP_ROWS` rows of the head group `Hq / Hkv` padded to a power of two."""
+    group = max(1, num_heads // max(1, num_kv_heads))
+    return max(1, GROUP_ROWS // (1 << (group - 1).bit_length()))
+
+
+def group_ids(num_queries: int, num_segments: int, tokens_per_group: int) -> int:
+    """`NG`, the group ids of `Tq` queries in `num_segments` documents (or fragments).
+
+    Segment `s` starting at query `c_s` numbers its groups from `c_s // G + s`: increasing in `s`,
+    one id per group, all below `ceil(Tq / G) + num_segments`.
+    """
+    return (num_queries + tokens_per_group - 1) // tokens_per_group + max(0, num_segments)
+
+
+def max_group_blocks(topk: int, tokens_per_group: int) -> int:
+    """`MQ`, the most blocks a group runs query-outer: the rule sends at most `topk / cost` blocks
+    (`Q_OUTER_COST`), and a group selects at most `G * topk`."""
+    numerator, denominator = Q_OUTER_COST
+    return max(1, min(tokens_per_group * topk, topk * denominator // numerator))
+
+
+def build_query_groups(
+    block_indices: torch.Tensor,
+    documents: Documents,
+    num_keys: int,
+    block_size: int,
+    tokens_per_group: int,
+) -> QueryGroups:
+    """The query groups of `block_indices` on its device, without a host sync (the reference build).
+
+    A group holds the queries `[start, start + G)` of its segment, cut at the segment's end; it is
+    kept only when every one of them lies in that segment and sees a key (malformed boundaries
+    leave their queries in no group; an empty selection has none). Per (KV head, group) with `E` valid entries over `U` distinct
+    blocks, the whole group runs query-outer when `U * G * cost <= E`, else each block that at
+    least `G * cost` of its queries select does (`Q_OUTER_COST`).
+
+    Args:
+        block_indices: int32 `[Hkv, Tq, topk]`.
+        documents: the documents; fragments are segments of their own.
+        num_keys: `Tk`; block_size: keys per block; tokens_per_group: `G` (`group_tokens`).
+    """
+    num_kv_heads, num_queries, topk = block_indices.shape
+    device = block_indices.device
+    size = tokens_per_group
+    cu_q = documents.cu_seqlens_q.to(torch.int64)
+    num_segments = max(0, cu_q.numel() - 1)
+    num_ids = group_ids(num_queries, num_segments, size)
+    most = max_group_blocks(topk, size)
+    if block_indices.numel() == 0:
+        zeros = torch.zeros(num_ids, dtype=torch.int32, device=device)
+        return QueryGroups(torch.full((num_queries,), -1, dtype=torch.int32, device=device), zeros, zeros.clone(),
+                           torch.zeros((num_kv_heads, num_ids), dtype=torch.int32, device=device),
+                           torch.full((num_kv_heads, num_ids, most), -1, dtype=torch.int32, device=device))
+    position = documents.locate(num_queries, num_keys).position
+
+    # The segment of each group id: the probes of a binary search for the last `s` with
+    # `max(c_s, 0) // G + s <= id`, as the Triton build makes them.
+    segment_keys = cu_q[:num_segments].clamp(min=0) // size + torch.arange(num_segments, device=device)
+    ids = torch.arange(num_ids, device=device, dtype=torch.int64)
+    segment = torch.searchsorted(segment_keys, ids, right=True) - 1
+    has_segment = segment >= 0
+    segment = segment.clamp(min=0)
+    first = cu_q[:num_segments].index_select(0, segment) if num_segments else torch.zeros_like(ids)
+    last = cu_q[1:].index_select(0, segment) if num_segments else torch.zeros_like(ids)
+    start = first + (ids - segment_keys.index_select(0, segment) if num_segments else ids) * size
+    end = torch.minimum(torch.minimum(start + size, last), torch.full_like(start, num_queries))
+
+    # A group's queries: each must lie in the group's segment and see a key.
+    offsets = torch.arange(size, device=device)
+    tokens = start.view(-1, 1) + offsets
+    in_group = tokens < end.view(-1, 1)
+    token_index = tokens.clamp(0, max(0, num_queries - 1))
+    token_segment = torch.searchsorted(cu_q[1:].contiguous(), token_index, right=True)
+    member = (token_segment == segment.view(-1, 1)) & (position.index_select(0, token_index.view(-1)).view_as(tokens) >= 0)
+    kept = has_segment & (start >= 0) & (start < end) & (member | ~in_group).all(1)
+    rows = in_group & kept.view(-1, 1)
+
+    # Per (KV head, group): the valid entries sorted by block, run by run.
+    valid = valid_entries(block_indices, position, block_size)
+    flat = token_index.view(-1)
+    group_ids_of = block_indices.index_select(1, flat).view(num_kv_heads, num_ids, size * topk)
+    group_valid = (valid.index_select(1, flat).view(num_kv_heads, num_ids, size, topk) & rows.view(1, -1, size, 1))
+    past_all = torch.iinfo(torch.int32).max
+    keys = torch.where(group_valid.view(num_kv_heads, num_ids, -1), group_ids_of, past_all)
+    keys = keys.sort(-1).values
+    real = keys < past_all
+    run_start = real & (keys != F.pad(keys[..., :-1], (1, 0), value=-1))
+    run = torch.cumsum(run_start, -1) - 1
+    counts = torch.zeros_like(keys).scatter_add_(-1, run.clamp(min=0), real.to(keys.dtype)).gather(-1, run.clamp(min=0))
+    union = run_start.sum(-1, dtype=torch.int32)
+    entries = real.sum(-1)
+    numerator, denominator = Q_OUTER_COST
+    whole = (union * size * numerator <= entries * denominator).unsqueeze(-1)
+    chosen = run_start & (whole | (counts * denominator >= size * numerator))
+    blocks = torch.where(chosen, keys, past_all).sort(-1).values[..., :most]
+    blocks = F.pad(blocks, (0, most - blocks.shape[-1]), value=past_all)
+
+    token_group = torch.full((num_queries,), -1, dtype=torch.int32, device=device)
+    token_group.index_put_((token_index[rows],), ids.view(-1, 1).expand_as(rows)[rows].to(torch.int32))
+    return QueryGroups(
+        token_group=token_group,
+        group_start=torch.where(kept, start, 0).to(torch.int32),
+        group_end=torch.where(kept, end, 0).to(torch.int32),
+        group_union=union,
+        group_blocks=torch.where(blocks == past_all, -1, blocks).to(torch.int32),
+    )
+
+
+def q_outer_entries(groups: QueryGroups, block_indices: torch.Tensor, position: torch.Tensor,
+                    block_size: int) -> torch.Tensor:
+    """bool `[Hkv, Tq, topk]`: the valid entries that run query-outer, those whose block their
+    query's group runs query-outer; the others run KV-outer. `position`: `p(t)` per query."""
+    valid = valid_entries(block_indices, position, block_size)
+    group = groups.token_group.to(torch.int64)
+    in_group = group >= 0
+    blocks = groups.group_blocks.index_select(1, group.clamp(min=0))  # [Hkv, Tq, MQ]
+    listed = torch.zeros_like(valid)
+    for column in blocks.unbind(-1):
+        listed |= block_indices == column.unsqueeze(-1)
+    return valid & listed & in_group.view(1, -1, 1)
