@@ -1030,15 +1030,36 @@ def test_the_long_context_benchmark_reports_time_memory_and_the_dense_peer(tmp_p
     assert rows[1]["dense_step_ms"] == pytest.approx(rows[0]["dense_step_ms"] * 4)
 
 
+def test_the_overhead_calls_run_and_the_varying_ones_change_length_every_call():
+    """The calls `python -m benchmarks.overhead` times, on CPU (the reference backend): each step
+    returns its gradients; the varying steps take packs of T +- T / 4 tokens, a new one each call."""
+    from benchmarks import overhead
+
+    fixed = overhead.calls(64, CPU, SMALL)
+    assert list(fixed) == ["select_blocks", "build_plan", "forward, plan given", "forward + backward",
+                           "msa_attention step", "step + index loss"]
+    assert [g.shape[0] for g in fixed["msa_attention step"]()] == [64, 64, 64]
+    grads = fixed["step + index loss"]()
+    assert len(grads) == 5 and all(g.shape[0] == 64 and torch.isfinite(g).all() for g in grads)
+    varying = overhead.varying_calls(64, CPU, SMALL, steps=3)
+    lengths = [[g.shape[0] for g in varying["msa_attention step"]()] for _ in range(4)]
+    assert all(len(set(step)) == 1 and 48 <= step[0] <= 80 for step in lengths), lengths
+    assert lengths[3] == lengths[0] and len({step[0] for step in lengths[:3]}) > 1, lengths  # three packs in turn
+
+
 @pytest.mark.cuda
 def test_the_overhead_benchmark_measures_every_call_four_ways():
     from benchmarks import overhead
 
     rows = overhead.measure(1024, torch.device("cuda"), iters=2)
     assert [row["call"] for row in rows] == ["select_blocks", "build_plan", "forward, plan given", "forward + backward",
-                                             "msa_attention step"]
+                                             "msa_attention step", "step + index loss"]
     for row in rows:
         assert "graph_error" not in row, row  # every call is captured: no host sync, torch's current stream
         assert all(row[key] > 0 for key in ("host_ms", "gpu_ms", "launches", "wall_ms", "graph_ms")), row
     by_call = {row["call"]: row for row in rows}
     assert by_call["msa_attention step"]["launches"] > by_call["forward + backward"]["launches"]
+    assert by_call["step + index loss"]["launches"] > by_call["msa_attention step"]["launches"]
+    varying = overhead.measure(1024, torch.device("cuda"), iters=3, varying=True)
+    assert [row["call"] for row in varying] == ["msa_attention step", "step + index loss"]
+    assert all(row["host_ms"] > 0 and row["graph_error"] == "the length changes every call" for row in varying)

@@ -178,3 +178,22 @@ def test_empty_inputs():
         groups = build_query_groups(torch.zeros(shape, dtype=torch.int32), documents_of(cu_q, cu_k), 5, 4, 8)
         assert groups.token_group.shape == (0,) and groups.group_blocks.shape[:2] == (shape[0], 1)
         assert (groups.group_end == groups.group_start).all()
+
+
+def test_query_outer_work_summarises_the_rule():
+    """64 queries in blocks of 16, 8-query groups (16 query heads over one KV head): each query
+    selects block 0 and its local block, and the last query one more block of its own, which its
+    group's small union still sends query-outer (3 * 8 * 9 <= 17 * 16) at one pass in 8 used."""
+    from torch_msa.selection_stats import query_outer_work
+
+    cu_q, cu_k = testing.cu_seqlens([64])
+    block_indices = torch.full((1, 64, 3), -1, dtype=torch.int32)
+    for t in range(64):
+        block_indices[0, t, :2] = torch.tensor([0, t // 16]) if t >= 16 else torch.tensor([0, -1])
+    block_indices[0, 63, 2] = 1
+    work = query_outer_work(block_indices, documents_of(cu_q, cu_k), 64, num_heads=16, block_size=16)
+    assert work.group_size == 8
+    assert work.entries == 1.0 and work.rows_without_combine == 1.0
+    entries = 16 * 1 + 48 * 2 + 1  # the first block's queries select block 0 alone
+    passes = 2 * 8 * 1 + 5 * 8 * 2 + 8 * 3
+    assert work.tile_fill == pytest.approx(entries / passes)
