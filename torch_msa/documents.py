@@ -66,6 +66,14 @@ class Documents:
         """`locate_queries` of these documents: every query row's key offset and causal position."""
         return locate_queries(self.cu_seqlens_q, self.cu_seqlens_k, num_queries, num_keys, *self.fragments)
 
+    def locate_with_documents(self, num_queries: int, num_keys: int) -> tuple[torch.Tensor, QueryDocuments]:
+        """`(document, located)`: `locate` of these documents, and each query's document of
+        `cu_seqlens_k` (int64 `[Tq]`, 0 where `located.position` is -1), from one lookup."""
+        document, key_start, position, valid = _locate(self.cu_seqlens_q, self.cu_seqlens_k, num_queries, num_keys,
+                                                       *self.fragments)
+        return torch.where(valid, document, 0), QueryDocuments(torch.where(valid, key_start, 0),
+                                                                torch.where(valid, position, -1))
+
     def token_fragments(self, num_queries: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`token_fragments` of these documents: every query as a one-token fragment."""
         return token_fragments(self.cu_seqlens_q, self.cu_seqlens_k, num_queries, num_keys, *self.fragments)

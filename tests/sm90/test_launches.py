@@ -3,7 +3,7 @@
 
 Every CuTe DSL kernel is called with torch tensors through the TVM-FFI calling convention
 (`torch_msa/cute_dsl/cute_io.py`); what remains around the kernels is a handful of fills and
-casts and torch's sort and scans inside the plan build. The CPU side of the same path, with
+casts. The plan build sorts and scans in its own kernels. The CPU side of the same path, with
 the compile replaced: `tests/sm90/test_host_path.py`. Skipped without a compute capability 9.0
 GPU or the CuTe DSL.
 """
@@ -12,17 +12,16 @@ import torch
 
 import torch_msa
 from tests.support.sm90 import SM90_MARKS
-from torch_msa.plan.schedule import max_buckets
 
 pytestmark = SM90_MARKS
 
 TOKENS = 8192  # one document, within one query window (12098 M3 queries): the forward runs once
 HQ, HKV, D, TOPK, BLOCK = 64, 4, 128, 16, 128
 
-# The launches of the step besides torch's sort and scans, by design:
+# The launches of the step, by design:
 OWN_LAUNCHES = {
     "select_blocks": 3,  # the -1 fill of the selection, the located queries, the selection kernel
-    "plan": 4,  # the Triton plan kernels (around them torch.sort and two torch.cumsum)
+    "plan": 4,  # the Triton plan kernels: count, scan, place, items
     "forward": 4,  # bucket key counts, the -inf fill of the partial lse, the CuTe kernel, the combine
     "backward": 7,  # one zero fill of the accumulators, delta, bucket key counts, the CuTe kernel, three casts
 }
@@ -36,22 +35,6 @@ def _device_activities(fn) -> list[str]:
         fn()
         torch.cuda.synchronize()
     return [e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-def _library_launches() -> int:
-    """What the plan build's `torch.sort(stable=True)` and its two `torch.cumsum` launch at this size."""
-    entries, buckets = HKV * TOKENS * TOPK, max_buckets(HKV, TOKENS, 1, BLOCK)
-    keys = torch.randint(0, HKV * TOKENS, (entries,), dtype=torch.int32, device="cuda")
-    starts = torch.randint(0, 2, (entries,), dtype=torch.int32, device="cuda")
-    items = torch.randint(0, 3, (buckets,), dtype=torch.int32, device="cuda")
-
-    def library():
-        torch.sort(keys, stable=True)
-        torch.cumsum(starts, 0, dtype=torch.int32)
-        torch.cumsum(items, 0, dtype=torch.int32)
-
-    library()
-    return len(_device_activities(library))
 
 
 def test_an_eager_step_launches_few_kernels_and_converts_no_tensor_in_python(monkeypatch):
@@ -87,13 +70,14 @@ def test_an_eager_step_launches_few_kernels_and_converts_no_tensor_in_python(mon
     conversions.clear()
     launches = _device_activities(step)
     assert not conversions, f"{len(conversions)} tensors converted by cutlass.cute.runtime.from_dlpack"
-    bound = sum(OWN_LAUNCHES.values()) + _library_launches()
+    bound = sum(OWN_LAUNCHES.values())
     assert len(launches) <= bound, f"{len(launches)} launches, expected at most {bound}: {sorted(launches)}"
 
 
-def test_a_step_with_the_fused_index_loss_builds_one_plan_and_one_sort_over_query_windows(monkeypatch):
+def test_a_step_with_the_fused_index_loss_builds_one_plan_and_no_sort_over_query_windows(monkeypatch):
     """One plan per step: the forward's query windows, the backward and the fused index loss all
-    walk the plan `msa_attention` builds (its one `torch.sort`)."""
+    walk the plan `msa_attention` builds, and nothing in the step runs torch's sort (the plan
+    sorts in its own kernels)."""
     from torch_msa import query_windows
     from torch_msa.plan import kernels as plan_kernels
 
@@ -125,6 +109,4 @@ def test_a_step_with_the_fused_index_loss_builds_one_plan_and_one_sort_over_quer
     launches = _device_activities(step)
     assert builds == [(HKV, TOKENS, TOPK)], builds
     sorts = [name for name in launches if "sort" in name.lower() and "radix" in name.lower()]
-    keys = torch.arange(HKV * TOKENS * TOPK, dtype=torch.int32, device="cuda")  # the plan's 32-bit keys
-    single_sort = _device_activities(lambda: torch.sort(keys, stable=True))
-    assert len(sorts) == len([name for name in single_sort if "sort" in name.lower() and "radix" in name.lower()])
+    assert not sorts, f"torch's sort in the step: {sorts}"

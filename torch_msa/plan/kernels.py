@@ -1,6 +1,6 @@
-"""`msa::plan` in Triton: the tables of `torch_msa.plan.schedule.build_schedule` in a dozen host
-calls instead of about a hundred (steps: `torch_msa/plan/README.md`), and `bucket_key_count` in
-one kernel.
+"""`msa::plan` in Triton: the tables of `torch_msa.plan.schedule.build_schedule` in four launches
+(steps: `torch_msa/plan/README.md`), the query groups of `torch_msa.plan.groups` in two, and
+`bucket_key_count` in one.
 """
 
 import torch
@@ -10,113 +10,179 @@ import triton.language as tl
 from ..documents import Documents
 from ..triton_utils.common import binary_search_steps, find_segments, locate_tokens
 from .groups import Q_OUTER_COST, QueryGroups, build_query_groups, group_ids, max_group_blocks
-from .schedule import Schedule, build_schedule, entries_per_item, max_buckets, max_items, pack, section_sizes, unpack
+from .schedule import (
+    Schedule,
+    build_schedule,
+    entries_per_item,
+    max_buckets,
+    max_items,
+    max_key_blocks,
+    pack,
+    section_sizes,
+    unpack,
+)
 
 _ENTRIES = 1024  # entries per program of the 1-D kernels
-_SLOT_TILE = 1024  # (token, slot) pairs per program of the key kernel
+_CHUNKS = 128  # query chunks per KV head of the counting and placing kernels
+_ROW_LANES = 128  # (query, slot) lanes of their tiles
+_SCAN_TILE = 4096  # counts per step of the scan
 
 
 @triton.jit
-def msa_plan_entry_keys_kernel(
-    block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, bucket_key, position,
-    num_queries, num_keys, num_segments, num_docs, search_steps, block_size, key_stride, past_all,
-    stride_head, stride_token, stride_slot,
-    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TOKENS: tl.constexpr, FRAGMENTS: tl.constexpr,
-):
-    head = tl.program_id(1)
-    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
-    token_ok = tokens < num_queries
-    token = tokens.to(tl.int64)
+def _tile_entries(block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, first_token,
+                  end_token, num_keys, num_segments, num_docs, search_steps, block_size, slots_per_head, head,
+                  stride_head, stride_token, stride_slot,
+                  TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TOKENS: tl.constexpr, FRAGMENTS: tl.constexpr):
+    """The entries of queries `[first_token, min(first_token + TOKENS, end_token))` of KV head
+    `head`, as lanes `[TOKENS, TOPK_P2]` (query, slot), in the plan's order.
 
-    pos, key_start = locate_tokens(token, token_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
-                                   num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
-    tl.store(position + tokens, pos.to(tl.int32), mask=token_ok & (head == 0))
-
+    Returns `(token, position, key_start)` (int64 `[TOKENS]`) and `(ids, entry, valid, slot, rank,
+    last)` (`[TOKENS, TOPK_P2]`): `entry` marks
+    the lanes that are entries, `valid` the valid ones; `slot` is the bucket slot of a valid entry
+    (`torch_msa.plan.schedule.Schedule`) and `slots_per_head` for an invalid one; `rank` counts the
+    tile's earlier entries of the same slot, and `last` marks the tile's last entry of each slot.
+    """
+    token = first_token + tl.arange(0, TOKENS).to(tl.int64)
+    token_ok = token < end_token
+    pos, key_start, doc = locate_tokens(token, token_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents,
+                                        fragment_starts, num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
     slots = tl.arange(0, TOPK_P2)
-    slot_ok = token_ok[:, None] & (slots < TOPK)[None, :]
+    entry = token_ok[:, None] & (slots < TOPK)[None, :]
     row = block_indices + head.to(tl.int64) * stride_head + token * stride_token
-    ids = tl.load(row[:, None] + slots[None, :] * stride_slot, mask=slot_ok, other=-1)
+    ids = tl.load(row[:, None] + slots[None, :] * stride_slot, mask=entry, other=-1)
     last_block = tl.where(pos >= 0, pos // block_size, -1)
-    valid = slot_ok & (ids >= 0) & (ids.to(tl.int64) <= last_block[:, None])
+    valid = entry & (ids >= 0) & (ids.to(tl.int64) <= last_block[:, None])
     for earlier in range(TOPK):
         other = tl.load(row + earlier * stride_slot, mask=token_ok, other=-1)
         valid &= ~((ids == other[:, None]) & (slots[None, :] > earlier))
-    key = key_start[:, None] + head.to(tl.int64) * key_stride + ids.to(tl.int64) * block_size
-    key = tl.where(valid, key, past_all)
-    entry = (head * num_queries + token)[:, None] * TOPK + slots[None, :]
-    tl.store(bucket_key + entry, key, mask=slot_ok)
+    slot = tl.where(valid, (key_start // block_size + doc)[:, None] + ids, slots_per_head).to(tl.int32)
+
+    # Invalid entries share one slot: their rank is their place among the tile's invalid entries.
+    invalid = (entry & ~valid).to(tl.int32)
+    per_query = tl.sum(invalid, axis=1)
+    rank = (tl.cumsum(per_query, 0) - per_query)[:, None] + tl.cumsum(invalid, axis=1) - invalid
+    last = (invalid > 0) & (rank == tl.sum(per_query, axis=0) - 1)
+    # A valid entry's slot appears at most once per query: its rank counts the earlier queries
+    # that chose it.
+    query = tl.arange(0, TOKENS)
+    chosen = tl.where(valid, slot, -1)
+    earlier_queries = tl.zeros((TOKENS, TOPK_P2), tl.int32)
+    later_queries = tl.zeros((TOKENS, TOPK_P2), tl.int32)
+    for other_query in range(TOKENS):
+        other_slots = tl.max(tl.where(query[:, None] == other_query, chosen, -1), axis=0)
+        hit = tl.max((chosen[:, :, None] == other_slots[None, None, :]).to(tl.int32), axis=2)
+        earlier_queries += tl.where(query[:, None] > other_query, hit, 0)
+        later_queries += tl.where(query[:, None] < other_query, hit, 0)
+    rank = tl.where(valid, earlier_queries, rank)
+    last = tl.where(valid, later_queries == 0, last)
+    return token, pos, key_start, ids, entry, valid, slot, rank, last
 
 
 @triton.jit
-def msa_plan_bucket_starts_kernel(sorted_key, order, entry_query, starts, num_entries, entries_per_head, past_all,
-                                  BLOCK: tl.constexpr):
-    entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = entry < num_entries
-    key = tl.load(sorted_key + entry, mask=ok, other=past_all)
-    previous = tl.load(sorted_key + entry - 1, mask=ok & (entry > 0), other=-1)
-    tl.store(starts + entry, ((key != previous) & (key < past_all)).to(tl.int32), mask=ok)
-    tl.store(entry_query + entry, (tl.load(order + entry, mask=ok, other=0) % entries_per_head).to(tl.int32), mask=ok)
-
-
-@triton.jit
-def _lower_bound(sorted_key, low, high, value, search_steps):
-    """Per lane, the first index in `[low, high)` of `sorted_key` whose key is `>= value`
-    (`high` if none); lanes with `low == high` load nothing."""
-    for _ in range(search_steps):
-        active = low < high
-        middle = low + ((high - low) >> 1)
-        below = tl.load(sorted_key + middle, mask=active, other=0) < value
-        high = tl.where(active & ~below, middle, high)
-        low = tl.where(active & below, middle + 1, low)
-    return low
-
-
-@triton.jit
-def msa_plan_bucket_tables_kernel(
-    sorted_key, order, entry_bucket, block_indices,
-    bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, num_buckets,
-    num_entries, bucket_bound, search_steps, key_stride, past_all, entries_per_item,
-    num_queries, stride_head, stride_token, stride_slot,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr,
+def msa_plan_place_kernel(
+    block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, offsets,
+    entry_query, slot_bucket, bucket_ptr, bucket_key_row, bucket_block, position,
+    num_queries, num_keys, num_segments, num_docs, search_steps, block_size, slots_per_head, tokens_per_chunk,
+    num_chunks, bucket_bound, stride_head, stride_token, stride_slot,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TOKENS: tl.constexpr, FRAGMENTS: tl.constexpr,
+    PLACE: tl.constexpr, ZERO_LANES: tl.constexpr,
 ):
-    lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    total = tl.load(entry_bucket + num_entries - 1)  # buckets, the bound not applied
-    # One lane searches; the others start with an empty range.
-    lanes = tl.arange(0, BLOCK)
-    num_valid = tl.max(_lower_bound(sorted_key, tl.zeros((BLOCK,), tl.int32), tl.where(lanes == 0, num_entries, 0),
-                                    past_all, search_steps), axis=0)
+    """One (query chunk, KV head) program. Counting (`PLACE` false): its row of `offsets` [slots
+    + 1] ends up holding the entries of each slot in the chunk (the last column the invalid ones),
+    and head 0 writes `position`. Placing: the row holds where the chunk's entries of each slot
+    start (`msa_plan_scan_kernel`), and each entry is written there in order, the first entry of
+    each bucket writing its key row and block."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    row = offsets + (head * num_chunks + chunk).to(tl.int64) * (slots_per_head + 1)
+    if not PLACE:
+        for first in range(0, slots_per_head + 1, ZERO_LANES):
+            lanes = first + tl.arange(0, ZERO_LANES)
+            tl.store(row + lanes, tl.zeros((ZERO_LANES,), tl.int32), mask=lanes <= slots_per_head)
+        tl.debug_barrier()
+    first_query = chunk.to(tl.int64) * tokens_per_chunk
+    end_query = tl.minimum(first_query + tokens_per_chunk, num_queries)
+    for first_token in range(first_query, end_query, TOKENS):
+        token, pos, key_start, ids, entry, valid, slot, rank, last = _tile_entries(
+            block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, first_token, end_query,
+            num_keys, num_segments, num_docs, search_steps, block_size, slots_per_head, head,
+            stride_head, stride_token, stride_slot, TOPK, TOPK_P2, TOKENS, FRAGMENTS)
+        start = tl.load(row + slot, mask=entry, other=0)
+        if PLACE:
+            destination = start + rank
+            slots = tl.arange(0, TOPK_P2)
+            tl.store(entry_query + destination, (token[:, None] * TOPK + slots[None, :]).to(tl.int32), mask=entry)
+            bucket = tl.load(slot_bucket + head * slots_per_head + slot, mask=valid, other=0)
+            real = valid & (bucket < bucket_bound)
+            first = real & (destination == tl.load(bucket_ptr + bucket, mask=real, other=-1))
+            tl.store(bucket_block + bucket, ids, mask=first)
+            tl.store(bucket_key_row + bucket, (key_start[:, None] + ids.to(tl.int64) * block_size).to(tl.int32),
+                     mask=first)
+        else:
+            tl.store(position + token, pos.to(tl.int32), mask=(token < end_query) & (head == 0))
+        tl.debug_barrier()  # every lane has read its slot's start before any moves it on
+        tl.store(row + slot, start + rank + 1, mask=entry & last)
+        tl.debug_barrier()
 
-    # Lanes as entries: the first entry of bucket b writes its row (b <= bound: the offset of
-    # bucket `bound` ends the last real one when the bound overflows).
-    entry_ok = lane < num_entries
-    key = tl.load(sorted_key + lane, mask=entry_ok, other=past_all)
-    previous = tl.load(sorted_key + lane - 1, mask=entry_ok & (lane > 0), other=-1)
-    first = entry_ok & (key != previous) & (key < past_all)
-    bucket = tl.load(entry_bucket + lane, mask=first, other=1) - 1
-    tl.store(bucket_ptr + bucket, lane, mask=first & (bucket <= bucket_bound))
-    real = first & (bucket < bucket_bound)
-    flat = tl.load(order + lane, mask=real, other=0)
-    head = flat // (num_queries * TOPK)
-    token = (flat // TOPK) % num_queries
-    block = tl.load(block_indices + head * stride_head + token * stride_token + (flat % TOPK) * stride_slot,
-                    mask=real, other=0)
-    end = _lower_bound(sorted_key, tl.where(first, lane + 1, num_entries), num_entries + tl.zeros((BLOCK,), tl.int32),
-                       key + 1, search_steps)
-    tl.store(bucket_head + bucket, (key // key_stride).to(tl.int32), mask=real)
-    tl.store(bucket_key_row + bucket, (key % key_stride).to(tl.int32), mask=real)
-    tl.store(bucket_block + bucket, block, mask=real)
-    tl.store(items_per_bucket + bucket, (end - lane + entries_per_item - 1) // entries_per_item, mask=real)
 
-    # Lanes as bucket rows: the rows past the real buckets are empty.
-    unused = (lane >= total) & (lane <= bucket_bound)
-    tl.store(bucket_ptr + lane, num_valid + tl.zeros((BLOCK,), tl.int32), mask=unused)
-    unused &= lane < bucket_bound
-    zero = tl.zeros((BLOCK,), tl.int32)
-    tl.store(bucket_head + lane, zero, mask=unused)
-    tl.store(bucket_key_row + lane, zero, mask=unused)
-    tl.store(bucket_block + lane, zero, mask=unused)
-    tl.store(items_per_bucket + lane, zero, mask=unused)
-    tl.store(num_buckets + lane, tl.minimum(total, bucket_bound) + zero, mask=lane == 0)
+@triton.jit
+def msa_plan_scan_kernel(
+    offsets, slot_bucket, bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, item_ptr,
+    num_buckets, num_kv_heads, num_chunks, slots_per_head, bucket_bound, entries_per_item,
+    CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr,
+):
+    """One program: turns the counted `offsets` into where each chunk's entries of each slot
+    start (slots in order, the invalid entries after every valid one, in chunk order), numbers the
+    used slots as buckets and writes `bucket_ptr`, `bucket_head`, the items per bucket and their
+    running sum; fills the unused bucket rows and `num_buckets`."""
+    width = slots_per_head + 1
+    chunks = tl.arange(0, CHUNKS_P2)
+    chunk_ok = chunks < num_chunks
+    entries = tl.zeros((), tl.int32)
+    buckets = tl.zeros((), tl.int32)
+    items = tl.zeros((), tl.int32)
+    for head in range(num_kv_heads):
+        rows = offsets + (head * num_chunks + chunks).to(tl.int64) * width
+        for first in range(0, slots_per_head, SLOTS):
+            slots = first + tl.arange(0, SLOTS)
+            ok = chunk_ok[:, None] & (slots < slots_per_head)[None, :]
+            counts = tl.load(rows[:, None] + slots[None, :], mask=ok, other=0)
+            totals = tl.sum(counts, axis=0)
+            starts = entries + tl.cumsum(totals, 0) - totals
+            tl.store(rows[:, None] + slots[None, :], starts[None, :] + tl.cumsum(counts, 0) - counts, mask=ok)
+            used = totals > 0
+            bucket = buckets + tl.cumsum(used.to(tl.int32), 0) - 1
+            tl.store(slot_bucket + head * slots_per_head + slots, bucket, mask=slots < slots_per_head)
+            tl.store(bucket_ptr + bucket, starts, mask=used & (bucket <= bucket_bound))
+            real = used & (bucket < bucket_bound)
+            bucket_items = tl.where(real, (totals + entries_per_item - 1) // entries_per_item, 0)
+            tl.store(bucket_head + bucket, head + tl.zeros_like(bucket), mask=real)
+            tl.store(items_per_bucket + bucket, bucket_items, mask=real)
+            tl.store(item_ptr + bucket, items + tl.cumsum(bucket_items, 0), mask=real)
+            entries += tl.sum(totals, axis=0)
+            buckets += tl.sum(used.to(tl.int32), axis=0)
+            items += tl.sum(bucket_items, axis=0)
+    # The invalid entries, after every valid one, chunk after chunk.
+    invalid = entries
+    for first in range(0, num_kv_heads * num_chunks, ROWS):
+        chunk_rows = first + tl.arange(0, ROWS)
+        ok = chunk_rows < num_kv_heads * num_chunks
+        ends = offsets + chunk_rows.to(tl.int64) * width + slots_per_head
+        counts = tl.load(ends, mask=ok, other=0)
+        tl.store(ends, invalid + tl.cumsum(counts, 0) - counts, mask=ok)
+        invalid += tl.sum(counts, axis=0)
+    # Rows past the real buckets are empty; bucket `bound` ends the last real one.
+    for first in range(0, bucket_bound + 1, ROWS):
+        lanes = first + tl.arange(0, ROWS)
+        tl.store(bucket_ptr + lanes, entries + tl.zeros_like(lanes), mask=(lanes >= buckets) & (lanes <= bucket_bound))
+        unused = (lanes >= buckets) & (lanes < bucket_bound)
+        zero = tl.zeros_like(lanes)
+        tl.store(bucket_head + lanes, zero, mask=unused)
+        tl.store(bucket_key_row + lanes, zero, mask=unused)
+        tl.store(bucket_block + lanes, zero, mask=unused)
+        tl.store(items_per_bucket + lanes, zero, mask=unused)
+        tl.store(item_ptr + lanes, items + zero, mask=unused)
+    tl.store(num_buckets, tl.minimum(buckets, bucket_bound))
 
 
 @triton.jit
@@ -148,7 +214,8 @@ def msa_plan_item_tables_kernel(
 
 
 def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> torch.Tensor:
-    """`msa::plan`: the plan of `block_indices`, the tables of `build_schedule` packed.
+    """`msa::plan`: the plan of `block_indices`, the tables of `build_schedule` packed, in four
+    launches (steps: `torch_msa/plan/README.md`).
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
@@ -175,40 +242,36 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> to
     packed = torch.empty(sum(sizes), dtype=torch.int32, device=device)
     (entry_query, bucket_ptr, bucket_head, bucket_key_row, bucket_block,
      item_bucket, item_start, item_end, position, num_buckets, num_items) = packed.split_with_sizes(sizes)
-    # Scratch: bucket starts per entry, then items per bucket.
-    scratch = torch.empty(num_entries + bucket_bound, dtype=torch.int32, device=device)
-    starts, items_per_bucket = scratch.split_with_sizes((num_entries, bucket_bound))
 
-    key_stride = max(1, num_keys)
-    past_all = num_kv_heads * key_stride
-    strides = block_indices.stride()
-    # 32-bit keys sort faster, in the same stable order.
-    key_dtype = torch.int32 if past_all < 2**31 - 1 else torch.int64
-    bucket_key = torch.empty(num_entries, dtype=key_dtype, device=device)
     topk_p2 = triton.next_power_of_2(topk)
-    tokens = max(1, _SLOT_TILE // topk_p2)
-    msa_plan_entry_keys_kernel[(triton.cdiv(num_queries, tokens), num_kv_heads)](
-        block_indices, cu_seqlens_q, cu_seqlens_k,
-        documents.fragment_documents if fragments else cu_seqlens_q, documents.fragment_starts if fragments else cu_seqlens_q,
-        bucket_key, position,
-        num_queries, num_keys, num_segments, num_docs, binary_search_steps(num_segments), block_size, key_stride, past_all,
-        *strides,
-        TOPK=topk, TOPK_P2=topk_p2, TOKENS=tokens, FRAGMENTS=fragments,
+    tokens = max(1, _ROW_LANES // topk_p2)
+    tokens_per_chunk = tokens * triton.cdiv(triton.cdiv(num_queries, _CHUNKS), tokens)
+    num_chunks = triton.cdiv(num_queries, tokens_per_chunk)
+    slots_per_head = max(1, max_key_blocks(num_keys, num_docs, block_size))
+    # Scratch: each chunk's counts (then starts) per slot, each slot's bucket, the items per bucket
+    # and their running sum.
+    scratch_sizes = (num_kv_heads * num_chunks * (slots_per_head + 1), num_kv_heads * slots_per_head, bucket_bound,
+                     bucket_bound)
+    offsets, slot_bucket, items_per_bucket, item_ptr = torch.empty(
+        sum(scratch_sizes), dtype=torch.int32, device=device).split_with_sizes(scratch_sizes)
+
+    chunk_grid = (num_chunks, num_kv_heads)
+    located = (block_indices, cu_seqlens_q, cu_seqlens_k,
+               documents.fragment_documents if fragments else cu_seqlens_q,
+               documents.fragment_starts if fragments else cu_seqlens_q)
+    shapes = (num_queries, num_keys, num_segments, num_docs, binary_search_steps(num_segments), block_size,
+              slots_per_head, tokens_per_chunk, num_chunks, bucket_bound, *block_indices.stride())
+    constants = {"TOPK": topk, "TOPK_P2": topk_p2, "TOKENS": tokens, "FRAGMENTS": fragments, "ZERO_LANES": 1024}
+    msa_plan_place_kernel[chunk_grid](*located, offsets, entry_query, slot_bucket, bucket_ptr, bucket_key_row,
+                                      bucket_block, position, *shapes, PLACE=False, **constants)
+    chunks_p2 = triton.next_power_of_2(num_chunks)
+    msa_plan_scan_kernel[(1,)](
+        offsets, slot_bucket, bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, item_ptr,
+        num_buckets, num_kv_heads, num_chunks, slots_per_head, bucket_bound, entries_per_item,
+        CHUNKS_P2=chunks_p2, SLOTS=max(16, _SCAN_TILE // chunks_p2), ROWS=1024,
     )
-    sorted_key, order = torch.sort(bucket_key, stable=True)
-    entry_grid = (triton.cdiv(num_entries, _ENTRIES),)
-    msa_plan_bucket_starts_kernel[entry_grid](
-        sorted_key, order, entry_query, starts, num_entries, num_queries * topk, past_all, BLOCK=_ENTRIES,
-    )
-    entry_bucket = torch.cumsum(starts, 0, dtype=torch.int32)
-    msa_plan_bucket_tables_kernel[(triton.cdiv(max(num_entries, bucket_bound + 1), _ENTRIES),)](
-        sorted_key, order, entry_bucket, block_indices,
-        bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, num_buckets,
-        num_entries, bucket_bound, binary_search_steps(num_entries), key_stride, past_all, entries_per_item,
-        num_queries, *strides,
-        TOPK=topk, BLOCK=_ENTRIES,
-    )
-    item_ptr = torch.cumsum(items_per_bucket, 0, dtype=torch.int32)
+    msa_plan_place_kernel[chunk_grid](*located, offsets, entry_query, slot_bucket, bucket_ptr, bucket_key_row,
+                                      bucket_block, position, *shapes, PLACE=True, **constants)
     msa_plan_item_tables_kernel[(triton.cdiv(item_bound, _ENTRIES),)](
         item_ptr, items_per_bucket, bucket_ptr, item_bucket, item_start, item_end, num_items,
         item_bound, bucket_bound, binary_search_steps(bucket_bound), entries_per_item,
@@ -281,7 +344,7 @@ def msa_plan_query_groups_kernel(
     slot = lanes % TOPK_P2
     token = start + member_index
     in_group = (token < end) & (token >= 0)
-    pos, _ = locate_tokens(token, in_group, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
+    pos, _, _ = locate_tokens(token, in_group, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
                            num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
     token_segment, _ = find_segments(token, in_group, cu_seqlens_q, num_segments, search_steps)
     strangers = tl.sum((in_group & ((token_segment != segment) | (pos < 0))).to(tl.int32), axis=0)

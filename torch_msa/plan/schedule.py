@@ -16,7 +16,10 @@ class Schedule(NamedTuple):
 
     Attributes:
         entry_query: `[Hkv * Tq * topk]`, the valid entries as `t * topk + s`, sorted by
-            (kv head, key block, t); rows past `bucket_ptr[-1]` are unused.
+            (kv head, bucket slot, t), the invalid ones after them; rows past `bucket_ptr[-1]`
+            are unused. Block `b` of the document `d` whose keys start at row `c` has the slot
+            `c // block_size + d + b`: increasing in (d, b) over well-formed boundaries, one slot
+            per block, below `max_key_blocks`.
         bucket_ptr: `[max_buckets + 1]` CSR offsets of each bucket's entries in `entry_query`;
             buckets past the real count are empty.
         bucket_head: `[max_buckets]` KV head of each bucket.
@@ -105,15 +108,17 @@ def build_schedule(
     num_entries = block_indices.numel()
     bucket_bound = max_buckets(num_kv_heads, num_keys, num_docs, block_size)
     item_bound = max_items(num_entries, bucket_bound, entries_per_item)
-    docs = documents.locate(num_queries, num_keys)
+    document, docs = documents.locate_with_documents(num_queries, num_keys)
     valid = valid_entries(block_indices, docs.position, block_size)
 
-    # Invalid entries get a key past every real one and sort last; stable: buckets stay in query order.
-    key_stride = max(1, num_keys)
-    past_all = num_kv_heads * key_stride
-    head_offsets = torch.arange(0, past_all, key_stride, device=device, dtype=torch.int64).view(-1, 1)
-    row_of_query = (docs.key_start + head_offsets).unsqueeze(-1)
-    bucket_key = torch.add(row_of_query, block_indices, alpha=block_size).masked_fill_(~valid, past_all)
+    # A bucket's key is its slot `key_start // block_size + document + block` after the slots of the
+    # heads before it (`bucket_slot`); invalid entries get a key past every real one and sort last.
+    # Stable: buckets stay in query order.
+    slots_per_head = max(1, max_key_blocks(num_keys, num_docs, block_size))
+    past_all = num_kv_heads * slots_per_head
+    head_offsets = torch.arange(0, past_all, slots_per_head, device=device, dtype=torch.int64).view(-1, 1)
+    first_slot = torch.div(docs.key_start, block_size, rounding_mode="floor") + document
+    bucket_key = ((first_slot + head_offsets).unsqueeze(-1) + block_indices).masked_fill_(~valid, past_all)
     sorted_key, order = torch.sort(bucket_key.reshape(-1), stable=True)
     entry_query = (order % max(1, num_queries * topk)).to(torch.int32)
 
@@ -136,13 +141,15 @@ def build_schedule(
     first_order = F.pad(order, (0, 1), value=num_entries).index_select(0, first_entry)
     flat_ids = F.pad(block_indices.reshape(-1), (0, 1), value=0)
     bucket_block = flat_ids.index_select(0, first_order) * real_bucket
+    entry_row = torch.add(docs.key_start.view(1, -1, 1), block_indices, alpha=block_size).reshape(-1)
+    bucket_key_row = F.pad(entry_row, (0, 1), value=0).index_select(0, first_order) * real_bucket
 
     item_bucket, item_start, item_end, num_items = _items(bucket_ptr[:-1], bucket_end, entries_per_item, item_bound)
     return Schedule(
         entry_query=entry_query,
         bucket_ptr=bucket_ptr,
-        bucket_head=(first_key // key_stride).to(torch.int32),
-        bucket_key_row=(first_key % key_stride).to(torch.int32),
+        bucket_head=(first_key // slots_per_head).to(torch.int32),
+        bucket_key_row=bucket_key_row.to(torch.int32),
         bucket_block=bucket_block,
         item_bucket=item_bucket,
         item_start=item_start,

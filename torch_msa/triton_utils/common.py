@@ -76,9 +76,10 @@ def find_segments(token, token_ok, cu_seqlens_q, num_segments, search_steps):
 @triton.jit
 def locate_tokens(token, token_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, num_keys,
                   num_segments, num_docs, search_steps, FRAGMENTS: tl.constexpr):
-    """Per lane, `(position, key_start)` (int64) of the packed query `token` (int64; lanes with
+    """Per lane, `(position, key_start, document)` of the packed query `token` (int64; lanes with
     `token_ok` false load nothing): the rule of `torch_msa.documents.locate_queries`, position -1
-    and key start 0 for a token no well-formed document covers.
+    and key start 0 for a token no well-formed document covers; `document` (of `cu_seqlens_k`) is
+    0 there.
 
     `num_segments` documents (or fragments, with `FRAGMENTS`) of `cu_seqlens_q`, `num_docs` of
     `cu_seqlens_k`; `search_steps = binary_search_steps(num_segments)`.
@@ -96,12 +97,13 @@ def locate_tokens(token, token_ok, cu_seqlens_q, cu_seqlens_k, fragment_document
         k_end = tl.load(cu_seqlens_k + doc + 1, mask=doc_ok, other=0).to(tl.int64)
         pos = tl.load(fragment_starts + segment, mask=doc_ok, other=-1).to(tl.int64) + (token - q_start)
     else:
+        doc = segment
         k_start = tl.load(cu_seqlens_k + segment, mask=doc_ok, other=0).to(tl.int64)
         k_end = tl.load(cu_seqlens_k + segment + 1, mask=doc_ok, other=0).to(tl.int64)
         pos = (k_end - k_start) - (q_end - q_start) + (token - q_start)
     located = (in_range & doc_ok & (token >= q_start) & (pos >= 0) & (k_start >= 0)
                & (k_start + pos < k_end) & (k_start + pos < num_keys))
-    return tl.where(located, pos, -1), tl.where(located, k_start, 0)
+    return tl.where(located, pos, -1), tl.where(located, k_start, 0), tl.where(located, doc, 0)
 
 
 _LOCATE_TOKENS = 1024  # tokens per program of `msa_locate_kernel`
@@ -113,7 +115,7 @@ def msa_locate_kernel(cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_s
                       FRAGMENTS: tl.constexpr, TOKENS: tl.constexpr):
     tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     token_ok = tokens < num_queries
-    pos, start = locate_tokens(tokens.to(tl.int64), token_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents,
+    pos, start, _ = locate_tokens(tokens.to(tl.int64), token_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents,
                                fragment_starts, num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
     tl.store(position + tokens, pos, mask=token_ok)
     tl.store(key_start + tokens, start, mask=token_ok)

@@ -39,6 +39,8 @@ def test_plan_build_equals_reference_tables(case, entries_per_item):
     expected = pack(build_schedule(block_indices, documents_of(cu_q, cu_k), num_keys, block_size, entries_per_item))
     got = plan_kernel.plan(block_indices, documents_of(cu_q, cu_k), num_keys, block_size, entries_per_item)
     assert torch.equal(got, expected)
+    if entries_per_item == 1:
+        return  # the item size changes the last launch only: read the strides once per case
     # Strided selections and boundaries are read through their strides.
     strided = block_indices.transpose(0, 1).contiguous().transpose(0, 1)
     cu_q_strided, cu_k_strided = (torch.stack((cu, -cu), 1)[:, 0] for cu in (cu_q, cu_k))
