@@ -14,6 +14,10 @@
   speedup targets use; its peak device memory above the inputs is recorded too. Under the skewed
   and tile-shared selections the step still runs `select_blocks` but attends with the problem's
   indices.
+* `synced step` (CUDA): the training step as a model runs it, one `msa_attention` call (selection
+  and plan inside) and its backward, each call synchronised, so its host work counts; compared
+  with the dense peers' `synced fwd+bwd`. The index selection only: `msa_attention` selects from
+  the index inputs.
 
 Whichever backend the registry resolves serves the ops. The pure-PyTorch reference is an oracle,
 not a fast path: on CUDA its phases are skipped above `max_reference_tokens` tokens so that a
@@ -27,6 +31,7 @@ from torch_msa import backends
 from torch_msa.plan.schedule import entries_per_item
 
 from .problems import Inputs
+from .results import SYNCED_STEP
 from .subject import Measurement, Subject
 
 IMPL = "torch_msa"
@@ -42,10 +47,11 @@ def resolved_backends(device: torch.device) -> dict[str, str]:
 
 def msa_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
     device = inputs.q.device
+    phases = PHASES + (SYNCED_STEP,) if device.type == "cuda" else PHASES
     try:
         serving = resolved_backends(device)
     except torch_msa.BackendError as error:
-        return Subject(IMPL, PHASES, skip_reason=str(error))
+        return Subject(IMPL, phases, skip_reason=str(error))
 
     def too_slow(*ops) -> str:
         """Why these ops are skipped here, or '' when they run."""
@@ -107,5 +113,15 @@ def msa_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
 
         note = skip or (f"select_blocks runs, then the {inputs.selection} indices are attended" if given else "")
         yield Measurement("select+fwd+bwd", None if skip else step, work.msa_step, note, track_memory=True)
+        if device.type != "cuda":
+            return
 
-    return Subject(IMPL, PHASES, measurements)
+        def model_step():
+            out = torch_msa.msa_attention(*leaves, inputs.index_q, inputs.index_k, *documents, block_size=block_size)
+            return torch.autograd.grad(out, leaves, inputs.grad_out)
+
+        note = skip or ("msa_attention selects from the index inputs: timed on the index selection only" if given
+                        else "")
+        yield Measurement(SYNCED_STEP, None if note else model_step, work.msa_step, note, synchronised=True)
+
+    return Subject(IMPL, phases, measurements)

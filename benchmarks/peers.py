@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .flex_mask import TILE_ROWS, fold_query_heads, kv_heads_first, msa_block_mask
 from .problems import Inputs
+from .results import SYNCED_DENSE
 from .subject import Measurement, Subject
 from .timing import is_out_of_memory
 
@@ -92,12 +93,17 @@ def dense_subject(inputs: Inputs, backend: str) -> Subject:
             group = inputs.shape.group
             k, v = (x.detach().repeat_interleave(group, dim=1).requires_grad_() for x in (inputs.k, inputs.v))
         yield Measurement("fwd", lambda: forward(k, v, gqa), work.dense_forward, note)
-        outputs = forward(k, v, gqa)
+        graph = {"outputs": forward(k, v, gqa)}
         grads = _heads_first(inputs.grad_out, lengths)
-        yield Measurement("bwd", lambda: torch.autograd.grad(outputs, (q, k, v), grads, retain_graph=True),
+        yield Measurement("bwd", lambda: torch.autograd.grad(graph["outputs"], (q, k, v), grads, retain_graph=True),
                           work.dense_backward, note)
+        graph.clear()  # the forward's graph is not needed past here
+        if q.device.type == "cuda":
+            yield Measurement(SYNCED_DENSE, lambda: torch.autograd.grad(forward(k, v, gqa), (q, k, v), grads),
+                              work.dense_forward + work.dense_backward, note, synchronised=True)
 
-    return Subject(impl, DENSE_PHASES, measurements)
+    return Subject(impl, DENSE_PHASES + (SYNCED_DENSE,) if inputs.q.device.type == "cuda" else DENSE_PHASES,
+                   measurements)
 
 
 def fla_version() -> str | None:

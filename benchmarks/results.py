@@ -3,7 +3,8 @@
 A row's `status` is `ok` (timed), `OOM`, `skipped` (not run, `note` says why) or `error`.
 Derived rows (`fwd+bwd` of every implementation that has both) add the two medians. The speed
 ratio of a row compares it with the dense baseline of the same problem and phase: cuDNN on CUDA,
-the math backend elsewhere; `select+fwd+bwd` compares with the baseline's `fwd+bwd`.
+the math backend elsewhere; `select+fwd+bwd` compares with the baseline's `fwd+bwd`, and on CUDA
+torch_msa's `synced step` with the baseline's `synced fwd+bwd` (both synchronised every call).
 """
 
 import dataclasses
@@ -18,8 +19,12 @@ OK, OOM, SKIPPED, ERROR = "ok", "OOM", "skipped", "error"
 # A run's status: every problem ran; still running (the file is rewritten after every problem, so a
 # run that was killed leaves this); stopped by Ctrl-C (KeyboardInterrupt), its last problem cut short.
 COMPLETE, RUNNING, INTERRUPTED = "complete", "running", "interrupted"
+# On CUDA, synchronised calls (`timing.measure`): torch_msa's training step (one `msa_attention`
+# call and its backward) and the dense peers' forward + backward.
+SYNCED_STEP, SYNCED_DENSE = "synced step", "synced fwd+bwd"
 # The baseline phase each phase is compared with (phases absent here have no ratio).
-BASELINE_PHASE = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "fwd+bwd", "select+fwd+bwd": "fwd+bwd"}
+BASELINE_PHASE = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "fwd+bwd", "select+fwd+bwd": "fwd+bwd",
+                  SYNCED_STEP: SYNCED_DENSE}
 # torch_msa's training step and the phases it is made of, each also timed alone.
 STEP, STEP_PARTS = "select+fwd+bwd", ("select", "fwd", "bwd")
 # How far the step's median and the sum of its parts' medians may lie apart (as a ratio, either

@@ -121,7 +121,8 @@ def _time(impl: str, measurement: Measurement, config: Config, progress: Progres
     # Interleaved, this round times one run; the budget is applied here, to the rounds.
     iters, budget_s = (1, None) if config.interleaved else (config.iters, config.budget_s)
     try:
-        timing = measure(measurement.fn, device, config.warmup, iters, budget_s, config.min_runs)
+        timing = measure(measurement.fn, device, config.warmup, iters, budget_s, config.min_runs,
+                         synchronised=measurement.synchronised)
     except Exception as error:  # noqa: BLE001  (recorded, and the run goes on)
         _fail(row, error, progress, device)
         return row, None
@@ -138,7 +139,7 @@ def _time(impl: str, measurement: Measurement, config: Config, progress: Progres
 def _time_again(row: Row, runs: _Runs, measurement: Measurement, config: Config, progress: Progress) -> None:
     """One more run of a row's phase (a later round); a failure ends the row as failed."""
     try:
-        timing = measure(measurement.fn, config.device, 0, 1)
+        timing = measure(measurement.fn, config.device, 0, 1, synchronised=measurement.synchronised)
     except Exception as error:  # noqa: BLE001  (recorded, and the run goes on)
         _fail(row, error, progress, config.device, f"run {len(runs.times_ms) + 1}: ")
         runs.wanted = len(runs.times_ms)

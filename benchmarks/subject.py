@@ -20,6 +20,7 @@ class Measurement(NamedTuple):
     flops: float | None
     note: str = ""
     track_memory: bool = False  # record the peak device memory above what was allocated before
+    synchronised: bool = False  # each call on an idle device, synchronised after it (`timing.measure`)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 On CUDA each timed call is bracketed by a pair of CUDA events recorded on the current stream, all
 calls are queued back to back, and the device is synchronised once at the end: the times are
-the device's, without host overhead between calls. Elsewhere each call is timed with
+the device's, without host overhead between calls. A synchronised measurement instead starts each
+call on an idle device and synchronises after it, as a loop that syncs every step sees it: the
+host work the call cannot hide behind its kernels counts too. Elsewhere each call is timed with
 `time.perf_counter`. The reported number is the median.
 """
 
@@ -39,8 +41,9 @@ def synchronize(device: torch.device) -> None:
 
 
 def measure(fn: Callable[[], object], device: torch.device, warmup: int, iters: int,
-            budget_s: float | None = None, min_runs: int = 5) -> Timing:
-    """Run `fn` `warmup` times untimed, then `iters` times timed.
+            budget_s: float | None = None, min_runs: int = 5, synchronised: bool = False) -> Timing:
+    """Run `fn` `warmup` times untimed, then `iters` times timed (`synchronised`: each on an idle
+    device, synchronised after it).
 
     `budget_s` bounds the timed part of a slow measurement: when the last warm-up call shows that
     `iters` calls would take longer, the runs are cut to what fits, but never below `min_runs`
@@ -65,9 +68,13 @@ def measure(fn: Callable[[], object], device: torch.device, warmup: int, iters: 
     if device.type == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
         for begin, end in events:
+            if synchronised:
+                torch.cuda.synchronize(device)
             begin.record()
             fn()
             end.record()
+            if synchronised:
+                torch.cuda.synchronize(device)
         torch.cuda.synchronize(device)
         times = tuple(begin.elapsed_time(end) for begin, end in events)
     else:

@@ -347,7 +347,8 @@ def _count_calls(monkeypatch, ms: float | None = None) -> list[tuple]:
     """`runner.measure` replaced: call i takes `ms`, or i ms; returns the (warmup, iters, budget_s) of each call."""
     calls = []
 
-    def measure(fn, device, warmup, iters, budget_s=None, min_runs=5):
+    def measure(fn, device, warmup, iters, budget_s=None, min_runs=5, synchronised=False):
+        assert not synchronised, "off CUDA no phase is timed synchronised"
         calls.append((warmup, iters, budget_s))
         return Timing((float(len(calls)) if ms is None else ms,), warmup, False)
 
@@ -605,7 +606,7 @@ def _fake_measure(interrupt_at_select: int | None = None):
     Ctrl-C when torch_msa's `select` phase is timed for that problem (1 = the first)."""
     selects = []
 
-    def measure(fn, device, warmup, iters, budget_s=None, min_runs=5):
+    def measure(fn, device, warmup, iters, budget_s=None, min_runs=5, synchronised=False):
         if getattr(fn, "__func__", None) is Inputs.select:
             selects.append(fn)
             if len(selects) == interrupt_at_select:
@@ -920,6 +921,10 @@ def test_every_peer_runs_on_cuda(tmp_path, capsys):
                 assert row["status"] == OK, (problem["name"], row)
         step = next(r for r in problem["rows"] if r["phase"] == "select+fwd+bwd")
         assert step["extra_peak_bytes"] > 0
+        # The model's step and the dense forward + backward, each call synchronised, side by side.
+        synced = {(r["impl"], r["phase"]): r for r in problem["rows"] if r["phase"].startswith("synced")}
+        assert synced.keys() >= {("torch_msa", "synced step"), ("cudnn dense", "synced fwd+bwd")}, synced.keys()
+        assert synced["torch_msa", "synced step"]["speedup_vs_baseline"] > 0
 
 
 @pytest.mark.cuda
