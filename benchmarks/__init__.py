@@ -29,8 +29,10 @@ and `command` (what every command shares: its arguments checked, its end on Ctrl
 Separate commands: `python -m benchmarks.deterministic` (the backward with and without
 `torch.use_deterministic_algorithms(True)`), `python -m benchmarks.kl` (the KL loss against
 the attention step), `python -m benchmarks.overhead` (what each eager call costs the host
-and the GPU: host, kernel, synchronised and CUDA-graph times) and `python -m benchmarks.sm90`
-(the SM90 CuTe DSL forward and backward against the Triton kernels, split into their parts).
+and the GPU: host, kernel, synchronised and CUDA-graph times), `python -m benchmarks.sm90`
+(the SM90 CuTe DSL forward and backward against the Triton kernels, split into their parts) and
+`python -m benchmarks.sharing` (each selection regime's union statistics and the work the plan's
+query-outer rule takes, untimed).
 """
 
 import sys

@@ -185,6 +185,17 @@ def test_the_sharing_note_gives_the_work_the_query_outer_rule_takes():
     assert 0 < share < 100, note
 
 
+def test_the_sharing_command_prints_each_regimes_union_and_query_outer_work(capsys):
+    from benchmarks import sharing
+
+    assert sharing.main(["--device", "cpu", "--seqlens", "512", "--selection", "skewed", "index",
+                         "--heads", "16/1"]) == 0
+    header, skewed, index = capsys.readouterr().out.strip().splitlines()
+    assert "query-outer" in header and skewed.split()[:2] == ["512", "skewed"] and index.split()[1] == "index"
+    # Every query of an 8-token group picks block 0 and the newest blocks: all of it runs query-outer.
+    assert skewed.split()[-3:] == ["100.0%", "100.0%", "100.0%"], skewed
+
+
 def test_inputs_use_torch_msa_selection():
     inputs = make_inputs(ProblemSpec((100, 150), pack=True), SMALL, CPU, "index", seed=3)
     assert torch.equal(inputs.block_indices, inputs.select())

@@ -316,8 +316,8 @@ def _schedule_tables(schedule) -> tuple:
 class ForwardPartials(NamedTuple):
     """The per-entry partials of the forward, fp32 `[Hi, Tq, topk]` each (laid out like
     `block_indices`): the student's running max (log2 domain) and sum of `exp2` of its logits,
-    `A` and `M` over the entry's block. Entries the schedule drops keep their initial values,
-    which add nothing (max `-inf`, the rest 0)."""
+    `A` and `M` over the entry's block. Entries the schedule drops stay 0, which adds nothing (a
+    sum of 0 marks an entry without a logit)."""
 
     max: torch.Tensor
     sum: torch.Tensor
@@ -326,10 +326,63 @@ class ForwardPartials(NamedTuple):
 
 
 def forward_partials(num_index_heads: int, num_queries: int, topk: int, device) -> ForwardPartials:
-    """The forward's partials at their initial values, on `device`."""
-    shape = (num_index_heads, num_queries, topk)
-    return ForwardPartials(torch.full(shape, -math.inf, dtype=torch.float32, device=device),
-                           *(torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(3)))
+    """The forward's partials at their initial values, on `device` (one fill)."""
+    return ForwardPartials(*torch.zeros((4, num_index_heads, num_queries, topk), dtype=torch.float32,
+                                        device=device).unbind(0))
+
+
+_FINISH_ROWS = 256  # (index head, query) rows per program of the finish kernel
+
+
+@triton.jit
+def msa_kl_finish_kernel(part_max, part_sum, part_weighted, part_mass, index_lse, teacher_mass, divergence,
+                         num_queries, num_rows, NUM_INDEX_HEADS: tl.constexpr, TOPK: tl.constexpr,
+                         TOPK_P2: tl.constexpr, ROWS: tl.constexpr):
+    """Per (index head, query) row: the student's lse (natural log) over its entries' partials and
+    the teacher's mass, both stored `[Tq, Hi]`, and the program's sum of the rows' divergences."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_rows
+    slots = tl.arange(0, TOPK_P2)
+    ok = row_ok[:, None] & (slots < TOPK)[None, :]
+    at = rows.to(tl.int64)[:, None] * TOPK + slots[None, :]
+    total = tl.load(part_sum + at, mask=ok, other=0.0)
+    used = total > 0.0
+    slot_lse = tl.where(used, (tl.load(part_max + at, mask=ok, other=0.0) + tl.log2(tl.where(used, total, 1.0)))
+                        * LN_2, float("-inf"))
+    top = tl.max(slot_lse, axis=1)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    lse = tl.log(tl.sum(tl.exp(slot_lse - shift[:, None]), axis=1)) + shift
+    mass = tl.sum(tl.load(part_mass + at, mask=ok, other=0.0), axis=1)
+    weighted = tl.sum(tl.load(part_weighted + at, mask=ok, other=0.0), axis=1)
+    rows_divergence = weighted + tl.where(mass > 0.0, mass * tl.where(mass > 0.0, lse, 0.0), 0.0)
+    pair = (rows % num_queries).to(tl.int64) * NUM_INDEX_HEADS + rows // num_queries
+    tl.store(index_lse + pair, lse, mask=row_ok)
+    tl.store(teacher_mass + pair, mass, mask=row_ok)
+    tl.store(divergence + tl.program_id(0), tl.sum(tl.where(row_ok, rows_divergence, 0.0), axis=0))
+
+
+def finish_forward(partials: ForwardPartials, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(loss, index_lse [Tq, Hi], teacher_mass [Tq, Hi])` in `dtype`: the partials combined per
+    row by one kernel, its programs' sums added by torch (deterministic)."""
+    num_index_heads, num_queries, topk = partials.max.shape
+    num_rows = num_index_heads * num_queries
+    device = partials.max.device
+    programs = max(1, triton.cdiv(num_rows, _FINISH_ROWS))
+    out = torch.empty(2 * num_rows + programs, dtype=torch.float32, device=device)
+    index_lse, mass, divergence = out.split_with_sizes((num_rows, num_rows, programs))
+    if num_rows and topk:
+        msa_kl_finish_kernel[(programs,)](
+            *(part if part.is_contiguous() else part.contiguous() for part in partials), index_lse, mass, divergence,
+            num_queries, num_rows,
+            NUM_INDEX_HEADS=num_index_heads, TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), ROWS=_FINISH_ROWS,
+        )
+    else:  # no row or no slot: every lse is -inf, every mass and divergence 0
+        index_lse.fill_(-math.inf)
+        mass.zero_()
+        divergence.zero_()
+    loss = divergence.sum() * (1.0 / max(1, num_rows))
+    shape = (num_queries, num_index_heads)
+    return loss.to(dtype), index_lse.view(shape).to(dtype), mass.view(shape).to(dtype)
 
 
 def launch_forward(q, k, lse, index_q, index_k, partials: ForwardPartials, teacher_sums, schedule, topk, block_size,
@@ -388,19 +441,6 @@ def launch_forward_from_teacher(teacher, index_q, index_k, partials: ForwardPart
 
     shape_key = (index_q.device, index_q.dtype, teacher.dtype, index_dim, block_size)
     launch("msa_kl_fwd_from_teacher_kernel", shape_key, FROM_TEACHER_CONFIGS, launch_config)
-
-
-def finish_forward(partials: ForwardPartials, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(loss, index_lse [Tq, Hi], teacher_mass [Tq, Hi])` in `dtype`, the partials combined by
-    torch reductions (deterministic)."""
-    num_index_heads, num_queries, _ = partials.max.shape
-    used = partials.sum > 0
-    slot_lse = torch.where(used, (partials.max + torch.where(used, partials.sum, 1).log2()) * math.log(2), -math.inf)
-    index_lse = torch.logsumexp(slot_lse, -1)  # [Hi, Tq]
-    mass = partials.mass.sum(-1)
-    divergence = partials.weighted.sum(-1) + torch.where(mass > 0, mass * index_lse.masked_fill(mass <= 0, 0), 0)
-    loss = divergence.sum() / max(1, num_queries * num_index_heads)
-    return loss.to(dtype), index_lse.t().to(dtype).contiguous(), mass.t().to(dtype).contiguous()
 
 
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale):

@@ -1,0 +1,66 @@
+"""The host work of the index loss from a given teacher (`torch_msa/index_loss/sparse.py`, what the
+SM90 backward runs after its kernel), counted on CPU with the Triton kernels replaced by counters:
+each ATen call and each launch costs host time in an eager step."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.support import install
+from tests.support.documents import documents_of
+from torch_msa import testing
+from torch_msa.plan.schedule import build_schedule, entries_per_item, pack
+
+pytest.importorskip("triton", reason=install.TRITON)
+
+# Views launch nothing.
+VIEWS = {"aten.slice.Tensor", "aten.view.default", "aten.split_with_sizes.default", "aten.unbind.int",
+         "aten.select.int", "aten.unsqueeze.default", "aten.expand.default", "aten.alias.default"}
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_loss_from_a_teacher_is_three_launches_and_few_aten_calls(monkeypatch):
+    from torch_msa.index_loss import sparse
+
+    launches = []
+
+    class Launcher:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(self.name)
+
+    kernels = ("msa_kl_fwd_from_teacher_kernel", "msa_kl_finish_kernel", "msa_kl_bwd_kernel")
+    for name in kernels:
+        monkeypatch.setattr(sparse, name, Launcher(name))
+    tokens, index_heads, topk, block_size, index_dim = 300, 4, 16, 64, 64
+    cu_q, cu_k = testing.cu_seqlens([tokens])
+    block_indices = testing.random_block_indices(cu_q, cu_k, index_heads, topk, block_size)
+    documents = documents_of(cu_q, cu_k)
+    plan = pack(build_schedule(block_indices, documents, tokens, block_size, entries_per_item(64, index_heads)))
+    teacher = torch.rand(tokens, index_heads, topk, block_size)
+    index_q = torch.randn(tokens, index_heads, index_dim, dtype=torch.bfloat16)
+    index_k = torch.randn(tokens, 1, index_dim, dtype=torch.bfloat16)
+    arguments = (teacher, torch.ones(()), index_q, index_k, block_indices, documents, block_size, 0.1, plan)
+    sparse.index_loss_from_teacher(*arguments)  # the launch memo's first choice
+    launches.clear()
+    with CountOps() as counted:
+        loss, d_index_q, d_index_k = sparse.index_loss_from_teacher(*arguments)
+    assert launches == list(kernels)
+    assert (d_index_q.dtype, d_index_k.dtype, d_index_q.shape, d_index_k.shape) == (
+        torch.bfloat16, torch.bfloat16, index_q.shape, index_k.shape)
+    # The items of the loss cut from the plan (about a dozen), three zero fills, the loss's sum
+    # and scale, the gradients' casts: the partials are combined by a kernel, not by ATen calls.
+    work = [call for call in counted.calls if call not in VIEWS]
+    assert len(work) <= 26, sorted(work)
+    assert not {"aten.logsumexp.default", "aten.log2.default", "aten.where.self"} & set(work), sorted(work)
