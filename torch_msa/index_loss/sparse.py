@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from ..backends import UnsupportedInputs
-from ..plan.kernels import schedule_for
-from ..plan.schedule import entries_per_item, with_items
+from ..plan.kernels import schedule_for, with_items
+from ..plan.schedule import entries_per_item
 from ..reference_index_loss import loss_dtype
 from ..triton_utils.common import LN_2, LOG2_E, dot_precision, item_horizon, program_item, split_weights, weighted_dot
 from ..triton_utils.launch import LaunchConfig, launch

@@ -6,8 +6,8 @@ reductions, bitwise reproducible: served under `torch.use_deterministic_algorith
 import torch
 
 from .. import query_windows
-from ..plan.kernels import plan_schedule, schedule_for
-from ..plan.schedule import entries_per_item, with_items
+from ..plan.kernels import plan_schedule, schedule_for, with_items
+from ..plan.schedule import entries_per_item
 from ..reference_index_loss import loss_dtype
 from ..stages.deterministic import bucket_first_items, reduce_item_rows
 from . import sparse

@@ -186,8 +186,24 @@ def msa_plan_scan_kernel(
 
 
 @triton.jit
+def msa_plan_item_counts_kernel(bucket_start, bucket_end, items_per_bucket, item_ptr, num_buckets, entries_per_item,
+                                ROWS: tl.constexpr):
+    """One program: the items of each bucket whose entries are `[bucket_start[b], bucket_end[b])`,
+    and their running sum."""
+    items = tl.zeros((), tl.int32)
+    for first in range(0, num_buckets, ROWS):
+        buckets = first + tl.arange(0, ROWS)
+        ok = buckets < num_buckets
+        counts = tl.load(bucket_end + buckets, mask=ok, other=0) - tl.load(bucket_start + buckets, mask=ok, other=0)
+        bucket_items = (counts + entries_per_item - 1) // entries_per_item
+        tl.store(items_per_bucket + buckets, bucket_items, mask=ok)
+        tl.store(item_ptr + buckets, items + tl.cumsum(bucket_items, 0), mask=ok)
+        items += tl.sum(bucket_items, axis=0)
+
+
+@triton.jit
 def msa_plan_item_tables_kernel(
-    item_ptr, items_per_bucket, bucket_ptr, item_bucket, item_start, item_end, num_items,
+    item_ptr, items_per_bucket, bucket_start, bucket_end, item_bucket, item_start, item_end, num_items,
     item_bound, bucket_bound, search_steps, entries_per_item,
     BLOCK: tl.constexpr,
 ):
@@ -205,8 +221,8 @@ def msa_plan_item_tables_kernel(
         low = tl.where(active & ~right, middle + 1, low)
     bucket = tl.minimum(low, bucket_bound - 1)
     rank = item - (tl.load(item_ptr + bucket, mask=ok, other=0) - tl.load(items_per_bucket + bucket, mask=ok, other=0))
-    start = tl.load(bucket_ptr + bucket, mask=ok, other=0) + rank * entries_per_item
-    end = tl.load(bucket_ptr + bucket + 1, mask=ok, other=0)
+    start = tl.load(bucket_start + bucket, mask=ok, other=0) + rank * entries_per_item
+    end = tl.load(bucket_end + bucket, mask=ok, other=0)
     tl.store(item_bucket + item, bucket, mask=ok)
     tl.store(item_start + item, tl.minimum(start, end), mask=ok)
     tl.store(item_end + item, tl.minimum(start + entries_per_item, end), mask=ok)
@@ -273,11 +289,29 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> to
     msa_plan_place_kernel[chunk_grid](*located, offsets, entry_query, slot_bucket, bucket_ptr, bucket_key_row,
                                       bucket_block, position, *shapes, PLACE=True, **constants)
     msa_plan_item_tables_kernel[(triton.cdiv(item_bound, _ENTRIES),)](
-        item_ptr, items_per_bucket, bucket_ptr, item_bucket, item_start, item_end, num_items,
+        item_ptr, items_per_bucket, bucket_ptr, bucket_ptr[1:], item_bucket, item_start, item_end, num_items,
         item_bound, bucket_bound, binary_search_steps(bucket_bound), entries_per_item,
         BLOCK=_ENTRIES,
     )
     return packed
+
+
+def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
+    """`torch_msa.plan.schedule.with_items` (same arguments, same tables) in two launches."""
+    num_buckets = schedule.bucket_head.numel()
+    item_bound = max_items(schedule.entry_query.numel(), num_buckets, entries_per_item)
+    sizes = (num_buckets, num_buckets, item_bound, item_bound, item_bound, 1)
+    items_per_bucket, item_ptr, item_bucket, item_start, item_end, num_items = torch.empty(
+        sum(sizes), dtype=torch.int32, device=schedule.bucket_ptr.device).split_with_sizes(sizes)
+    bucket_start, bucket_end = schedule.bucket_ptr[:-1], schedule.bucket_ptr[1:]
+    msa_plan_item_counts_kernel[(1,)](bucket_start, bucket_end, items_per_bucket, item_ptr, num_buckets,
+                                      entries_per_item, ROWS=1024)
+    msa_plan_item_tables_kernel[(triton.cdiv(item_bound, _ENTRIES),)](
+        item_ptr, items_per_bucket, bucket_start, bucket_end, item_bucket, item_start, item_end, num_items,
+        item_bound, num_buckets, binary_search_steps(num_buckets), entries_per_item,
+        BLOCK=_ENTRIES,
+    )
+    return schedule._replace(item_bucket=item_bucket, item_start=item_start, item_end=item_end, num_items=num_items)
 
 
 def plan_schedule(block_indices, documents: Documents, num_keys, block_size, entries_per_item) -> Schedule:

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan.kernels import schedule_for
-from ..plan.schedule import Schedule, with_items
+from ..plan.kernels import schedule_for, with_items
+from ..plan.schedule import Schedule
 from ..triton_utils.common import LOG2_E, dot_precision, item_horizon, locate_queries, program_token_group, tile_shape
 from ..triton_utils.launch import LaunchConfig, launch
 from .delta import compute_delta

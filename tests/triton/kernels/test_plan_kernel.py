@@ -48,6 +48,21 @@ def test_plan_build_equals_reference_tables(case, entries_per_item):
         plan_kernel.plan(strided, documents_of(cu_q_strided, cu_k_strided), num_keys, block_size, entries_per_item), expected)
 
 
+def test_items_of_another_size_equal_the_reference():
+    """`plan_kernel.with_items` (two launches; the index loss and the deterministic backward walk
+    the step's plan in their own items) gives `schedule.with_items`'s tables."""
+    from torch_msa.plan.schedule import with_items
+
+    q_lens, k_lens, num_kv_heads, block_size, topk = PLAN_CASES["pack-empty-and-1-token"]
+    cu_q, cu_k, _, num_keys, _, _ = layout(q_lens, k_lens)
+    block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    built = build_schedule(block_indices, documents_of(cu_q, cu_k), num_keys, block_size, 4)
+    for entries_per_item in (1, 3, 64):
+        expected, got = with_items(built, entries_per_item), plan_kernel.with_items(built, entries_per_item)
+        for name, a, b in zip(expected._fields, got, expected, strict=True):
+            assert torch.equal(a, b), (name, entries_per_item)
+
+
 def test_plan_build_equals_reference_on_malformed_documents():
     # (cu_seqlens_q, cu_seqlens_k, Tk): unsorted boundaries, a document past the keys, no
     # documents, no keys, and overlapping documents with more key blocks than the bucket bound.
