@@ -22,7 +22,7 @@ from tests.support.cute_dsl import forbid_python_conversions, requires_cute
 from tests.support.documents import backend_arguments, documents_of
 from torch_msa import testing
 from torch_msa.cute_dsl.cute_io import row_alignment
-from torch_msa.plan.schedule import bucket_key_count, build_schedule, entries_per_item, pack, unpack
+from torch_msa.plan.schedule import bucket_key_count, build_schedule, entries_per_item, pack, unpack, with_items
 
 pytest.importorskip("triton", reason=f"the SM90 hosts import the Triton stages: {install.TRITON}")
 
@@ -233,8 +233,11 @@ def test_a_step_with_the_fused_index_loss_builds_one_plan_over_several_query_win
         return pack(build_schedule(block_indices, documents, num_keys, block_size, item_size))
 
     monkeypatch.setattr(plan_kernels, "plan", build)
+    monkeypatch.setattr(sparse, "with_items", with_items)  # the reference's, on CPU
     for launch in ("launch_forward_from_teacher", "launch_backward"):  # the loss's Triton kernels
         monkeypatch.setattr(sparse, launch, lambda *args, **kwargs: None)
+    monkeypatch.setattr(sparse, "finish_forward", lambda partials, dtype: (torch.zeros((), dtype=dtype),) + tuple(
+        torch.zeros(partials.max.shape[1::-1], dtype=dtype) for _ in range(2)))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # a CPU host
     per_query = query_windows.partial_bytes_per_query(HEADS, TOPK, DIM, torch.bfloat16)
     monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 128 * per_query)  # windows of 128 queries: three
