@@ -426,6 +426,8 @@ def msa_plan_query_groups_kernel(
 def query_groups(block_indices, documents: Documents, num_keys, block_size, tokens_per_group) -> QueryGroups:
     """`torch_msa.plan.groups.build_query_groups` (same arguments, same tables) in two launches."""
     num_kv_heads, num_queries, topk = block_indices.shape
+    if tokens_per_group & (tokens_per_group - 1):
+        raise ValueError(f"tokens_per_group: expected a power of two (group_tokens gives one), got {tokens_per_group}")
     if block_indices.numel() == 0:
         return build_query_groups(block_indices, documents, num_keys, block_size, tokens_per_group)
     documents = documents.map_tensors(torch.Tensor.contiguous)

@@ -18,8 +18,10 @@ class Schedule(NamedTuple):
         entry_query: `[Hkv * Tq * topk]`, the valid entries as `t * topk + s`, sorted by
             (kv head, bucket slot, t), the invalid ones after them; rows past `bucket_ptr[-1]`
             are unused. Block `b` of the document `d` whose keys start at row `c` has the slot
-            `c // block_size + d + b`: increasing in (d, b) over well-formed boundaries, one slot
-            per block, below `max_key_blocks`.
+            `c // block_size + d + b`, below `max_key_blocks`; over non-decreasing `cu_seqlens_k`
+            it is increasing in (d, b), one slot per block. (Decreasing boundaries, outside the
+            contract and refused by `validate_inputs`, may give two blocks one slot: their
+            queries then read the first block's keys, in bounds.)
         bucket_ptr: `[max_buckets + 1]` CSR offsets of each bucket's entries in `entry_query`;
             buckets past the real count are empty.
         bucket_head: `[max_buckets]` KV head of each bucket.

@@ -48,6 +48,16 @@ def test_plan_build_equals_reference_tables(case, entries_per_item):
         plan_kernel.plan(strided, documents_of(cu_q_strided, cu_k_strided), num_keys, block_size, entries_per_item), expected)
 
 
+def test_plan_build_carries_each_chunks_offsets_across_its_tiles():
+    """Over 128 chunks x 8 queries at topk 16 a chunk walks several 8-query tiles: each tile starts
+    where the one before left every slot's offset."""
+    cu_q, cu_k, _, num_keys, _, _ = layout([1100, 30], [1100, 60])
+    block_indices = junk_indices(cu_q, cu_k, 1, 16, 64)
+    documents = documents_of(cu_q, cu_k)
+    expected = pack(build_schedule(block_indices, documents, num_keys, 64, 16))
+    assert torch.equal(plan_kernel.plan(block_indices, documents, num_keys, 64, 16), expected)
+
+
 def test_items_of_another_size_equal_the_reference():
     """`plan_kernel.with_items` (two launches; the index loss and the deterministic backward walk
     the step's plan in their own items) gives `schedule.with_items`'s tables."""
