@@ -32,7 +32,8 @@ the attention step), `python -m benchmarks.overhead` (what each eager call costs
 and the GPU: host, kernel, synchronised and CUDA-graph times), `python -m benchmarks.sm90`
 (the SM90 CuTe DSL forward and backward against the Triton kernels, split into their parts) and
 `python -m benchmarks.sharing` (each selection regime's union statistics and the work the plan's
-query-outer rule takes, untimed).
+query-outer rule takes, untimed) and `python -m benchmarks.frontend` (the host cost of the layers
+above the backends, every op a stub, on CPU).
 """
 
 import sys

@@ -234,9 +234,21 @@ def _warn_once(key: tuple, message: str) -> None:
         warnings.warn(message, TorchMSAWarning, stacklevel=3)
 
 
+# The registry dict and its backends when last sorted (held, so that no id is reused), and the sort.
+_order: tuple[tuple, list[Backend]] = ((), [])
+
+
 def _ordered() -> list[Backend]:
+    """The registered backends, highest priority first; sorted again only when the registry changed
+    (every op call asks)."""
+    global _order
     _register_builtins()
-    return sorted(_BACKENDS.values(), key=lambda b: -b.priority)
+    seen, ordered = _order
+    current = (_BACKENDS, *_BACKENDS.values())
+    if len(seen) != len(current) or any(a is not b for a, b in zip(seen, current)):
+        ordered = sorted(_BACKENDS.values(), key=lambda b: -b.priority)
+        _order = (current, ordered)
+    return ordered
 
 
 register_backend(

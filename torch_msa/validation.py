@@ -74,6 +74,14 @@ _INT64_MAX = 2**63 - 1  # the ops' `int` / `SymInt` arguments are int64
 
 
 def check_host_int(name: str, value, minimum: int) -> None:
+    # An eager call's plain int: two comparisons, no symbolic dispatch. (Under Dynamo a symbolic
+    # size passes for an int, and needs the checks below.)
+    if type(value) is int and not torch.compiler.is_compiling():
+        if value < minimum:
+            raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+        if value > _INT64_MAX:
+            raise ValueError(f"{name}: expected an int <= 2**63 - 1 (an int64), got {value}")
+        return
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     if guard_or_false(value < minimum):

@@ -23,6 +23,7 @@ from benchmarks.subject import Measurement, Subject
 from benchmarks.timing import Timing, is_out_of_memory, measure
 from tests.support import install
 from tests.support.terminal import FakeTerminal, screen
+from torch_msa import backends
 from torch_msa._progress import Progress
 from torch_msa.contract import M3, Shape
 from torch_msa.testing import random_block_indices
@@ -194,6 +195,19 @@ def test_the_sharing_command_prints_each_regimes_union_and_query_outer_work(caps
     assert "query-outer" in header and skewed.split()[:2] == ["512", "skewed"] and index.split()[1] == "index"
     # Every query of an 8-token group picks block 0 and the newest blocks: all of it runs query-outer.
     assert skewed.split()[-3:] == ["100.0%", "100.0%", "100.0%"], skewed
+
+
+def test_the_frontend_command_times_every_call_on_stubs_and_leaves_the_registry_as_it_was(capsys):
+    from benchmarks import frontend
+
+    before = backends.registered_backends()
+    assert frontend.main(["--tokens", "64", "--heads", "16/1", "--iters", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "every op a stub" in lines[0]
+    rows = {line[:20].strip(): float(line[20:]) for line in lines[1:]}
+    assert list(rows) == ["select_blocks", "build_plan", "forward, plan given", "msa_attention step",
+                          "step + index loss"] and all(value > 0 for value in rows.values()), rows
+    assert backends.registered_backends() == before
 
 
 def test_inputs_use_torch_msa_selection():
