@@ -78,8 +78,9 @@ def calls(inputs) -> dict[str, Callable[[], object]]:
         "build_plan": lambda: torch_msa.build_plan(inputs.block_indices, *docs, num_keys=tokens,
                                                    num_heads=shape.query_heads),
         "forward, plan given": forward_with_plan,
-        "msa_attention step": lambda: training_step(q, k, v, inputs.index_q, inputs.index_k, docs, inputs.grad_out),
-        "step + index loss": lambda: training_step(q, k, v, index_q, index_k, docs, inputs.grad_out),
+        "msa_attention step": lambda: training_step(q, k, v, inputs.index_q, inputs.index_k, docs, inputs.grad_out,
+                                                    shape),
+        "step + index loss": lambda: training_step(q, k, v, index_q, index_k, docs, inputs.grad_out, shape),
     }
 
 

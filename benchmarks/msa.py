@@ -117,7 +117,8 @@ def msa_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
             return
 
         def model_step():
-            out = torch_msa.msa_attention(*leaves, inputs.index_q, inputs.index_k, *documents, block_size=block_size)
+            out = torch_msa.msa_attention(*leaves, inputs.index_q, inputs.index_k, *documents, topk=shape.topk,
+                                          block_size=block_size)
             return torch.autograd.grad(out, leaves, inputs.grad_out)
 
         note = skip or ("msa_attention selects from the index inputs: timed on the index selection only" if given

@@ -69,18 +69,20 @@ def calls(tokens: int, device: torch.device, shape: Shape = M3) -> dict[str, Cal
         "build_plan": lambda: torch_msa.build_plan(block_indices, *docs, num_keys=tokens, num_heads=shape.query_heads),
         "forward, plan given": forward_with_plan,
         "forward + backward": forward_backward,
-        "msa_attention step": lambda: training_step(q, k, v, inputs.index_q, inputs.index_k, docs, grad_out),
-        "step + index loss": lambda: training_step(q, k, v, index_q, index_k, docs, grad_out),
+        "msa_attention step": lambda: training_step(q, k, v, inputs.index_q, inputs.index_k, docs, grad_out, shape),
+        "step + index loss": lambda: training_step(q, k, v, index_q, index_k, docs, grad_out, shape),
     }
 
 
-def training_step(q, k, v, index_q, index_k, docs, grad_out):
-    """One `msa_attention` call and its backward: with the index loss when the index inputs
-    require grad (the loss's gradient then reaches them), else the gradients of q, k, v."""
+def training_step(q, k, v, index_q, index_k, docs, grad_out, shape: Shape):
+    """One `msa_attention` call (`shape`'s top-k and block size) and its backward: with the index
+    loss when the index inputs require grad (the loss's gradient then reaches them), else the
+    gradients of q, k, v."""
+    sizes = {"topk": shape.topk, "block_size": shape.block_size}
     if not index_q.requires_grad:
-        out = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs)
+        out = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, **sizes)
         return torch.autograd.grad(out, (q, k, v), grad_out)
-    out, kl, _ = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, index_loss=True)
+    out, kl, _ = torch_msa.msa_attention(q, k, v, index_q, index_k, *docs, **sizes, index_loss=True)
     return torch.autograd.grad((out, kl), (q, k, v, index_q, index_k), (grad_out, torch.ones_like(kl)))
 
 
@@ -106,7 +108,8 @@ def varying_calls(center: int, device: torch.device, shape: Shape, steps: int) -
             q, k, v, index_q, index_k = (x[:tokens].detach().requires_grad_(grad) for x, grad in (
                 (inputs.q, True), (inputs.k, True), (inputs.v, True), (inputs.index_q, index_grads),
                 (inputs.index_k, index_grads)))
-            return training_step(q, k, v, index_q, index_k, (cu, cu, max(pack), max(pack)), inputs.grad_out[:tokens])
+            return training_step(q, k, v, index_q, index_k, (cu, cu, max(pack), max(pack)), inputs.grad_out[:tokens],
+                                 shape)
 
         return call
 
