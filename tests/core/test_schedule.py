@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_msa
 from tests.support import install
 from tests.support.documents import documents_of
+from tests.support.host_calls import CountOps, KernelLaunches
 from tests.support.schedule_oracle import build_schedule_python
 from torch_msa import testing
 from torch_msa.plan.schedule import bucket_key_count, build_schedule, max_buckets, plan_numel, unpack
@@ -77,19 +77,12 @@ def test_build_schedule_stays_a_few_host_launches():
     """Eager mode pays a host launch per ATen call before every forward and backward: on an H200
     the schedule is host-bound (enqueue time equals device time), and the first version's 138
     calls took 2.4 ms at T = 8K in the bench, more than the forward's kernels."""
-    class CountCalls(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            CountCalls.calls += 1
-            return func(*args, **(kwargs or {}))
-
     cu_q, cu_k = testing.cu_seqlens([300, 200], [300, 200])
     block_indices = testing.random_block_indices(cu_q, cu_k, 4, 16, 64)
     documents = documents_of(cu_q, cu_k)
-    with CountCalls():
+    with CountOps() as counted:
         build_schedule(block_indices, documents, 500, 64, 128)
-    assert CountCalls.calls <= 115
+    assert len(counted.calls) <= 115
 
 
 def test_plan_op_packs_the_schedule_and_splits_back():
@@ -144,46 +137,22 @@ def test_sparse_attention_builds_one_plan_for_forward_and_backward(monkeypatch):
     assert len(calls) == 1 and calls[0].dtype == torch.int32, "the backward receives the forward's plan"
 
 
-class CountOps(TorchDispatchMode):
-    """Counts the ATen / custom op calls dispatched under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls.append(func)
-        return func(*args, **(kwargs or {}))
-
-    def count(self, func):
-        return self.calls.count(func)
-
-
 def test_triton_plan_build_stays_a_few_host_calls(monkeypatch):
     """The Triton build's host work, counted without a GPU: ATen calls and kernel launches (the
     kernels replaced by counters). Each costs a host-side launch in eager mode."""
     pytest.importorskip("triton", reason=install.TRITON)
     from torch_msa.plan import kernels as plan_kernel
 
-    launches = []
-
-    class Launcher:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(self.name)
-
-    for name in ("msa_plan_place_kernel", "msa_plan_scan_kernel", "msa_plan_item_tables_kernel"):
-        monkeypatch.setattr(plan_kernel, name, Launcher(name))
+    launches = KernelLaunches(monkeypatch)
+    launches.replace(plan_kernel, "msa_plan_place_kernel", "msa_plan_scan_kernel", "msa_plan_item_tables_kernel")
     cu_q, cu_k = testing.cu_seqlens([300, 200], [300, 200])
     block_indices = testing.random_block_indices(cu_q, cu_k, 4, 16, 64)
     documents = documents_of(cu_q, cu_k)
     with CountOps() as counted:
         plan_kernel.plan(block_indices, documents, 500, 64, 128)
     # Count, scan, place, items: no sort, no scan of torch's, nothing else launched.
-    assert launches == ["msa_plan_place_kernel", "msa_plan_scan_kernel", "msa_plan_place_kernel",
-                        "msa_plan_item_tables_kernel"]
+    assert launches.names == ["msa_plan_place_kernel", "msa_plan_scan_kernel", "msa_plan_place_kernel",
+                              "msa_plan_item_tables_kernel"]
     assert {str(call) for call in counted.calls} <= {"aten.empty.memory_format", "aten.split_with_sizes.default",
                                                      "aten.slice.Tensor"}, counted.calls
     assert len(counted.calls) <= 5, counted.calls

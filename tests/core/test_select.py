@@ -113,24 +113,16 @@ def test_triton_selection_stays_a_few_host_calls(monkeypatch):
     tables in one kernel rather than a few dozen small torch ops, each a host-side launch in eager
     mode)."""
     pytest.importorskip("triton", reason=install.TRITON)
-    from tests.core.test_schedule import CountOps
+    from tests.support.host_calls import CountOps, KernelLaunches
     from torch_msa.triton import select as select_kernel
     from torch_msa.triton_utils import common
 
-    launches = []
-
-    class Launcher:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(self.name)
-
-    monkeypatch.setattr(common, "msa_locate_kernel", Launcher("locate"))
-    monkeypatch.setattr(select_kernel, "msa_select_kernel", Launcher("select"))
+    launches = KernelLaunches(monkeypatch)
+    launches.replace(common, "msa_locate_kernel")
+    launches.replace(select_kernel, "msa_select_kernel")
     cu_q, cu_k = cu_seqlens([300, 200])
     iq, ik = torch.randn(500, 4, 128), torch.randn(500, 1, 128)
     with CountOps() as counted:
         select_kernel.select_blocks(iq, ik, Documents(cu_q, cu_k, 300, 300), 16, 128)
-    assert launches == ["locate", "select"]
+    assert launches.names == ["msa_locate_kernel", "msa_select_kernel"]
     assert [str(op) for op in counted.calls] == ["aten.full.default", *["aten.empty.memory_format"] * 2], counted.calls

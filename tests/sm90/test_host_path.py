@@ -16,10 +16,10 @@ import dataclasses
 import pytest
 import torch
 
-from tests.core.test_schedule import CountOps
 from tests.support import install
 from tests.support.cute_dsl import forbid_python_conversions, requires_cute
 from tests.support.documents import backend_arguments, documents_of
+from tests.support.host_calls import CountOps
 from torch_msa import testing
 from torch_msa.cute_dsl.cute_io import row_alignment
 from torch_msa.plan.schedule import bucket_key_count, build_schedule, entries_per_item, pack, unpack, with_items
