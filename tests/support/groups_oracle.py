@@ -9,6 +9,7 @@ mistake. Well-formed boundaries only; small inputs only.
 
 import torch
 
+from tests.support.schedule_oracle import query_locations_python
 from torch_msa.plan.groups import Q_OUTER_COST
 
 
@@ -29,20 +30,10 @@ def query_groups_python(
     """
     num_kv_heads, num_queries, _ = block_indices.shape
     ids = block_indices.tolist()
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    cu_q = cu_seqlens_q.tolist()
     size = tokens_per_group
     numerator, denominator = Q_OUTER_COST
-    position = [-1] * num_queries
-    for segment in range(len(cu_q) - 1):
-        length_q = cu_q[segment + 1] - cu_q[segment]
-        if fragment_documents is None:
-            doc = segment
-            first = cu_k[doc + 1] - cu_k[doc] - length_q
-        else:
-            doc, first = int(fragment_documents[segment]), int(fragment_starts[segment])
-        for t in range(cu_q[segment], cu_q[segment + 1]):
-            local = first + (t - cu_q[segment])
-            position[t] = local if 0 <= local < cu_k[doc + 1] - cu_k[doc] else -1
+    position, _ = query_locations_python(cu_seqlens_q, cu_seqlens_k, num_queries, fragment_documents, fragment_starts)
 
     result: dict = {"token_group": [-1] * num_queries, "groups": {}, "union": {}, "blocks": {}}
     for segment in range(len(cu_q) - 1):

@@ -26,18 +26,8 @@ def build_schedule_python(
     """
     num_kv_heads, num_queries, topk = block_indices.shape
     ids = block_indices.tolist()
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    position, key_start = [-1] * num_queries, [0] * num_queries
-    for segment in range(len(cu_q) - 1):
-        length_q = cu_q[segment + 1] - cu_q[segment]
-        if fragment_documents is None:
-            doc = segment
-            first = cu_k[doc + 1] - cu_k[doc] - length_q
-        else:
-            doc, first = int(fragment_documents[segment]), int(fragment_starts[segment])
-        for t in range(cu_q[segment], cu_q[segment + 1]):
-            position[t] = first + (t - cu_q[segment])
-            key_start[t] = cu_k[doc]
+    position, key_start = query_locations_python(cu_seqlens_q, cu_seqlens_k, num_queries, fragment_documents,
+                                                 fragment_starts)
     buckets: dict[tuple[int, int], list[int]] = {}
     blocks: dict[tuple[int, int], int] = {}
     for head in range(num_kv_heads):
@@ -57,3 +47,24 @@ def build_schedule_python(
             items.append((index, offset + first, offset + min(len(entries), first + entries_per_item)))
         offset += len(entries)
     return {"buckets": ordered, "items": items}
+
+
+def query_locations_python(cu_seqlens_q, cu_seqlens_k, num_queries: int, fragment_documents=None,
+                           fragment_starts=None) -> tuple[list[int], list[int]]:
+    """`(position, key_start)` of every query, plain Python lists: the causal suffix of its
+    document, or its fragment's place; position -1 for a query outside its document's keys or in
+    no document. Well-formed boundaries only."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    position, key_start = [-1] * num_queries, [0] * num_queries
+    for segment in range(len(cu_q) - 1):
+        length_q = cu_q[segment + 1] - cu_q[segment]
+        if fragment_documents is None:
+            doc = segment
+            first = cu_k[doc + 1] - cu_k[doc] - length_q
+        else:
+            doc, first = int(fragment_documents[segment]), int(fragment_starts[segment])
+        for t in range(cu_q[segment], cu_q[segment + 1]):
+            local = first + (t - cu_q[segment])
+            position[t] = local if 0 <= local < cu_k[doc + 1] - cu_k[doc] else -1
+            key_start[t] = cu_k[doc]
+    return position, key_start
