@@ -4,8 +4,9 @@ Every op is served by a stub backend that hands back results made beforehand, so
 and what is timed is the host work around the kernels that no backend can remove: the public API,
 the custom ops' dispatch and autograd Functions, the metadata checks and the backend registry.
 It runs on the CPU (the default) as on a GPU. The calls are `benchmarks.overhead`'s: the selection,
-the plan, a forward given a plan, and the `msa_attention` step (the gradients of q, k, v) with and
-without the index loss; each the median of `--iters` calls after warm-ups, in microseconds.
+the plan, a forward given a plan, a forward and backward, and the `msa_attention` step (the
+gradients of q, k, v) with and without the index loss; each the median of `--iters` calls after
+warm-ups, in microseconds.
 """
 
 import argparse
@@ -17,14 +18,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-import torch_msa
 from torch_msa import backends
 from torch_msa.contract import M3, Shape
 from torch_msa.plan.schedule import entries_per_item, plan_numel
 
 from . import command
 from .cli import parse_heads
-from .overhead import training_step
+from .overhead import calls_of
 from .problems import ProblemSpec, make_inputs
 
 STUB = "frontend-stub"
@@ -61,36 +61,13 @@ def stub_backend(inputs, served: list[str]) -> Iterator[None]:
         backends.unregister_backend(STUB)
 
 
-def calls(inputs) -> dict[str, Callable[[], object]]:
-    """The timed calls, by name."""
-    docs = inputs.document_args
-    shape, tokens = inputs.shape, inputs.spec.tokens
-    q, k, v = (x.detach().requires_grad_() for x in (inputs.q, inputs.k, inputs.v))
-    index_q, index_k = (x.detach().requires_grad_() for x in (inputs.index_q, inputs.index_k))
-    plan = torch_msa.build_plan(inputs.block_indices, *docs, num_keys=tokens, num_heads=shape.query_heads)
-
-    def forward_with_plan():
-        with torch.no_grad():
-            return torch_msa.sparse_attention(inputs.q, inputs.k, inputs.v, inputs.block_indices, *docs, plan=plan)
-
-    return {
-        "select_blocks": lambda: torch_msa.select_blocks(inputs.index_q, inputs.index_k, *docs),
-        "build_plan": lambda: torch_msa.build_plan(inputs.block_indices, *docs, num_keys=tokens,
-                                                   num_heads=shape.query_heads),
-        "forward, plan given": forward_with_plan,
-        "msa_attention step": lambda: training_step(q, k, v, inputs.index_q, inputs.index_k, docs, inputs.grad_out,
-                                                    shape),
-        "step + index loss": lambda: training_step(q, k, v, index_q, index_k, docs, inputs.grad_out, shape),
-    }
-
-
 def measure(tokens: int, shape: Shape, device: torch.device, iters: int) -> dict[str, float]:
     """Median host microseconds of each call at `tokens` tokens, every op served by the stub."""
     inputs = make_inputs(ProblemSpec((tokens,)), shape, device, "skewed", seed=0)
     served: list[str] = []
     medians = {}
     with stub_backend(inputs, served):
-        for name, fn in calls(inputs).items():
+        for name, fn in calls_of(inputs).items():
             for _ in range(WARMUPS):
                 fn()
             times = []

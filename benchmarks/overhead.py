@@ -49,8 +49,12 @@ SPIN_MS = 50.0  # GPU work queued before each host-timed call: longer than any c
 
 def calls(tokens: int, device: torch.device, shape: Shape = M3) -> dict[str, Callable[[], object]]:
     """The measured calls at `tokens` tokens, by name (each a function of no arguments)."""
-    inputs = make_inputs(ProblemSpec((tokens,)), shape, device, "index", seed=0)
-    docs = inputs.document_args
+    return calls_of(make_inputs(ProblemSpec((tokens,)), shape, device, "index", seed=0))
+
+
+def calls_of(inputs) -> dict[str, Callable[[], object]]:
+    """The measured calls on a problem's `inputs` (one document), by name."""
+    docs, shape, tokens = inputs.document_args, inputs.shape, inputs.spec.tokens
     q, k, v = (x.detach().requires_grad_() for x in (inputs.q, inputs.k, inputs.v))
     index_q, index_k = (x.detach().requires_grad_() for x in (inputs.index_q, inputs.index_k))
     block_indices, grad_out = inputs.block_indices, inputs.grad_out

@@ -205,8 +205,8 @@ def test_the_frontend_command_times_every_call_on_stubs_and_leaves_the_registry_
     lines = capsys.readouterr().out.strip().splitlines()
     assert "every op a stub" in lines[0]
     rows = {line[:20].strip(): float(line[20:]) for line in lines[1:]}
-    assert list(rows) == ["select_blocks", "build_plan", "forward, plan given", "msa_attention step",
-                          "step + index loss"] and all(value > 0 for value in rows.values()), rows
+    assert list(rows) == ["select_blocks", "build_plan", "forward, plan given", "forward + backward",
+                          "msa_attention step", "step + index loss"] and all(value > 0 for value in rows.values()), rows
     assert backends.registered_backends() == before
 
 
