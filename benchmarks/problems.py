@@ -13,7 +13,7 @@ import torch
 import torch_msa
 from torch_msa.contract import Shape
 from torch_msa.documents import Documents, locate_queries
-from torch_msa.selection_stats import query_outer_work, selection_sharing
+from torch_msa.selection_stats import QueryOuterWork, query_outer_work, selection_sharing
 from torch_msa.testing import skewed_block_indices
 
 from . import trained_selection
@@ -178,6 +178,13 @@ def make_inputs(spec: ProblemSpec, shape: Shape, device: torch.device, selection
     )
 
 
+def query_outer(inputs: Inputs) -> QueryOuterWork:
+    """The work the plan's query-outer rule takes of the problem's selection (`torch_msa.selection_stats`)."""
+    documents = Documents(inputs.cu_seqlens, inputs.cu_seqlens, inputs.max_seqlen, inputs.max_seqlen)
+    return query_outer_work(inputs.block_indices, documents, inputs.spec.tokens, inputs.shape.query_heads,
+                            inputs.shape.block_size)
+
+
 def describe_sharing(inputs: Inputs) -> str:
     """The selection's union statistics (`torch_msa.selection_stats`): blocks per 8-token group and
     per 128-token tile, the share of (token, slot) pairs in blocks the whole group selects, and the
@@ -186,9 +193,7 @@ def describe_sharing(inputs: Inputs) -> str:
                                       block_size=inputs.shape.block_size).overall for size in (8, 128)}
     parts = [f"{size}-token groups read {stats.union_mean:.1f} blocks (p90 {stats.union_p90:.0f}), "
              f"{stats.shared_pairs:.0%} of their (token, slot) pairs shared" for size, stats in groups.items()]
-    documents = Documents(inputs.cu_seqlens, inputs.cu_seqlens, inputs.max_seqlen, inputs.max_seqlen)
-    q_outer = query_outer_work(inputs.block_indices, documents, inputs.spec.tokens, inputs.shape.query_heads,
-                               inputs.shape.block_size)
+    q_outer = query_outer(inputs)
     return (f"{inputs.selection} selection: " + "; ".join(parts)
             + f"; block 0 in {groups[8].block0:.0%} of the rows with a choice; the plan's query-outer rule takes "
             f"{q_outer.entries:.0%} of the pairs ({q_outer.group_size}-token tiles {q_outer.tile_fill:.0%} full, "

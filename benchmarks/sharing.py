@@ -15,12 +15,11 @@ import sys
 import torch
 
 from torch_msa.contract import M3
-from torch_msa.documents import Documents
-from torch_msa.selection_stats import query_outer_work, selection_sharing
+from torch_msa.selection_stats import selection_sharing
 
 from . import command
 from .cli import parse_heads
-from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_seqlens
+from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_seqlens, query_outer
 
 
 def sharing_row(tokens: int, selection: str, shape, device: torch.device) -> dict:
@@ -28,8 +27,7 @@ def sharing_row(tokens: int, selection: str, shape, device: torch.device) -> dic
     inputs = make_inputs(ProblemSpec((tokens,)), shape, device, selection, seed=0)
     union = selection_sharing(inputs.block_indices, inputs.cu_seqlens, group_size=8,
                               block_size=shape.block_size).overall
-    documents = Documents(inputs.cu_seqlens, inputs.cu_seqlens, tokens, tokens)
-    work = query_outer_work(inputs.block_indices, documents, tokens, shape.query_heads, shape.block_size)
+    work = query_outer(inputs)
     return {"tokens": tokens, "selection": selection, "union_mean": union.union_mean, "union_p90": union.union_p90,
             "shared_pairs": union.shared_pairs, "group_size": work.group_size, "q_outer": work.entries,
             "tile_fill": work.tile_fill, "rows_without_combine": work.rows_without_combine}
