@@ -144,15 +144,16 @@ def test_triton_plan_build_stays_a_few_host_calls(monkeypatch):
     from torch_msa.plan import kernels as plan_kernel
 
     launches = KernelLaunches(monkeypatch)
-    launches.replace(plan_kernel, "msa_plan_place_kernel", "msa_plan_scan_kernel", "msa_plan_item_tables_kernel")
+    launches.replace(plan_kernel, "msa_plan_place_kernel", "msa_plan_column_scan_kernel", "msa_plan_scan_kernel",
+                     "msa_plan_item_tables_kernel")
     cu_q, cu_k = testing.cu_seqlens([300, 200], [300, 200])
     block_indices = testing.random_block_indices(cu_q, cu_k, 4, 16, 64)
     documents = documents_of(cu_q, cu_k)
     with CountOps() as counted:
         plan_kernel.plan(block_indices, documents, 500, 64, 128)
-    # Count, scan, place, items: no sort, no scan of torch's, nothing else launched.
-    assert launches.names == ["msa_plan_place_kernel", "msa_plan_scan_kernel", "msa_plan_place_kernel",
-                              "msa_plan_item_tables_kernel"]
+    # Count, the two scans, place, items: no sort, no scan of torch's, nothing else launched.
+    assert launches.names == ["msa_plan_place_kernel", "msa_plan_column_scan_kernel", "msa_plan_scan_kernel",
+                              "msa_plan_place_kernel", "msa_plan_item_tables_kernel"]
     assert {str(call) for call in counted.calls} <= {"aten.empty.memory_format", "aten.split_with_sizes.default",
                                                      "aten.slice.Tensor"}, counted.calls
     assert len(counted.calls) <= 5, counted.calls

@@ -1,4 +1,4 @@
-"""`msa::plan` in Triton: the tables of `torch_msa.plan.schedule.build_schedule` in four launches
+"""`msa::plan` in Triton: the tables of `torch_msa.plan.schedule.build_schedule` in five launches
 (steps: `torch_msa/plan/README.md`), the query groups of `torch_msa.plan.groups` in two, and
 `bucket_key_count` in one.
 """
@@ -9,6 +9,7 @@ import triton.language as tl
 
 from ..documents import Documents
 from ..triton_utils.common import binary_search_steps, find_segments, locate_tokens
+from ..triton_utils.launch import cached_launches
 from .groups import Q_OUTER_COST, QueryGroups, build_query_groups, group_ids, max_group_blocks
 from .schedule import (
     Schedule,
@@ -23,9 +24,10 @@ from .schedule import (
 )
 
 _ENTRIES = 1024  # entries per program of the 1-D kernels
-_CHUNKS = 128  # query chunks per KV head of the counting and placing kernels
+_CHUNKS = 1024  # most query chunks per KV head of the counting and placing kernels
 _ROW_LANES = 128  # (query, slot) lanes of their tiles
-_SCAN_TILE = 4096  # counts per step of the scan
+_COLUMN_SLOTS = 32  # slots per program of the column scan
+_COLUMN_CHUNKS = 128  # chunks per step of the column scan
 
 
 @triton.jit
@@ -78,9 +80,10 @@ def _tile_entries(block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents,
     return token, pos, key_start, ids, entry, valid, slot, rank, last
 
 
+@cached_launches
 @triton.jit
 def msa_plan_place_kernel(
-    block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, offsets,
+    block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, offsets, slot_start,
     entry_query, slot_bucket, bucket_ptr, bucket_key_row, bucket_block, position,
     num_queries, num_keys, num_segments, num_docs, search_steps, block_size, slots_per_head, tokens_per_chunk,
     num_chunks, bucket_bound, stride_head, stride_token, stride_slot,
@@ -89,9 +92,10 @@ def msa_plan_place_kernel(
 ):
     """One (query chunk, KV head) program. Counting (`PLACE` false): its row of `offsets` [slots
     + 1] ends up holding the entries of each slot in the chunk (the last column the invalid ones),
-    and head 0 writes `position`. Placing: the row holds where the chunk's entries of each slot
-    start (`msa_plan_scan_kernel`), and each entry is written there in order, the first entry of
-    each bucket writing its key row and block."""
+    and head 0 writes `position`. Placing: the row holds how many entries of each slot the earlier
+    chunks have (`msa_plan_column_scan_kernel`) and `slot_start` where the slot's entries start
+    (`msa_plan_scan_kernel`); each entry is written at its place, the first entry of each bucket
+    writing its key row and block."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     row = offsets + (head * num_chunks + chunk).to(tl.int64) * (slots_per_head + 1)
@@ -109,7 +113,7 @@ def msa_plan_place_kernel(
             stride_head, stride_token, stride_slot, TOPK, TOPK_P2, TOKENS, FRAGMENTS)
         start = tl.load(row + slot, mask=entry, other=0)
         if PLACE:
-            destination = start + rank
+            destination = tl.load(slot_start + head * (slots_per_head + 1) + slot, mask=entry, other=0) + start + rank
             slots = tl.arange(0, TOPK_P2)
             tl.store(entry_query + destination, (token[:, None] * TOPK + slots[None, :]).to(tl.int32), mask=entry)
             bucket = tl.load(slot_bucket + head * slots_per_head + slot, mask=valid, other=0)
@@ -125,34 +129,50 @@ def msa_plan_place_kernel(
         tl.debug_barrier()
 
 
+@cached_launches
+@triton.jit
+def msa_plan_column_scan_kernel(offsets, slot_start, num_chunks, width, SLOTS: tl.constexpr, CHUNKS: tl.constexpr):
+    """One (slot range, KV head) program: turns each of its columns of `offsets` (counts per
+    chunk) into how many entries of the slot the earlier chunks have, and writes the column's
+    total to `slot_start`."""
+    head = tl.program_id(1)
+    slots = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
+    slot_ok = slots < width
+    totals = tl.zeros((SLOTS,), tl.int32)
+    for first in range(0, num_chunks, CHUNKS):
+        chunks = first + tl.arange(0, CHUNKS)
+        cells = (offsets + (head * num_chunks + chunks).to(tl.int64)[:, None] * width + slots[None, :])
+        ok = (chunks < num_chunks)[:, None] & slot_ok[None, :]
+        counts = tl.load(cells, mask=ok, other=0)
+        tl.store(cells, totals[None, :] + tl.cumsum(counts, 0) - counts, mask=ok)
+        totals += tl.sum(counts, axis=0)
+    tl.store(slot_start + head * width + slots, totals, mask=slot_ok)
+
+
+@cached_launches
 @triton.jit
 def msa_plan_scan_kernel(
-    offsets, slot_bucket, bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, item_ptr,
-    num_buckets, num_kv_heads, num_chunks, slots_per_head, bucket_bound, entries_per_item,
-    CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr,
+    slot_start, slot_bucket, bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, item_ptr,
+    num_buckets, num_kv_heads, slots_per_head, bucket_bound, entries_per_item, ROWS: tl.constexpr,
 ):
-    """One program: turns the counted `offsets` into where each chunk's entries of each slot
-    start (slots in order, the invalid entries after every valid one, in chunk order), numbers the
-    used slots as buckets and writes `bucket_ptr`, `bucket_head`, the items per bucket and their
-    running sum; fills the unused bucket rows and `num_buckets`."""
+    """One program: turns each slot's entry count in `slot_start` [Hkv, slots + 1] into where its
+    entries start (slots in order, the invalid entries after every valid one, KV head after KV
+    head), numbers the used slots as buckets and writes `bucket_ptr`, `bucket_head`, the items per
+    bucket and their running sum; fills the unused bucket rows and `num_buckets`."""
     width = slots_per_head + 1
-    chunks = tl.arange(0, CHUNKS_P2)
-    chunk_ok = chunks < num_chunks
     entries = tl.zeros((), tl.int32)
     buckets = tl.zeros((), tl.int32)
     items = tl.zeros((), tl.int32)
     for head in range(num_kv_heads):
-        rows = offsets + (head * num_chunks + chunks).to(tl.int64) * width
-        for first in range(0, slots_per_head, SLOTS):
-            slots = first + tl.arange(0, SLOTS)
-            ok = chunk_ok[:, None] & (slots < slots_per_head)[None, :]
-            counts = tl.load(rows[:, None] + slots[None, :], mask=ok, other=0)
-            totals = tl.sum(counts, axis=0)
+        for first in range(0, slots_per_head, ROWS):
+            slots = first + tl.arange(0, ROWS)
+            ok = slots < slots_per_head
+            totals = tl.load(slot_start + head * width + slots, mask=ok, other=0)
             starts = entries + tl.cumsum(totals, 0) - totals
-            tl.store(rows[:, None] + slots[None, :], starts[None, :] + tl.cumsum(counts, 0) - counts, mask=ok)
+            tl.store(slot_start + head * width + slots, starts, mask=ok)
             used = totals > 0
             bucket = buckets + tl.cumsum(used.to(tl.int32), 0) - 1
-            tl.store(slot_bucket + head * slots_per_head + slots, bucket, mask=slots < slots_per_head)
+            tl.store(slot_bucket + head * slots_per_head + slots, bucket, mask=ok)
             tl.store(bucket_ptr + bucket, starts, mask=used & (bucket <= bucket_bound))
             real = used & (bucket < bucket_bound)
             bucket_items = tl.where(real, (totals + entries_per_item - 1) // entries_per_item, 0)
@@ -162,15 +182,15 @@ def msa_plan_scan_kernel(
             entries += tl.sum(totals, axis=0)
             buckets += tl.sum(used.to(tl.int32), axis=0)
             items += tl.sum(bucket_items, axis=0)
-    # The invalid entries, after every valid one, chunk after chunk.
-    invalid = entries
-    for first in range(0, num_kv_heads * num_chunks, ROWS):
-        chunk_rows = first + tl.arange(0, ROWS)
-        ok = chunk_rows < num_kv_heads * num_chunks
-        ends = offsets + chunk_rows.to(tl.int64) * width + slots_per_head
-        counts = tl.load(ends, mask=ok, other=0)
-        tl.store(ends, invalid + tl.cumsum(counts, 0) - counts, mask=ok)
-        invalid += tl.sum(counts, axis=0)
+    # The invalid entries, after every valid one, KV head after KV head.
+    invalid_start = entries
+    for first in range(0, num_kv_heads, ROWS):
+        heads = first + tl.arange(0, ROWS)
+        heads_ok = heads < num_kv_heads
+        invalid = tl.load(slot_start + heads * width + slots_per_head, mask=heads_ok, other=0)
+        tl.store(slot_start + heads * width + slots_per_head, invalid_start + tl.cumsum(invalid, 0) - invalid,
+                 mask=heads_ok)
+        invalid_start += tl.sum(invalid, axis=0)
     # Rows past the real buckets are empty; bucket `bound` ends the last real one.
     for first in range(0, bucket_bound + 1, ROWS):
         lanes = first + tl.arange(0, ROWS)
@@ -185,6 +205,7 @@ def msa_plan_scan_kernel(
     tl.store(num_buckets, tl.minimum(buckets, bucket_bound))
 
 
+@cached_launches
 @triton.jit
 def msa_plan_item_counts_kernel(bucket_start, bucket_end, items_per_bucket, item_ptr, num_buckets, entries_per_item,
                                 ROWS: tl.constexpr):
@@ -201,6 +222,7 @@ def msa_plan_item_counts_kernel(bucket_start, bucket_end, items_per_bucket, item
         items += tl.sum(bucket_items, axis=0)
 
 
+@cached_launches
 @triton.jit
 def msa_plan_item_tables_kernel(
     item_ptr, items_per_bucket, bucket_start, bucket_end, item_bucket, item_start, item_end, num_items,
@@ -230,7 +252,7 @@ def msa_plan_item_tables_kernel(
 
 
 def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> torch.Tensor:
-    """`msa::plan`: the plan of `block_indices`, the tables of `build_schedule` packed, in four
+    """`msa::plan`: the plan of `block_indices`, the tables of `build_schedule` packed, in five
     launches (steps: `torch_msa/plan/README.md`).
 
     Args:
@@ -264,11 +286,12 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> to
     tokens_per_chunk = tokens * triton.cdiv(triton.cdiv(num_queries, _CHUNKS), tokens)
     num_chunks = triton.cdiv(num_queries, tokens_per_chunk)
     slots_per_head = max(1, max_key_blocks(num_keys, num_docs, block_size))
-    # Scratch: each chunk's counts (then starts) per slot, each slot's bucket, the items per bucket
-    # and their running sum.
-    scratch_sizes = (num_kv_heads * num_chunks * (slots_per_head + 1), num_kv_heads * slots_per_head, bucket_bound,
-                     bucket_bound)
-    offsets, slot_bucket, items_per_bucket, item_ptr = torch.empty(
+    width = slots_per_head + 1
+    # Scratch: each chunk's counts per slot (then the earlier chunks' counts), each slot's count
+    # (then start), each slot's bucket, the items per bucket and their running sum.
+    scratch_sizes = (num_kv_heads * num_chunks * width, num_kv_heads * width, num_kv_heads * slots_per_head,
+                     bucket_bound, bucket_bound)
+    offsets, slot_start, slot_bucket, items_per_bucket, item_ptr = torch.empty(
         sum(scratch_sizes), dtype=torch.int32, device=device).split_with_sizes(scratch_sizes)
 
     chunk_grid = (num_chunks, num_kv_heads)
@@ -278,16 +301,15 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> to
     shapes = (num_queries, num_keys, num_segments, num_docs, binary_search_steps(num_segments), block_size,
               slots_per_head, tokens_per_chunk, num_chunks, bucket_bound, *block_indices.stride())
     constants = {"TOPK": topk, "TOPK_P2": topk_p2, "TOKENS": tokens, "FRAGMENTS": fragments, "ZERO_LANES": 1024}
-    msa_plan_place_kernel[chunk_grid](*located, offsets, entry_query, slot_bucket, bucket_ptr, bucket_key_row,
-                                      bucket_block, position, *shapes, PLACE=False, **constants)
-    chunks_p2 = triton.next_power_of_2(num_chunks)
+    tables = (offsets, slot_start, entry_query, slot_bucket, bucket_ptr, bucket_key_row, bucket_block, position)
+    msa_plan_place_kernel[chunk_grid](*located, *tables, *shapes, PLACE=False, **constants)
+    msa_plan_column_scan_kernel[(triton.cdiv(width, _COLUMN_SLOTS), num_kv_heads)](
+        offsets, slot_start, num_chunks, width, SLOTS=_COLUMN_SLOTS, CHUNKS=_COLUMN_CHUNKS)
     msa_plan_scan_kernel[(1,)](
-        offsets, slot_bucket, bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, item_ptr,
-        num_buckets, num_kv_heads, num_chunks, slots_per_head, bucket_bound, entries_per_item,
-        CHUNKS_P2=chunks_p2, SLOTS=max(16, _SCAN_TILE // chunks_p2), ROWS=1024,
+        slot_start, slot_bucket, bucket_ptr, bucket_head, bucket_key_row, bucket_block, items_per_bucket, item_ptr,
+        num_buckets, num_kv_heads, slots_per_head, bucket_bound, entries_per_item, ROWS=1024,
     )
-    msa_plan_place_kernel[chunk_grid](*located, offsets, entry_query, slot_bucket, bucket_ptr, bucket_key_row,
-                                      bucket_block, position, *shapes, PLACE=True, **constants)
+    msa_plan_place_kernel[chunk_grid](*located, *tables, *shapes, PLACE=True, **constants)
     msa_plan_item_tables_kernel[(triton.cdiv(item_bound, _ENTRIES),)](
         item_ptr, items_per_bucket, bucket_ptr, bucket_ptr[1:], item_bucket, item_start, item_end, num_items,
         item_bound, bucket_bound, binary_search_steps(bucket_bound), entries_per_item,
@@ -342,6 +364,7 @@ def schedule_for(block_indices, documents: Documents, num_keys, block_size, num_
     return unpack(plan, block_indices, num_keys, documents.num_documents, block_size)
 
 
+@cached_launches
 @triton.jit
 def msa_plan_query_groups_kernel(
     block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
@@ -454,6 +477,7 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
     return QueryGroups(token_group, group_start, group_end, group_union, group_blocks)
 
 
+@cached_launches
 @triton.jit
 def msa_bucket_key_count_kernel(bucket_key_row, cu_seqlens_k, key_count, num_buckets, num_bounds, search_steps,
                                 block_size, BLOCK: tl.constexpr):
