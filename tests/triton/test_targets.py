@@ -275,6 +275,7 @@ def _compile(kernel, config, capability):
     from triton.compiler import ASTSource
 
     fn, types, constants = KERNELS[kernel][0](config)
+    fn = getattr(fn, "jit_function", fn)  # the `@triton.jit` function under its cached launches
     # Integer arguments not named in `types` are sizes and strides (i32); constexprs are given.
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
     # A real launch specialises pointers and strides divisible by 16 (all of them, at M3 shapes),

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from ..backends import UnsupportedInputs
 from ..triton_utils.common import LN_2, LOG2_E, check_dtype_and_group, dot_precision, locate_queries, split_weights, weighted_dot
-from ..triton_utils.launch import LaunchConfig, launch
+from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 
 # SM90's tiles first, then smaller ones for less shared memory. `rows`: query tokens of a tile
 # (of the key-outer kernels' inner tile); `block_n`: keys per tile.
@@ -79,6 +79,7 @@ def _finite_or_zero(x):
     return tl.where((x == float("inf")) | (x == float("-inf")), 0.0, x)
 
 
+@cached_launches
 @triton.jit
 def msa_kl_dense_teacher_lse_kernel(
     q, k, key_start, position, cu_seqlens_q, teacher_lse,
@@ -122,6 +123,7 @@ def msa_kl_dense_teacher_lse_kernel(
     tl.store(teacher_lse + token * NUM_HEADS + head, lse, mask=real)
 
 
+@cached_launches
 @triton.jit
 def msa_kl_dense_loss_kernel(
     q, k, teacher_lse, index_q, index_k, key_start, position, cu_seqlens_q,
@@ -270,6 +272,7 @@ def _seeing_queries(key_start, position, doc_key_start, first, query_end, TOKENS
     return token, real, tl.where(real & same, tl.load(position + token), -1)
 
 
+@cached_launches
 @triton.jit
 def msa_kl_dense_teacher_queries_kernel(
     q, k, teacher_lse, index_q, key_start, position, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
@@ -316,6 +319,7 @@ def msa_kl_dense_teacher_queries_kernel(
     tl.store(teacher_index_queries + key_row[:, None] * INDEX_DIM + index_dims[None, :], acc, mask=key_ok[:, None])
 
 
+@cached_launches
 @triton.jit
 def msa_kl_dense_query_grad_kernel(
     index_q, index_k, index_lse, teacher_mass, teacher_index_keys, coefficient, d_index_q,
@@ -356,6 +360,7 @@ def msa_kl_dense_query_grad_kernel(
              mask=real[:, None])
 
 
+@cached_launches
 @triton.jit
 def msa_kl_dense_key_grad_kernel(
     index_q, index_k, index_lse, teacher_mass, teacher_index_queries, coefficient, d_index_k,

@@ -14,7 +14,7 @@ from ..plan.kernels import schedule_for, with_items
 from ..plan.schedule import entries_per_item
 from ..reference_index_loss import loss_dtype
 from ..triton_utils.common import LN_2, LOG2_E, dot_precision, item_horizon, program_item, split_weights, weighted_dot
-from ..triton_utils.launch import LaunchConfig, launch
+from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 
 # `rows`: teacher rows (tokens x heads) of a forward tile; tokens of the other kernels' tiles.
 FORWARD_CONFIGS = (LaunchConfig(rows=64, num_stages=2, num_warps=8), LaunchConfig(rows=64, num_stages=1))
@@ -205,6 +205,7 @@ def _reduce_tile(weights, scale, index_keys, index_queries, key_sums, query_out,
     return weighted_dot(tl.trans(weights), index_queries, key_sums, SPLIT, INDEX_PRECISION)
 
 
+@cached_launches
 @triton.jit
 def msa_kl_fwd_kernel(
     q, k, lse, index_q, index_k, part_max, part_sum, part_weighted, part_mass, teacher_index_keys,
@@ -245,6 +246,7 @@ def msa_kl_fwd_kernel(
     _add_key_sums(teacher_index_queries, key_sums, item, key_row, key_ok, BLOCK, INDEX_DIM, DETERMINISTIC)
 
 
+@cached_launches
 @triton.jit
 def msa_kl_fwd_from_teacher_kernel(
     teacher, index_q, index_k, part_max, part_sum, part_weighted, part_mass,
@@ -270,6 +272,7 @@ def msa_kl_fwd_from_teacher_kernel(
                         part_mass, TOPK)
 
 
+@cached_launches
 @triton.jit
 def msa_kl_bwd_kernel(
     index_q, index_k, index_lse, teacher_mass, coefficient, d_index_q, d_index_k,
@@ -334,6 +337,7 @@ def forward_partials(num_index_heads: int, num_queries: int, topk: int, device) 
 _FINISH_ROWS = 256  # (index head, query) rows per program of the finish kernel
 
 
+@cached_launches
 @triton.jit
 def msa_kl_finish_kernel(part_max, part_sum, part_weighted, part_mass, index_lse, teacher_mass, divergence,
                          num_queries, num_rows, NUM_INDEX_HEADS: tl.constexpr, TOPK: tl.constexpr,

@@ -4,11 +4,12 @@ import triton
 import triton.language as tl
 
 from ..triton_utils.common import LN_2, program_token_group
-from ..triton_utils.launch import LaunchConfig, launch
+from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 
 COMBINE_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4),)
 
 
+@cached_launches
 @triton.jit
 def msa_fwd_combine_kernel(
     partial_out, partial_lse, out, lse,

@@ -3,11 +3,12 @@
 import triton
 import triton.language as tl
 
-from ..triton_utils.launch import LaunchConfig, launch
+from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 
 DELTA_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4, rows=64),)
 
 
+@cached_launches
 @triton.jit
 def msa_bwd_delta_kernel(
     grad_out, out, grad_lse, delta, num_rows,

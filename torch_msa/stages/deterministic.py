@@ -9,7 +9,7 @@ import triton.language as tl
 from ..plan.kernels import schedule_for, with_items
 from ..plan.schedule import Schedule
 from ..triton_utils.common import LOG2_E, dot_precision, item_horizon, locate_queries, program_token_group, tile_shape
-from ..triton_utils.launch import LaunchConfig, launch
+from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 from .delta import compute_delta
 
 ITEM_TILES = 64  # query tiles of `TILE_ROWS` rows per item: bounds the workspace
@@ -69,6 +69,7 @@ def key_workspace(schedule: Schedule, block_size, num_heads, num_kv_heads, head_
     return KeyWorkspace(schedule, entries_per_item, bucket_first_items(schedule), dk_part, dv_part)
 
 
+@cached_launches
 @triton.jit
 def msa_bwd_key_reduce_kernel(
     dk_part, dv_part, dk, dv,
@@ -112,6 +113,7 @@ def msa_bwd_key_reduce_kernel(
                  dv_sum.to(dv.dtype.element_ty), mask=written[:, None])
 
 
+@cached_launches
 @triton.jit
 def msa_bwd_dq_kernel(
     q, k, v, grad_out, lse, delta, dq, block_indices, key_start, position,

@@ -4,11 +4,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils.launch import LaunchConfig, launch
+from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 
 UNGROUP_CONFIGS = (LaunchConfig(num_stages=1, num_warps=4),)
 
 
+@cached_launches
 @triton.jit
 def msa_bwd_ungroup_dq_kernel(dq_acc, dq, HEADS: tl.constexpr, GROUPS: tl.constexpr, WIDTH: tl.constexpr):
     # dq[head, group * WIDTH + w] = dq_acc[group, head, w] within a block of HEADS heads.

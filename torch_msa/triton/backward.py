@@ -10,7 +10,7 @@ from ..backends import UnsupportedInputs
 from ..plan.kernels import schedule_for
 from ..stages.delta import compute_delta
 from ..triton_utils.common import LOG2_E, dot_precision, item_horizon, program_item, tile_shape
-from ..triton_utils.launch import LaunchConfig, launch
+from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 
 # After SM90's: sm_100 (pipelined tiles twice as large), the 99 KB parts, then fp32 tiles.
 BLOCKS_CONFIGS = (
@@ -28,6 +28,7 @@ DETERMINISTIC_BLOCKS_CONFIGS = (
 )
 
 
+@cached_launches
 @triton.jit
 def msa_bwd_blocks_kernel(
     q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc,

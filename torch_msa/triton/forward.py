@@ -12,11 +12,12 @@ from ..contract import compute_dtype
 from ..plan.kernels import schedule_for
 from ..stages.combine import combine
 from ..triton_utils.common import LOG2_E, TILE_ROWS, dot_precision, item_horizon, program_item, tile_shape
-from ..triton_utils.launch import LaunchConfig, launch
+from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 
 BLOCKS_CONFIGS = (LaunchConfig(rows=TILE_ROWS, num_stages=3), LaunchConfig(rows=64, num_stages=1))
 
 
+@cached_launches
 @triton.jit
 def msa_fwd_blocks_kernel(
     q, k, v, partial_out, partial_lse,

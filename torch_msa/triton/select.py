@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..triton_utils.common import dot_precision, locate_queries
-from ..triton_utils.launch import LaunchConfig, launch
+from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 
 # `rows`: tokens x index heads per program; 128 is one full wgmma tile.
 CONFIGS = (LaunchConfig(rows=128, num_stages=2), LaunchConfig(rows=64, num_stages=1))
@@ -32,6 +32,7 @@ def _merge(kept, chunk, first_block, num_candidates, slot):
     return tl.maximum(tl.sort(kept, dim=1, descending=True), tl.sort(candidate, dim=1))
 
 
+@cached_launches
 @triton.jit
 def msa_select_kernel(
     index_q, index_k, cu_seqlens_q, key_start, position, block_indices,

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from ..backends import UnsupportedInputs
 from ..documents import QueryDocuments
+from .launch import cached_launches
 
 # Constexpr so that kernels read them as constants; host code reads `.value`.
 LOG2_E = tl.constexpr(math.log2(math.e))
@@ -109,6 +110,7 @@ def locate_tokens(token, token_ok, cu_seqlens_q, cu_seqlens_k, fragment_document
 _LOCATE_TOKENS = 1024  # tokens per program of `msa_locate_kernel`
 
 
+@cached_launches
 @triton.jit
 def msa_locate_kernel(cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, key_start, position,
                       num_queries, num_keys, num_segments, num_docs, search_steps,

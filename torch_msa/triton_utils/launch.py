@@ -1,11 +1,16 @@
-"""Launch configurations that fit the device's shared memory (design: `torch_msa/triton/README.md`)."""
+"""Launch configurations that fit the device's shared memory, and kernels launched without
+Triton's per-call cache lookup (design: `torch_msa/triton/README.md`)."""
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
+import torch
+from triton import knobs
 from triton.runtime.errors import OutOfResources
+from triton.runtime.jit import JITFunction
 
 from ..backends import UnsupportedInputs
 from ..diagnostics import logger
@@ -99,3 +104,81 @@ def launch(kernel: str, key: Hashable, candidates: Sequence[LaunchConfig], launc
     raise UnsupportedInputs(
         f"no launch configuration of the Triton kernel {kernel} fits this device's shared memory ({refusals[-1]})"
     )
+
+
+_MOST_LAUNCHERS = 64  # compiled variants kept per kernel; the variants never depend on token counts
+
+
+class CachedLaunches:
+    """A `@triton.jit` kernel whose launches skip Triton's per-call work past the argument binding.
+
+    `kernel[grid](*args, **kwargs)` binds the arguments with the kernel's own binder (Triton's
+    specialisation: dtypes, 16-byte alignment, integer divisibility, constexpr values) and keys a
+    bounded cache of compiled kernels on that specialisation, the launch options and the device.
+    A hit launches the compiled kernel directly on torch's current stream; a miss, or any launch
+    while a Triton launch hook or pre-run hook is installed, takes Triton's own path, which
+    compiles (or raises `OutOfResources`) as usual. Every other attribute is `jit_function`'s.
+    """
+
+    def __init__(self, jit_function: JITFunction):
+        self.jit_function = jit_function
+        self._compiled: dict[Hashable, object] = {}
+
+    def __getattr__(self, name):
+        if name == "jit_function":  # not set yet (a copy being made)
+            raise AttributeError(name)
+        return getattr(self.jit_function, name)
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]:
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _launch(self, grid, args, kwargs):
+        device = torch.cuda.current_device()
+        caches = self.jit_function.device_caches.get(device)
+        if caches is None or self.jit_function.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook) or _hooked(
+                knobs.runtime.launch_exit_hook):
+            return self._launch_through_triton(grid, args, kwargs, None)
+        bound, specialization, options = caches[-1](*args, **kwargs)
+        key = (device, tuple(specialization), tuple(options.items()))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            return self._launch_through_triton(grid, args, kwargs, key)
+        grid = (*grid, 1, 1)
+        compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *bound.values())
+        return compiled
+
+    def _launch_through_triton(self, grid, args, kwargs, key):
+        compiled = self.jit_function[grid](*args, **kwargs)
+        if key is not None:
+            if len(self._compiled) >= _MOST_LAUNCHERS:
+                self._compiled.clear()
+            self._compiled[key] = compiled
+        return compiled
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook (a function, or a chain of them) would call anything."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def cached_launches(kernel):
+    """`CachedLaunches(kernel)` for a compiled `@triton.jit` kernel; under the Triton interpreter
+    (`TRITON_INTERPRET=1`, no compiled kernel) or a Triton whose launch internals differ from the
+    3.6-3.8 ones it reads (a one-time note), the kernel itself."""
+    if not isinstance(kernel, JITFunction):
+        return kernel
+    if not _triton_has_the_launch_internals():
+        return kernel
+    return CachedLaunches(kernel)
+
+
+@functools.cache
+def _triton_has_the_launch_internals() -> bool:
+    from triton.compiler import CompiledKernel
+
+    found = hasattr(JITFunction, "create_binder") and hasattr(CompiledKernel, "launch_metadata")
+    if not found:
+        logger.info("this Triton's launch internals differ from those torch_msa reads: its kernels launch "
+                    "through Triton's own path")
+    return found
