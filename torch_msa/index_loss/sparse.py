@@ -372,8 +372,10 @@ def finish_forward(partials: ForwardPartials, dtype: torch.dtype) -> tuple[torch
     num_rows = num_index_heads * num_queries
     device = partials.max.device
     programs = max(1, triton.cdiv(num_rows, _FINISH_ROWS))
-    out = torch.empty(2 * num_rows + programs, dtype=torch.float32, device=device)
-    index_lse, mass, divergence = out.split_with_sizes((num_rows, num_rows, programs))
+    # Three allocations, not views of one: the op's outputs must not share storage.
+    shape = (num_queries, num_index_heads)
+    index_lse, mass = (torch.empty(shape, dtype=torch.float32, device=device) for _ in range(2))
+    divergence = torch.empty(programs, dtype=torch.float32, device=device)
     if num_rows and topk:
         msa_kl_finish_kernel[(programs,)](
             *(part if part.is_contiguous() else part.contiguous() for part in partials), index_lse, mass, divergence,
@@ -385,8 +387,7 @@ def finish_forward(partials: ForwardPartials, dtype: torch.dtype) -> tuple[torch
         mass.zero_()
         divergence.zero_()
     loss = divergence.sum() * (1.0 / max(1, num_rows))
-    shape = (num_queries, num_index_heads)
-    return loss.to(dtype), index_lse.view(shape).to(dtype), mass.view(shape).to(dtype)
+    return loss.to(dtype), index_lse.to(dtype), mass.to(dtype)
 
 
 def launch_forward(q, k, lse, index_q, index_k, partials: ForwardPartials, teacher_sums, schedule, topk, block_size,

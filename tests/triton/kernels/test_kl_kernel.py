@@ -52,6 +52,9 @@ def test_kl_forward_and_backward_match_reference(case):
     tolerance = 2e-5 if dtype == torch.float32 else 3e-3
     names = ("loss", "teacher_lse", "index_lse", "teacher_mass", "teacher_index_keys", "teacher_index_queries")
     assert len(got) == len(names)
+    # A custom op's outputs never share storage (torch.library.opcheck's schema check).
+    storages = [t.untyped_storage().data_ptr() for t in got if t.numel()]
+    assert len(set(storages)) == len(storages), "outputs share storage"
     for name, a, b in zip(names, got, expected):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         scale = max(1.0, b.nan_to_num(neginf=0).abs().max().item())
