@@ -53,10 +53,10 @@ def _tile_entries(block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents,
     row = block_indices + head.to(tl.int64) * stride_head + token * stride_token
     ids = tl.load(row[:, None] + slots[None, :] * stride_slot, mask=entry, other=-1)
     last_block = tl.where(pos >= 0, pos // block_size, -1)
-    valid = entry & (ids >= 0) & (ids.to(tl.int64) <= last_block[:, None])
-    for earlier in range(TOPK):
-        other = tl.load(row + earlier * stride_slot, mask=token_ok, other=-1)
-        valid &= ~((ids == other[:, None]) & (slots[None, :] > earlier))
+    # An id repeated in a row counts at its first slot only: compared in registers, [query, slot,
+    # earlier slot].
+    repeated = (ids[:, :, None] == ids[:, None, :]) & (slots[None, None, :] < slots[None, :, None])
+    valid = entry & (ids >= 0) & (ids.to(tl.int64) <= last_block[:, None]) & (tl.max(repeated.to(tl.int32), 2) == 0)
     slot = tl.where(valid, (key_start // block_size + doc)[:, None] + ids, slots_per_head).to(tl.int32)
 
     # Invalid entries share one slot: their rank is their place among the tile's invalid entries.
