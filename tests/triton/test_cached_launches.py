@@ -5,6 +5,8 @@ Triton's binder is built for an sm_90 target (no driver needed); Triton's own la
 compiled kernel are stand-ins that record their calls. The GPU tests run the real path.
 """
 
+import collections
+
 import pytest
 import torch
 
@@ -50,7 +52,7 @@ def kernel(monkeypatch):
         return _Compiled()
 
     monkeypatch.setattr(jit_function, "run", run)
-    monkeypatch.setattr(kernel, "_compiled", {})
+    monkeypatch.setattr(kernel, "_compiled", collections.OrderedDict())
     monkeypatch.setattr(kernel, "through_triton", through_triton, raising=False)
     return kernel
 
@@ -101,3 +103,49 @@ def test_launch_hooks_take_tritons_path(kernel, monkeypatch):
     monkeypatch.setattr(knobs.runtime, "launch_exit_hook", lambda metadata: None)  # a profiler's
     kernel[(1,)](*args, **constants)
     assert len(kernel.through_triton) == 2
+
+
+def test_a_pre_run_hook_takes_tritons_path(kernel, monkeypatch):
+    args, constants = _arguments()
+    kernel[(1,)](*args, **constants)
+    monkeypatch.setattr(kernel.jit_function, "pre_run_hooks", [lambda *args, **kwargs: None])
+    kernel[(1,)](*args, **constants)
+    assert len(kernel.through_triton) == 2
+
+
+def test_the_first_launch_on_a_device_goes_through_triton_and_the_next_is_cached(kernel, monkeypatch):
+    caches = kernel.jit_function.device_caches.pop(0)  # Triton has not launched on device 0 yet
+    args, constants = _arguments()
+    kernel[(1,)](*args, **constants)
+    assert len(kernel.through_triton) == 1 and not kernel._compiled
+    monkeypatch.setitem(kernel.jit_function.device_caches, 0, caches)  # what Triton's first launch leaves
+    kernel[(1,)](*args, **constants)
+    compiled = kernel[(1,)](*args, **constants)
+    assert len(kernel.through_triton) == 2 and len(compiled.launches) == 1
+
+
+def test_tritons_debug_knob_is_part_of_the_key(kernel, monkeypatch):
+    from triton import knobs
+
+    args, constants = _arguments()
+    kernel[(1,)](*args, **constants)
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    kernel[(1,)](*args, **constants)
+    assert len(kernel.through_triton) == 2
+
+
+def test_the_cache_keeps_the_variants_launched_last(kernel, monkeypatch):
+    from torch_msa.triton_utils import launch
+
+    monkeypatch.setattr(launch, "_MOST_LAUNCHERS", 2)
+    args, constants = _arguments()
+    for rows in (256, 512, 256, 1024, 256):  # 512 is the least recently launched when 1024 comes
+        kernel[(1,)](*args, ROWS=rows)
+    assert len(kernel.through_triton) == 3
+    kernel[(1,)](*args, ROWS=512)
+    assert len(kernel.through_triton) == 4
+
+
+def test_a_grid_that_is_not_a_tuple_is_refused(kernel):
+    with pytest.raises(TypeError, match=r"grid: expected a tuple of 1 to 3 ints, got function"):
+        kernel[lambda meta: (1,)]

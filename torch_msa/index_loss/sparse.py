@@ -372,7 +372,7 @@ def finish_forward(partials: ForwardPartials, dtype: torch.dtype) -> tuple[torch
     num_rows = num_index_heads * num_queries
     device = partials.max.device
     programs = max(1, triton.cdiv(num_rows, _FINISH_ROWS))
-    # Three allocations, not views of one: the op's outputs must not share storage.
+    # index_lse and mass in their own storage: an op's outputs must not alias.
     shape = (num_queries, num_index_heads)
     index_lse, mass = (torch.empty(shape, dtype=torch.float32, device=device) for _ in range(2))
     divergence = torch.empty(programs, dtype=torch.float32, device=device)

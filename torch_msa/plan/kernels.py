@@ -25,6 +25,7 @@ from .schedule import (
 
 _ENTRIES = 1024  # entries per program of the 1-D kernels
 _CHUNKS = 1024  # most query chunks per KV head of the counting and placing kernels
+_CHUNK_QUERIES = 32  # fewest queries per chunk: the scratch is chunks x key blocks
 _ROW_LANES = 128  # (query, slot) lanes of their tiles
 _COLUMN_SLOTS = 32  # slots per program of the column scan
 _COLUMN_CHUNKS = 128  # chunks per step of the column scan
@@ -283,7 +284,7 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> to
 
     topk_p2 = triton.next_power_of_2(topk)
     tokens = max(1, _ROW_LANES // topk_p2)
-    tokens_per_chunk = tokens * triton.cdiv(triton.cdiv(num_queries, _CHUNKS), tokens)
+    tokens_per_chunk = tokens * triton.cdiv(max(triton.cdiv(num_queries, _CHUNKS), _CHUNK_QUERIES), tokens)
     num_chunks = triton.cdiv(num_queries, tokens_per_chunk)
     slots_per_head = max(1, max_key_blocks(num_keys, num_docs, block_size))
     width = slots_per_head + 1

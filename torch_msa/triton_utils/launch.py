@@ -1,9 +1,11 @@
 """Launch configurations that fit the device's shared memory, and kernels launched without
 Triton's per-call cache lookup (design: `torch_msa/triton/README.md`)."""
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import re
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
@@ -106,23 +108,31 @@ def launch(kernel: str, key: Hashable, candidates: Sequence[LaunchConfig], launc
     )
 
 
-_MOST_LAUNCHERS = 64  # compiled variants kept per kernel; the variants never depend on token counts
+_MOST_LAUNCHERS = 256  # compiled variants kept per kernel, the least recently launched dropped first
+_TRITON_RELEASES = ((3, 6), (3, 8))  # the first and last Triton whose launch internals are read here
 
 
 class CachedLaunches:
     """A `@triton.jit` kernel whose launches skip Triton's per-call work past the argument binding.
 
-    `kernel[grid](*args, **kwargs)` binds the arguments with the kernel's own binder (Triton's
-    specialisation: dtypes, 16-byte alignment, integer divisibility, constexpr values) and keys a
-    bounded cache of compiled kernels on that specialisation, the launch options and the device.
-    A hit launches the compiled kernel directly on torch's current stream; a miss, or any launch
-    while a Triton launch hook or pre-run hook is installed, takes Triton's own path, which
-    compiles (or raises `OutOfResources`) as usual. Every other attribute is `jit_function`'s.
+    `kernel[grid](*args, **kwargs)` (grid: a tuple of 1 to 3 ints) binds the arguments with the
+    kernel's own binder and the options Triton's launch adds (its debug and instrumentation
+    knobs), so the specialisation is Triton's: dtypes, 16-byte alignment, integer divisibility,
+    constexpr values. It keys a cache of compiled kernels on that specialisation, the launch
+    options and the device; a hit launches the compiled kernel directly on torch's current stream.
+    A miss, or any launch while a Triton launch hook, pipeline-stages hook or pre-run hook is
+    installed, takes Triton's own path, which compiles (or raises `OutOfResources`) as usual. The
+    cache holds `_MOST_LAUNCHERS` variants per kernel: sizes and pointers that the token count
+    changes fall into a few specialisation classes each. Every other attribute is
+    `jit_function`'s.
+
+    Raises:
+        TypeError: a grid that is not a tuple (Triton's callable grids are not served).
     """
 
     def __init__(self, jit_function: JITFunction):
         self.jit_function = jit_function
-        self._compiled: dict[Hashable, object] = {}
+        self._compiled: collections.OrderedDict[Hashable, object] = collections.OrderedDict()
 
     def __getattr__(self, name):
         if name == "jit_function":  # not set yet (a copy being made)
@@ -130,19 +140,25 @@ class CachedLaunches:
         return getattr(self.jit_function, name)
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]:
+        if not isinstance(grid, tuple):
+            raise TypeError(f"grid: expected a tuple of 1 to 3 ints, got {type(grid).__name__}")
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid, args, kwargs):
+        jit_function = self.jit_function
         device = torch.cuda.current_device()
-        caches = self.jit_function.device_caches.get(device)
-        if caches is None or self.jit_function.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook) or _hooked(
-                knobs.runtime.launch_exit_hook):
+        caches = jit_function.device_caches.get(device)
+        if caches is None or jit_function.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook) or _hooked(
+                knobs.runtime.launch_exit_hook) or getattr(knobs.runtime, "add_stages_inspection_hook", None):
             return self._launch_through_triton(grid, args, kwargs, None)
-        bound, specialization, options = caches[-1](*args, **kwargs)
-        key = (device, tuple(specialization), tuple(options.items()))
+        options = dict(kwargs, debug=kwargs.get("debug", jit_function.debug) or knobs.runtime.debug,
+                       instrumentation_mode=knobs.compilation.instrumentation_mode)
+        bound, specialization, options = caches[-1](*args, **options)
+        key = (device, tuple(specialization), tuple(sorted(options.items())))
         compiled = self._compiled.get(key)
         if compiled is None:
             return self._launch_through_triton(grid, args, kwargs, key)
+        self._compiled.move_to_end(key)
         grid = (*grid, 1, 1)
         compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *bound.values())
@@ -151,9 +167,9 @@ class CachedLaunches:
     def _launch_through_triton(self, grid, args, kwargs, key):
         compiled = self.jit_function[grid](*args, **kwargs)
         if key is not None:
-            if len(self._compiled) >= _MOST_LAUNCHERS:
-                self._compiled.clear()
             self._compiled[key] = compiled
+            if len(self._compiled) > _MOST_LAUNCHERS:
+                self._compiled.popitem(last=False)
         return compiled
 
 
@@ -164,21 +180,20 @@ def _hooked(hook) -> bool:
 
 def cached_launches(kernel):
     """`CachedLaunches(kernel)` for a compiled `@triton.jit` kernel; under the Triton interpreter
-    (`TRITON_INTERPRET=1`, no compiled kernel) or a Triton whose launch internals differ from the
-    3.6-3.8 ones it reads (a one-time note), the kernel itself."""
-    if not isinstance(kernel, JITFunction):
-        return kernel
-    if not _triton_has_the_launch_internals():
+    (`TRITON_INTERPRET=1`, no compiled kernel) or on a Triton release outside `_TRITON_RELEASES`
+    (a one-time note), the kernel itself."""
+    if not isinstance(kernel, JITFunction) or not _triton_has_the_launch_internals():
         return kernel
     return CachedLaunches(kernel)
 
 
 @functools.cache
 def _triton_has_the_launch_internals() -> bool:
-    from triton.compiler import CompiledKernel
+    import triton
 
-    found = hasattr(JITFunction, "create_binder") and hasattr(CompiledKernel, "launch_metadata")
+    numbers = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    found = numbers is not None and _TRITON_RELEASES[0] <= (int(numbers[1]), int(numbers[2])) <= _TRITON_RELEASES[1]
     if not found:
-        logger.info("this Triton's launch internals differ from those torch_msa reads: its kernels launch "
-                    "through Triton's own path")
+        logger.info("triton %s: its kernels launch through Triton's own path (torch_msa reads the launch internals "
+                    "of triton %d.%d to %d.%d)", triton.__version__, *_TRITON_RELEASES[0], *_TRITON_RELEASES[1])
     return found

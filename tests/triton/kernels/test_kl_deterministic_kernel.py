@@ -65,8 +65,12 @@ def _backward_args(args, forward_outputs, grad_loss=1.7):
 
 
 def _forward(module, args):
-    """`module.indexer_kl` (a backend's) of the op's arguments `args`."""
-    return module.indexer_kl(*backend_arguments("indexer_kl", *args))
+    """`module.indexer_kl` (a backend's) of the op's arguments `args`; its outputs never share
+    storage (a custom op's outputs must not alias)."""
+    outputs = module.indexer_kl(*backend_arguments("indexer_kl", *args))
+    storages = [t.untyped_storage().data_ptr() for t in outputs if t.numel()]
+    assert len(set(storages)) == len(storages), "outputs share storage"
+    return outputs
 
 
 def _backward(module, args):

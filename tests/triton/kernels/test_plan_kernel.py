@@ -48,17 +48,18 @@ def test_plan_build_equals_reference_tables(case, entries_per_item):
         plan_kernel.plan(strided, documents_of(cu_q_strided, cu_k_strided), num_keys, block_size, entries_per_item), expected)
 
 
-@pytest.mark.parametrize("chunks, column_slots, column_chunks", [(4, 32, 128), (1024, 4, 16)])
-def test_plan_build_carries_offsets_across_tiles_chunks_and_column_programs(monkeypatch, chunks, column_slots,
-                                                                             column_chunks):
+@pytest.mark.parametrize("chunks, chunk_queries, column_slots, column_chunks", [(4, 32, 32, 128), (1024, 1, 4, 16)])
+def test_plan_build_carries_offsets_across_tiles_chunks_and_column_programs(monkeypatch, chunks, chunk_queries,
+                                                                             column_slots, column_chunks):
     """Four chunks per KV head: a chunk walks eleven 8-query tiles, each starting where the one
     before left every slot's offset. Then one chunk per tile (42 chunks) and column-scan programs
     of 4 slots and 16 chunks: each carries its running counts across its chunk steps."""
     monkeypatch.setattr(plan_kernel, "_CHUNKS", chunks)
+    monkeypatch.setattr(plan_kernel, "_CHUNK_QUERIES", chunk_queries)
     monkeypatch.setattr(plan_kernel, "_COLUMN_SLOTS", column_slots)
     monkeypatch.setattr(plan_kernel, "_COLUMN_CHUNKS", column_chunks)
     cu_q, cu_k, _, num_keys, _, _ = layout([300, 30], [300, 60])
-    block_indices = junk_indices(cu_q, cu_k, 1, 16, 64)
+    block_indices = junk_indices(cu_q, cu_k, 3, 16, 64)  # each KV head's columns, and its invalid entries
     documents = documents_of(cu_q, cu_k)
     expected = pack(build_schedule(block_indices, documents, num_keys, 64, 16))
     assert torch.equal(plan_kernel.plan(block_indices, documents, num_keys, 64, 16), expected)
