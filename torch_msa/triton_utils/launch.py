@@ -155,10 +155,12 @@ class CachedLaunches:
                        instrumentation_mode=knobs.compilation.instrumentation_mode)
         bound, specialization, options = caches[-1](*args, **options)
         key = (device, tuple(specialization), tuple(sorted(options.items())))
-        compiled = self._compiled.get(key)
+        with _lock:  # the recency order is shared by every thread that launches
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
         if compiled is None:
             return self._launch_through_triton(grid, args, kwargs, key)
-        self._compiled.move_to_end(key)
         grid = (*grid, 1, 1)
         compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *bound.values())
@@ -167,9 +169,10 @@ class CachedLaunches:
     def _launch_through_triton(self, grid, args, kwargs, key):
         compiled = self.jit_function[grid](*args, **kwargs)
         if key is not None:
-            self._compiled[key] = compiled
-            if len(self._compiled) > _MOST_LAUNCHERS:
-                self._compiled.popitem(last=False)
+            with _lock:
+                self._compiled[key] = compiled
+                if len(self._compiled) > _MOST_LAUNCHERS:
+                    self._compiled.popitem(last=False)
         return compiled
 
 
