@@ -32,6 +32,18 @@ _COLUMN_CHUNKS = 128  # chunks per step of the column scan
 
 
 @triton.jit
+def _repeats_an_earlier_slot(ids, TOPK: tl.constexpr, TOPK_P2: tl.constexpr):
+    """Whether each id of `ids` `[rows, TOPK_P2]` (one row per query) repeats the id of an earlier
+    slot of its row: a repeated id counts at its first slot only. Compared in registers."""
+    slots = tl.arange(0, TOPK_P2)[None, :]
+    repeated = tl.zeros(ids.shape, tl.int1)
+    for earlier in tl.static_range(TOPK):
+        other = tl.sum(tl.where(slots == earlier, ids, 0), axis=1)
+        repeated |= (ids == other[:, None]) & (slots > earlier)
+    return repeated
+
+
+@triton.jit
 def _tile_entries(block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, first_token,
                   end_token, num_keys, num_segments, num_docs, search_steps, block_size, slots_per_head, head,
                   stride_head, stride_token, stride_slot,
@@ -54,10 +66,8 @@ def _tile_entries(block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents,
     row = block_indices + head.to(tl.int64) * stride_head + token * stride_token
     ids = tl.load(row[:, None] + slots[None, :] * stride_slot, mask=entry, other=-1)
     last_block = tl.where(pos >= 0, pos // block_size, -1)
-    # An id repeated in a row counts at its first slot only: compared in registers, [query, slot,
-    # earlier slot].
-    repeated = (ids[:, :, None] == ids[:, None, :]) & (slots[None, None, :] < slots[None, :, None])
-    valid = entry & (ids >= 0) & (ids.to(tl.int64) <= last_block[:, None]) & (tl.max(repeated.to(tl.int32), 2) == 0)
+    valid = entry & (ids >= 0) & (ids.to(tl.int64) <= last_block[:, None])
+    valid &= ~_repeats_an_earlier_slot(ids, TOPK, TOPK_P2)
     slot = tl.where(valid, (key_start // block_size + doc)[:, None] + ids, slots_per_head).to(tl.int32)
 
     # Invalid entries share one slot: their rank is their place among the tile's invalid entries.
@@ -413,9 +423,8 @@ def msa_plan_query_groups_kernel(
     ids = tl.load(row + slot * stride_slot, mask=slot_ok, other=-1)
     last_block = tl.where(pos >= 0, pos // block_size, -1)
     valid = slot_ok & (ids >= 0) & (ids.to(tl.int64) <= last_block)
-    for earlier in range(TOPK):
-        other = tl.load(row + earlier * stride_slot, mask=slot_ok, other=-1)
-        valid &= ~((ids == other) & (slot > earlier))
+    repeated = _repeats_an_earlier_slot(tl.reshape(ids, (GROUP, TOPK_P2)), TOPK, TOPK_P2)
+    valid &= ~tl.reshape(repeated, (GROUP * TOPK_P2,))
 
     # Per lane: the group's queries that select its block, and whether an earlier one does.
     slots = tl.arange(0, TOPK_P2)
