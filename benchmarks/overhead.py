@@ -12,12 +12,15 @@ the index branch's selection of random index inputs), each of these calls:
 and, over `--iters` packs whose length changes every call (`--varying T`: `T +- T / 4` tokens in one
 to four documents, as packed training feeds them), the two steps again (`varying` rows);
 
-is measured four ways (docs/performance.md, "Host overhead"), each the median of `--iters` calls
+is measured five ways (docs/performance.md, "Host overhead"), each the median of `--iters` calls
 after warm-ups:
 
 - host ms: the host time of one call while the GPU queue is kept busy (a spin kernel queued
   before it), so that nothing the call launches waits for the GPU: its Python, dispatch and
-  launch work alone (a host sync inside the call would show up as the spin's length);
+  launch work alone (a host sync inside the call would show up as the spin's length), as a loop
+  that syncs before every step pays it;
+- loop ms: the same host time per call over 20 calls back to back behind one spin, as an
+  eager loop that does not sync pays it (the host's caches and clocks stay warm between calls);
 - GPU ms: the sum of the call's kernels (torch.profiler), and `launches`, their count;
 - wall ms: one call event-timed on an empty queue and synchronised, as a loop that syncs every
   step sees it;
@@ -45,6 +48,7 @@ from .problems import ProblemSpec, make_inputs, parse_length, parse_seqlens
 
 WARMUPS = 3
 SPIN_MS = 50.0  # GPU work queued before each host-timed call: longer than any call's host time
+LOOP_CALLS = 20  # calls of the loop ms: their launches stay well inside the device's launch queue
 
 
 def calls(tokens: int, device: torch.device, shape: Shape = M3) -> dict[str, Callable[[], object]]:
@@ -144,6 +148,20 @@ def host_ms(fn, device: torch.device, iters: int, cycles: int) -> float:
     return statistics.median(times)
 
 
+def loop_host_ms(fn, device: torch.device, iters: int, cycles: int) -> float:
+    """Host ms per call of `min(iters, LOOP_CALLS)` calls back to back behind a spin of `cycles`
+    that outlasts them."""
+    calls = min(iters, LOOP_CALLS)
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(cycles)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - start) * 1e3 / calls
+    torch.cuda.synchronize(device)
+    return elapsed
+
+
 def gpu_ms_and_launches(fn, device: torch.device, iters: int) -> tuple[float, float]:
     """Per call: the summed device time of the kernels (and copies and fills) it launches, and their count."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -199,8 +217,11 @@ def measure(tokens: int, device: torch.device, iters: int, shape: Shape = M3, va
         for _ in range(WARMUPS):  # the first calls compile the kernels
             fn()
         gpu, launches = gpu_ms_and_launches(fn, device, iters)
-        row = {"call": name, "host_ms": host_ms(fn, device, iters, cycles), "gpu_ms": gpu, "launches": launches,
-               "wall_ms": wall_ms(fn, device, iters)}
+        host = host_ms(fn, device, iters, cycles)
+        # The spin outlasts the loop's host work twice over.
+        loop_cycles = int(cycles * max(1.0, 2 * LOOP_CALLS * host / SPIN_MS))
+        row = {"call": name, "host_ms": host, "loop_ms": loop_host_ms(fn, device, iters, loop_cycles), "gpu_ms": gpu,
+               "launches": launches, "wall_ms": wall_ms(fn, device, iters)}
         if varying:
             row["graph_error"] = "the length changes every call"
         else:
@@ -230,8 +251,8 @@ def main(argv=None) -> int:
     if varying and varying < 8:
         parser.error(f"argument --varying: expected 0 or at least 8 tokens, got {args.varying!r}")
     device = command.cuda_device(parser, None, "it times GPU kernels and the host work that launches them")
-    print(f"{'heads':>6} {'T':>10} {'call':<20} {'host ms':>8} {'GPU ms':>8} {'launches':>8} {'wall ms':>8} "
-          f"{'graph ms':>9}")
+    print(f"{'heads':>6} {'T':>10} {'call':<20} {'host ms':>8} {'loop ms':>8} {'GPU ms':>8} {'launches':>8} "
+          f"{'wall ms':>8} {'graph ms':>9}")
     runs = [(shape, tokens, False) for shape in shapes for tokens in lengths]
     runs += [(shape, varying, True) for shape in shapes] if varying else []
     for shape, tokens, changing in runs:
@@ -239,7 +260,8 @@ def main(argv=None) -> int:
         for row in measure(tokens, device, args.iters, shape, varying=changing):
             graph = f"{row['graph_ms']:9.3f}" if "graph_ms" in row else f"{'-':>9} ({row['graph_error']})"
             print(f"{shape.query_heads:>3}/{shape.kv_heads:<2} {label:>10} {row['call']:<20} {row['host_ms']:8.3f} "
-                  f"{row['gpu_ms']:8.3f} {row['launches']:8.0f} {row['wall_ms']:8.3f} {graph}", flush=True)
+                  f"{row['loop_ms']:8.3f} {row['gpu_ms']:8.3f} {row['launches']:8.0f} {row['wall_ms']:8.3f} {graph}",
+                  flush=True)
     return 0
 
 

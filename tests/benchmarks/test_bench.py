@@ -1078,7 +1078,7 @@ def test_the_overhead_calls_run_and_the_varying_ones_change_length_every_call():
 
 
 @pytest.mark.cuda
-def test_the_overhead_benchmark_measures_every_call_four_ways():
+def test_the_overhead_benchmark_measures_every_call_five_ways():
     from benchmarks import overhead
 
     rows = overhead.measure(1024, torch.device("cuda"), iters=2)
@@ -1086,10 +1086,11 @@ def test_the_overhead_benchmark_measures_every_call_four_ways():
                                              "msa_attention step", "step + index loss"]
     for row in rows:
         assert "graph_error" not in row, row  # every call is captured: no host sync, torch's current stream
-        assert all(row[key] > 0 for key in ("host_ms", "gpu_ms", "launches", "wall_ms", "graph_ms")), row
+        assert all(row[key] > 0 for key in ("host_ms", "loop_ms", "gpu_ms", "launches", "wall_ms", "graph_ms")), row
     by_call = {row["call"]: row for row in rows}
     assert by_call["msa_attention step"]["launches"] > by_call["forward + backward"]["launches"]
     assert by_call["step + index loss"]["launches"] > by_call["msa_attention step"]["launches"]
     varying = overhead.measure(1024, torch.device("cuda"), iters=3, varying=True)
     assert [row["call"] for row in varying] == ["msa_attention step", "step + index loss"]
-    assert all(row["host_ms"] > 0 and row["graph_error"] == "the length changes every call" for row in varying)
+    assert all(row["host_ms"] > 0 and row["loop_ms"] > 0 and row["graph_error"] == "the length changes every call"
+               for row in varying)

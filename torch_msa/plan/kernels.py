@@ -44,51 +44,55 @@ def _repeats_an_earlier_slot(ids, TOPK: tl.constexpr, TOPK_P2: tl.constexpr):
 
 
 @triton.jit
-def _tile_entries(block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, first_token,
-                  end_token, num_keys, num_segments, num_docs, search_steps, block_size, slots_per_head, head,
-                  stride_head, stride_token, stride_slot,
-                  TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TOKENS: tl.constexpr, FRAGMENTS: tl.constexpr):
-    """The entries of queries `[first_token, min(first_token + TOKENS, end_token))` of KV head
-    `head`, as lanes `[TOKENS, TOPK_P2]` (query, slot), in the plan's order.
+def _valid_selections(block_indices, head, token, slot_index, loaded, pos, block_size, stride_head, stride_token,
+                      stride_slot, TOPK: tl.constexpr, TOPK_P2: tl.constexpr):
+    """Per lane `[queries * TOPK_P2]` (query-major, slot-minor; `loaded` marks the lanes to read):
+    `(ids, last_block, valid)`, the selected block, the last block the query's `pos` sees and
+    whether the entry is valid (in range and not a repeat)."""
+    row = block_indices + head.to(tl.int64) * stride_head + token * stride_token
+    ids = tl.load(row + slot_index * stride_slot, mask=loaded, other=-1)
+    last_block = tl.where(pos >= 0, pos // block_size, -1)
+    valid = loaded & (ids >= 0) & (ids.to(tl.int64) <= last_block)
+    repeated = _repeats_an_earlier_slot(tl.reshape(ids, (ids.shape[0] // TOPK_P2, TOPK_P2)), TOPK, TOPK_P2)
+    return ids, last_block, valid & ~tl.reshape(repeated, ids.shape)
 
-    Returns `(token, position, key_start)` (int64 `[TOKENS]`) and `(ids, entry, valid, slot, rank,
-    last)` (`[TOKENS, TOPK_P2]`): `entry` marks
-    the lanes that are entries, `valid` the valid ones; `slot` is the bucket slot of a valid entry
-    (`torch_msa.plan.schedule.Schedule`) and `slots_per_head` for an invalid one; `rank` counts the
-    tile's earlier entries of the same slot, and `last` marks the tile's last entry of each slot.
+
+@triton.jit
+def _tile_slots(block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, first_token,
+                end_token, num_keys, num_segments, num_docs, search_steps, block_size, slots_per_head, head,
+                stride_head, stride_token, stride_slot,
+                TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TOKENS: tl.constexpr, FRAGMENTS: tl.constexpr):
+    """The entries of queries `[first_token, min(first_token + TOKENS, end_token))` of KV head
+    `head`, as lanes `[TOKENS * TOPK_P2]` (query-major, slot-minor: the plan's order within a tile).
+
+    Returns `(token, position, key_start, ids, entry, valid, slot)` per lane: `entry` marks the
+    lanes that are entries, `valid` the valid ones; `slot` is the bucket slot of a valid entry
+    (`torch_msa.plan.schedule.Schedule`) and `slots_per_head` for an invalid one.
     """
-    token = first_token + tl.arange(0, TOKENS).to(tl.int64)
+    lane = tl.arange(0, TOKENS * TOPK_P2)
+    slot_index = lane % TOPK_P2
+    token = first_token + (lane // TOPK_P2).to(tl.int64)
     token_ok = token < end_token
     pos, key_start, doc = locate_tokens(token, token_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents,
                                         fragment_starts, num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
-    slots = tl.arange(0, TOPK_P2)
-    entry = token_ok[:, None] & (slots < TOPK)[None, :]
-    row = block_indices + head.to(tl.int64) * stride_head + token * stride_token
-    ids = tl.load(row[:, None] + slots[None, :] * stride_slot, mask=entry, other=-1)
-    last_block = tl.where(pos >= 0, pos // block_size, -1)
-    valid = entry & (ids >= 0) & (ids.to(tl.int64) <= last_block[:, None])
-    valid &= ~_repeats_an_earlier_slot(ids, TOPK, TOPK_P2)
-    slot = tl.where(valid, (key_start // block_size + doc)[:, None] + ids, slots_per_head).to(tl.int32)
+    entry = token_ok & (slot_index < TOPK)
+    ids, _, valid = _valid_selections(block_indices, head, token, slot_index, entry, pos, block_size, stride_head,
+                                      stride_token, stride_slot, TOPK, TOPK_P2)
+    slot = tl.where(valid, key_start // block_size + doc + ids, slots_per_head).to(tl.int32)
+    return token, pos, key_start, ids, entry, valid, slot
 
-    # Invalid entries share one slot: their rank is their place among the tile's invalid entries.
-    invalid = (entry & ~valid).to(tl.int32)
-    per_query = tl.sum(invalid, axis=1)
-    rank = (tl.cumsum(per_query, 0) - per_query)[:, None] + tl.cumsum(invalid, axis=1) - invalid
-    last = (invalid > 0) & (rank == tl.sum(per_query, axis=0) - 1)
-    # A valid entry's slot appears at most once per query: its rank counts the earlier queries
-    # that chose it.
-    query = tl.arange(0, TOKENS)
-    chosen = tl.where(valid, slot, -1)
-    earlier_queries = tl.zeros((TOKENS, TOPK_P2), tl.int32)
-    later_queries = tl.zeros((TOKENS, TOPK_P2), tl.int32)
-    for other_query in range(TOKENS):
-        other_slots = tl.max(tl.where(query[:, None] == other_query, chosen, -1), axis=0)
-        hit = tl.max((chosen[:, :, None] == other_slots[None, None, :]).to(tl.int32), axis=2)
-        earlier_queries += tl.where(query[:, None] > other_query, hit, 0)
-        later_queries += tl.where(query[:, None] < other_query, hit, 0)
-    rank = tl.where(valid, earlier_queries, rank)
-    last = tl.where(valid, later_queries == 0, last)
-    return token, pos, key_start, ids, entry, valid, slot, rank, last
+
+@triton.jit
+def _tile_ranks(slot, entry):
+    """Per lane of `_tile_slots`: how many earlier entries of the tile share its slot (`rank`), and
+    whether none later does (`last`). A query chooses a valid slot at most once, so a valid
+    entry's rank counts the earlier queries that chose its block; the invalid entries, which share
+    one slot, rank in lane order."""
+    lane = tl.arange(0, slot.shape[0])
+    same = (slot[:, None] == slot[None, :]) & entry[None, :]
+    rank = tl.sum((same & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
+    later = tl.sum((same & (lane[None, :] > lane[:, None])).to(tl.int32), axis=1)
+    return rank, later == 0
 
 
 @cached_launches
@@ -115,29 +119,32 @@ def msa_plan_place_kernel(
             lanes = first + tl.arange(0, ZERO_LANES)
             tl.store(row + lanes, tl.zeros((ZERO_LANES,), tl.int32), mask=lanes <= slots_per_head)
         tl.debug_barrier()
+    slot_index = tl.arange(0, TOKENS * TOPK_P2) % TOPK_P2
     first_query = chunk.to(tl.int64) * tokens_per_chunk
     end_query = tl.minimum(first_query + tokens_per_chunk, num_queries)
     for first_token in range(first_query, end_query, TOKENS):
-        token, pos, key_start, ids, entry, valid, slot, rank, last = _tile_entries(
+        token, pos, key_start, ids, entry, valid, slot = _tile_slots(
             block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, first_token, end_query,
             num_keys, num_segments, num_docs, search_steps, block_size, slots_per_head, head,
             stride_head, stride_token, stride_slot, TOPK, TOPK_P2, TOKENS, FRAGMENTS)
-        start = tl.load(row + slot, mask=entry, other=0)
         if PLACE:
+            # The row's running counts are read and moved on per tile: the tiles go in order.
+            rank, last = _tile_ranks(slot, entry)
+            start = tl.load(row + slot, mask=entry, other=0)
             destination = tl.load(slot_start + head * (slots_per_head + 1) + slot, mask=entry, other=0) + start + rank
-            slots = tl.arange(0, TOPK_P2)
-            tl.store(entry_query + destination, (token[:, None] * TOPK + slots[None, :]).to(tl.int32), mask=entry)
+            tl.store(entry_query + destination, (token * TOPK + slot_index).to(tl.int32), mask=entry)
             bucket = tl.load(slot_bucket + head * slots_per_head + slot, mask=valid, other=0)
             real = valid & (bucket < bucket_bound)
             first = real & (destination == tl.load(bucket_ptr + bucket, mask=real, other=-1))
             tl.store(bucket_block + bucket, ids, mask=first)
-            tl.store(bucket_key_row + bucket, (key_start[:, None] + ids.to(tl.int64) * block_size).to(tl.int32),
-                     mask=first)
+            tl.store(bucket_key_row + bucket, (key_start + ids.to(tl.int64) * block_size).to(tl.int32), mask=first)
+            tl.debug_barrier()  # every lane has read its slot's start before any moves it on
+            tl.store(row + slot, start + rank + 1, mask=entry & last)
+            tl.debug_barrier()
         else:
-            tl.store(position + token, pos.to(tl.int32), mask=(token < end_query) & (head == 0))
-        tl.debug_barrier()  # every lane has read its slot's start before any moves it on
-        tl.store(row + slot, start + rank + 1, mask=entry & last)
-        tl.debug_barrier()
+            # Counts commute, so the tiles' atomic adds need no order.
+            tl.atomic_add(row + slot, tl.full(slot.shape, 1, tl.int32), mask=entry, sem="relaxed")
+            tl.store(position + token, pos.to(tl.int32), mask=entry & (slot_index == 0) & (head == 0))
 
 
 @cached_launches
@@ -419,12 +426,8 @@ def msa_plan_query_groups_kernel(
     kept = has_segment & (start >= 0) & (start < end) & (strangers == 0)
 
     slot_ok = in_group & kept & (slot < TOPK)
-    row = block_indices + head.to(tl.int64) * stride_head + token * stride_token
-    ids = tl.load(row + slot * stride_slot, mask=slot_ok, other=-1)
-    last_block = tl.where(pos >= 0, pos // block_size, -1)
-    valid = slot_ok & (ids >= 0) & (ids.to(tl.int64) <= last_block)
-    repeated = _repeats_an_earlier_slot(tl.reshape(ids, (GROUP, TOPK_P2)), TOPK, TOPK_P2)
-    valid &= ~tl.reshape(repeated, (GROUP * TOPK_P2,))
+    ids, last_block, valid = _valid_selections(block_indices, head, token, slot, slot_ok, pos, block_size,
+                                               stride_head, stride_token, stride_slot, TOPK, TOPK_P2)
 
     # Per lane: the group's queries that select its block, and whether an earlier one does.
     slots = tl.arange(0, TOPK_P2)
