@@ -83,16 +83,27 @@ def _tile_slots(block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, f
 
 
 @triton.jit
-def _tile_ranks(slot, entry):
+def _tile_ranks(slot, valid, entry, TOKENS: tl.constexpr, TOPK_P2: tl.constexpr):
     """Per lane of `_tile_slots`: how many earlier entries of the tile share its slot (`rank`), and
     whether none later does (`last`). A query chooses a valid slot at most once, so a valid
-    entry's rank counts the earlier queries that chose its block; the invalid entries, which share
-    one slot, rank in lane order."""
-    lane = tl.arange(0, slot.shape[0])
-    same = (slot[:, None] == slot[None, :]) & entry[None, :]
-    rank = tl.sum((same & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
-    later = tl.sum((same & (lane[None, :] > lane[:, None])).to(tl.int32), axis=1)
-    return rank, later == 0
+    entry's rank counts the earlier queries that chose its block, one query at a time (in
+    registers: a lane-by-lane comparison would hold the tile squared); the invalid entries, which
+    share one slot, rank in lane order."""
+    invalid = (entry & ~valid).to(tl.int32)
+    rank = tl.cumsum(invalid, 0) - invalid
+    last = (invalid > 0) & (rank == tl.sum(invalid, axis=0) - 1)
+    chosen = tl.reshape(tl.where(valid, slot, -1), (TOKENS, TOPK_P2))
+    query = tl.arange(0, TOKENS)[:, None]
+    earlier_queries = tl.zeros((TOKENS, TOPK_P2), tl.int32)
+    later_queries = tl.zeros((TOKENS, TOPK_P2), tl.int32)
+    for other_query in range(TOKENS):
+        other_slots = tl.max(tl.where(query == other_query, chosen, -1), axis=0)
+        hit = tl.max((chosen[:, :, None] == other_slots[None, None, :]).to(tl.int32), axis=2)
+        earlier_queries += tl.where(query > other_query, hit, 0)
+        later_queries += tl.where(query < other_query, hit, 0)
+    rank = tl.where(valid, tl.reshape(earlier_queries, slot.shape), rank)
+    last = tl.where(valid, tl.reshape(later_queries, slot.shape) == 0, last)
+    return rank, last
 
 
 @cached_launches
@@ -129,7 +140,7 @@ def msa_plan_place_kernel(
             stride_head, stride_token, stride_slot, TOPK, TOPK_P2, TOKENS, FRAGMENTS)
         if PLACE:
             # The row's running counts are read and moved on per tile: the tiles go in order.
-            rank, last = _tile_ranks(slot, entry)
+            rank, last = _tile_ranks(slot, valid, entry, TOKENS, TOPK_P2)
             start = tl.load(row + slot, mask=entry, other=0)
             destination = tl.load(slot_start + head * (slots_per_head + 1) + slot, mask=entry, other=0) + start + rank
             tl.store(entry_query + destination, (token * TOPK + slot_index).to(tl.int32), mask=entry)
