@@ -29,7 +29,7 @@ and `command` (what every command shares: its arguments checked, its end on Ctrl
 Separate commands: `python -m benchmarks.deterministic` (the backward with and without
 `torch.use_deterministic_algorithms(True)`), `python -m benchmarks.kl` (the KL loss against
 the attention step), `python -m benchmarks.overhead` (what each eager call costs the host
-and the GPU: host, kernel, synchronised and CUDA-graph times), `python -m benchmarks.sm90`
+and the GPU: host time after a sync and in a loop, kernel, synchronised and CUDA-graph times), `python -m benchmarks.sm90`
 (the SM90 CuTe DSL forward and backward against the Triton kernels, split into their parts) and
 `python -m benchmarks.sharing` (each selection regime's union statistics and the work the plan's
 query-outer rule takes, untimed) and `python -m benchmarks.frontend` (the host cost of the layers

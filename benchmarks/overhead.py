@@ -12,22 +12,23 @@ the index branch's selection of random index inputs), each of these calls:
 and, over `--iters` packs whose length changes every call (`--varying T`: `T +- T / 4` tokens in one
 to four documents, as packed training feeds them), the two steps again (`varying` rows);
 
-is measured five ways (docs/performance.md, "Host overhead"), each the median of `--iters` calls
-after warm-ups:
+is measured five ways (docs/performance.md, "Host overhead") over `--iters` calls after warm-ups:
 
-- host ms: the host time of one call while the GPU queue is kept busy (a spin kernel queued
-  before it), so that nothing the call launches waits for the GPU: its Python, dispatch and
-  launch work alone (a host sync inside the call would show up as the spin's length), as a loop
-  that syncs before every step pays it;
-- loop ms: the same host time per call over 20 calls back to back behind one spin, as an
-  eager loop that does not sync pays it (the host's caches and clocks stay warm between calls);
-- GPU ms: the sum of the call's kernels (torch.profiler), and `launches`, their count;
-- wall ms: one call event-timed on an empty queue and synchronised, as a loop that syncs every
-  step sees it;
-- graph ms: the call captured in a CUDA graph and replayed: its kernels without host work (not
-  for the varying rows: a graph holds one length).
+- host ms: the median host time of one call while the GPU queue is kept busy (a spin kernel
+  queued before it), so that nothing the call launches waits for the GPU: its Python, dispatch
+  and launch work alone (a host sync inside the call would show up as the spin's length), as a
+  loop that syncs before every step pays it;
+- loop ms: the mean host time per call of up to `LOOP_CALLS` calls back to back behind one spin,
+  as an eager loop that does not sync pays it (fewer calls where they would fill the device's
+  launch queue; a spin that ends before the loop voids the number: `loop_error`);
+- GPU ms: the mean sum of the call's kernels (torch.profiler), and `launches`, their count;
+- wall ms: the median of one call event-timed on an empty queue and synchronised, as a loop that
+  syncs every step sees it;
+- graph ms: the median of the call captured in a CUDA graph and replayed: its kernels without
+  host work (not for the varying rows: a graph holds one length).
 
-A call whose host ms exceeds its GPU ms leaves the GPU idle in an eager loop. CUDA only.
+A call whose loop ms exceeds its GPU ms leaves the GPU idle in an eager loop that does not sync.
+CUDA only.
 """
 
 import argparse
@@ -48,7 +49,8 @@ from .problems import ProblemSpec, make_inputs, parse_length, parse_seqlens
 
 WARMUPS = 3
 SPIN_MS = 50.0  # GPU work queued before each host-timed call: longer than any call's host time
-LOOP_CALLS = 20  # calls of the loop ms: their launches stay well inside the device's launch queue
+LOOP_CALLS = 20  # most calls of the loop ms
+QUEUED_LAUNCHES = 512  # most launches the loop queues: the device's launch queue holds about a thousand
 
 
 def calls(tokens: int, device: torch.device, shape: Shape = M3) -> dict[str, Callable[[], object]]:
@@ -148,18 +150,27 @@ def host_ms(fn, device: torch.device, iters: int, cycles: int) -> float:
     return statistics.median(times)
 
 
-def loop_host_ms(fn, device: torch.device, iters: int, cycles: int) -> float:
-    """Host ms per call of `min(iters, LOOP_CALLS)` calls back to back behind a spin of `cycles`
-    that outlasts them."""
-    calls = min(iters, LOOP_CALLS)
+def loop_calls(iters: int, launches: float) -> int:
+    """Calls of the loop ms: at most `iters` and `LOOP_CALLS`, and no more than queue
+    `QUEUED_LAUNCHES` launches of `launches` each (at least one call)."""
+    return max(1, min(iters, LOOP_CALLS, int(QUEUED_LAUNCHES // max(1.0, launches))))
+
+
+def loop_host_ms(fn, device: torch.device, count: int, cycles: int) -> tuple[float, bool]:
+    """`(host ms per call, spin outlasted)` of `count` calls back to back behind a spin of
+    `cycles`; the number holds only when the spin was still running after the last call (no
+    launch waited for the GPU)."""
     torch.cuda.synchronize(device)
     torch.cuda._sleep(cycles)
+    spun = torch.cuda.Event()
+    spun.record()
     start = time.perf_counter()
-    for _ in range(calls):
+    for _ in range(count):
         fn()
-    elapsed = (time.perf_counter() - start) * 1e3 / calls
+    elapsed = (time.perf_counter() - start) * 1e3 / count
+    outlasted = not spun.query()
     torch.cuda.synchronize(device)
-    return elapsed
+    return elapsed, outlasted
 
 
 def gpu_ms_and_launches(fn, device: torch.device, iters: int) -> tuple[float, float]:
@@ -208,8 +219,8 @@ def graph_ms(fn, device: torch.device, iters: int) -> float:
 
 
 def measure(tokens: int, device: torch.device, iters: int, shape: Shape = M3, varying: bool = False) -> list[dict]:
-    """One row per call: host, GPU, wall and graph ms, and the launches; at `tokens` tokens, or
-    with `varying` over `iters` packs around `tokens` (`varying_calls`, no graph)."""
+    """One row per call: host, loop, GPU, wall and graph ms, and the launches; at `tokens` tokens,
+    or with `varying` over `iters` packs around `tokens` (`varying_calls`, no graph)."""
     cycles = spin_cycles(device, SPIN_MS)
     rows = []
     found = varying_calls(tokens, device, shape, iters) if varying else calls(tokens, device, shape)
@@ -218,10 +229,13 @@ def measure(tokens: int, device: torch.device, iters: int, shape: Shape = M3, va
             fn()
         gpu, launches = gpu_ms_and_launches(fn, device, iters)
         host = host_ms(fn, device, iters, cycles)
-        # The spin outlasts the loop's host work twice over.
-        loop_cycles = int(cycles * max(1.0, 2 * LOOP_CALLS * host / SPIN_MS))
-        row = {"call": name, "host_ms": host, "loop_ms": loop_host_ms(fn, device, iters, loop_cycles), "gpu_ms": gpu,
-               "launches": launches, "wall_ms": wall_ms(fn, device, iters)}
+        count = loop_calls(iters, launches)
+        # A spin meant to outlast the loop's host work twice over.
+        loop, outlasted = loop_host_ms(fn, device, count, int(cycles * max(1.0, 2 * count * host / SPIN_MS)))
+        row = {"call": name, "host_ms": host, "loop_ms": loop, "gpu_ms": gpu, "launches": launches,
+               "wall_ms": wall_ms(fn, device, iters)}
+        if not outlasted:
+            row["loop_error"] = "the spin ended before the loop did: a launch may have waited for the GPU"
         if varying:
             row["graph_error"] = "the length changes every call"
         else:
@@ -259,8 +273,10 @@ def main(argv=None) -> int:
         label = f"{tokens}+-{tokens // 4}" if changing else str(tokens)
         for row in measure(tokens, device, args.iters, shape, varying=changing):
             graph = f"{row['graph_ms']:9.3f}" if "graph_ms" in row else f"{'-':>9} ({row['graph_error']})"
+            loop = f"{row['loop_ms']:8.3f}" if "loop_error" not in row else f"{'-':>8}"
+            voided = f" (loop ms: {row['loop_error']})" if "loop_error" in row else ""
             print(f"{shape.query_heads:>3}/{shape.kv_heads:<2} {label:>10} {row['call']:<20} {row['host_ms']:8.3f} "
-                  f"{row['loop_ms']:8.3f} {row['gpu_ms']:8.3f} {row['launches']:8.0f} {row['wall_ms']:8.3f} {graph}",
+                  f"{loop} {row['gpu_ms']:8.3f} {row['launches']:8.0f} {row['wall_ms']:8.3f} {graph}{voided}",
                   flush=True)
     return 0
 

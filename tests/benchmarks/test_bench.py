@@ -1077,6 +1077,15 @@ def test_the_overhead_calls_run_and_the_varying_ones_change_length_every_call():
     assert lengths[3] == lengths[0] and len({step[0] for step in lengths[:3]}) > 1, lengths  # three packs in turn
 
 
+def test_the_overhead_loop_queues_at_most_its_share_of_launches():
+    from benchmarks import overhead
+
+    assert overhead.loop_calls(20, 19) == 20  # an 8K step: 380 launches
+    assert overhead.loop_calls(20, 37) == 13  # with the index loss: 481 of 740
+    assert overhead.loop_calls(20, 155) == 3  # a 32K step over three query windows
+    assert overhead.loop_calls(2, 19) == 2 and overhead.loop_calls(20, 5000) == 1
+
+
 @pytest.mark.cuda
 def test_the_overhead_benchmark_measures_every_call_five_ways():
     from benchmarks import overhead
@@ -1086,11 +1095,12 @@ def test_the_overhead_benchmark_measures_every_call_five_ways():
                                              "msa_attention step", "step + index loss"]
     for row in rows:
         assert "graph_error" not in row, row  # every call is captured: no host sync, torch's current stream
+        assert "loop_error" not in row, row  # no launch of the loop waited for the GPU
         assert all(row[key] > 0 for key in ("host_ms", "loop_ms", "gpu_ms", "launches", "wall_ms", "graph_ms")), row
     by_call = {row["call"]: row for row in rows}
     assert by_call["msa_attention step"]["launches"] > by_call["forward + backward"]["launches"]
     assert by_call["step + index loss"]["launches"] > by_call["msa_attention step"]["launches"]
     varying = overhead.measure(1024, torch.device("cuda"), iters=3, varying=True)
     assert [row["call"] for row in varying] == ["msa_attention step", "step + index loss"]
-    assert all(row["host_ms"] > 0 and row["loop_ms"] > 0 and row["graph_error"] == "the length changes every call"
-               for row in varying)
+    assert all(row["host_ms"] > 0 and row["loop_ms"] > 0 and "loop_error" not in row
+               and row["graph_error"] == "the length changes every call" for row in varying)

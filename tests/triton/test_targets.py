@@ -17,9 +17,14 @@ agree).
 
 The launch-time fallback itself (a configuration refused with `OutOfResources`, then the next,
 then the reference) is tested without compiling anything.
+
+The plan's counting and placing passes are checked for registers on sm_90: each of their programs
+walks its tiles one after another, a chain of dependent loads per tile, so they want many programs
+per SM.
 """
 
 import re
+import subprocess
 import warnings
 
 import pytest
@@ -33,6 +38,7 @@ import torch_msa  # noqa: E402
 from torch_msa import backends  # noqa: E402
 from torch_msa.index_loss import dense as kl_dense_kernel  # noqa: E402
 from torch_msa.index_loss import sparse as kl_kernel  # noqa: E402
+from torch_msa.plan import kernels as plan_kernels  # noqa: E402
 from torch_msa.stages import combine, delta  # noqa: E402
 from torch_msa.stages import deterministic as backward_deterministic_kernel  # noqa: E402
 from torch_msa.stages import dq as dq_stage  # noqa: E402
@@ -448,3 +454,38 @@ def test_a_kernel_that_fits_nothing_falls_back_to_the_reference_with_one_warning
         warnings.simplefilter("error")
         again = torch_msa.sparse_attention(q, k, v, block_indices, block_size=64)
     assert torch.equal(out, again)
+
+
+# Registers a thread of the plan's 128-thread counting and placing programs may take: at most 80
+# leaves room for six programs in an SM's 64K registers.
+PLAN_REGISTERS = 80
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["documents", "fragments"])
+@pytest.mark.parametrize("place", [False, True], ids=["counting", "placing"])
+def test_the_plan_passes_leave_room_for_many_programs_per_sm(place, fragments, tmp_path):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = plan_kernels.msa_plan_place_kernel.jit_function
+    tokens, topk_p2 = plan_kernels.tile_shape(M3["topk"])
+    # As a launch over contiguous `block_indices` specialises them: the slot stride 1, the other
+    # strides and the pointers divisible by 16.
+    constants = dict(TOPK=M3["topk"], TOPK_P2=topk_p2, TOKENS=tokens, FRAGMENTS=fragments, PLACE=place,
+                     ZERO_LANES=1024, stride_slot=1)
+    pointers = {"block_indices", "cu_seqlens_q", "cu_seqlens_k", "fragment_documents", "fragment_starts", "offsets",
+                "slot_start", "entry_query", "slot_bucket", "bucket_ptr", "bucket_key_row", "bucket_block", "position"}
+    signature = {name: "constexpr" if name in constants else "*i32" if name in pointers else "i32"
+                 for name in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if name in pointers or name in ("stride_head", "stride_token")}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=aligned),
+                              target=GPUTarget("cuda", TARGETS["sm_90"][0], 32), options={"num_warps": 4})
+    path = tmp_path / "plan.cubin"
+    path.write_bytes(compiled.asm["cubin"])
+    usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)],
+                           capture_output=True, text=True, check=True).stdout
+    registers = re.search(r"REG:(\d+)", usage)
+    assert registers is not None, usage
+    assert int(registers[1]) <= PLAN_REGISTERS, usage
+    assert re.search(r"LOCAL:0\b", usage), usage  # nothing spilled

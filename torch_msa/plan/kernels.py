@@ -46,9 +46,11 @@ def _repeats_an_earlier_slot(ids, TOPK: tl.constexpr, TOPK_P2: tl.constexpr):
 @triton.jit
 def _valid_selections(block_indices, head, token, slot_index, loaded, pos, block_size, stride_head, stride_token,
                       stride_slot, TOPK: tl.constexpr, TOPK_P2: tl.constexpr):
-    """Per lane `[queries * TOPK_P2]` (query-major, slot-minor; `loaded` marks the lanes to read):
-    `(ids, last_block, valid)`, the selected block, the last block the query's `pos` sees and
-    whether the entry is valid (in range and not a repeat)."""
+    """Per lane of `[queries * TOPK_P2]` lanes, query-major (lane `q * TOPK_P2 + slot_index` is
+    slot `slot_index` of query `q`): `(ids, last_block, valid)`, int32 the selected block (-1
+    where not `loaded`), int64 the last block the query's position `pos` sees (-1 for an unplaced
+    query) and whether the entry is valid (in range, not a repeat of an earlier slot). `loaded`
+    marks the lanes to read, none with `slot_index >= TOPK`."""
     row = block_indices + head.to(tl.int64) * stride_head + token * stride_token
     ids = tl.load(row + slot_index * stride_slot, mask=loaded, other=-1)
     last_block = tl.where(pos >= 0, pos // block_size, -1)
@@ -58,20 +60,20 @@ def _valid_selections(block_indices, head, token, slot_index, loaded, pos, block
 
 
 @triton.jit
-def _tile_slots(block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, first_token,
-                end_token, num_keys, num_segments, num_docs, search_steps, block_size, slots_per_head, head,
-                stride_head, stride_token, stride_slot,
-                TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TOKENS: tl.constexpr, FRAGMENTS: tl.constexpr):
+def _tile_entries(block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, first_token,
+                  end_token, slot_index, num_keys, num_segments, num_docs, search_steps, block_size, slots_per_head,
+                  head, stride_head, stride_token, stride_slot,
+                  TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TOKENS: tl.constexpr, FRAGMENTS: tl.constexpr):
     """The entries of queries `[first_token, min(first_token + TOKENS, end_token))` of KV head
-    `head`, as lanes `[TOKENS * TOPK_P2]` (query-major, slot-minor: the plan's order within a tile).
+    `head`, as lanes `[TOKENS * TOPK_P2]`, query-major (`slot_index`: `lane % TOPK_P2`), so that
+    lane order is the plan's order of a query's entries.
 
-    Returns `(token, position, key_start, ids, entry, valid, slot)` per lane: `entry` marks the
-    lanes that are entries, `valid` the valid ones; `slot` is the bucket slot of a valid entry
-    (`torch_msa.plan.schedule.Schedule`) and `slots_per_head` for an invalid one.
+    Returns per lane `(token, position, key_start)` int64, `ids` int32, `(entry, valid)` and
+    `slot` int32: `entry` marks the lanes that are entries, `valid` the valid ones; `slot` is the
+    bucket slot of a valid entry (`torch_msa.plan.schedule.Schedule`) and `slots_per_head` for an
+    invalid one.
     """
-    lane = tl.arange(0, TOKENS * TOPK_P2)
-    slot_index = lane % TOPK_P2
-    token = first_token + (lane // TOPK_P2).to(tl.int64)
+    token = first_token + (tl.arange(0, TOKENS * TOPK_P2) // TOPK_P2).to(tl.int64)
     token_ok = token < end_token
     pos, key_start, doc = locate_tokens(token, token_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents,
                                         fragment_starts, num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
@@ -84,11 +86,11 @@ def _tile_slots(block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, f
 
 @triton.jit
 def _tile_ranks(slot, valid, entry, TOKENS: tl.constexpr, TOPK_P2: tl.constexpr):
-    """Per lane of `_tile_slots`: how many earlier entries of the tile share its slot (`rank`), and
-    whether none later does (`last`). A query chooses a valid slot at most once, so a valid
-    entry's rank counts the earlier queries that chose its block, one query at a time (in
-    registers: a lane-by-lane comparison would hold the tile squared); the invalid entries, which
-    share one slot, rank in lane order."""
+    """Per entry lane of `_tile_entries` (other lanes get no meaning): how many earlier entries of
+    the tile share its slot (`rank`, int32), and whether none later does (`last`). A query chooses
+    a valid slot at most once, so a valid entry's rank counts the earlier queries that chose its
+    block, one query at a time (in registers: a lane-by-lane comparison would hold the tile
+    squared); the invalid entries, which share one slot, rank in lane order."""
     invalid = (entry & ~valid).to(tl.int32)
     rank = tl.cumsum(invalid, 0) - invalid
     last = (invalid > 0) & (rank == tl.sum(invalid, axis=0) - 1)
@@ -134,9 +136,9 @@ def msa_plan_place_kernel(
     first_query = chunk.to(tl.int64) * tokens_per_chunk
     end_query = tl.minimum(first_query + tokens_per_chunk, num_queries)
     for first_token in range(first_query, end_query, TOKENS):
-        token, pos, key_start, ids, entry, valid, slot = _tile_slots(
+        token, pos, key_start, ids, entry, valid, slot = _tile_entries(
             block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts, first_token, end_query,
-            num_keys, num_segments, num_docs, search_steps, block_size, slots_per_head, head,
+            slot_index, num_keys, num_segments, num_docs, search_steps, block_size, slots_per_head, head,
             stride_head, stride_token, stride_slot, TOPK, TOPK_P2, TOKENS, FRAGMENTS)
         if PLACE:
             # The row's running counts are read and moved on per tile: the tiles go in order.
@@ -280,6 +282,13 @@ def msa_plan_item_tables_kernel(
     tl.store(num_items + item, tl.load(item_ptr + bucket_bound - 1) + tl.zeros((BLOCK,), tl.int32), mask=item == 0)
 
 
+def tile_shape(topk: int) -> tuple[int, int]:
+    """`(TOKENS, TOPK_P2)` of the counting and placing passes at `topk`: the queries of a tile and
+    the slots padded to a power of two, `TOKENS * TOPK_P2 = _ROW_LANES` lanes (one query past that)."""
+    topk_p2 = triton.next_power_of_2(topk)
+    return max(1, _ROW_LANES // topk_p2), topk_p2
+
+
 def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> torch.Tensor:
     """`msa::plan`: the plan of `block_indices`, the tables of `build_schedule` packed, in five
     launches (steps: `torch_msa/plan/README.md`).
@@ -310,8 +319,7 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> to
     (entry_query, bucket_ptr, bucket_head, bucket_key_row, bucket_block,
      item_bucket, item_start, item_end, position, num_buckets, num_items) = packed.split_with_sizes(sizes)
 
-    topk_p2 = triton.next_power_of_2(topk)
-    tokens = max(1, _ROW_LANES // topk_p2)
+    tokens, topk_p2 = tile_shape(topk)
     tokens_per_chunk = tokens * triton.cdiv(max(triton.cdiv(num_queries, _CHUNKS), _CHUNK_QUERIES), tokens)
     num_chunks = triton.cdiv(num_queries, tokens_per_chunk)
     slots_per_head = max(1, max_key_blocks(num_keys, num_docs, block_size))
