@@ -321,3 +321,47 @@ def test_sm90_serves_deterministic_mode_with_its_deterministic_variant(monkeypat
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda enabled=enabled: enabled)
         sm90_interface.backward(q, q, k, k, q, None, None, Documents(None, None, 1, 1), 128, 1.0)
     assert calls == ["deterministic", "atomic"]
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["plan", "no_plan"])
+def test_the_composed_index_loss_hands_the_step_plan_to_loss_ops_that_take_one(stand_in, given):
+    """Without a fused op the backward runs, then the registry's loss ops: the step's plan goes to
+    a loss implementation that takes a `plan` keyword (which then builds none) and not to one that
+    does not, and the result is the reference's."""
+    from torch_msa import reference_index_loss
+
+    received = {}
+
+    def indexer_kl(*args, plan=None):
+        received["indexer_kl"] = plan
+        return reference_index_loss.indexer_kl(*args)
+
+    def indexer_kl_backward(*args):
+        received["indexer_kl_backward"] = len(args)
+        return reference_index_loss.indexer_kl_backward(*args)
+
+    reference_ops = backends._BACKENDS["reference"].ops
+    generator = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 50, 130], dtype=torch.int32)
+    q, index_q = torch.randn(130, 4, 64, generator=generator), torch.randn(130, 2, 16, generator=generator)
+    k, v = torch.randn(130, 2, 64, generator=generator), torch.randn(130, 2, 64, generator=generator)
+    index_k = torch.randn(130, 1, 16, generator=generator)
+    block_indices = testing.random_block_indices(cu, cu, 2, 2, 64)
+    docs = (cu, cu, 80, 80)
+    plan = torch_msa.build_plan(block_indices, *docs, num_keys=130, num_heads=4, block_size=64) if given else None
+    out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, 64, 0.125, plan)
+    grad_out = torch.randn(out.shape, generator=generator)
+    args = (grad_out, torch.tensor(0.7), q, k, v, out, lse, index_q, index_k, block_indices, *docs, 64, 0.125, 0.25,
+            None, plan)
+    expected = torch.ops.msa.backward_with_index_loss(*args)
+    stand_in(torch_msa.Backend("loss_walking_plans", {"backward": reference_ops["backward"], "indexer_kl": indexer_kl,
+                                                      "indexer_kl_backward": indexer_kl_backward},
+                               priority=1_000, device_types=("cpu",)))
+    got = torch.ops.msa.backward_with_index_loss(*args)
+    assert received["indexer_kl_backward"] == 11  # the op's arguments in the backends' form, no plan
+    if given:
+        assert received["indexer_kl"] is not None and torch.equal(received["indexer_kl"], plan)
+    else:
+        assert received["indexer_kl"] is None
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)

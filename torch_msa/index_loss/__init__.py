@@ -1,6 +1,7 @@
 """How a call serves the index loss (`README.md`), and its Triton kernels."""
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -14,24 +15,47 @@ FUSED_OP = "backward_with_index_loss"
 
 def by_registry(op: str) -> Callable:
     """`msa::op` as the registry serves it on its inputs' device (the second argument's for
-    `indexer_kl_backward`, the first's otherwise)."""
+    `indexer_kl_backward`, the first's otherwise), called as `(*args, plan=None)`: `plan`, the
+    step's plan for these arguments, goes to an implementation that takes a `plan` keyword, which
+    then builds none."""
     anchor = 1 if op == "indexer_kl_backward" else 0
-    return lambda *args: backends.call(op, args[anchor].device, *args)
+
+    def served(*args, plan=None):
+        return backends.call(op, args[anchor].device, *args,
+                             implementation=lambda backend: _walking(backend.implementation(op), plan))
+
+    return served
+
+
+@functools.cache
+def _takes_plan(implementation: Callable) -> bool:
+    try:
+        return "plan" in inspect.signature(implementation).parameters
+    except (TypeError, ValueError):  # a callable without a signature Python can read
+        return False
+
+
+def _walking(implementation: Callable, plan) -> Callable:
+    if plan is None or not _takes_plan(implementation):
+        return implementation
+    return functools.partial(implementation, plan=plan)
 
 
 def separate(backward: Callable, indexer_kl: Callable, indexer_kl_backward: Callable, grad_out, grad_loss, q, k, v,
              out, lse, index_q, index_k, block_indices, documents: Documents, block_size, softmax_scale,
              index_softmax_scale, grad_lse=None, plan=None):
     """`(dq, dk, dv, d_index_q, d_index_k, loss)`: `backward`, `indexer_kl` and
-    `indexer_kl_backward` (those ops in the backends' form) in turn; the index loss's teacher
-    (`q`, `k`, the attention's `lse`) is a constant of the loss."""
+    `indexer_kl_backward` (those ops in the backends' form, the loss's as `by_registry` makes them)
+    in turn, each given `plan`; the index loss's teacher (`q`, `k`, the attention's `lse`) is a
+    constant of the loss."""
     dq, dk, dv = backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse,
                           plan)
     loss, _, index_lse, mass, teacher_index_keys, teacher_index_queries = indexer_kl(
-        q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale)
+        q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale,
+        plan=plan)
     d_index_q, d_index_k = indexer_kl_backward(grad_loss, index_q, index_k, index_lse, mass, teacher_index_keys,
                                                teacher_index_queries, block_indices, documents, block_size,
-                                               index_softmax_scale)
+                                               index_softmax_scale, plan=plan)
     return dq, dk, dv, d_index_q, d_index_k, loss
 
 

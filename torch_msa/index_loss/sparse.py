@@ -448,8 +448,10 @@ def launch_forward_from_teacher(teacher, index_q, index_k, partials: ForwardPart
     launch("msa_kl_fwd_from_teacher_kernel", shape_key, FROM_TEACHER_CONFIGS, launch_config)
 
 
-def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale):
-    """Same contract as `torch_msa.reference_index_loss.indexer_kl` (sparse support, `lse` given)."""
+def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale,
+               plan=None):
+    """Same contract as `torch_msa.reference_index_loss.indexer_kl` (sparse support, `lse` given).
+    `plan`: the step's plan (as `torch_msa.plan.kernels.schedule_for` takes it); None builds one."""
     check_inputs(lse is not None, index_q)
     check_atomics_allowed()
     num_queries, num_heads, dim = q.shape
@@ -462,7 +464,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size
     teacher_index_queries = torch.zeros((num_keys, 1, index_dim), dtype=torch.float32, device=q.device)
     if num_queries > 0 and num_keys > 0:
         q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
-        schedule = schedule_for(block_indices, documents, num_keys, block_size, num_heads)
+        schedule = schedule_for(block_indices, documents, num_keys, block_size, num_heads, plan)
         launch_forward(q, k, lse, index_q, index_k, partials, (teacher_index_keys, teacher_index_queries), schedule,
                        topk, block_size, softmax_scale, index_softmax_scale, deterministic=False)
     loss, index_lse, mass = finish_forward(partials, loss_dtype(index_q.dtype))
@@ -506,9 +508,20 @@ def launch_backward(index_q, index_k, index_lse, teacher_mass, coefficient, stud
     launch(name, shape_key, BACKWARD_CONFIGS, launch_config)
 
 
+def student_schedule(block_indices, documents, num_keys, block_size, num_index_heads, plan):
+    """The schedule of the student's passes, one row per entry (the student has one head per index
+    head): `plan`'s (as `torch_msa.plan.kernels.schedule_for` takes it) re-cut into such items, or
+    (`None`) a new one."""
+    if plan is None:
+        return schedule_for(block_indices, documents, num_keys, block_size, num_index_heads)
+    return with_items(schedule_for(block_indices, documents, num_keys, block_size, num_index_heads, plan),
+                      entries_per_item(num_index_heads, block_indices.shape[0]))
+
+
 def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
-                        teacher_index_queries, block_indices, documents, block_size, index_softmax_scale):
-    """Same contract as `torch_msa.reference_index_loss.indexer_kl_backward` (sparse support)."""
+                        teacher_index_queries, block_indices, documents, block_size, index_softmax_scale, plan=None):
+    """Same contract as `torch_msa.reference_index_loss.indexer_kl_backward` (sparse support).
+    `plan`: the step's plan (as `torch_msa.plan.kernels.schedule_for` takes it); None builds one."""
     check_inputs(True, index_q)
     check_atomics_allowed()
     num_queries, num_index_heads, _ = index_q.shape
@@ -519,8 +532,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
     d_index_k = (teacher_index_queries.float() * -coefficient).contiguous()
     if num_queries > 0 and num_keys > 0:
         index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
-        # One row per entry: the student has one head per index head.
-        schedule = schedule_for(block_indices, documents, num_keys, block_size, num_index_heads)
+        schedule = student_schedule(block_indices, documents, num_keys, block_size, num_index_heads, plan)
         launch_backward(index_q, index_k, index_lse.float().contiguous(), teacher_mass.float().contiguous(),
                         coefficient, (d_index_q, d_index_k), schedule, block_indices.shape[-1], block_size,
                         index_softmax_scale, deterministic=False)
@@ -550,9 +562,7 @@ def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices,
     if work:
         index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
         teacher = teacher.contiguous()
-        # One row per entry: the student has one head per index head.
-        schedule = with_items(schedule_for(block_indices, documents, num_keys, block_size, num_index_heads, plan),
-                              entries_per_item(num_index_heads, block_indices.shape[0]))
+        schedule = student_schedule(block_indices, documents, num_keys, block_size, num_index_heads, plan)
         launch_forward_from_teacher(teacher, index_q, index_k, partials, schedule, topk, block_size,
                                     index_softmax_scale)
     loss, index_lse, mass = finish_forward(partials, loss_dtype(index_q.dtype))

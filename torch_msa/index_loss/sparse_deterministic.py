@@ -49,6 +49,15 @@ def _windows(documents, num_queries: int, num_keys: int, per_query: int):
     return query_windows.query_windows(documents, num_queries, num_keys, window)
 
 
+def _window_schedule(window_indices, window, num_keys, block_size, items_of: int, plan):
+    """The schedule of one window of queries in items of `items_of` entries: `plan`'s (a window
+    holding every query; as `torch_msa.plan.kernels.schedule_for` takes it) re-cut, or a new one."""
+    if plan is None:
+        return plan_schedule(window_indices, window, num_keys, block_size, items_of)
+    return with_items(schedule_for(window_indices, window, num_keys, block_size, window_indices.shape[0], plan),
+                      items_of)
+
+
 def _windowed(partials: ForwardPartials, block_indices, documents, num_keys, block_size, items_of, index_dim, plan):
     """Per window of queries (`_windows`, sized for `items_of` entries per item), yields
     `(start, stop, window_partials, *_workspaces(...))`; the window's partials are copied into
@@ -62,9 +71,7 @@ def _windowed(partials: ForwardPartials, block_indices, documents, num_keys, blo
         window_partials = partials if whole else forward_partials(num_index_heads, stop - start, topk,
                                                                   block_indices.device)
         window_indices = block_indices[:, start:stop].contiguous()
-        schedule = (with_items(schedule_for(window_indices, window, num_keys, block_size, num_index_heads, plan),
-                               items_of) if whole and plan is not None
-                    else plan_schedule(window_indices, window, num_keys, block_size, items_of))
+        schedule = _window_schedule(window_indices, window, num_keys, block_size, items_of, plan if whole else None)
         yield (start, stop, window_partials, *_workspaces(schedule, num_index_heads, stop - start, topk, block_size,
                                                           index_dim))
         if not whole:
@@ -90,9 +97,10 @@ def _key_sums(item_rows, schedule, bucket_first_item, items_of, num_keys, num_in
     return per_head.sum(1, keepdim=True)
 
 
-def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale):
+def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale,
+               plan=None):
     """Same contract as `torch_msa.reference_index_loss.indexer_kl` (sparse support, `lse` given), bitwise
-    reproducible."""
+    reproducible. `plan`: the step's plan, walked when one window holds every query."""
     check_inputs(lse is not None, index_q)
     num_queries, num_heads, _ = q.shape
     num_keys, num_kv_heads, _ = k.shape
@@ -107,7 +115,7 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size
         q, k, index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, index_q, index_k))
         items_of = forward_entries_per_item(num_heads, num_kv_heads)
         for start, stop, window_partials, schedule, bucket_first_item, entry_rows, item_rows in _windowed(
-                partials, block_indices, documents, num_keys, block_size, items_of, index_dim, None):
+                partials, block_indices, documents, num_keys, block_size, items_of, index_dim, plan):
             launch_forward(q[start:stop], k, lse[start:stop], index_q[start:stop], index_k, window_partials,
                            (entry_rows, item_rows), schedule, topk, block_size, softmax_scale, index_softmax_scale,
                            deterministic=True)
@@ -120,9 +128,9 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size
 
 
 def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
-                        teacher_index_queries, block_indices, documents, block_size, index_softmax_scale):
+                        teacher_index_queries, block_indices, documents, block_size, index_softmax_scale, plan=None):
     """Same contract as `torch_msa.reference_index_loss.indexer_kl_backward` (sparse support), bitwise
-    reproducible."""
+    reproducible. `plan`: the step's plan, walked when one window holds every query."""
     check_inputs(True, index_q)
     num_queries, num_index_heads, index_dim = index_q.shape
     num_keys = index_k.shape[0]
@@ -138,7 +146,8 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
         per_query = partial_bytes_per_query(num_index_heads, topk, index_dim, block_size, items_of)
         for start, stop, window in _windows(documents, num_queries, num_keys, per_query):
             window_indices = block_indices[:, start:stop].contiguous()
-            schedule = plan_schedule(window_indices, window, num_keys, block_size, items_of)
+            schedule = _window_schedule(window_indices, window, num_keys, block_size, items_of,
+                                        plan if stop - start == num_queries else None)
             schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
                 schedule, num_index_heads, stop - start, topk, block_size, index_dim)
             launch_backward(index_q[start:stop], index_k, student_lse[start:stop], mass[start:stop], coefficient,

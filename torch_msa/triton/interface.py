@@ -44,22 +44,25 @@ def _sparse_index_loss():
     return index_loss_sparse_deterministic if deterministic else index_loss_sparse
 
 
-def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale):
+def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale,
+               plan=None):
+    """`plan`: the step's plan for these arguments (sparse support), walked instead of a new one."""
     check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
     check_dtype_and_group("index_q", index_q.dtype)
     if block_indices is None:
         return index_loss_dense.indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale,
                                                  index_softmax_scale)
     return _sparse_index_loss().indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size,
-                                           softmax_scale, index_softmax_scale)
+                                           softmax_scale, index_softmax_scale, plan)
 
 
 def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
-                        teacher_index_queries, block_indices, documents, block_size, index_softmax_scale):
+                        teacher_index_queries, block_indices, documents, block_size, index_softmax_scale, plan=None):
+    """`plan`: the step's plan for these arguments (sparse support), walked instead of a new one."""
     check_dtype_and_group("index_q", index_q.dtype)
     teacher = (index_lse, teacher_mass, teacher_index_keys, teacher_index_queries)
     if block_indices is None:
         return index_loss_dense.indexer_kl_dense_backward(grad_loss, index_q, index_k, *teacher, documents,
                                                           index_softmax_scale)
     return _sparse_index_loss().indexer_kl_backward(grad_loss, index_q, index_k, *teacher, block_indices, documents,
-                                                    block_size, index_softmax_scale)
+                                                    block_size, index_softmax_scale, plan)
