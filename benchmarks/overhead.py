@@ -19,8 +19,9 @@ is measured five ways (docs/performance.md, "Host overhead") over `--iters` call
   and launch work alone (a host sync inside the call would show up as the spin's length), as a
   loop that syncs before every step pays it;
 - loop ms: the mean host time per call of up to `LOOP_CALLS` calls back to back behind one spin,
-  as an eager loop that does not sync pays it (fewer calls where they would fill the device's
-  launch queue; a spin that ends before the loop voids the number: `loop_error`);
+  as an eager loop that does not sync pays it (fewer calls where they would queue more than
+  `QUEUED_LAUNCHES` launches, about half the device's launch queue; a spin that ends before the
+  loop voids the number: `loop_error` in its place);
 - GPU ms: the mean sum of the call's kernels (torch.profiler), and `launches`, their count;
 - wall ms: the median of one call event-timed on an empty queue and synchronised, as a loop that
   syncs every step sees it;
@@ -151,7 +152,7 @@ def host_ms(fn, device: torch.device, iters: int, cycles: int) -> float:
 
 
 def loop_calls(iters: int, launches: float) -> int:
-    """Calls of the loop ms: at most `iters` and `LOOP_CALLS`, and no more than queue
+    """Calls of the loop ms: at most `iters` and `LOOP_CALLS`, and no more than it takes to queue
     `QUEUED_LAUNCHES` launches of `launches` each (at least one call)."""
     return max(1, min(iters, LOOP_CALLS, int(QUEUED_LAUNCHES // max(1.0, launches))))
 
@@ -232,9 +233,10 @@ def measure(tokens: int, device: torch.device, iters: int, shape: Shape = M3, va
         count = loop_calls(iters, launches)
         # A spin meant to outlast the loop's host work twice over.
         loop, outlasted = loop_host_ms(fn, device, count, int(cycles * max(1.0, 2 * count * host / SPIN_MS)))
-        row = {"call": name, "host_ms": host, "loop_ms": loop, "gpu_ms": gpu, "launches": launches,
-               "wall_ms": wall_ms(fn, device, iters)}
-        if not outlasted:
+        row = {"call": name, "host_ms": host, "gpu_ms": gpu, "launches": launches, "wall_ms": wall_ms(fn, device, iters)}
+        if outlasted:
+            row["loop_ms"] = loop
+        else:
             row["loop_error"] = "the spin ended before the loop did: a launch may have waited for the GPU"
         if varying:
             row["graph_error"] = "the length changes every call"
@@ -273,7 +275,7 @@ def main(argv=None) -> int:
         label = f"{tokens}+-{tokens // 4}" if changing else str(tokens)
         for row in measure(tokens, device, args.iters, shape, varying=changing):
             graph = f"{row['graph_ms']:9.3f}" if "graph_ms" in row else f"{'-':>9} ({row['graph_error']})"
-            loop = f"{row['loop_ms']:8.3f}" if "loop_error" not in row else f"{'-':>8}"
+            loop = f"{row['loop_ms']:8.3f}" if "loop_ms" in row else f"{'-':>8}"
             voided = f" (loop ms: {row['loop_error']})" if "loop_error" in row else ""
             print(f"{shape.query_heads:>3}/{shape.kv_heads:<2} {label:>10} {row['call']:<20} {row['host_ms']:8.3f} "
                   f"{loop} {row['gpu_ms']:8.3f} {row['launches']:8.0f} {row['wall_ms']:8.3f} {graph}{voided}",

@@ -1102,5 +1102,5 @@ def test_the_overhead_benchmark_measures_every_call_five_ways():
     assert by_call["step + index loss"]["launches"] > by_call["msa_attention step"]["launches"]
     varying = overhead.measure(1024, torch.device("cuda"), iters=3, varying=True)
     assert [row["call"] for row in varying] == ["msa_attention step", "step + index loss"]
-    assert all(row["host_ms"] > 0 and row["loop_ms"] > 0 and "loop_error" not in row
-               and row["graph_error"] == "the length changes every call" for row in varying)
+    assert all(row["host_ms"] > 0 and row.get("loop_ms", 0) > 0 and row["graph_error"] == "the length changes every call"
+               for row in varying), varying

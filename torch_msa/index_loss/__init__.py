@@ -16,8 +16,7 @@ FUSED_OP = "backward_with_index_loss"
 def by_registry(op: str) -> Callable:
     """`msa::op` as the registry serves it on its inputs' device (the second argument's for
     `indexer_kl_backward`, the first's otherwise), called as `(*args, plan=None)`: `plan`, the
-    step's plan for these arguments, goes to an implementation that takes a `plan` keyword, which
-    then builds none."""
+    step's plan for these arguments, goes to an implementation that takes a `plan` keyword."""
     anchor = 1 if op == "indexer_kl_backward" else 0
 
     def served(*args, plan=None):
@@ -27,12 +26,12 @@ def by_registry(op: str) -> Callable:
     return served
 
 
-@functools.cache
 def _takes_plan(implementation: Callable) -> bool:
     try:
-        return "plan" in inspect.signature(implementation).parameters
+        parameter = inspect.signature(implementation).parameters.get("plan")
     except (TypeError, ValueError):  # a callable without a signature Python can read
         return False
+    return parameter is not None and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
 
 
 def _walking(implementation: Callable, plan) -> Callable:

@@ -284,8 +284,8 @@ def msa_plan_item_tables_kernel(
 
 def tile_shape(topk: int) -> tuple[int, int]:
     """`(TOKENS, TOPK_P2)` of the counting and placing passes at `topk`: the queries of a tile and
-    the slots padded to a power of two, `TOKENS * TOPK_P2 = _ROW_LANES` lanes (one query a tile
-    when `TOPK_P2` is more)."""
+    the slots padded to a power of two, `TOKENS * TOPK_P2 = _ROW_LANES` lanes; past `_ROW_LANES`
+    slots a tile is one query of `TOPK_P2` lanes."""
     topk_p2 = triton.next_power_of_2(topk)
     return max(1, _ROW_LANES // topk_p2), topk_p2
 

@@ -46,7 +46,8 @@ def _sparse_index_loss():
 
 def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale, index_softmax_scale,
                plan=None):
-    """`plan`: the step's plan for these arguments (sparse support), walked instead of a new one."""
+    """`plan`: the step's plan for these arguments (sparse support), walked in place of a new one
+    (in the deterministic mode, while one window holds every query)."""
     check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
     check_dtype_and_group("index_q", index_q.dtype)
     if block_indices is None:
@@ -58,7 +59,8 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size
 
 def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, teacher_index_keys,
                         teacher_index_queries, block_indices, documents, block_size, index_softmax_scale, plan=None):
-    """`plan`: the step's plan for these arguments (sparse support), walked instead of a new one."""
+    """`plan`: the step's plan for these arguments (sparse support), walked in place of a new one
+    (in the deterministic mode, while one window holds every query)."""
     check_dtype_and_group("index_q", index_q.dtype)
     teacher = (index_lse, teacher_mass, teacher_index_keys, teacher_index_queries)
     if block_indices is None:
