@@ -12,6 +12,7 @@ bucket.
 import pytest
 import torch
 
+import torch_msa
 import torch_msa.triton.interface as triton_backend
 from tests.support.documents import backend_arguments
 from tests.support.triton_kernels import DEVICE, require_a_device
@@ -19,6 +20,7 @@ from torch_msa import query_windows, reference, reference_index_loss, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.index_loss import sparse as kl_kernel
 from torch_msa.index_loss import sparse_deterministic as kl_deterministic
+from torch_msa.plan import kernels as plan_kernels
 
 require_a_device()
 
@@ -210,6 +212,37 @@ def test_query_windows_match_reference(fragmented, monkeypatch):
     _assert_backward_close(_backward(kl_deterministic, backward_args),
                            _backward(reference_index_loss, backward_args), 1e-4)
     assert launches.count("launch_backward") > 1
+
+
+@pytest.mark.parametrize("module", [kl_kernel, kl_deterministic], ids=["default", "deterministic"])
+def test_the_loss_walks_a_given_plan_and_builds_none(module, monkeypatch):
+    """Given the step's plan (items of the attention's size), the loss and its gradients build no
+    plan and equal those of the plans they build themselves (bitwise in the deterministic mode,
+    whose items are the same)."""
+    case = CASES["pack-empty-1-token-suffix"][:-1]
+    args = _problem(*case)
+    _, _, lse, _, _, block_indices, *docs, block_size, _, _ = args
+    plan = torch_msa.build_plan(block_indices, *docs, num_keys=args[1].shape[0], num_heads=args[0].shape[1],
+                                block_size=block_size)
+
+    def loss_and_gradients(**given):
+        forward = module.indexer_kl(*backend_arguments("indexer_kl", *args), **given)
+        backward = module.indexer_kl_backward(*backend_arguments("indexer_kl_backward", *_backward_args(args, forward)),
+                                              **given)
+        return (*forward, *backward)
+
+    builds = []
+    build = plan_kernels.plan
+    monkeypatch.setattr(plan_kernels, "plan", lambda *plan_args: builds.append(plan_args) or build(*plan_args))
+    own = loss_and_gradients()
+    assert len(builds) == 2  # the forward's and the backward's, with items of their own sizes
+    walked = loss_and_gradients(plan=plan)
+    assert len(builds) == 2, "a plan was built although one was given"
+    for a, b in zip(walked, own, strict=True):
+        if module is kl_deterministic:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_empty_inputs_give_zero_loss_and_gradients():

@@ -10,14 +10,12 @@ see `tests/support/triton_kernels.py`).
 import pytest
 import torch
 
-import torch_msa
 from tests.support.documents import backend_arguments
 from tests.support.triton_kernels import DEVICE, require_a_device
 from torch_msa import reference, reference_index_loss, testing
 from torch_msa.backends import UnsupportedInputs
 from torch_msa.index_loss import sparse as kl_kernel
 from torch_msa.index_loss import sparse_deterministic as kl_deterministic
-from torch_msa.plan import kernels as plan_kernels
 
 require_a_device()
 
@@ -77,47 +75,6 @@ def test_kl_forward_and_backward_match_reference(case):
         close = 1e-4 if dtype == torch.float32 else 2e-3
         torch.testing.assert_close(a.float(), b.float(), rtol=close, atol=close * scale,
                                    msg=lambda m, name=name: f"{name}: {m}")
-
-
-@pytest.mark.parametrize("module", [kl_kernel, kl_deterministic], ids=["default", "deterministic"])
-def test_the_loss_walks_a_given_plan_and_builds_none(module, monkeypatch):
-    """Given the step's plan (items of the attention's size), the loss and its gradients build no
-    plan and equal those of the plans they build themselves (bitwise in the deterministic mode,
-    whose items are the same)."""
-    q_lens, k_lens, num_heads, num_kv_heads, dim, index_dim, block_size, topk, dtype = CASES["pack-empty-1-token-suffix"]
-    cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens, DEVICE)
-    num_queries, num_keys = sum(q_lens), sum(k_lens)
-    block_indices = testing.random_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
-    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
-    k = torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype)
-    index_q = torch.randn(num_queries, num_kv_heads, index_dim, device=DEVICE, dtype=dtype)
-    index_k = torch.randn(num_keys, 1, index_dim, device=DEVICE, dtype=dtype)
-    docs = (cu_q, cu_k, max(q_lens), max(k_lens))
-    scales = (dim**-0.5, index_dim**-0.5)
-    _, lse = reference.forward(*backend_arguments("forward", q, k, k, block_indices, *docs, block_size, scales[0]))
-    plan = torch_msa.build_plan(block_indices, *docs, num_keys=num_keys, num_heads=num_heads, block_size=block_size)
-    forward_args = backend_arguments("indexer_kl", q, k, lse, index_q, index_k, block_indices, *docs, block_size,
-                                     *scales)
-
-    def loss_and_gradients(**given):
-        forward = module.indexer_kl(*forward_args, **given)
-        backward = module.indexer_kl_backward(*backend_arguments(
-            "indexer_kl_backward", torch.tensor(1.3, device=DEVICE), index_q, index_k, *forward[2:], block_indices,
-            *docs, block_size, scales[1]), **given)
-        return (*forward, *backward)
-
-    builds = []
-    build = plan_kernels.plan
-    monkeypatch.setattr(plan_kernels, "plan", lambda *args: builds.append(args) or build(*args))
-    own = loss_and_gradients()
-    assert len(builds) == 2  # the forward's and the backward's, with items of their own sizes
-    walked = loss_and_gradients(plan=plan)
-    assert len(builds) == 2, "a plan was built although one was given"
-    for a, b in zip(walked, own, strict=True):
-        if module is kl_deterministic:
-            assert torch.equal(a, b)
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_kl_kernels_decline_what_they_do_not_serve():
