@@ -50,13 +50,20 @@ def query_windows(documents: Documents, num_queries: int, num_keys: int, window:
 
 
 def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Documents, block_size, softmax_scale,
-                       plan=None, budget: int | None = None):
+                       plan=None, budget: int | None = None, window_arguments: Callable[[int, int], dict] | None = None):
     """`forward(...)` (`msa::forward` in the backends' form) with its partials bounded by `budget`
-    bytes (`PARTIAL_BYTES` when None); returns `(out, lse)` as `forward` does."""
+    bytes (`PARTIAL_BYTES` when None); returns `(out, lse)` as `forward` does.
+
+    `window_arguments(start, stop)`, when given, returns more keyword arguments of `forward` for
+    the window of queries `[start, stop)` (`[0, Tq)` when one window holds them all)."""
     num_queries, num_heads, dim = q.shape
     window = window_queries(num_heads, block_indices.shape[-1], dim, q.dtype, PARTIAL_BYTES if budget is None else budget)
+
+    def more(start: int, stop: int) -> dict:
+        return {} if window_arguments is None else window_arguments(start, stop)
+
     if num_queries <= window:
-        return forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan)
+        return forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan, **more(0, num_queries))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
     num_kv_heads, _, topk = block_indices.shape
@@ -68,7 +75,7 @@ def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Doc
     window_schedule = plan_windows(schedule, topk, entries_per_item(num_heads, num_kv_heads))
     for start, stop, window_documents in query_windows(documents, num_queries, k.shape[0], window):
         part_out, part_lse = forward(q[start:stop], k, v, block_indices[:, start:stop].contiguous(), window_documents,
-                                     block_size, softmax_scale, window_schedule(start, stop))
+                                     block_size, softmax_scale, window_schedule(start, stop), **more(start, stop))
         out[start:stop] = part_out
         lse[start:stop] = part_lse
     return out, lse

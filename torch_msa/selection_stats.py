@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from .documents import Documents, locate_queries
-from .plan.groups import build_query_groups, group_tokens, q_outer_entries
+from .plan.groups import build_query_groups, group_tokens
 from .plan.schedule import valid_entries
 
 POSITION_EDGES = (2048, 8192)  # position buckets: dense prefix (topk * block_size at M3), mid, long
@@ -208,7 +208,7 @@ def query_outer_work(block_indices: torch.Tensor, documents: Documents, num_keys
     groups = build_query_groups(block_indices, documents, num_keys, block_size, size)
     position = documents.locate(block_indices.shape[1], num_keys).position
     valid = valid_entries(block_indices, position, block_size)
-    q_outer = q_outer_entries(groups, block_indices, position, block_size)
+    q_outer = groups.query_outer
     passes = (groups.group_blocks >= 0).sum() * size
     rows = valid.any(-1)
     return QueryOuterWork(

@@ -13,7 +13,6 @@ from torch_msa.plan.groups import (
     group_ids,
     group_tokens,
     max_group_blocks,
-    q_outer_entries,
 )
 
 # (q lengths, k lengths, block size, topk, G)
@@ -42,7 +41,7 @@ def _selection(kind, cu_q, cu_k, num_kv_heads, topk, block_size):
 
 
 def _check(groups, expected, num_kv_heads, tokens_per_group, topk):
-    assert all(t.dtype == torch.int32 for t in groups)
+    assert all(t.dtype == torch.int32 for t in groups[:-1]) and groups.query_outer.dtype == torch.bool
     assert groups.group_blocks.shape[-1] == max_group_blocks(topk, tokens_per_group)
     assert groups.token_group.tolist() == expected["token_group"]
     num_ids = groups.group_start.numel()
@@ -121,7 +120,7 @@ def test_the_cost_rule_decides_each_block(shared, pool, expected):
     assert blocks == {"all": list(range(union)), "shared": list(range(shared)), "none": []}[expected]
 
 
-def test_q_outer_entries_are_the_listed_blocks_of_each_group():
+def test_query_outer_entries_are_the_listed_blocks_of_each_group():
     q_lens, k_lens, block_size, topk, size = LAYOUTS["suffix-pack-lq-below-lk"]
     cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens)
     block_indices = _selection("tiled", cu_q, cu_k, 2, topk, block_size)
@@ -129,7 +128,8 @@ def test_q_outer_entries_are_the_listed_blocks_of_each_group():
     documents = documents_of(cu_q, cu_k)
     groups = build_query_groups(block_indices, documents, sum(k_lens), block_size, size)
     position = documents.locate(sum(q_lens), sum(k_lens)).position
-    got = q_outer_entries(groups, block_indices, position, block_size)
+    got = groups.query_outer
+    assert got.shape == block_indices.shape and got.dtype == torch.bool
     expected = query_groups_python(block_indices, cu_q, cu_k, block_size, size)
     ids = block_indices.tolist()
     for head in range(2):

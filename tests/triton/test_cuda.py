@@ -101,6 +101,31 @@ def test_attention_matches_reference(layout, kind):
         assert error < 1e-2, f"{name}: relative error {error:.3g}"
 
 
+@pytest.mark.parametrize("kind", ["index", "skewed", "tiled"])
+@pytest.mark.parametrize("layout", ["4K", "pack", "suffix-pack"])
+def test_the_query_outer_forward_matches_reference(layout, kind, monkeypatch):
+    """`TORCH_MSA_QUERY_OUTER=1`: the Triton forward runs the blocks its query groups share
+    query-outer, the rest KV-outer."""
+    import torch_msa.triton.interface as triton_backend
+    from benchmarks.problems import tile_shared
+    from torch_msa.triton import forward as forward_kernel
+
+    inputs = _inputs(layout)
+    block_indices = _selections(layout, inputs, "index" if kind == "tiled" else kind)
+    if kind == "tiled":
+        block_indices = tile_shared(block_indices, inputs["docs"][0], M3["block_size"])
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    args = backend_arguments("forward", q, k, v, block_indices, *inputs["docs"], 128, 128**-0.5)
+    work = forward_kernel.query_outer_work(block_indices, args[4], k.shape[0], 128, q.shape[1])
+    share = work.groups.query_outer.sum().item() / max(1, (block_indices >= 0).sum().item())
+    assert share > (0.5 if kind == "tiled" else 0.0), share
+    monkeypatch.setenv(triton_backend.QUERY_OUTER_ENV, "1")
+    out, lse = triton_backend.forward(*args)
+    out_ref, lse_ref = reference.forward(*args)
+    assert _relative_error(out, out_ref) < 1e-2
+    assert (lse - lse_ref).abs().max().item() < 1e-3
+
+
 def test_out_of_contract_ids_read_nothing_out_of_bounds():
     inputs = _inputs("pack")
     block_indices = _selections("pack", inputs, "random")

@@ -31,6 +31,8 @@ class QueryGroups(NamedTuple):
             id that holds no group.
         group_union: `[Hkv, NG]` the distinct blocks the group's queries validly select.
         group_blocks: `[Hkv, NG, MQ]` the blocks the group runs query-outer, ascending, `-1` after.
+        query_outer: bool `[Hkv, Tq, topk]` the valid entries that run query-outer: those whose
+            block their query's group lists in `group_blocks`. Every other valid entry runs KV-outer.
     """
 
     token_group: torch.Tensor
@@ -38,6 +40,7 @@ class QueryGroups(NamedTuple):
     group_end: torch.Tensor
     group_union: torch.Tensor
     group_blocks: torch.Tensor
+    query_outer: torch.Tensor
 
 
 def group_tokens(num_heads: int, num_kv_heads: int) -> int:
@@ -93,7 +96,8 @@ def build_query_groups(
         zeros = torch.zeros(num_ids, dtype=torch.int32, device=device)
         return QueryGroups(torch.full((num_queries,), -1, dtype=torch.int32, device=device), zeros, zeros.clone(),
                            torch.zeros((num_kv_heads, num_ids), dtype=torch.int32, device=device),
-                           torch.full((num_kv_heads, num_ids, most), -1, dtype=torch.int32, device=device))
+                           torch.full((num_kv_heads, num_ids, most), -1, dtype=torch.int32, device=device),
+                           torch.zeros(block_indices.shape, dtype=torch.bool, device=device))
     position = documents.locate(num_queries, num_keys).position
 
     # The segment of each group id: the probes of a binary search for the last `s` with
@@ -140,24 +144,18 @@ def build_query_groups(
 
     token_group = torch.full((num_queries,), -1, dtype=torch.int32, device=device)
     token_group.index_put_((token_index[rows],), ids.view(-1, 1).expand_as(rows)[rows].to(torch.int32))
+    group_blocks = torch.where(blocks == past_all, -1, blocks).to(torch.int32)
+    # An entry runs query-outer when its block is one its group lists.
+    listed = group_blocks.index_select(1, token_group.to(torch.int64).clamp(min=0))  # [Hkv, Tq, MQ]
+    query_outer = torch.zeros_like(valid)
+    for column in listed.unbind(-1):
+        query_outer |= block_indices == column.unsqueeze(-1)
+    query_outer &= valid & (token_group >= 0).view(1, -1, 1)
     return QueryGroups(
         token_group=token_group,
         group_start=torch.where(kept, start, 0).to(torch.int32),
         group_end=torch.where(kept, end, 0).to(torch.int32),
         group_union=union,
-        group_blocks=torch.where(blocks == past_all, -1, blocks).to(torch.int32),
+        group_blocks=group_blocks,
+        query_outer=query_outer,
     )
-
-
-def q_outer_entries(groups: QueryGroups, block_indices: torch.Tensor, position: torch.Tensor,
-                    block_size: int) -> torch.Tensor:
-    """bool `[Hkv, Tq, topk]`: the valid entries that run query-outer, those whose block their
-    query's group runs query-outer; the others run KV-outer. `position`: `p(t)` per query."""
-    valid = valid_entries(block_indices, position, block_size)
-    group = groups.token_group.to(torch.int64)
-    in_group = group >= 0
-    blocks = groups.group_blocks.index_select(1, group.clamp(min=0))  # [Hkv, Tq, MQ]
-    listed = torch.zeros_like(valid)
-    for column in blocks.unbind(-1):
-        listed |= block_indices == column.unsqueeze(-1)
-    return valid & listed & in_group.view(1, -1, 1)

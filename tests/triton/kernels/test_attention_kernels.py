@@ -20,6 +20,7 @@ from tests.support.triton_kernels import (
 )
 from torch_msa import reference, testing
 from torch_msa.plan import kernels as plan_kernel
+from torch_msa.plan.groups import build_query_groups, group_tokens
 from torch_msa.plan.schedule import build_schedule, pack
 from torch_msa.stages.dq import ungroup_dq
 from torch_msa.triton import backward as backward_kernel
@@ -172,3 +173,65 @@ def test_forward_in_query_windows_equals_one_call(monkeypatch):
     close(out, expected[0], 1e-5, "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(expected[1]))
     close(lse.nan_to_num(neginf=0), expected[1].nan_to_num(neginf=0), 1e-5, "lse")
+
+
+def _shared_selection(block_indices, block_size, run):
+    """`block_indices` with each run of `run` queries taking its last query's ids where they are
+    visible to the query: blocks shared by whole groups, by some of their queries and by one."""
+    num_queries = block_indices.shape[1]
+    source = (torch.arange(num_queries, device=DEVICE) // run * run + run - 1).clamp(max=num_queries - 1)
+    visible = block_indices[:, source] * block_size <= torch.arange(num_queries, device=DEVICE).view(1, -1, 1)
+    return torch.where(visible, block_indices[:, source], block_indices)
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_the_query_outer_forward_matches_reference(case):
+    """The entries the query groups share run query-outer, the rest KV-outer, junk ids among them."""
+    q, k, v, args = _junk_problem(case)
+    block_indices = _shared_selection(args[0], args[5], 16)
+    args = (block_indices, *args[1:])
+    forward_args = backend_arguments("forward", q, k, v, *args)
+    # The groups and plan of the reference builds (the Triton builds equal them:
+    # test_plan_kernel.py), which the interpreter runs faster.
+    groups = build_query_groups(block_indices, forward_args[4], k.shape[0], args[5],
+                                group_tokens(q.shape[1], k.shape[1]))
+    assert groups.query_outer.any()
+    work = forward_kernel.QueryOuter(groups, block_indices, forward_args[4], 0, q.shape[0])
+    out_ref, lse_ref = reference.forward(*forward_args)
+    plan = pack(build_schedule(block_indices, forward_args[4], k.shape[0], args[5], 16))
+    out, lse = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args, plan), query_outer=work)
+    close(out, out_ref, TOLERANCE[q.dtype], "out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[q.dtype], "lse")
+
+
+def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch):
+    """Asked for by `TORCH_MSA_QUERY_OUTER`, the backend's forward groups the call's queries
+    (fragments are segments of their own) and runs them through query windows of 45 queries, which
+    cut groups: it still matches the reference."""
+    import torch_msa.triton.interface as triton_backend
+    from torch_msa import query_windows
+
+    frag = testing.fragments((150, 0, 1, 90), ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40)), DEVICE)
+    num_heads, num_kv_heads, dim, block_size, topk, dtype = 4, 2, 64, 16, 4, torch.float32
+    num_queries, num_keys = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+    fragments = frag.tensors
+    block_indices = testing.random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, num_kv_heads, topk,
+                                                 block_size, None, *fragments)
+    # Runs that cross a fragment boundary bring ids of another document: valid or junk, as they fall.
+    block_indices = _shared_selection(block_indices, block_size, 8)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    forward_args = backend_arguments("forward", q, k, v, block_indices, *frag.op_args, block_size, dim**-0.5, None,
+                                     *fragments)
+    work = forward_kernel.query_outer_work(block_indices, forward_args[4], num_keys, block_size, num_heads)
+    assert work.groups.query_outer.any()
+    out_ref, lse_ref = reference.forward(*forward_args)
+    monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 45 * query_windows.partial_bytes_per_query(num_heads, topk, dim,
+                                                                                                   dtype))
+    monkeypatch.setenv(triton_backend.QUERY_OUTER_ENV, "1")
+    assert triton_backend.query_outer_requested()
+    out, lse = triton_backend.forward(*forward_args)
+    close(out, out_ref, TOLERANCE[dtype], "out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[dtype], "lse")

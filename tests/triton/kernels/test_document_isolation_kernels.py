@@ -1,5 +1,5 @@
-"""Non-finite inputs in one document change no other document's results: the Triton forward,
-backward (both modes) and selection kernels.
+"""Non-finite inputs in one document change no other document's results: the Triton forward (with
+and without its query-outer part), backward (both modes) and selection kernels.
 
 Where and how they run, and why in fp32 and fp16: `tests/support/triton_kernels.py`.
 """
@@ -46,11 +46,21 @@ def _assert_other_docs_unchanged(name, got, want, rows_per_doc, exact):
 
 def _run_attention(x, args):
     """Forward, backward and deterministic backward of the tensors in `x`."""
-    out, lse = forward_kernel.forward(*backend_arguments("forward", x["q"], x["k"], x["v"], *args))
+    forward_args = backend_arguments("forward", x["q"], x["k"], x["v"], *args)
+    out, lse = forward_kernel.forward(*forward_args)
+    # Every query selects blocks 0 and 1. Documents 0 and 1 (one group each) run block 0
+    # query-outer; block 1, which few queries see, and document 2, too short for the rule, run
+    # KV-outer.
+    block_indices, documents, num_keys, block_size = forward_args[3], forward_args[4], x["k"].shape[0], args[-2]
+    work = forward_kernel.query_outer_work(block_indices, documents, num_keys, block_size, x["q"].shape[1])
+    block_0 = work.groups.query_outer[0, :, 0]
+    assert block_0[:90].all() and not block_0[90:].any() and not work.groups.query_outer[..., 1].all()
+    query_outer = forward_kernel.forward(*forward_args, query_outer=work)
     backward_args = (x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args, x["grad_lse"])
     grads = backward_kernel.backward(*backend_arguments("backward", *backward_args))
     deterministic = backward_deterministic.backward(*backend_arguments("backward", *backward_args))
-    return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads)),
+    return {"out": out, "lse": lse, "query-outer out": query_outer[0], "query-outer lse": query_outer[1],
+            **dict(zip(("dq", "dk", "dv"), grads)),
             **dict(zip(("deterministic dq", "deterministic dk", "deterministic dv"), deterministic))}
 
 
@@ -81,7 +91,7 @@ def test_a_non_finite_document_changes_no_other_document(poisoned):
     clean, args, query_rows, key_rows, want = _clean_attention()
     rows = (key_rows if poisoned in ("k", "v") else query_rows)[POISONED_DOC]
     got = _run_attention(dict(clean, **{poisoned: poison(clean[poisoned], rows)}), args)
-    for name in ("out", "lse"):
+    for name in ("out", "lse", "query-outer out", "query-outer lse"):
         _assert_other_docs_unchanged(name, got[name], want[name], query_rows, exact=True)
     for name, rows_per_doc in (("dq", query_rows), ("dk", key_rows), ("dv", key_rows)):
         _assert_other_docs_unchanged(name, got[name], want[name], rows_per_doc, exact=INTERPRETING)
