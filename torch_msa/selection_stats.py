@@ -208,7 +208,7 @@ def query_outer_work(block_indices: torch.Tensor, documents: Documents, num_keys
     groups = build_query_groups(block_indices, documents, num_keys, block_size, size)
     position = documents.locate(block_indices.shape[1], num_keys).position
     valid = valid_entries(block_indices, position, block_size)
-    q_outer = groups.query_outer
+    q_outer = valid & (groups.kv_outer_indices < 0)
     passes = (groups.group_blocks >= 0).sum() * size
     rows = valid.any(-1)
     return QueryOuterWork(

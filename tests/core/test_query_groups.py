@@ -14,6 +14,7 @@ from torch_msa.plan.groups import (
     group_tokens,
     max_group_blocks,
 )
+from torch_msa.selection_stats import query_outer_work
 
 # (q lengths, k lengths, block size, topk, G)
 LAYOUTS = {
@@ -41,7 +42,7 @@ def _selection(kind, cu_q, cu_k, num_kv_heads, topk, block_size):
 
 
 def _check(groups, expected, num_kv_heads, tokens_per_group, topk):
-    assert all(t.dtype == torch.int32 for t in groups[:-1]) and groups.query_outer.dtype == torch.bool
+    assert all(t.dtype == torch.int32 for t in groups)
     assert groups.group_blocks.shape[-1] == max_group_blocks(topk, tokens_per_group)
     assert groups.token_group.tolist() == expected["token_group"]
     num_ids = groups.group_start.numel()
@@ -120,27 +121,34 @@ def test_the_cost_rule_decides_each_block(shared, pool, expected):
     assert blocks == {"all": list(range(union)), "shared": list(range(shared)), "none": []}[expected]
 
 
-def test_query_outer_entries_are_the_listed_blocks_of_each_group():
+def test_the_kv_outer_selection_drops_each_listed_block_of_a_group():
+    """Every occurrence of a block its query's group lists becomes -1, seen by the query or not
+    and repeated or not; every other id stays. The valid entries dropped are those the rule runs
+    query-outer."""
     q_lens, k_lens, block_size, topk, size = LAYOUTS["suffix-pack-lq-below-lk"]
     cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens)
     block_indices = _selection("tiled", cu_q, cu_k, 2, topk, block_size)
     block_indices[1, ::5, 0] = -3
+    block_indices[0, ::3, -1] = block_indices[0, ::3, 0]  # repeats
     documents = documents_of(cu_q, cu_k)
     groups = build_query_groups(block_indices, documents, sum(k_lens), block_size, size)
     position = documents.locate(sum(q_lens), sum(k_lens)).position
-    got = groups.query_outer
-    assert got.shape == block_indices.shape and got.dtype == torch.bool
     expected = query_groups_python(block_indices, cu_q, cu_k, block_size, size)
+    got = groups.kv_outer_indices.tolist()
     ids = block_indices.tolist()
+    dropped_valid = 0
     for head in range(2):
         for t in range(sum(q_lens)):
-            gid = expected["token_group"][t]
-            listed = expected["blocks"].get((head, gid), [])
+            listed = expected["blocks"].get((head, expected["token_group"][t]), [])
             seen = set()
             for s, block in enumerate(ids[head][t]):
+                assert got[head][t][s] == (-1 if block in listed else block), (head, t, s)
                 valid = block >= 0 and block * block_size <= int(position[t]) and block not in seen
                 seen.add(block)
-                assert bool(got[head, t, s]) == (valid and block in listed), (head, t, s)
+                dropped_valid += valid and block in listed
+    assert dropped_valid > 0
+    assert query_outer_work(block_indices, documents, sum(k_lens), num_heads=2 * 128 // size,
+                            block_size=block_size).entries > 0
 
 
 def test_malformed_boundaries_leave_their_queries_in_no_group():
@@ -184,8 +192,6 @@ def test_query_outer_work_summarises_the_rule():
     """64 queries in blocks of 16, 8-query groups (16 query heads over one KV head): each query
     selects block 0 and its local block, and the last query one more block of its own, which its
     group's small union still sends query-outer (3 * 8 * 9 <= 17 * 16) at one pass in 8 used."""
-    from torch_msa.selection_stats import query_outer_work
-
     cu_q, cu_k = testing.cu_seqlens([64])
     block_indices = torch.full((1, 64, 3), -1, dtype=torch.int32)
     for t in range(64):

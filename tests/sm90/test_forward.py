@@ -3,6 +3,7 @@
 M3 shapes (Hq = 64, Hkv = 4, D = 128, block 128, top-16): a 1K document, a pack with empty and
 one-token documents, an Lq < Lk pack, a 1M-token document on sampled rows, junk ids, a skewed
 selection, NaN in one document, bf16 and fp16, query fragments, given plans of any item size,
+the query-outer part (`TORCH_MSA_QUERY_OUTER=1`) on random, skewed, tiled and junk selections,
 query windows (bounded partials), a 32K document (partials past 2**31 elements, against the
 Triton forward), CUDA-graph replay, `torch.compile(fullgraph=True)`, `torch.library.opcheck` and
 dispatch through `torch.ops.msa.forward`. Skipped without such a GPU or the CuTe DSL.
@@ -13,6 +14,7 @@ import math
 import pytest
 import torch
 
+from benchmarks.problems import tile_shared
 from tests.support.documents import Documents, backend_arguments, documents_of
 from tests.support.sm90 import (
     BLOCK,
@@ -206,6 +208,28 @@ def test_query_windows_bound_the_partials_and_equal_one_call(monkeypatch):
     outputs = num_queries * HQ * (D * 2 + 4)
     assert num_queries * per_query > outputs + 3 * window * per_query
     assert above_inputs < outputs + 2 * window * per_query + (64 << 20), above_inputs
+
+
+@pytest.mark.parametrize("selection", ["random", "skewed", "tiled", "junk"])
+@REFERENCE_LAYOUTS
+def test_the_query_outer_part_matches_reference(q_lens, k_lens, selection, monkeypatch):
+    """`TORCH_MSA_QUERY_OUTER=1`: the kernel walks the KV-outer part's selection and the
+    query-outer stage writes the partials of the blocks the query groups share."""
+    from torch_msa.sm90 import interface as sm90_interface
+    from torch_msa.stages import query_outer
+
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs(q_lens, k_lens, torch.bfloat16,
+                                                        selection="skewed" if selection == "skewed" else "random")
+    if selection == "tiled":
+        blocks = tile_shared(blocks, cu_q, BLOCK)
+    if selection == "junk":
+        blocks = with_junk_ids(blocks)
+    inputs = (q, k, v, blocks, cu_q, cu_k, max_q, max_k)
+    args = backend_arguments("forward", *inputs, BLOCK, SCALE)
+    monkeypatch.setenv(query_outer.QUERY_OUTER_ENV, "1")
+    kv_outer = query_outer.split_forward(blocks, args[4], k.shape[0], BLOCK, HQ, None)[0]
+    assert ((kv_outer < 0) & (blocks >= 0)).any()
+    _check(sm90_interface.forward(*args), _reference(*inputs))
 
 
 @pytest.mark.parametrize("entries", [None, 7, 128])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import torch_msa
+from benchmarks.problems import tile_shared
 from tests.support.determinism import deterministic_algorithms
 from tests.support.documents import backend_arguments
 from torch_msa import backends, reference
@@ -107,8 +108,7 @@ def test_the_query_outer_forward_matches_reference(layout, kind, monkeypatch):
     """`TORCH_MSA_QUERY_OUTER=1`: the Triton forward runs the blocks its query groups share
     query-outer, the rest KV-outer."""
     import torch_msa.triton.interface as triton_backend
-    from benchmarks.problems import tile_shared
-    from torch_msa.triton import forward as forward_kernel
+    from torch_msa.stages import query_outer
 
     inputs = _inputs(layout)
     block_indices = _selections(layout, inputs, "index" if kind == "tiled" else kind)
@@ -116,10 +116,10 @@ def test_the_query_outer_forward_matches_reference(layout, kind, monkeypatch):
         block_indices = tile_shared(block_indices, inputs["docs"][0], M3["block_size"])
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     args = backend_arguments("forward", q, k, v, block_indices, *inputs["docs"], 128, 128**-0.5)
-    work = forward_kernel.query_outer_work(block_indices, args[4], k.shape[0], 128, q.shape[1])
-    share = work.groups.query_outer.sum().item() / max(1, (block_indices >= 0).sum().item())
+    monkeypatch.setenv(query_outer.QUERY_OUTER_ENV, "1")
+    kv_outer = query_outer.split_forward(block_indices, args[4], k.shape[0], 128, q.shape[1], None)[0]
+    share = ((kv_outer < 0) & (block_indices >= 0)).sum().item() / max(1, (block_indices >= 0).sum().item())
     assert share > (0.5 if kind == "tiled" else 0.0), share
-    monkeypatch.setenv(triton_backend.QUERY_OUTER_ENV, "1")
     out, lse = triton_backend.forward(*args)
     out_ref, lse_ref = reference.forward(*args)
     assert _relative_error(out, out_ref) < 1e-2

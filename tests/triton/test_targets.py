@@ -23,7 +23,6 @@ walks its tiles one after another, a chain of dependent loads per tile, so they 
 per SM.
 """
 
-import functools
 import re
 import subprocess
 import warnings
@@ -41,7 +40,7 @@ from torch_msa.index_loss import dense as kl_dense_kernel  # noqa: E402
 from torch_msa.index_loss import sparse as kl_kernel  # noqa: E402
 from torch_msa.plan import kernels as plan_kernels  # noqa: E402
 from torch_msa.plan.groups import group_tokens, max_group_blocks  # noqa: E402
-from torch_msa.stages import combine, delta  # noqa: E402
+from torch_msa.stages import combine, delta, query_outer  # noqa: E402
 from torch_msa.stages import deterministic as backward_deterministic_kernel  # noqa: E402
 from torch_msa.stages import dq as dq_stage  # noqa: E402
 from torch_msa.triton import backward as backward_kernel  # noqa: E402
@@ -70,25 +69,25 @@ SCHEDULE_TABLES = ("entry_query", "item_bucket", "item_start", "item_end", "buck
                    "bucket_block", "position")
 
 
-def _forward_blocks(config, query_outer=False):
+def _forward_blocks(config):
     tokens, group_p2 = common.tile_shape(M3["num_heads"], M3["num_kv_heads"], config.rows)
     types = dict.fromkeys(("q", "k", "v", "partial_out"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
-    types |= {"partial_lse": "*fp32", "qk_scale": "fp32", "query_outer": "*i1" if query_outer else "*i32"}
+    types |= {"partial_lse": "*fp32", "qk_scale": "fp32"}
     constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=group_p2, TOKENS=tokens, TOPK=M3["topk"],
-                     BLOCK=M3["block_size"], DIM=M3["dim"], PRECISION="tf32", QUERY_OUTER=query_outer)
+                     BLOCK=M3["block_size"], DIM=M3["dim"], PRECISION="tf32")
     return forward_kernel.msa_fwd_blocks_kernel, types, constants
 
 
 def _forward_groups(config):
     most = max_group_blocks(M3["topk"], group_tokens(M3["num_heads"], M3["num_kv_heads"]))
     types = dict.fromkeys(("q", "k", "v", "partial_out"), "*bf16") | {"partial_lse": "*fp32", "qk_scale": "fp32"}
-    types |= DOCUMENT_TABLES | dict.fromkeys(("block_indices", "group_start", "group_end", "group_blocks"), "*i32")
-    types |= {"query_outer": "*i1"}
+    types |= DOCUMENT_TABLES | dict.fromkeys(("block_indices", "kv_outer_indices", "group_start", "group_end",
+                                              "group_blocks"), "*i32")
     constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=GROUP,
                      TOKENS=group_tokens(M3["num_heads"], M3["num_kv_heads"]), TOPK=M3["topk"], TOPK_P2=M3["topk"],
                      MOST=most, MOST_P2=triton.next_power_of_2(most), BLOCK=M3["block_size"], DIM=M3["dim"],
                      PRECISION="tf32", FRAGMENTS=False)
-    return forward_kernel.msa_fwd_groups_kernel, types, constants
+    return query_outer.msa_fwd_groups_kernel, types, constants
 
 
 def _forward_combine(config):
@@ -253,9 +252,7 @@ def _kl_dense_grad(kernel):
 
 KERNELS = {
     "msa_fwd_blocks_kernel": (_forward_blocks, forward_kernel.BLOCKS_CONFIGS),
-    "msa_fwd_blocks_kernel (query-outer)": (functools.partial(_forward_blocks, query_outer=True),
-                                            forward_kernel.BLOCKS_CONFIGS),
-    "msa_fwd_groups_kernel": (_forward_groups, forward_kernel.GROUPS_CONFIGS),
+    "msa_fwd_groups_kernel": (_forward_groups, query_outer.GROUPS_CONFIGS),
     "msa_fwd_combine_kernel": (_forward_combine, combine.COMBINE_CONFIGS),
     "msa_bwd_delta_kernel": (_backward_delta, delta.DELTA_CONFIGS),
     "msa_bwd_ungroup_dq_kernel": (_backward_ungroup_dq, dq_stage.UNGROUP_CONFIGS),

@@ -31,8 +31,9 @@ class QueryGroups(NamedTuple):
             id that holds no group.
         group_union: `[Hkv, NG]` the distinct blocks the group's queries validly select.
         group_blocks: `[Hkv, NG, MQ]` the blocks the group runs query-outer, ascending, `-1` after.
-        query_outer: bool `[Hkv, Tq, topk]` the valid entries that run query-outer: those whose
-            block their query's group lists in `group_blocks`. Every other valid entry runs KV-outer.
+        kv_outer_indices: `[Hkv, Tq, topk]` the selection the KV-outer part walks: `block_indices`
+            with `-1` wherever the id is a block the query's group lists. A valid entry runs
+            query-outer where its id is replaced, KV-outer where it is kept.
     """
 
     token_group: torch.Tensor
@@ -40,7 +41,7 @@ class QueryGroups(NamedTuple):
     group_end: torch.Tensor
     group_union: torch.Tensor
     group_blocks: torch.Tensor
-    query_outer: torch.Tensor
+    kv_outer_indices: torch.Tensor
 
 
 def group_tokens(num_heads: int, num_kv_heads: int) -> int:
@@ -97,7 +98,7 @@ def build_query_groups(
         return QueryGroups(torch.full((num_queries,), -1, dtype=torch.int32, device=device), zeros, zeros.clone(),
                            torch.zeros((num_kv_heads, num_ids), dtype=torch.int32, device=device),
                            torch.full((num_kv_heads, num_ids, most), -1, dtype=torch.int32, device=device),
-                           torch.zeros(block_indices.shape, dtype=torch.bool, device=device))
+                           block_indices.to(torch.int32, memory_format=torch.contiguous_format, copy=True))
     position = documents.locate(num_queries, num_keys).position
 
     # The segment of each group id: the probes of a binary search for the last `s` with
@@ -145,17 +146,17 @@ def build_query_groups(
     token_group = torch.full((num_queries,), -1, dtype=torch.int32, device=device)
     token_group.index_put_((token_index[rows],), ids.view(-1, 1).expand_as(rows)[rows].to(torch.int32))
     group_blocks = torch.where(blocks == past_all, -1, blocks).to(torch.int32)
-    # An entry runs query-outer when its block is one its group lists.
+    # The ids a query's group lists, every occurrence: `-1` in the KV-outer part's selection.
     listed = group_blocks.index_select(1, token_group.to(torch.int64).clamp(min=0))  # [Hkv, Tq, MQ]
     query_outer = torch.zeros_like(valid)
     for column in listed.unbind(-1):
-        query_outer |= block_indices == column.unsqueeze(-1)
-    query_outer &= valid & (token_group >= 0).view(1, -1, 1)
+        query_outer |= (block_indices == column.unsqueeze(-1)) & (column >= 0).unsqueeze(-1)
+    query_outer &= (token_group >= 0).view(1, -1, 1)
     return QueryGroups(
         token_group=token_group,
         group_start=torch.where(kept, start, 0).to(torch.int32),
         group_end=torch.where(kept, end, 0).to(torch.int32),
         group_union=union,
         group_blocks=group_blocks,
-        query_outer=query_outer,
+        kv_outer_indices=torch.where(query_outer, -1, block_indices).to(torch.int32),
     )

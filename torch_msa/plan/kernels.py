@@ -406,7 +406,7 @@ def schedule_for(block_indices, documents: Documents, num_keys, block_size, num_
 @triton.jit
 def msa_plan_query_groups_kernel(
     block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
-    token_group, group_start, group_end, group_union, group_blocks, query_outer,
+    token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices,
     num_queries, num_keys, num_segments, num_docs, search_steps, block_size, num_ids,
     stride_head, stride_token, stride_slot,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, GROUP: tl.constexpr, MOST: tl.constexpr,
@@ -467,14 +467,16 @@ def msa_plan_query_groups_kernel(
     union = tl.sum(first_choice.to(tl.int32), axis=0)
     entries = tl.sum(valid.to(tl.int32), axis=0)
     whole = union * GROUP * COST_NUMERATOR <= entries * COST_DENOMINATOR
-    # `count` is the same on every lane of a block, so the rule marks each of its entries.
-    entry_q_outer = valid & (whole | (count * COST_DENOMINATOR >= GROUP * COST_NUMERATOR))
-    blocks = tl.sort(tl.where(entry_q_outer & first_choice, ids, 2147483647))
+    # `count` is the same on every lane of a block (any query's, seen by it or not), so the rule
+    # marks every occurrence of a block it lists.
+    listed = slot_ok & (count > 0) & (whole | (count * COST_DENOMINATOR >= GROUP * COST_NUMERATOR))
+    blocks = tl.sort(tl.where(listed & first_choice, ids, 2147483647))
 
     pair = head.to(tl.int64) * num_ids + group
     tl.store(group_blocks + pair * MOST + lanes, tl.where(blocks == 2147483647, -1, blocks), mask=lanes < MOST)
     tl.store(group_union + pair, tl.where(kept, union, 0))
-    tl.store(query_outer + (head.to(tl.int64) * num_queries + token) * TOPK + slot, entry_q_outer, mask=slot_ok)
+    tl.store(kv_outer_indices + (head.to(tl.int64) * num_queries + token) * TOPK + slot, tl.where(listed, -1, ids),
+             mask=slot_ok)
     if head == 0:
         tl.store(group_start + group, tl.where(kept, start, 0).to(tl.int32))
         tl.store(group_end + group, tl.where(kept, end, 0).to(tl.int32))
@@ -499,18 +501,18 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
     bounds = torch.empty(2 * num_ids, dtype=torch.int32, device=device)
     group_union = torch.empty((num_kv_heads, num_ids), dtype=torch.int32, device=device)
     group_blocks = torch.empty((num_kv_heads, num_ids, most), dtype=torch.int32, device=device)
-    query_outer = torch.zeros((num_kv_heads, num_queries, topk), dtype=torch.bool, device=device)
+    kv_outer_indices = block_indices.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
     group_start, group_end = bounds.split_with_sizes((num_ids, num_ids))
     msa_plan_query_groups_kernel[(num_ids, num_kv_heads)](
         block_indices, cu_seqlens_q, cu_seqlens_k,
         documents.fragment_documents if fragments else cu_seqlens_q, documents.fragment_starts if fragments else cu_seqlens_q,
-        token_group, group_start, group_end, group_union, group_blocks, query_outer,
+        token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices,
         num_queries, num_keys, num_segments, documents.num_documents, binary_search_steps(num_segments), block_size,
         num_ids, *block_indices.stride(),
         TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), GROUP=tokens_per_group, MOST=most,
         COST_NUMERATOR=Q_OUTER_COST[0], COST_DENOMINATOR=Q_OUTER_COST[1], FRAGMENTS=fragments,
     )
-    return QueryGroups(token_group, group_start, group_end, group_union, group_blocks, query_outer)
+    return QueryGroups(token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices)
 
 
 @cached_launches

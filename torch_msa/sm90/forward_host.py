@@ -12,6 +12,7 @@ from ..contract import compute_dtype
 from ..cute_dsl import require_cute_dsl, sm_count
 from ..cute_dsl.cute_io import aligned_operand, launcher
 from ..stages.combine import combine
+from ..stages.query_outer import add_partials
 from .common import HEAD_DIM, HEADS_PER_KV, blocks_operands, check_served, compile_blocks, launch, step_schedule
 
 CTAS_PER_SM = 1  # one CTA uses 224 KiB of shared memory
@@ -30,10 +31,12 @@ def check_rows(num_queries: int, num_kv_heads: int, topk: int) -> None:
         )
 
 
-def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
+def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None, query_outer=None):
     """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
 
-    Walks `plan`'s items (any item size), or those of a new plan.
+    Walks `plan`'s items (any item size), or those of a new plan. With `query_outer`
+    (`torch_msa.stages.query_outer.QueryOuter`, windowed to these queries), `block_indices` is its
+    KV-outer part's selection and its query-outer part runs too.
 
     Raises:
         UnsupportedInputs: outside the served configuration (`check_served`) or beyond int32
@@ -57,6 +60,8 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     partial_out = torch.empty((rows, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((rows,), -math.inf, dtype=torch.float32, device=q.device)
     launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale)
+    if query_outer is not None:
+        add_partials(q, k, v, partial_out, partial_lse, query_outer, block_size, softmax_scale)
     combine(partial_out, partial_lse, out, lse, num_kv_heads, topk)
     return out, lse
 

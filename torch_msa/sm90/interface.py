@@ -3,13 +3,16 @@
 import torch
 
 from ..query_windows import forward_in_windows
+from ..stages import query_outer
 from . import backward_deterministic, backward_host, forward_host, index_loss
 
 
 def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
     with torch.cuda.device(q.device):
+        block_indices, plan, window_arguments = query_outer.split_forward(block_indices, documents, k.shape[0],
+                                                                          block_size, q.shape[1], plan)
         return forward_in_windows(forward_host.forward, q, k, v, block_indices, documents, block_size, softmax_scale,
-                                  plan)
+                                  plan, window_arguments=window_arguments)
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None, plan=None):

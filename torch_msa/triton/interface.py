@@ -1,8 +1,6 @@
 """The Triton backend's ops in the backends' form (`torch_msa.backends.Backend`): input checks, then
 the kernels (`README.md`)."""
 
-import os
-
 import torch
 
 from ..index_loss import dense as index_loss_dense
@@ -10,12 +8,11 @@ from ..index_loss import sparse as index_loss_sparse
 from ..index_loss import sparse_deterministic as index_loss_sparse_deterministic
 from ..plan import kernels as plan_kernels
 from ..query_windows import forward_in_windows
+from ..stages import query_outer
 from ..triton_utils.common import check_dtype_and_group
 from . import backward as backward_atomic
 from . import backward_deterministic, select
 from . import forward as forward_kernel
-
-QUERY_OUTER_ENV = "TORCH_MSA_QUERY_OUTER"
 
 
 def select_blocks(index_q, index_k, documents, topk, block_size):
@@ -27,20 +24,12 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item):
     return plan_kernels.plan(block_indices, documents, num_keys, block_size, entries_per_item)
 
 
-def query_outer_requested() -> bool:
-    """True when `TORCH_MSA_QUERY_OUTER` asks the forward to run the blocks its query groups share
-    query-outer (read per call)."""
-    return os.environ.get(QUERY_OUTER_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
     check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
-    # Grouped over the call's documents: a window's one-token fragments would make 1-query groups.
-    work = (forward_kernel.query_outer_work(block_indices, documents, k.shape[0], block_size, q.shape[1])
-            if query_outer_requested() else None)
+    block_indices, plan, window_arguments = query_outer.split_forward(block_indices, documents, k.shape[0],
+                                                                      block_size, q.shape[1], plan)
     return forward_in_windows(forward_kernel.forward, q, k, v, block_indices, documents, block_size, softmax_scale,
-                              plan, window_arguments=None if work is None else
-                              lambda start, stop: {"query_outer": work.window(start, stop)})
+                              plan, window_arguments=window_arguments)
 
 
 def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse=None,

@@ -22,6 +22,7 @@ from torch_msa import reference, testing
 from torch_msa.plan import kernels as plan_kernel
 from torch_msa.plan.groups import build_query_groups, group_tokens
 from torch_msa.plan.schedule import build_schedule, pack
+from torch_msa.stages import query_outer
 from torch_msa.stages.dq import ungroup_dq
 from torch_msa.triton import backward as backward_kernel
 from torch_msa.triton import backward_deterministic
@@ -175,6 +176,7 @@ def test_forward_in_query_windows_equals_one_call(monkeypatch):
     close(lse.nan_to_num(neginf=0), expected[1].nan_to_num(neginf=0), 1e-5, "lse")
 
 
+
 def _shared_selection(block_indices, block_size, run):
     """`block_indices` with each run of `run` queries taking its last query's ids where they are
     visible to the query: blocks shared by whole groups, by some of their queries and by one."""
@@ -186,20 +188,22 @@ def _shared_selection(block_indices, block_size, run):
 
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_the_query_outer_forward_matches_reference(case):
-    """The entries the query groups share run query-outer, the rest KV-outer, junk ids among them."""
+    """The blocks the query groups share run query-outer, the rest KV-outer, junk ids among them."""
     q, k, v, args = _junk_problem(case)
     block_indices = _shared_selection(args[0], args[5], 16)
     args = (block_indices, *args[1:])
     forward_args = backend_arguments("forward", q, k, v, *args)
+    documents, num_keys, block_size = forward_args[4], k.shape[0], args[5]
     # The groups and plan of the reference builds (the Triton builds equal them:
     # test_plan_kernel.py), which the interpreter runs faster.
-    groups = build_query_groups(block_indices, forward_args[4], k.shape[0], args[5],
-                                group_tokens(q.shape[1], k.shape[1]))
-    assert groups.query_outer.any()
-    work = forward_kernel.QueryOuter(groups, block_indices, forward_args[4], 0, q.shape[0])
+    groups = build_query_groups(block_indices, documents, num_keys, block_size, group_tokens(q.shape[1], k.shape[1]))
+    kv_outer = groups.kv_outer_indices
+    assert ((kv_outer < 0) & (block_indices >= 0)).any() and (kv_outer >= 0).any()
+    work = query_outer.QueryOuter(groups, block_indices, documents, 0, q.shape[0])
+    plan = pack(build_schedule(kv_outer, documents, num_keys, block_size, 16))
     out_ref, lse_ref = reference.forward(*forward_args)
-    plan = pack(build_schedule(block_indices, forward_args[4], k.shape[0], args[5], 16))
-    out, lse = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args, plan), query_outer=work)
+    out, lse = forward_kernel.forward(*backend_arguments("forward", q, k, v, kv_outer, *args[1:], plan),
+                                      query_outer=work)
     close(out, out_ref, TOLERANCE[q.dtype], "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
     close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[q.dtype], "lse")
@@ -224,13 +228,13 @@ def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch):
     k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
     forward_args = backend_arguments("forward", q, k, v, block_indices, *frag.op_args, block_size, dim**-0.5, None,
                                      *fragments)
-    work = forward_kernel.query_outer_work(block_indices, forward_args[4], num_keys, block_size, num_heads)
-    assert work.groups.query_outer.any()
     out_ref, lse_ref = reference.forward(*forward_args)
     monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 45 * query_windows.partial_bytes_per_query(num_heads, topk, dim,
                                                                                                    dtype))
-    monkeypatch.setenv(triton_backend.QUERY_OUTER_ENV, "1")
-    assert triton_backend.query_outer_requested()
+    monkeypatch.setenv(query_outer.QUERY_OUTER_ENV, "1")
+    kv_outer, plan, window_arguments = query_outer.split_forward(block_indices, forward_args[4], num_keys, block_size,
+                                                                 num_heads, None)
+    assert ((kv_outer < 0) & (block_indices >= 0)).any() and window_arguments is not None
     out, lse = triton_backend.forward(*forward_args)
     close(out, out_ref, TOLERANCE[dtype], "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))

@@ -19,6 +19,9 @@ from tests.support.triton_kernels import (
     poison,
     require_a_device,
 )
+from torch_msa.plan.groups import build_query_groups, group_tokens
+from torch_msa.plan.schedule import build_schedule, pack
+from torch_msa.stages import query_outer
 from torch_msa.triton import backward as backward_kernel
 from torch_msa.triton import backward_deterministic
 from torch_msa.triton import forward as forward_kernel
@@ -52,14 +55,18 @@ def _run_attention(x, args):
     # query-outer; block 1, which few queries see, and document 2, too short for the rule, run
     # KV-outer.
     block_indices, documents, num_keys, block_size = forward_args[3], forward_args[4], x["k"].shape[0], args[-2]
-    work = forward_kernel.query_outer_work(block_indices, documents, num_keys, block_size, x["q"].shape[1])
-    block_0 = work.groups.query_outer[0, :, 0]
-    assert block_0[:90].all() and not block_0[90:].any() and not work.groups.query_outer[..., 1].all()
-    query_outer = forward_kernel.forward(*forward_args, query_outer=work)
+    # The reference builds of the groups and the plan, which the interpreter runs faster.
+    groups = build_query_groups(block_indices, documents, num_keys, block_size, group_tokens(x["q"].shape[1], 1))
+    kv_outer = groups.kv_outer_indices
+    assert (kv_outer[0, :90, 0] < 0).all() and (kv_outer[0, 90:, 0] == 0).all() and (kv_outer[..., 1] == 1).all()
+    plan = pack(build_schedule(kv_outer, documents, num_keys, block_size, 16))
+    work = query_outer.QueryOuter(groups, block_indices, documents, 0, block_indices.shape[1])
+    query_outer_out = forward_kernel.forward(*backend_arguments("forward", x["q"], x["k"], x["v"], kv_outer,
+                                                                *args[1:], plan), query_outer=work)
     backward_args = (x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args, x["grad_lse"])
     grads = backward_kernel.backward(*backend_arguments("backward", *backward_args))
     deterministic = backward_deterministic.backward(*backend_arguments("backward", *backward_args))
-    return {"out": out, "lse": lse, "query-outer out": query_outer[0], "query-outer lse": query_outer[1],
+    return {"out": out, "lse": lse, "query-outer out": query_outer_out[0], "query-outer lse": query_outer_out[1],
             **dict(zip(("dq", "dk", "dv"), grads)),
             **dict(zip(("deterministic dq", "deterministic dk", "deterministic dv"), deterministic))}
 

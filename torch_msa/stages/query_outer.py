@@ -1,0 +1,196 @@
+"""The query-outer part of a forward: the blocks a query group shares (`torch_msa/plan/README.md`),
+run by one program per (group, KV head) into the partials of the backend's KV-outer forward, which
+walks the rest of the selection.
+"""
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from ..documents import Documents
+from ..plan.groups import QueryGroups, group_tokens
+from ..plan.kernels import query_groups
+from ..triton_utils.common import LOG2_E, binary_search_steps, dot_precision, locate_tokens
+from ..triton_utils.launch import LaunchConfig, cached_launches, launch
+
+QUERY_OUTER_ENV = "TORCH_MSA_QUERY_OUTER"
+GROUPS_CONFIGS = (LaunchConfig(num_stages=2), LaunchConfig(num_stages=1))
+
+
+@cached_launches
+@triton.jit
+def msa_fwd_groups_kernel(
+    q, k, v, partial_out, partial_lse,
+    block_indices, kv_outer_indices, group_start, group_end, group_blocks,
+    cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
+    window_start, window_stop, num_ids, num_keys, num_segments, num_docs, search_steps, qk_scale,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
+    stride_bi_head, stride_bi_token, stride_bi_slot, stride_kv_outer_head,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, MOST: tl.constexpr, MOST_P2: tl.constexpr, BLOCK: tl.constexpr,
+    DIM: tl.constexpr, PRECISION: tl.constexpr, FRAGMENTS: tl.constexpr,
+):
+    group = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    start = tl.maximum(tl.load(group_start + group), window_start)
+    end = tl.minimum(tl.load(group_end + group), window_stop)
+    if start >= end:
+        return
+    rows = tl.arange(0, TOKENS * GROUP_P2)
+    group_head = rows % GROUP_P2
+    token = (start + rows // GROUP_P2).to(tl.int64)
+    row_ok = (token < end) & (group_head < GROUP)
+    # A group's queries share a document: its key rows start at one `key_start`.
+    pos, key_start, _ = locate_tokens(token, row_ok, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
+                                      num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
+    first_key = tl.max(tl.where(row_ok, key_start, 0), axis=0)
+    horizon = tl.max(tl.where(row_ok, pos, -1), axis=0)
+
+    # A row attends to a listed block when its selection holds the id (the causal mask hides one
+    # it does not see yet). Its merged partial goes to the slot of its first seen listed id (the
+    # KV-outer part has -1 there); the partials of its other slots of listed ids stay empty.
+    slots = tl.arange(0, TOPK_P2)
+    slot_ok = row_ok[:, None] & (slots[None, :] < TOPK)
+    ids = tl.load(block_indices + kv_head.to(tl.int64) * stride_bi_head + token[:, None] * stride_bi_token
+                  + slots[None, :] * stride_bi_slot, mask=slot_ok, other=-1)
+    kv_outer = tl.load(kv_outer_indices + kv_head.to(tl.int64) * stride_kv_outer_head + token[:, None] * TOPK
+                       + slots[None, :], mask=slot_ok, other=-1)
+    seen = (ids >= 0) & (ids.to(tl.int64) <= tl.where(pos >= 0, pos // BLOCK, -1)[:, None])
+    first_slot = tl.min(tl.where(seen & (kv_outer < 0), slots[None, :], TOPK_P2), axis=1)
+
+    dims = tl.arange(0, DIM)
+    offsets = tl.arange(0, BLOCK)
+    local = token - window_start
+    query_head = kv_head * GROUP + group_head
+    q_rows = tl.load(q + local[:, None] * stride_q_token + query_head[:, None] * stride_q_head + dims[None, :],
+                     mask=row_ok[:, None], other=0.0)
+    listed = tl.arange(0, MOST_P2)
+    group_row = group_blocks + (kv_head.to(tl.int64) * num_ids + group) * MOST
+    num_listed = tl.sum((tl.load(group_row + listed, mask=listed < MOST, other=-1) >= 0).to(tl.int32), axis=0)
+    row_max = tl.full((TOKENS * GROUP_P2,), float("-inf"), tl.float32)
+    total = tl.zeros((TOKENS * GROUP_P2,), tl.float32)
+    acc = tl.zeros((TOKENS * GROUP_P2, DIM), tl.float32)
+    for index in range(num_listed):  # the listed blocks come first, then -1
+        block = tl.load(group_row + index)
+        key_position = block * BLOCK + offsets
+        key_row = first_key + key_position
+        # Keys past the group's last position may be another document's: never read.
+        key_ok = (key_position <= horizon) & (key_row < num_keys)
+        keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
+                       mask=key_ok[:, None], other=0.0)
+        values = tl.load(v + key_row[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
+                         mask=key_ok[:, None], other=0.0)
+        selects = tl.max((ids == block).to(tl.int32), axis=1) > 0
+        scores = tl.dot(q_rows, tl.trans(keys), input_precision=PRECISION) * qk_scale
+        visible = selects[:, None] & (key_position[None, :] <= pos[:, None]) & key_ok[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp2(row_max - shift)
+        probs = tl.exp2(scores - shift[:, None])
+        total = total * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=PRECISION)
+        row_max = new_max
+
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    lse = tl.where(total > 0, row_max + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
+    written = row_ok & (first_slot < TOPK)
+    # The KV-outer forward's partial layout: [Tq, Hkv, topk, G] rows of D.
+    partial = ((local * NUM_KV_HEADS + kv_head) * TOPK + first_slot) * GROUP + group_head
+    tl.store(partial_out + partial[:, None] * DIM + dims[None, :], out.to(partial_out.dtype.element_ty),
+             mask=written[:, None])
+    tl.store(partial_lse + partial, lse, mask=written)
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryOuter:
+    """The query-outer work of one forward call, seen from one window of its queries.
+
+    Attributes:
+        groups: the call's query groups.
+        block_indices: the call's int32 `[Hkv, Tq, topk]` selection; documents: the call's documents.
+        start, stop: the window, queries `[start, stop)` of the call's.
+    """
+
+    groups: QueryGroups
+    block_indices: torch.Tensor
+    documents: Documents
+    start: int
+    stop: int
+
+    def window(self, start: int, stop: int) -> "QueryOuter":
+        return dataclasses.replace(self, start=start, stop=stop)
+
+
+def requested() -> bool:
+    """True when `TORCH_MSA_QUERY_OUTER` asks the forwards for their query-outer part (read per call)."""
+    return os.environ.get(QUERY_OUTER_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def query_outer_work(block_indices, documents: Documents, num_keys: int, block_size: int,
+                     num_heads: int) -> QueryOuter:
+    """The query groups of a forward call (`torch_msa.plan.kernels.query_groups`), over all its queries."""
+    block_indices = block_indices if block_indices.dtype == torch.int32 else block_indices.to(torch.int32)
+    groups = query_groups(block_indices, documents, num_keys, block_size,
+                          group_tokens(num_heads, block_indices.shape[0]))
+    return QueryOuter(groups, block_indices, documents, 0, block_indices.shape[1])
+
+
+def split_forward(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int,
+                  plan) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[int, int], dict] | None]:
+    """How a backend's forward runs a call, as `(block_indices, plan, window_arguments)` for
+    `torch_msa.query_windows.forward_in_windows`.
+
+    Without `TORCH_MSA_QUERY_OUTER`: the call's own, no window arguments. With it: the KV-outer
+    part's selection (`QueryGroups.kv_outer_indices`), no plan (a given plan holds every entry),
+    and per window the `query_outer` keyword of the backend's forward. The groups are cut from the
+    call's documents: a query window's one-token fragments would make groups of one query.
+    """
+    if not requested():
+        return block_indices, plan, None
+    work = query_outer_work(block_indices, documents, num_keys, block_size, num_heads)
+    return work.groups.kv_outer_indices, None, lambda start, stop: {"query_outer": work.window(start, stop)}
+
+
+def add_partials(q, k, v, partial_out, partial_lse, work: QueryOuter, block_size: int, softmax_scale: float) -> None:
+    """Write the query-outer partials of `work`'s window into a KV-outer forward's (in place).
+
+    Args:
+        q: the window's `[Tq_w, Hq, D]`; k, v: `[Tk, Hkv, D]` (unit stride in D).
+        partial_out, partial_lse: the KV-outer forward's, `[Tq_w * Hkv * topk * G, D]` and fp32
+            `[Tq_w * Hkv * topk * G]` (`torch_msa.stages.combine.combine`), written where the
+            KV-outer part's selection has `-1` for a listed block.
+    """
+    num_heads, dim = q.shape[1:]
+    num_keys, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    groups, documents = work.groups, work.documents.map_tensors(torch.Tensor.contiguous)
+    num_ids, most = groups.group_blocks.shape[1:]
+    topk = work.block_indices.shape[-1]
+    cu_seqlens_q, fragments = documents.cu_seqlens_q, documents.has_fragments
+    num_segments = cu_seqlens_q.numel() - 1
+    shape_key = (q.device, q.dtype, dim, block_size, group, topk)
+
+    def launch_groups(config):
+        msa_fwd_groups_kernel[(num_ids, num_kv_heads)](
+            q, k, v, partial_out, partial_lse,
+            work.block_indices, groups.kv_outer_indices, groups.group_start, groups.group_end, groups.group_blocks,
+            cu_seqlens_q, documents.cu_seqlens_k,
+            documents.fragment_documents if fragments else cu_seqlens_q,
+            documents.fragment_starts if fragments else cu_seqlens_q,
+            work.start, work.stop, num_ids, num_keys, num_segments, documents.num_documents,
+            binary_search_steps(num_segments), softmax_scale * LOG2_E.value,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            *work.block_indices.stride(), groups.kv_outer_indices.stride(0),
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
+            TOKENS=group_tokens(num_heads, num_kv_heads), TOPK=topk, TOPK_P2=triton.next_power_of_2(topk),
+            MOST=most, MOST_P2=triton.next_power_of_2(most), BLOCK=block_size, DIM=dim,
+            PRECISION=dot_precision(q.dtype), FRAGMENTS=fragments,
+            **config.options,
+        )
+
+    launch("msa_fwd_groups_kernel", shape_key, GROUPS_CONFIGS, launch_groups)
