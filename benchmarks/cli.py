@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                                                           "(default: bench_out)")
     parser.add_argument("--skip-peers", action="store_true",
                         help="run only torch_msa and the dense baseline (cuDNN on CUDA, math on CPU)")
+    parser.add_argument("--query-outer", action="store_true",
+                        help="also time torch_msa's fwd and select+fwd+bwd with the forward's query-outer part "
+                             "(TORCH_MSA_QUERY_OUTER=1), as 'torch_msa q-outer'")
     parser.add_argument("--warmup", type=command.at_least(0),
                         help=f"untimed calls before timing (default {DEFAULT_WARMUP})")
     parser.add_argument("--iters", type=command.at_least(1),
@@ -242,7 +245,8 @@ def main(argv=None) -> int:
     meta = _meta(args, argv)
     config = Config(device=args.device, problems=args.problems, shape=args.shape, selection=args.selection,
                     warmup=args.warmup, iters=args.iters, budget_s=args.row_budget or None, min_runs=MIN_RUNS,
-                    skip_peers=args.skip_peers, max_reference_tokens=args.max_reference_tokens, seed=args.seed)
+                    skip_peers=args.skip_peers, query_outer=args.query_outer,
+                    max_reference_tokens=args.max_reference_tokens, seed=args.seed)
     header = _header(meta, args)
     print(header, flush=True)
     result = BenchResult(meta, [], status=RUNNING)

@@ -19,15 +19,21 @@
   with the dense peers' `synced fwd+bwd`. The index selection only: `msa_attention` selects from
   the index inputs.
 
+With `--query-outer`, `torch_msa q-outer` times `fwd` and `select+fwd+bwd` again with the
+forward's query-outer part (`TORCH_MSA_QUERY_OUTER=1` set around each call).
+
 Whichever backend the registry resolves serves the ops. The pure-PyTorch reference is an oracle,
 not a fast path: on CUDA its phases are skipped above `max_reference_tokens` tokens so that a
 run without fast kernels still finishes.
 """
 
+import os
+
 import torch
 
 import torch_msa
 from torch_msa import backends
+from torch_msa.plan.groups import QUERY_OUTER_ENV
 from torch_msa.plan.schedule import entries_per_item
 
 from .problems import Inputs
@@ -38,6 +44,8 @@ IMPL = "torch_msa"
 SCORING_TOPK = 2
 SCORING_PHASE = f"select topk={SCORING_TOPK}"
 PHASES = ("select", SCORING_PHASE, "schedule", "fwd", "bwd", "select+fwd+bwd")
+QUERY_OUTER_IMPL = "torch_msa q-outer"
+QUERY_OUTER_PHASES = ("fwd", "select+fwd+bwd")
 
 
 def resolved_backends(device: torch.device) -> dict[str, str]:
@@ -126,3 +134,32 @@ def msa_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
         yield Measurement(SYNCED_STEP, None if note else model_step, work.msa_step, note, synchronised=True)
 
     return Subject(IMPL, phases, measurements)
+
+
+def query_outer_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
+    """`msa_subject`'s forward and step with the forward's query-outer part."""
+    plain = msa_subject(inputs, max_reference_tokens)
+    if plain.measurements is None:
+        return Subject(QUERY_OUTER_IMPL, QUERY_OUTER_PHASES, skip_reason=plain.skip_reason)
+    measurements = plain.measurements
+
+    def with_query_outer(fn):
+        def call():
+            before = os.environ.get(QUERY_OUTER_ENV)
+            os.environ[QUERY_OUTER_ENV] = "1"
+            try:
+                return fn()
+            finally:
+                if before is None:
+                    del os.environ[QUERY_OUTER_ENV]
+                else:
+                    os.environ[QUERY_OUTER_ENV] = before
+
+        return call
+
+    def query_outer_measurements():
+        for measurement in measurements():
+            if measurement.phase in QUERY_OUTER_PHASES:
+                yield measurement._replace(fn=measurement.fn and with_query_outer(measurement.fn))
+
+    return Subject(QUERY_OUTER_IMPL, QUERY_OUTER_PHASES, query_outer_measurements)

@@ -47,6 +47,7 @@ class Config:
     budget_s: float | None = 20.0
     min_runs: int = 10
     skip_peers: bool = False
+    query_outer: bool = False
     max_reference_tokens: int = 8192
     seed: int = 0
 
@@ -213,7 +214,7 @@ def run_subject(subject: Subject, result: ProblemResult, config: Config, progres
 
 
 def subjects(inputs, config: Config) -> list[Subject]:
-    """Dense baseline first, then the peers, then torch_msa."""
+    """Dense baseline first, then the peers, then torch_msa (and with `query_outer`, its query-outer forward)."""
     if config.device.type != "cuda":
         found = [peers.dense_subject(inputs, "math")]
     else:
@@ -224,6 +225,8 @@ def subjects(inputs, config: Config) -> list[Subject]:
         found += [peers.fla_subject(inputs), peers.flex_subject(inputs)]
         found += [peers.bsa_subject(inputs, 128), peers.bsa_subject(inputs, 64)]
     found.append(msa.msa_subject(inputs, config.max_reference_tokens))
+    if config.query_outer:
+        found.append(msa.query_outer_subject(inputs, config.max_reference_tokens))
     return found
 
 

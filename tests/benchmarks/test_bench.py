@@ -186,6 +186,33 @@ def test_the_sharing_note_gives_the_work_the_query_outer_rule_takes():
     assert 0 < share < 100, note
 
 
+def test_the_query_outer_subject_times_the_forward_and_step_with_the_query_outer_part(monkeypatch):
+    """`--query-outer` adds `torch_msa q-outer`: torch_msa's fwd and step, each call with
+    `TORCH_MSA_QUERY_OUTER=1` set and the caller's value restored after it."""
+    from torch_msa.contract import M3
+    from torch_msa.plan.groups import QUERY_OUTER_ENV
+
+    def plain(inputs, max_reference_tokens):
+        def measurements():
+            for phase in msa.PHASES:
+                yield Measurement(phase, lambda: os.environ.get(QUERY_OUTER_ENV), None)
+
+        return Subject(msa.IMPL, msa.PHASES, measurements)
+
+    monkeypatch.setattr(msa, "msa_subject", plain)
+    monkeypatch.setenv(QUERY_OUTER_ENV, "0")
+    subject = msa.query_outer_subject(None, 0)
+    timed = list(subject.measurements())
+    assert subject.impl == msa.QUERY_OUTER_IMPL and [m.phase for m in timed] == list(msa.QUERY_OUTER_PHASES)
+    assert [m.fn() for m in timed] == ["1", "1"] and os.environ[QUERY_OUTER_ENV] == "0"
+    monkeypatch.delenv(QUERY_OUTER_ENV)
+    assert timed[0].fn() == "1" and QUERY_OUTER_ENV not in os.environ
+    config = runner.Config(device=torch.device("cpu"), problems=(), shape=M3, query_outer=True)
+    inputs = make_inputs(ProblemSpec((256,)), M3, torch.device("cpu"), "index", seed=0)
+    assert [found.impl for found in runner.subjects(inputs, config)][-2:] == [msa.IMPL, msa.QUERY_OUTER_IMPL]
+    assert cli.parse_args(["--query-outer", "--device", "cpu"]).query_outer
+
+
 def test_the_sharing_command_prints_each_regimes_union_and_query_outer_work(capsys):
     from benchmarks import sharing
 

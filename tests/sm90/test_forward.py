@@ -29,6 +29,7 @@ from tests.support.sm90 import (
     with_junk_ids,
 )
 from torch_msa import reference
+from torch_msa.plan.groups import QUERY_OUTER_ENV
 from torch_msa.testing import fragments, random_block_indices
 
 pytestmark = SM90_MARKS
@@ -226,7 +227,7 @@ def test_the_query_outer_part_matches_reference(q_lens, k_lens, selection, monke
         blocks = with_junk_ids(blocks)
     inputs = (q, k, v, blocks, cu_q, cu_k, max_q, max_k)
     args = backend_arguments("forward", *inputs, BLOCK, SCALE)
-    monkeypatch.setenv(query_outer.QUERY_OUTER_ENV, "1")
+    monkeypatch.setenv(QUERY_OUTER_ENV, "1")
     kv_outer = query_outer.split_forward(blocks, args[4], k.shape[0], BLOCK, HQ, None)[0]
     assert ((kv_outer < 0) & (blocks >= 0)).any()
     _check(sm90_interface.forward(*args), _reference(*inputs))

@@ -17,6 +17,7 @@ from benchmarks.problems import tile_shared
 from tests.support.determinism import deterministic_algorithms
 from tests.support.documents import backend_arguments
 from torch_msa import backends, reference
+from torch_msa.plan.groups import QUERY_OUTER_ENV
 from torch_msa.plan.schedule import entries_per_item
 from torch_msa.testing import cu_seqlens, fragments, random_block_indices, skewed_block_indices
 
@@ -116,7 +117,7 @@ def test_the_query_outer_forward_matches_reference(layout, kind, monkeypatch):
         block_indices = tile_shared(block_indices, inputs["docs"][0], M3["block_size"])
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     args = backend_arguments("forward", q, k, v, block_indices, *inputs["docs"], 128, 128**-0.5)
-    monkeypatch.setenv(query_outer.QUERY_OUTER_ENV, "1")
+    monkeypatch.setenv(QUERY_OUTER_ENV, "1")
     kv_outer = query_outer.split_forward(block_indices, args[4], k.shape[0], 128, q.shape[1], None)[0]
     share = ((kv_outer < 0) & (block_indices >= 0)).sum().item() / max(1, (block_indices >= 0).sum().item())
     assert share > (0.5 if kind == "tiled" else 0.0), share

@@ -2,6 +2,7 @@
 and the reference build. Design and cost model: `torch_msa/plan/README.md`.
 """
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -9,6 +10,9 @@ import torch.nn.functional as F
 
 from ..documents import Documents
 from .schedule import valid_entries
+
+QUERY_OUTER_ENV = "TORCH_MSA_QUERY_OUTER"
+"""Set to 1, asks the forwards to run the blocks the groups list query-outer (read per call)."""
 
 GROUP_ROWS = 128
 """Query rows (tokens x query heads of a KV head) of a group: the rows of one query-outer tile."""
@@ -42,6 +46,11 @@ class QueryGroups(NamedTuple):
     group_union: torch.Tensor
     group_blocks: torch.Tensor
     kv_outer_indices: torch.Tensor
+
+
+def query_outer_requested() -> bool:
+    """True when `QUERY_OUTER_ENV` asks the forwards for their query-outer part."""
+    return os.environ.get(QUERY_OUTER_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def group_tokens(num_heads: int, num_kv_heads: int) -> int:

@@ -4,7 +4,6 @@ walks the rest of the selection.
 """
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import torch
@@ -12,12 +11,11 @@ import triton
 import triton.language as tl
 
 from ..documents import Documents
-from ..plan.groups import QueryGroups, group_tokens
+from ..plan.groups import QueryGroups, group_tokens, query_outer_requested
 from ..plan.kernels import query_groups
 from ..triton_utils.common import LOG2_E, binary_search_steps, dot_precision, locate_tokens
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 
-QUERY_OUTER_ENV = "TORCH_MSA_QUERY_OUTER"
 GROUPS_CONFIGS = (LaunchConfig(num_stages=2), LaunchConfig(num_stages=1))
 
 
@@ -126,11 +124,6 @@ class QueryOuter:
         return dataclasses.replace(self, start=start, stop=stop)
 
 
-def requested() -> bool:
-    """True when `TORCH_MSA_QUERY_OUTER` asks the forwards for their query-outer part (read per call)."""
-    return os.environ.get(QUERY_OUTER_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def query_outer_work(block_indices, documents: Documents, num_keys: int, block_size: int,
                      num_heads: int) -> QueryOuter:
     """The query groups of a forward call (`torch_msa.plan.kernels.query_groups`), over all its queries."""
@@ -145,12 +138,13 @@ def split_forward(block_indices, documents: Documents, num_keys: int, block_size
     """How a backend's forward runs a call, as `(block_indices, plan, window_arguments)` for
     `torch_msa.query_windows.forward_in_windows`.
 
-    Without `TORCH_MSA_QUERY_OUTER`: the call's own, no window arguments. With it: the KV-outer
-    part's selection (`QueryGroups.kv_outer_indices`), no plan (a given plan holds every entry),
-    and per window the `query_outer` keyword of the backend's forward. The groups are cut from the
-    call's documents: a query window's one-token fragments would make groups of one query.
+    Without `TORCH_MSA_QUERY_OUTER=1` (`torch_msa.plan.groups.QUERY_OUTER_ENV`): the call's own, no
+    window arguments. With it: the KV-outer part's selection (`QueryGroups.kv_outer_indices`), no
+    plan (a given plan holds every entry), and per window the `query_outer` keyword of the
+    backend's forward. The groups are cut from the call's documents: a query window's one-token
+    fragments would make groups of one query.
     """
-    if not requested():
+    if not query_outer_requested():
         return block_indices, plan, None
     work = query_outer_work(block_indices, documents, num_keys, block_size, num_heads)
     return work.groups.kv_outer_indices, None, lambda start, stop: {"query_outer": work.window(start, stop)}

@@ -20,7 +20,7 @@ from tests.support.triton_kernels import (
 )
 from torch_msa import reference, testing
 from torch_msa.plan import kernels as plan_kernel
-from torch_msa.plan.groups import build_query_groups, group_tokens
+from torch_msa.plan.groups import QUERY_OUTER_ENV, build_query_groups, group_tokens
 from torch_msa.plan.schedule import build_schedule, pack
 from torch_msa.stages import query_outer
 from torch_msa.stages.dq import ungroup_dq
@@ -231,7 +231,7 @@ def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch):
     out_ref, lse_ref = reference.forward(*forward_args)
     monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 45 * query_windows.partial_bytes_per_query(num_heads, topk, dim,
                                                                                                    dtype))
-    monkeypatch.setenv(query_outer.QUERY_OUTER_ENV, "1")
+    monkeypatch.setenv(QUERY_OUTER_ENV, "1")
     kv_outer, plan, window_arguments = query_outer.split_forward(block_indices, forward_args[4], num_keys, block_size,
                                                                  num_heads, None)
     assert ((kv_outer < 0) & (block_indices >= 0)).any() and window_arguments is not None
