@@ -9,13 +9,16 @@ memory access errors are reported either way.
 M3 heads, bf16; documents of 300, 0, 1, 1500, 129 tokens and one with Lq < Lk; 30% of the block
 ids replaced by random values in [-2^30, 2^30), repeats and ids far past every document. Runs the
 selection, the plan, the forward, the backward, the KL loss and the KL fused into the backward (the
-last three default and deterministic);
+last three default and deterministic) and the forward's query-outer part;
 then the same ops and the dense-support KL on query fragments of these documents with junk
 fragment fields (a document id out of range, a start past its document, a negative start).
 """
+import os
+
 import torch
 
 import torch_msa
+from torch_msa.plan.groups import QUERY_OUTER_ENV
 from torch_msa.testing import cu_seqlens, random_block_indices
 
 torch.manual_seed(0)
@@ -79,6 +82,15 @@ for deterministic in (False, True):
     torch_msa.indexer_kl_loss_dense(q.detach(), k.detach(), iq, ik, *docs).backward()
     torch_msa.indexer_kl_loss_dense(q.detach(), k.detach(), iq, ik, *frag_args, **fragments).backward()
 torch.use_deterministic_algorithms(False)
+
+# The forward's query-outer part (asked for per call), on the junk ids and on a selection shared by
+# runs of 8 queries (most of it query-outer), on the pack and on the junk fragments.
+shared = bi[:, (torch.arange(tq, device="cuda") // 8 * 8 + 7).clamp(max=tq - 1)].contiguous()
+os.environ[QUERY_OUTER_ENV] = "1"
+for selection in (bi, shared):
+    torch_msa.sparse_attention(q.detach(), k.detach(), v.detach(), selection, *docs)
+    torch_msa.sparse_attention(q.detach(), k.detach(), v.detach(), selection, *frag_args, **fragments)
+del os.environ[QUERY_OUTER_ENV]
 torch.cuda.synchronize()
 print("sanitize run done:", {op: torch_msa.resolve(op, q.device).name for op in torch_msa.backends.OPS},
       "loss", float(loss), "selected", tuple(sel.shape))

@@ -495,11 +495,25 @@ def test_the_plan_passes_leave_room_for_many_programs_per_sm(place, fragments, t
                if name in pointers or name in ("stride_head", "stride_token")}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=aligned),
                               target=GPUTarget("cuda", TARGETS["sm_90"][0], 32), options={"num_warps": 4})
-    path = tmp_path / "plan.cubin"
-    path.write_bytes(compiled.asm["cubin"])
-    usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)],
-                           capture_output=True, text=True, check=True).stdout
+    usage = _resource_usage(compiled, tmp_path / "plan.cubin")
     registers = re.search(r"REG:(\d+)", usage)
     assert registers is not None, usage
     assert int(registers[1]) <= PLAN_REGISTERS, usage
     assert re.search(r"LOCAL:0\b", usage), usage  # nothing spilled
+
+
+def _resource_usage(compiled, path) -> str:
+    """cuobjdump's resource line of a compiled kernel (`REG:`, `LOCAL:`, ...)."""
+    path.write_bytes(compiled.asm["cubin"])
+    return subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_the_query_outer_forward_runs_wgmma_on_pipelined_loads_without_spills(tmp_path):
+    """At M3 on sm_90 its tuned configuration multiplies with wgmma, loads K and V with cp.async
+    two stages deep, and keeps its 128 rows' output in registers without spilling."""
+    compiled = _compile("msa_fwd_groups_kernel", KERNELS["msa_fwd_groups_kernel"][1][0], TARGETS[TUNED_TARGET][0])
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+    usage = _resource_usage(compiled, tmp_path / "groups.cubin")
+    assert re.search(r"LOCAL:0\b", usage), usage
