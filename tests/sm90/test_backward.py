@@ -4,8 +4,9 @@ M3 shapes (Hq = 64, Hkv = 4, D = 128, block 128, top-16): a 1K document, a pack 
 one-token documents, an Lq < Lk pack, a skewed selection (hot blocks split over items), junk ids,
 NaN in one document, grad_lse, bf16 and fp16, query fragments, given plans of any item size, a
 16K document against the Triton backward, CUDA-graph replay, a whole training step under
-`torch.compile(fullgraph=True)`, `torch.library.opcheck`, dispatch through `torch.ops.msa.backward`
-and bitwise-reproducible deterministic mode. Skipped without such a GPU or the CuTe DSL.
+`torch.compile(fullgraph=True)`, `torch.library.opcheck`, dispatch through `torch.ops.msa.backward`,
+bitwise-reproducible deterministic mode and its batch invariance (a document alone and packed).
+Skipped without such a GPU or the CuTe DSL.
 """
 
 import math
@@ -176,6 +177,32 @@ def test_sm90_serves_backward_by_default(monkeypatch):
     args, _ = _problem([1500], [1500], seed=11)
     got = torch.ops.msa.backward(*args, BLOCK, SCALE, None)
     _check(got, _reference(args))
+
+
+def test_deterministic_gradients_of_a_document_are_bitwise_the_same_alone_and_packed(monkeypatch):
+    """Batch invariance in deterministic mode: a document's dq, dk and dv do not depend on the
+    documents packed beside it (each bucket holds one document's queries, summed in item order)."""
+    import torch_msa
+
+    monkeypatch.delenv(torch_msa.BACKEND_ENV, raising=False)
+    lens = [700, 1500, 129, 1000]
+    (grad_out, q, k, v, out, lse, blocks, cu_q, cu_k, max_q, max_k), _ = _problem(lens, lens, selection="skewed",
+                                                                                  seed=4)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        packed = torch.ops.msa.backward(grad_out, q, k, v, out, lse, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE,
+                                        None)
+        for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            cu = torch.tensor([0, end - start], dtype=torch.int32, device="cuda")
+            rows = slice(start, end)
+            alone = torch.ops.msa.backward(grad_out[rows], q[rows], k[rows], v[rows], out[rows], lse[rows],
+                                           blocks[:, rows].contiguous(), cu, cu, end - start, end - start, BLOCK,
+                                           SCALE, None)
+            for name, a, b in zip(("dq", "dk", "dv"), alone, packed):
+                assert torch.equal(a, b[rows]), (name, start, end)
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def test_deterministic_mode_is_bitwise_reproducible(monkeypatch):

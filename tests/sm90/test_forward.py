@@ -4,6 +4,7 @@ M3 shapes (Hq = 64, Hkv = 4, D = 128, block 128, top-16): a 1K document, a pack 
 one-token documents, an Lq < Lk pack, a 1M-token document on sampled rows, junk ids, a skewed
 selection, NaN in one document, bf16 and fp16, query fragments, given plans of any item size,
 the query-outer part (`TORCH_MSA_QUERY_OUTER=1`) on random, skewed, tiled and junk selections,
+batch invariance (a document alone and packed, bit for bit),
 query windows (bounded partials), a 32K document (partials past 2**31 elements, against the
 Triton forward), CUDA-graph replay, `torch.compile(fullgraph=True)`, `torch.library.opcheck` and
 dispatch through `torch.ops.msa.forward`. Skipped without such a GPU or the CuTe DSL.
@@ -231,6 +232,28 @@ def test_the_query_outer_part_matches_reference(q_lens, k_lens, selection, monke
     kv_outer = query_outer.split_forward(blocks, args[4], k.shape[0], BLOCK, HQ, None)[0]
     assert ((kv_outer < 0) & (blocks >= 0)).any()
     _check(sm90_interface.forward(*args), _reference(*inputs))
+
+
+@pytest.mark.parametrize("query_outer", [False, True], ids=["default", "query-outer"])
+def test_a_documents_output_is_bitwise_the_same_alone_and_packed(query_outer, monkeypatch):
+    """Batch invariance: each document of a pack gets, bit for bit, the output and lse it gets
+    alone, with and without the query-outer part (on a selection shared by 128-query tiles)."""
+    from torch_msa.sm90 import interface as sm90_interface
+
+    lens = [700, 1500, 129, 1000]
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs(lens, lens, torch.bfloat16, seed=3)
+    if query_outer:
+        monkeypatch.setenv(QUERY_OUTER_ENV, "1")
+        blocks = tile_shared(blocks, cu_q, BLOCK)
+    packed = sm90_interface.forward(*backend_arguments("forward", q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK,
+                                                       SCALE))
+    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        cu = torch.tensor([0, end - start], dtype=torch.int32, device="cuda")
+        alone = sm90_interface.forward(*backend_arguments("forward", q[start:end], k[start:end], v[start:end],
+                                                          blocks[:, start:end].contiguous(), cu, cu, end - start,
+                                                          end - start, BLOCK, SCALE))
+        assert torch.equal(alone[0], packed[0][start:end]), (start, end)
+        assert torch.equal(alone[1], packed[1][start:end]), (start, end)
 
 
 @pytest.mark.parametrize("entries", [None, 7, 128])
