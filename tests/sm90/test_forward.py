@@ -305,6 +305,33 @@ def test_compiles_into_one_graph(monkeypatch):
     _check(got, _reference(*inputs))
 
 
+def test_the_query_outer_part_replays_from_a_cuda_graph_and_compiles(monkeypatch):
+    """With `TORCH_MSA_QUERY_OUTER=1` the groups, the KV-outer part's plan and both kernels replay
+    from a CUDA graph bit for bit, and a `torch.compile(fullgraph=True)` call gets the same output."""
+    import torch_msa
+
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "sm90")
+    monkeypatch.setenv(QUERY_OUTER_ENV, "1")
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs([900, 400], [900, 400], torch.bfloat16, seed=4)
+    blocks = tile_shared(blocks, cu_q, BLOCK)
+
+    def attend(q, k, v, blocks, cu_q, cu_k):
+        return torch.ops.msa.forward(q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK, SCALE)
+
+    eager = attend(q, k, v, blocks, cu_q, cu_k)  # compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attend(q, k, v, blocks, cu_q, cu_k)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True)(q, k, v, blocks, cu_q, cu_k)
+    for got in (captured, compiled):
+        torch.testing.assert_close(got[0], eager[0], atol=0, rtol=0)
+        torch.testing.assert_close(got[1], eager[1], atol=0, rtol=0)
+    _check(eager, _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k))
+
+
 def test_opcheck_through_the_sm90_kernel(monkeypatch):
     """Schema, fake kernel (shapes and strides) and AOT dispatch agree with the kernel's outputs."""
     import torch_msa
