@@ -36,7 +36,10 @@ def msa_fwd_groups_kernel(
     kv_head = tl.program_id(1)
     start = tl.maximum(tl.load(group_start + group), window_start)
     end = tl.minimum(tl.load(group_end + group), window_stop)
-    if start >= end:
+    listed = tl.arange(0, MOST_P2)
+    group_row = group_blocks + (kv_head.to(tl.int64) * num_ids + group) * MOST
+    num_listed = tl.sum((tl.load(group_row + listed, mask=listed < MOST, other=-1) >= 0).to(tl.int32), axis=0)
+    if (start >= end) | (num_listed == 0):
         return
     rows = tl.arange(0, TOKENS * GROUP_P2)
     group_head = rows % GROUP_P2
@@ -66,9 +69,6 @@ def msa_fwd_groups_kernel(
     query_head = kv_head * GROUP + group_head
     q_rows = tl.load(q + local[:, None] * stride_q_token + query_head[:, None] * stride_q_head + dims[None, :],
                      mask=row_ok[:, None], other=0.0)
-    listed = tl.arange(0, MOST_P2)
-    group_row = group_blocks + (kv_head.to(tl.int64) * num_ids + group) * MOST
-    num_listed = tl.sum((tl.load(group_row + listed, mask=listed < MOST, other=-1) >= 0).to(tl.int32), axis=0)
     row_max = tl.full((TOKENS * GROUP_P2,), float("-inf"), tl.float32)
     total = tl.zeros((TOKENS * GROUP_P2,), tl.float32)
     acc = tl.zeros((TOKENS * GROUP_P2, DIM), tl.float32)
