@@ -33,8 +33,8 @@ import torch
 
 import torch_msa
 from torch_msa import backends
-from torch_msa.plan.groups import QUERY_OUTER_ENV
 from torch_msa.plan.schedule import entries_per_item
+from torch_msa.settings import QUERY_OUTER_ENV
 
 from .problems import Inputs
 from .results import SYNCED_STEP

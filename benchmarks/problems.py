@@ -129,9 +129,9 @@ def tile_shared(block_indices: torch.Tensor, cu_seqlens: torch.Tensor, block_siz
     """The selection in which every query tile (the `block_size` queries of one key block of a
     document) takes the row of its last query: int32 `[Hkv, T, topk]` like `block_indices`.
 
-    That query sees every block of the tile's rows (none lies past its own), so the result is a
-    valid selection, and it is what a block-sparse kernel with one list per query tile (cuDNN's
-    BSA) can express.
+    Where a document's queries and keys align (`Lq = Lk`), that query sees every block of the
+    tile's rows (none lies past its own), so the result is a valid selection, and it is what a
+    block-sparse kernel with one list per query tile (cuDNN's BSA) can express.
     """
     tokens = block_indices.shape[1]
     token = torch.arange(tokens, device=block_indices.device)

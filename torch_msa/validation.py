@@ -6,7 +6,6 @@
 """
 
 import math
-import os
 
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
@@ -14,13 +13,14 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from .contract import FLOAT_DTYPES, INDEX_DTYPE, SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS, compute_dtype
 from .documents import FRAGMENT_ARGUMENTS, Documents
 from .plan.schedule import item_rows, length_error, unpack, valid_entries
+from .settings import flag
 
 DEBUG_ENV = "TORCH_MSA_DEBUG"
 
 
 def debug_enabled() -> bool:
     """True when `TORCH_MSA_DEBUG` asks for the value checks on every op call."""
-    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return flag(DEBUG_ENV)
 
 
 def _concrete(value):

@@ -190,7 +190,7 @@ def test_the_query_outer_subject_times_the_forward_and_step_with_the_query_outer
     """`--query-outer` adds `torch_msa q-outer`: torch_msa's fwd and step, each call with
     `TORCH_MSA_QUERY_OUTER=1` set and the caller's value restored after it."""
     from torch_msa.contract import M3
-    from torch_msa.plan.groups import QUERY_OUTER_ENV
+    from torch_msa.settings import QUERY_OUTER_ENV
 
     def plain(inputs, max_reference_tokens):
         def measurements():

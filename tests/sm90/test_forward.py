@@ -30,7 +30,7 @@ from tests.support.sm90 import (
     with_junk_ids,
 )
 from torch_msa import reference
-from torch_msa.plan.groups import QUERY_OUTER_ENV
+from torch_msa.settings import QUERY_OUTER_ENV
 from torch_msa.testing import fragments, random_block_indices
 
 pytestmark = SM90_MARKS

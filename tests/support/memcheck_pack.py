@@ -18,7 +18,7 @@ import os
 import torch
 
 import torch_msa
-from torch_msa.plan.groups import QUERY_OUTER_ENV
+from torch_msa.settings import QUERY_OUTER_ENV
 from torch_msa.testing import cu_seqlens, random_block_indices
 
 torch.manual_seed(0)

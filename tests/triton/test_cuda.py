@@ -17,8 +17,8 @@ from benchmarks.problems import tile_shared
 from tests.support.determinism import deterministic_algorithms
 from tests.support.documents import backend_arguments
 from torch_msa import backends, reference
-from torch_msa.plan.groups import QUERY_OUTER_ENV
 from torch_msa.plan.schedule import entries_per_item
+from torch_msa.settings import QUERY_OUTER_ENV
 from torch_msa.testing import cu_seqlens, fragments, random_block_indices, skewed_block_indices
 
 pytestmark = pytest.mark.cuda

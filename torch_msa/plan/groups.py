@@ -2,7 +2,6 @@
 and the reference build. Design and cost model: `torch_msa/plan/README.md`.
 """
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -10,9 +9,6 @@ import torch.nn.functional as F
 
 from ..documents import Documents
 from .schedule import valid_entries
-
-QUERY_OUTER_ENV = "TORCH_MSA_QUERY_OUTER"
-"""Set to 1, asks the forwards to run the blocks the groups list query-outer (read per call)."""
 
 GROUP_ROWS = 128
 """Query rows (tokens x query heads of a KV head) of a group: the rows of one query-outer tile."""
@@ -35,9 +31,9 @@ class QueryGroups(NamedTuple):
             id that holds no group.
         group_union: `[Hkv, NG]` the distinct blocks the group's queries validly select.
         group_blocks: `[Hkv, NG, MQ]` the blocks the group runs query-outer, ascending, `-1` after.
-        kv_outer_indices: `[Hkv, Tq, topk]` the selection the KV-outer part walks: `block_indices`
-            with `-1` wherever the id is a block the query's group lists. A valid entry runs
-            query-outer where its id is replaced, KV-outer where it is kept.
+        kv_outer_indices: `[Hkv, Tq, topk]`, contiguous, the selection the KV-outer part walks:
+            `block_indices` with `-1` wherever the id is a block the query's group lists. A valid
+            entry runs query-outer where its id is replaced, KV-outer where it is kept.
     """
 
     token_group: torch.Tensor
@@ -46,11 +42,6 @@ class QueryGroups(NamedTuple):
     group_union: torch.Tensor
     group_blocks: torch.Tensor
     kv_outer_indices: torch.Tensor
-
-
-def query_outer_requested() -> bool:
-    """True when `QUERY_OUTER_ENV` asks the forwards for their query-outer part."""
-    return os.environ.get(QUERY_OUTER_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def group_tokens(num_heads: int, num_kv_heads: int) -> int:

@@ -11,8 +11,9 @@ import triton
 import triton.language as tl
 
 from ..documents import Documents
-from ..plan.groups import QueryGroups, group_tokens, query_outer_requested
+from ..plan.groups import QueryGroups, group_tokens
 from ..plan.kernels import query_groups
+from ..settings import query_outer_requested
 from ..triton_utils.common import LOG2_E, binary_search_steps, dot_precision, locate_tokens
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 
@@ -25,14 +26,14 @@ def msa_fwd_groups_kernel(
     q, k, v, partial_out, partial_lse,
     block_indices, kv_outer_indices, group_start, group_end, group_blocks,
     cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
-    window_start, window_stop, num_ids, num_keys, num_segments, num_docs, search_steps, qk_scale,
+    first_group, window_start, window_stop, num_ids, num_keys, num_segments, num_docs, search_steps, qk_scale,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
-    stride_bi_head, stride_bi_token, stride_bi_slot, stride_kv_outer_head,
+    stride_bi_head, stride_bi_token, stride_bi_slot, stride_kv_head, stride_kv_token, stride_kv_slot,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, MOST: tl.constexpr, MOST_P2: tl.constexpr, BLOCK: tl.constexpr,
     DIM: tl.constexpr, PRECISION: tl.constexpr, FRAGMENTS: tl.constexpr,
 ):
-    group = tl.program_id(0)
+    group = first_group + tl.program_id(0)
     kv_head = tl.program_id(1)
     start = tl.maximum(tl.load(group_start + group), window_start)
     end = tl.minimum(tl.load(group_end + group), window_stop)
@@ -58,8 +59,8 @@ def msa_fwd_groups_kernel(
     slot_ok = row_ok[:, None] & (slots[None, :] < TOPK)
     ids = tl.load(block_indices + kv_head.to(tl.int64) * stride_bi_head + token[:, None] * stride_bi_token
                   + slots[None, :] * stride_bi_slot, mask=slot_ok, other=-1)
-    kv_outer = tl.load(kv_outer_indices + kv_head.to(tl.int64) * stride_kv_outer_head + token[:, None] * TOPK
-                       + slots[None, :], mask=slot_ok, other=-1)
+    kv_outer = tl.load(kv_outer_indices + kv_head.to(tl.int64) * stride_kv_head + token[:, None] * stride_kv_token
+                       + slots[None, :] * stride_kv_slot, mask=slot_ok, other=-1)
     seen = (ids >= 0) & (ids.to(tl.int64) <= tl.where(pos >= 0, pos // BLOCK, -1)[:, None])
     first_slot = tl.min(tl.where(seen & (kv_outer < 0), slots[None, :], TOPK_P2), axis=1)
 
@@ -121,11 +122,11 @@ class QueryOuter:
     stop: int
 
     def window(self, start: int, stop: int) -> "QueryOuter":
+        """The same call's work seen from queries `[start, stop)`."""
         return dataclasses.replace(self, start=start, stop=stop)
 
 
-def query_outer_work(block_indices, documents: Documents, num_keys: int, block_size: int,
-                     num_heads: int) -> QueryOuter:
+def for_call(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int) -> QueryOuter:
     """The query groups of a forward call (`torch_msa.plan.kernels.query_groups`), over all its queries."""
     block_indices = block_indices if block_indices.dtype == torch.int32 else block_indices.to(torch.int32)
     groups = query_groups(block_indices, documents, num_keys, block_size,
@@ -138,7 +139,7 @@ def split_forward(block_indices, documents: Documents, num_keys: int, block_size
     """How a backend's forward runs a call, as `(block_indices, plan, window_arguments)` for
     `torch_msa.query_windows.forward_in_windows`.
 
-    Without `TORCH_MSA_QUERY_OUTER=1` (`torch_msa.plan.groups.QUERY_OUTER_ENV`): the call's own, no
+    Without `TORCH_MSA_QUERY_OUTER=1` (`torch_msa.settings.QUERY_OUTER_ENV`): the call's own, no
     window arguments. With it: the KV-outer part's selection (`QueryGroups.kv_outer_indices`), no
     plan (a given plan holds every entry), and per window the `query_outer` keyword of the
     backend's forward. The groups are cut from the call's documents: a query window's one-token
@@ -146,7 +147,7 @@ def split_forward(block_indices, documents: Documents, num_keys: int, block_size
     """
     if not query_outer_requested():
         return block_indices, plan, None
-    work = query_outer_work(block_indices, documents, num_keys, block_size, num_heads)
+    work = for_call(block_indices, documents, num_keys, block_size, num_heads)
     return work.groups.kv_outer_indices, None, lambda start, stop: {"query_outer": work.window(start, stop)}
 
 
@@ -167,23 +168,28 @@ def add_partials(q, k, v, partial_out, partial_lse, work: QueryOuter, block_size
     topk = work.block_indices.shape[-1]
     cu_seqlens_q, fragments = documents.cu_seqlens_q, documents.has_fragments
     num_segments = cu_seqlens_q.numel() - 1
+    tokens = group_tokens(num_heads, num_kv_heads)
+    # The groups that meet the window: the group starting at query `t` of segment `s` has the id
+    # `t // G + s` (`torch_msa.plan.groups.group_ids`), so those of queries `[start, stop)` lie in
+    # `[start // G - 1, (stop - 1) // G + segments]`.
+    first_group = max(0, work.start // tokens - 1)
+    last_group = min(num_ids - 1, (work.stop - 1) // tokens + num_segments)
     shape_key = (q.device, q.dtype, dim, block_size, group, topk)
 
     def launch_groups(config):
-        msa_fwd_groups_kernel[(num_ids, num_kv_heads)](
+        msa_fwd_groups_kernel[(max(1, last_group - first_group + 1), num_kv_heads)](
             q, k, v, partial_out, partial_lse,
             work.block_indices, groups.kv_outer_indices, groups.group_start, groups.group_end, groups.group_blocks,
             cu_seqlens_q, documents.cu_seqlens_k,
             documents.fragment_documents if fragments else cu_seqlens_q,
             documents.fragment_starts if fragments else cu_seqlens_q,
-            work.start, work.stop, num_ids, num_keys, num_segments, documents.num_documents,
+            first_group, work.start, work.stop, num_ids, num_keys, num_segments, documents.num_documents,
             binary_search_steps(num_segments), softmax_scale * LOG2_E.value,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            *work.block_indices.stride(), groups.kv_outer_indices.stride(0),
-            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
-            TOKENS=group_tokens(num_heads, num_kv_heads), TOPK=topk, TOPK_P2=triton.next_power_of_2(topk),
-            MOST=most, MOST_P2=triton.next_power_of_2(most), BLOCK=block_size, DIM=dim,
-            PRECISION=dot_precision(q.dtype), FRAGMENTS=fragments,
+            *work.block_indices.stride(), *groups.kv_outer_indices.stride(),
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), TOKENS=tokens,
+            TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), MOST=most, MOST_P2=triton.next_power_of_2(most),
+            BLOCK=block_size, DIM=dim, PRECISION=dot_precision(q.dtype), FRAGMENTS=fragments,
             **config.options,
         )
 

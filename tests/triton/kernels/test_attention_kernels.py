@@ -20,8 +20,9 @@ from tests.support.triton_kernels import (
 )
 from torch_msa import reference, testing
 from torch_msa.plan import kernels as plan_kernel
-from torch_msa.plan.groups import QUERY_OUTER_ENV, build_query_groups, group_tokens
+from torch_msa.plan.groups import build_query_groups, group_tokens
 from torch_msa.plan.schedule import build_schedule, pack
+from torch_msa.settings import QUERY_OUTER_ENV
 from torch_msa.stages import query_outer
 from torch_msa.stages.dq import ungroup_dq
 from torch_msa.triton import backward as backward_kernel
@@ -176,7 +177,6 @@ def test_forward_in_query_windows_equals_one_call(monkeypatch):
     close(lse.nan_to_num(neginf=0), expected[1].nan_to_num(neginf=0), 1e-5, "lse")
 
 
-
 def _shared_selection(block_indices, block_size, run):
     """`block_indices` with each run of `run` queries taking its last query's ids where they are
     visible to the query: blocks shared by whole groups, by some of their queries and by one."""
@@ -217,7 +217,8 @@ def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch):
     from torch_msa import query_windows
 
     frag = testing.fragments((150, 0, 1, 90), ((3, 40, 50), (0, 0, 60), (2, 0, 1), (0, 60, 90), (3, 0, 40)), DEVICE)
-    num_heads, num_kv_heads, dim, block_size, topk, dtype = 4, 2, 64, 16, 4, torch.float32
+    # 16 query heads per KV head: groups of 8 queries, which the windows cut and launch in part.
+    num_heads, num_kv_heads, dim, block_size, topk, dtype = 32, 2, 64, 16, 4, torch.float32
     num_queries, num_keys = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
     fragments = frag.tensors
     block_indices = testing.random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, num_kv_heads, topk,
