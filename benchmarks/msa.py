@@ -28,6 +28,7 @@ run without fast kernels still finishes.
 """
 
 import os
+from unittest import mock
 
 import torch
 
@@ -145,15 +146,8 @@ def query_outer_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
 
     def with_query_outer(fn):
         def call():
-            before = os.environ.get(QUERY_OUTER_ENV)
-            os.environ[QUERY_OUTER_ENV] = "1"
-            try:
+            with mock.patch.dict(os.environ, {QUERY_OUTER_ENV: "1"}):
                 return fn()
-            finally:
-                if before is None:
-                    del os.environ[QUERY_OUTER_ENV]
-                else:
-                    os.environ[QUERY_OUTER_ENV] = before
 
         return call
 

@@ -254,3 +254,27 @@ def test_a_step_with_the_fused_index_loss_builds_one_plan_over_several_query_win
     forward_kernel, backward_kernel = recorded.kernels
     assert len(forward_kernel.calls) == 3 and len(backward_kernel.calls) == 1
     assert builds == [(KV_HEADS, TOKENS, TOPK)], "the step's plan is its only build"
+
+
+def test_the_sm90_forward_declines_before_building_the_query_groups(monkeypatch):
+    """With `TORCH_MSA_QUERY_OUTER=1`, inputs the SM90 kernels do not serve raise `UnsupportedInputs`
+    before any group is built (the fallback builds its own); without it no group is built at all."""
+    import torch_msa
+    from torch_msa.settings import QUERY_OUTER_ENV
+    from torch_msa.sm90 import interface
+    from torch_msa.stages import query_outer
+
+    built = []
+    monkeypatch.setattr(query_outer, "for_call", lambda *args: built.append(args))
+    monkeypatch.setattr(interface, "forward_in_windows", lambda *args, **kwargs: None)
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    block_indices = torch.zeros((KV_HEADS, 64, TOPK), dtype=torch.int32)
+    unserved = [torch.zeros(64, heads, 64) for heads in (HEADS, KV_HEADS, KV_HEADS)]  # fp32, D 64: declined
+    args = backend_arguments("forward", *unserved, block_indices, cu, cu, 64, 64, BLOCK, DIM**-0.5)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    interface.forward(*args)
+    assert built == []
+    monkeypatch.setenv(QUERY_OUTER_ENV, "1")
+    with pytest.raises(torch_msa.UnsupportedInputs):
+        interface.forward(*args)
+    assert built == []

@@ -3,7 +3,6 @@
 import torch
 
 from ..query_windows import forward_in_windows
-from ..settings import query_outer_requested
 from ..stages import query_outer
 from . import backward_deterministic, backward_host, forward_host, index_loss
 from .common import check_served
@@ -11,10 +10,9 @@ from .common import check_served
 
 def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
     with torch.cuda.device(q.device):
-        if query_outer_requested():  # decline before the groups are built: the fallback builds its own
-            check_served(q, k, v, block_size)
-        block_indices, plan, window_arguments = query_outer.split_forward(block_indices, documents, k.shape[0],
-                                                                          block_size, q.shape[1], plan)
+        block_indices, plan, window_arguments = query_outer.split_forward(
+            block_indices, documents, k.shape[0], block_size, q.shape[1], plan,
+            check=lambda: check_served(q, k, v, block_size))
         return forward_in_windows(forward_host.forward, q, k, v, block_indices, documents, block_size, softmax_scale,
                                   plan, window_arguments=window_arguments)
 

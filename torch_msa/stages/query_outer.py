@@ -127,15 +127,16 @@ class QueryOuter:
 
 
 def for_call(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int) -> QueryOuter:
-    """The query groups of a forward call (`torch_msa.plan.kernels.query_groups`), over all its queries."""
-    block_indices = block_indices if block_indices.dtype == torch.int32 else block_indices.to(torch.int32)
+    """The query groups of a forward call (`torch_msa.plan.kernels.query_groups`), over all its
+    queries; `block_indices` int32, as `msa::forward` takes it."""
     groups = query_groups(block_indices, documents, num_keys, block_size,
                           group_tokens(num_heads, block_indices.shape[0]))
     return QueryOuter(groups, block_indices, documents, 0, block_indices.shape[1])
 
 
-def split_forward(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int,
-                  plan) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[int, int], dict] | None]:
+def split_forward(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int, plan,
+                  check: Callable[[], None] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[int, int], dict] | None]:
     """How a backend's forward runs a call, as `(block_indices, plan, window_arguments)` for
     `torch_msa.query_windows.forward_in_windows`.
 
@@ -143,10 +144,13 @@ def split_forward(block_indices, documents: Documents, num_keys: int, block_size
     window arguments. With it: the KV-outer part's selection (`QueryGroups.kv_outer_indices`), no
     plan (a given plan holds every entry), and per window the `query_outer` keyword of the
     backend's forward. The groups are cut from the call's documents: a query window's one-token
-    fragments would make groups of one query.
+    fragments would make groups of one query. `check`, when given, runs before the groups are
+    built: a backend that may decline the inputs declines there, not after building them.
     """
     if not query_outer_requested():
         return block_indices, plan, None
+    if check is not None:
+        check()
     work = for_call(block_indices, documents, num_keys, block_size, num_heads)
     return work.groups.kv_outer_indices, None, lambda start, stop: {"query_outer": work.window(start, stop)}
 
