@@ -83,10 +83,11 @@ def _forward_groups(config):
     types = dict.fromkeys(("q", "k", "v", "partial_out"), "*bf16") | {"partial_lse": "*fp32", "qk_scale": "fp32"}
     types |= DOCUMENT_TABLES | dict.fromkeys(("block_indices", "kv_outer_indices", "group_start", "group_end",
                                               "group_blocks"), "*i32")
-    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=GROUP,
-                     TOKENS=group_tokens(M3["num_heads"], M3["num_kv_heads"]), TOPK=M3["topk"], TOPK_P2=M3["topk"],
-                     MOST=most, MOST_P2=triton.next_power_of_2(most), BLOCK=M3["block_size"], DIM=M3["dim"],
-                     PRECISION="tf32", FRAGMENTS=False)
+    tokens, parts = query_outer.program_tokens(M3["num_heads"], M3["num_kv_heads"], config.rows)
+    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=GROUP, TOKENS=tokens,
+                     TOPK=M3["topk"], TOPK_P2=M3["topk"], MOST=most, MOST_P2=triton.next_power_of_2(most),
+                     BLOCK=M3["block_size"], DIM=M3["dim"], PRECISION="tf32", FRAGMENTS=False,
+                     PARTS=parts)
     return query_outer.msa_fwd_groups_kernel, types, constants
 
 

@@ -31,12 +31,14 @@ def msa_fwd_groups_kernel(
     stride_bi_head, stride_bi_token, stride_bi_slot, stride_kv_head, stride_kv_token, stride_kv_slot,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, MOST: tl.constexpr, MOST_P2: tl.constexpr, BLOCK: tl.constexpr,
-    DIM: tl.constexpr, PRECISION: tl.constexpr, FRAGMENTS: tl.constexpr,
+    DIM: tl.constexpr, PRECISION: tl.constexpr, FRAGMENTS: tl.constexpr, PARTS: tl.constexpr,
 ):
-    group = first_group + tl.program_id(0)
+    # A group's `TOKENS * PARTS` queries run in `PARTS` programs of `TOKENS` queries each.
+    group = first_group + tl.program_id(0) // PARTS
     kv_head = tl.program_id(1)
-    start = tl.maximum(tl.load(group_start + group), window_start)
-    end = tl.minimum(tl.load(group_end + group), window_stop)
+    part_start = tl.load(group_start + group) + (tl.program_id(0) % PARTS) * TOKENS
+    start = tl.maximum(part_start, window_start)
+    end = tl.minimum(tl.minimum(tl.load(group_end + group), part_start + TOKENS), window_stop)
     listed = tl.arange(0, MOST_P2)
     group_row = group_blocks + (kv_head.to(tl.int64) * num_ids + group) * MOST
     num_listed = tl.sum((tl.load(group_row + listed, mask=listed < MOST, other=-1) >= 0).to(tl.int32), axis=0)
@@ -51,6 +53,7 @@ def msa_fwd_groups_kernel(
                                       num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
     first_key = tl.max(tl.where(row_ok, key_start, 0), axis=0)
     horizon = tl.max(tl.where(row_ok, pos, -1), axis=0)
+    low = tl.min(tl.where(row_ok, pos, horizon), axis=0)
 
     # A row attends to a listed block when its selection holds the id (the causal mask hides one
     # it does not see yet). Its merged partial goes to the slot of its first seen listed id (the
@@ -85,8 +88,12 @@ def msa_fwd_groups_kernel(
                          mask=key_ok[:, None], other=0.0)
         selects = tl.max((ids == block).to(tl.int32), axis=1) > 0
         scores = tl.dot(q_rows, tl.trans(keys), input_precision=PRECISION) * qk_scale
-        visible = selects[:, None] & (key_position[None, :] <= pos[:, None]) & key_ok[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
+        # A block every row selects and sees whole needs no mask.
+        masked = ((tl.min(tl.where(row_ok, selects.to(tl.int32), 1), axis=0) == 0) | (block * BLOCK + BLOCK - 1 > low)
+                  | (first_key + block * BLOCK + BLOCK > num_keys))
+        if masked:
+            visible = selects[:, None] & (key_position[None, :] <= pos[:, None]) & key_ok[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         rescale = tl.exp2(row_max - shift)
@@ -155,6 +162,16 @@ def split_forward(block_indices, documents: Documents, num_keys: int, block_size
     return work.groups.kv_outer_indices, None, lambda start, stop: {"query_outer": work.window(start, stop)}
 
 
+def program_tokens(num_heads: int, num_kv_heads: int, rows: int) -> tuple[int, int]:
+    """`(tokens, parts)`: a group's queries run in `parts` programs of `tokens` queries, `rows`
+    (a power of two; 0 for the whole group) query rows each."""
+    tokens = group_tokens(num_heads, num_kv_heads)
+    if rows:
+        group_p2 = triton.next_power_of_2(max(1, num_heads // max(1, num_kv_heads)))
+        tokens = max(1, min(tokens, rows // group_p2))
+    return tokens, group_tokens(num_heads, num_kv_heads) // tokens
+
+
 def add_partials(q, k, v, partial_out, partial_lse, work: QueryOuter, block_size: int, softmax_scale: float) -> None:
     """Write the query-outer partials of `work`'s window into a KV-outer forward's (in place).
 
@@ -181,7 +198,8 @@ def add_partials(q, k, v, partial_out, partial_lse, work: QueryOuter, block_size
     shape_key = (q.device, q.dtype, dim, block_size, group, topk)
 
     def launch_groups(config):
-        msa_fwd_groups_kernel[(max(1, last_group - first_group + 1), num_kv_heads)](
+        part_tokens, parts = program_tokens(num_heads, num_kv_heads, config.rows)
+        msa_fwd_groups_kernel[(max(1, last_group - first_group + 1) * parts, num_kv_heads)](
             q, k, v, partial_out, partial_lse,
             work.block_indices, groups.kv_outer_indices, groups.group_start, groups.group_end, groups.group_blocks,
             cu_seqlens_q, documents.cu_seqlens_k,
@@ -191,9 +209,9 @@ def add_partials(q, k, v, partial_out, partial_lse, work: QueryOuter, block_size
             binary_search_steps(num_segments), softmax_scale * LOG2_E.value,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             *work.block_indices.stride(), *groups.kv_outer_indices.stride(),
-            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), TOKENS=tokens,
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), TOKENS=part_tokens,
             TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), MOST=most, MOST_P2=triton.next_power_of_2(most),
-            BLOCK=block_size, DIM=dim, PRECISION=dot_precision(q.dtype), FRAGMENTS=fragments,
+            BLOCK=block_size, DIM=dim, PRECISION=dot_precision(q.dtype), FRAGMENTS=fragments, PARTS=parts,
             **config.options,
         )
 

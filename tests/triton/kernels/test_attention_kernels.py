@@ -29,6 +29,8 @@ from torch_msa.triton import backward as backward_kernel
 from torch_msa.triton import backward_deterministic
 from torch_msa.triton import forward as forward_kernel
 from torch_msa.triton import select as select_kernel
+from torch_msa.triton_utils import launch
+from torch_msa.triton_utils.launch import LaunchConfig
 
 require_a_device()
 
@@ -209,10 +211,11 @@ def test_the_query_outer_forward_matches_reference(case):
     close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[q.dtype], "lse")
 
 
-def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch):
+@pytest.mark.parametrize("rows", [0, 32])
+def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch, rows):
     """Asked for by `TORCH_MSA_QUERY_OUTER`, the backend's forward groups the call's queries
     (fragments are segments of their own) and runs them through query windows of 45 queries, which
-    cut groups: it still matches the reference."""
+    cut groups: it still matches the reference, with a group in one program or (`rows` 32) in four."""
     import torch_msa.triton.interface as triton_backend
     from torch_msa import query_windows
 
@@ -236,7 +239,8 @@ def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch):
     kv_outer, plan, window_arguments = query_outer.split_forward(block_indices, forward_args[4], num_keys, block_size,
                                                                  num_heads, None)
     assert ((kv_outer < 0) & (block_indices >= 0)).any() and window_arguments is not None
-    out, lse = triton_backend.forward(*forward_args)
+    with launch.pinned("msa_fwd_groups_kernel", LaunchConfig(num_stages=1, num_warps=4, rows=rows)):
+        out, lse = triton_backend.forward(*forward_args)
     close(out, out_ref, TOLERANCE[dtype], "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
     close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[dtype], "lse")
