@@ -174,8 +174,8 @@ def _kl_forward(config):
 
 def _kl_backward(config):
     types = dict.fromkeys(("index_q", "index_k"), "*bf16") | dict.fromkeys(SCHEDULE_TABLES, "*i32")
-    types |= dict.fromkeys(("index_lse", "teacher_mass", "coefficient", "d_index_q", "d_index_k"), "*fp32")
-    types |= {"index_scale": "fp32"}
+    types |= dict.fromkeys(("index_lse", "teacher_mass", "grad_loss", "d_index_q", "d_index_k"), "*fp32")
+    types |= {"index_scale": "fp32", "coefficient_scale": "fp32"}
     constants = dict(NUM_KV_HEADS=M3["index_heads"], TOKENS=config.rows, TOPK=M3["topk"], BLOCK=M3["block_size"],
                      INDEX_DIM=M3["index_dim"], INDEX_PRECISION="tf32", SPLIT=True, DETERMINISTIC=False, teacher=None)
     return kl_kernel.msa_kl_bwd_kernel, types, constants

@@ -275,14 +275,15 @@ def msa_kl_fwd_from_teacher_kernel(
 @cached_launches
 @triton.jit
 def msa_kl_bwd_kernel(
-    index_q, index_k, index_lse, teacher_mass, coefficient, d_index_q, d_index_k,
+    index_q, index_k, index_lse, teacher_mass, grad_loss, d_index_q, d_index_k,
     entry_query, item_bucket, item_start, item_end, bucket_head, bucket_key_row, bucket_block, position,
-    num_keys, index_scale, stride_iq_token, stride_iq_head, stride_ik_token,
+    num_keys, index_scale, coefficient_scale, stride_iq_token, stride_iq_head, stride_ik_token,
     NUM_KV_HEADS: tl.constexpr, TOKENS: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
     INDEX_DIM: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DETERMINISTIC: tl.constexpr = False,
     teacher=None,
 ):
-    """The gradient pass: `c * M * P_s` reduced into `d_index_q` and `d_index_k`; with a given
+    """The gradient pass: `c * M * P_s` reduced into `d_index_q` and `d_index_k`, `c = grad_loss *
+    coefficient_scale` (`coefficient_scale`); with a given
     `teacher` `[Tq, Hi, topk, BLOCK]` (contiguous), `c * (M * P_s - P_t)`, both halves in one
     reduction. `DETERMINISTIC`: the reductions are stored, not added, as in `msa_kl_fwd_kernel`:
     `d_index_q` is then the per-entry rows and `d_index_k` the per-item rows."""
@@ -290,7 +291,7 @@ def msa_kl_bwd_kernel(
         index_k, entry_query, item_start, item_end, item_bucket, bucket_head, bucket_key_row, bucket_block, position,
         num_keys, stride_ik_token, TOPK, BLOCK, INDEX_DIM,
     )
-    scale = tl.load(coefficient)
+    scale = tl.load(grad_loss).to(tl.float32) * coefficient_scale
     key_sums = tl.zeros((BLOCK, INDEX_DIM), tl.float32)
 
     for first in range(start, end, TOKENS):
@@ -328,6 +329,13 @@ class ForwardPartials(NamedTuple):
     mass: torch.Tensor
 
 
+def zeroed(*shapes, device) -> list[torch.Tensor]:
+    """fp32 zeros of each of `shapes`, contiguous views of one buffer: one fill."""
+    sizes = [math.prod(shape) for shape in shapes]
+    buffer = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    return [part.view(shape) for part, shape in zip(buffer.split(sizes), shapes)]
+
+
 def forward_partials(num_index_heads: int, num_queries: int, topk: int, device) -> ForwardPartials:
     """The forward's partials at their initial values, on `device` (one fill)."""
     return ForwardPartials(*torch.zeros((4, num_index_heads, num_queries, topk), dtype=torch.float32,
@@ -340,10 +348,11 @@ _FINISH_ROWS = 256  # (index head, query) rows per program of the finish kernel
 @cached_launches
 @triton.jit
 def msa_kl_finish_kernel(part_max, part_sum, part_weighted, part_mass, index_lse, teacher_mass, divergence,
-                         num_queries, num_rows, NUM_INDEX_HEADS: tl.constexpr, TOPK: tl.constexpr,
+                         num_queries, num_rows, row_weight, NUM_INDEX_HEADS: tl.constexpr, TOPK: tl.constexpr,
                          TOPK_P2: tl.constexpr, ROWS: tl.constexpr):
     """Per (index head, query) row: the student's lse (natural log) over its entries' partials and
-    the teacher's mass, both stored `[Tq, Hi]`, and the program's sum of the rows' divergences."""
+    the teacher's mass, both stored `[Tq, Hi]`, and the program's sum of the rows' divergences
+    times `row_weight` (the loss is the mean over rows)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
     slots = tl.arange(0, TOPK_P2)
@@ -362,7 +371,7 @@ def msa_kl_finish_kernel(part_max, part_sum, part_weighted, part_mass, index_lse
     pair = (rows % num_queries).to(tl.int64) * NUM_INDEX_HEADS + rows // num_queries
     tl.store(index_lse + pair, lse, mask=row_ok)
     tl.store(teacher_mass + pair, mass, mask=row_ok)
-    tl.store(divergence + tl.program_id(0), tl.sum(tl.where(row_ok, rows_divergence, 0.0), axis=0))
+    tl.store(divergence + tl.program_id(0), tl.sum(tl.where(row_ok, rows_divergence, 0.0), axis=0) * row_weight)
 
 
 def finish_forward(partials: ForwardPartials, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -379,15 +388,14 @@ def finish_forward(partials: ForwardPartials, dtype: torch.dtype) -> tuple[torch
     if num_rows and topk:
         msa_kl_finish_kernel[(programs,)](
             *(part if part.is_contiguous() else part.contiguous() for part in partials), index_lse, mass, divergence,
-            num_queries, num_rows,
+            num_queries, num_rows, 1.0 / num_rows,
             NUM_INDEX_HEADS=num_index_heads, TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), ROWS=_FINISH_ROWS,
         )
     else:  # no row or no slot: every lse is -inf, every mass and divergence 0
         index_lse.fill_(-math.inf)
         mass.zero_()
         divergence.zero_()
-    loss = divergence.sum() * (1.0 / max(1, num_rows))
-    return loss.to(dtype), index_lse.to(dtype), mass.to(dtype)
+    return divergence.sum().to(dtype), index_lse.to(dtype), mass.to(dtype)
 
 
 def launch_forward(q, k, lse, index_q, index_k, partials: ForwardPartials, teacher_sums, schedule, topk, block_size,
@@ -471,18 +479,20 @@ def indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size
     return loss, lse.clone(), index_lse, mass, teacher_index_keys, teacher_index_queries
 
 
-def backward_coefficient(grad_loss, index_softmax_scale: float, num_queries: int, num_index_heads: int) -> torch.Tensor:
-    """`c = grad_loss * index_scale / (Tq * Hi)`, fp32 `[1]`: `d = c * (student - teacher)`."""
-    return (grad_loss.float() * (index_softmax_scale / max(1, num_queries * num_index_heads))).reshape(1)
+def coefficient_scale(index_softmax_scale: float, num_queries: int, num_index_heads: int) -> float:
+    """`index_scale / (Tq * Hi)`: the gradient's coefficient is `c = grad_loss * coefficient_scale`,
+    `d = c * (student - teacher)`."""
+    return index_softmax_scale / max(1, num_queries * num_index_heads)
 
 
-def launch_backward(index_q, index_k, index_lse, teacher_mass, coefficient, student_sums, schedule, topk, block_size,
-                    index_softmax_scale, deterministic: bool, teacher=None) -> None:
+def launch_backward(index_q, index_k, index_lse, teacher_mass, coefficient: tuple, student_sums, schedule, topk,
+                    block_size, index_softmax_scale, deterministic: bool, teacher=None) -> None:
     """`msa_kl_bwd_kernel` over every item of `schedule`.
 
     Args:
         index_q, index_k: unit stride in the index dim; index_lse, teacher_mass: fp32 `[Tq, Hi]`,
-            contiguous; coefficient: from `backward_coefficient`.
+            contiguous; coefficient: `(grad_loss, scale)`, the loss's 0-D gradient and the call's
+            `coefficient_scale`: the kernel forms `c = grad_loss * scale`.
         student_sums: `(d_index_q, d_index_k)`: fp32 `[Tq, Hi, Di]` and `[Tk, 1, Di]` that the
             kernel adds `c` times the student's reductions to, or with `deterministic` the
             per-entry rows `[Tq, Hi, topk, Di]` and the per-item rows `[max_items * block_size, Di]`
@@ -491,11 +501,12 @@ def launch_backward(index_q, index_k, index_lse, teacher_mass, coefficient, stud
             subtracts in the same reductions, or None (the teacher's half is elsewhere).
     """
     num_index_heads, index_dim = index_q.shape[1:]
+    grad_loss, scale = coefficient
 
     def launch_config(config):
         msa_kl_bwd_kernel[(schedule.item_start.numel(),)](
-            index_q, index_k, index_lse, teacher_mass, coefficient, *student_sums, *_schedule_tables(schedule),
-            index_k.shape[0], index_softmax_scale * LOG2_E.value, index_q.stride(0), index_q.stride(1),
+            index_q, index_k, index_lse, teacher_mass, grad_loss, *student_sums, *_schedule_tables(schedule),
+            index_k.shape[0], index_softmax_scale * LOG2_E.value, scale, index_q.stride(0), index_q.stride(1),
             index_k.stride(0),
             NUM_KV_HEADS=num_index_heads, TOKENS=config.rows, TOPK=topk, BLOCK=block_size,
             INDEX_DIM=index_dim, INDEX_PRECISION=dot_precision(index_q.dtype), SPLIT=split_weights(index_q.dtype),
@@ -526,7 +537,8 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
     check_atomics_allowed()
     num_queries, num_index_heads, _ = index_q.shape
     num_keys = index_k.shape[0]
-    coefficient = backward_coefficient(grad_loss, index_softmax_scale, num_queries, num_index_heads)
+    scale = coefficient_scale(index_softmax_scale, num_queries, num_index_heads)
+    coefficient = grad_loss.float() * scale
     # d = c * (student - teacher): the buffers start at the teacher's half, the kernel adds the student's.
     d_index_q = (teacher_index_keys.float() * -coefficient).contiguous()
     d_index_k = (teacher_index_queries.float() * -coefficient).contiguous()
@@ -534,7 +546,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
         index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
         schedule = student_schedule(block_indices, documents, num_keys, block_size, num_index_heads, plan)
         launch_backward(index_q, index_k, index_lse.float().contiguous(), teacher_mass.float().contiguous(),
-                        coefficient, (d_index_q, d_index_k), schedule, block_indices.shape[-1], block_size,
+                        (grad_loss, scale), (d_index_q, d_index_k), schedule, block_indices.shape[-1], block_size,
                         index_softmax_scale, deterministic=False)
     return d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)
 
@@ -557,7 +569,15 @@ def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices,
     num_keys = index_k.shape[0]
     topk = block_indices.shape[-1]
     device = index_q.device
-    partials = forward_partials(num_index_heads, num_queries, topk, device)
+    if grad_loss is None:
+        partials = forward_partials(num_index_heads, num_queries, topk, device)
+    else:
+        # The query gradient's accumulator and the partials in one zero fill (the key gradient's
+        # apart: the op's two outputs must not share storage).
+        d_index_q, partial_rows = zeroed((num_queries, num_index_heads, index_dim),
+                                         (4, num_index_heads, num_queries, topk), device=device)
+        partials = ForwardPartials(*partial_rows.unbind(0))
+        d_index_k = torch.zeros((num_keys, 1, index_dim), dtype=torch.float32, device=device)
     work = num_queries > 0 and num_keys > 0 and topk > 0
     if work:
         index_q, index_k = (x if x.stride(-1) == 1 else x.contiguous() for x in (index_q, index_k))
@@ -568,11 +588,9 @@ def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices,
     loss, index_lse, mass = finish_forward(partials, loss_dtype(index_q.dtype))
     if grad_loss is None:
         return loss, None, None
-    d_index_q = torch.zeros((num_queries, num_index_heads, index_dim), dtype=torch.float32, device=device)
-    d_index_k = torch.zeros((num_keys, 1, index_dim), dtype=torch.float32, device=device)
     if work:
-        coefficient = backward_coefficient(grad_loss, index_softmax_scale, num_queries, num_index_heads)
-        launch_backward(index_q, index_k, index_lse.float().contiguous(), mass.float().contiguous(), coefficient,
+        launch_backward(index_q, index_k, index_lse.float().contiguous(), mass.float().contiguous(),
+                        (grad_loss, coefficient_scale(index_softmax_scale, num_queries, num_index_heads)),
                         (d_index_q, d_index_k), schedule, topk, block_size, index_softmax_scale, deterministic=False,
                         teacher=teacher)
     return loss, d_index_q.to(index_q.dtype), d_index_k.to(index_k.dtype)

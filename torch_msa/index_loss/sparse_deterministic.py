@@ -13,8 +13,8 @@ from ..stages.deterministic import bucket_first_items, reduce_item_rows
 from . import sparse
 from .sparse import (
     ForwardPartials,
-    backward_coefficient,
     check_inputs,
+    coefficient_scale,
     finish_forward,
     forward_partials,
     launch_backward,
@@ -135,7 +135,8 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
     num_queries, num_index_heads, index_dim = index_q.shape
     num_keys = index_k.shape[0]
     topk = block_indices.shape[-1]
-    coefficient = backward_coefficient(grad_loss, index_softmax_scale, num_queries, num_index_heads)
+    scale = coefficient_scale(index_softmax_scale, num_queries, num_index_heads)
+    coefficient = grad_loss.float() * scale
     # d = c * (student - teacher); the kernel stores the student's half.
     d_index_q = teacher_index_keys.float() * -coefficient
     d_index_k = teacher_index_queries.float() * -coefficient
@@ -150,7 +151,7 @@ def indexer_kl_backward(grad_loss, index_q, index_k, index_lse, teacher_mass, te
                                         plan if stop - start == num_queries else None)
             schedule, bucket_first_item, entry_rows, item_rows = _workspaces(
                 schedule, num_index_heads, stop - start, topk, block_size, index_dim)
-            launch_backward(index_q[start:stop], index_k, student_lse[start:stop], mass[start:stop], coefficient,
+            launch_backward(index_q[start:stop], index_k, student_lse[start:stop], mass[start:stop], (grad_loss, scale),
                             (entry_rows, item_rows), schedule, topk, block_size, index_softmax_scale,
                             deterministic=True)
             d_index_q[start:stop] += entry_rows.sum(2)
@@ -172,7 +173,7 @@ def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices,
     topk = block_indices.shape[-1]
     device = index_q.device
     partials = forward_partials(num_index_heads, num_queries, topk, device)
-    coefficient = backward_coefficient(grad_loss, index_softmax_scale, num_queries, num_index_heads)
+    scale = coefficient_scale(index_softmax_scale, num_queries, num_index_heads)
     d_index_q = torch.zeros((num_queries, num_index_heads, index_dim), dtype=torch.float32, device=device)
     d_index_k = torch.zeros((num_keys, 1, index_dim), dtype=torch.float32, device=device)
     if num_queries > 0 and num_keys > 0 and topk > 0:
@@ -185,7 +186,7 @@ def index_loss_from_teacher(teacher, grad_loss, index_q, index_k, block_indices,
             launch_forward_from_teacher(window_teacher, window_index_q, index_k, window_partials, schedule, topk,
                                         block_size, index_softmax_scale)
             _, student_lse, mass = finish_forward(window_partials, torch.float32)
-            launch_backward(window_index_q, index_k, student_lse, mass, coefficient, (entry_rows, item_rows), schedule,
+            launch_backward(window_index_q, index_k, student_lse, mass, (grad_loss, scale), (entry_rows, item_rows), schedule,
                             topk, block_size, index_softmax_scale, deterministic=True, teacher=window_teacher)
             d_index_q[start:stop] = entry_rows.sum(2)
             # Windows in turn: a fixed order.
