@@ -282,11 +282,11 @@ def msa_kl_bwd_kernel(
     INDEX_DIM: tl.constexpr, INDEX_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DETERMINISTIC: tl.constexpr = False,
     teacher=None,
 ):
-    """The gradient pass: `c * M * P_s` reduced into `d_index_q` and `d_index_k`, `c = grad_loss *
-    coefficient_scale` (`coefficient_scale`); with a given
-    `teacher` `[Tq, Hi, topk, BLOCK]` (contiguous), `c * (M * P_s - P_t)`, both halves in one
-    reduction. `DETERMINISTIC`: the reductions are stored, not added, as in `msa_kl_fwd_kernel`:
-    `d_index_q` is then the per-entry rows and `d_index_k` the per-item rows."""
+    """The gradient pass: `c * M * P_s` reduced into `d_index_q` and `d_index_k`, with `c = grad_loss
+    * coefficient_scale` (the 0-D `grad_loss` read here); with a given `teacher` `[Tq, Hi, topk,
+    BLOCK]` (contiguous), `c * (M * P_s - P_t)`, both halves in one reduction. `DETERMINISTIC`:
+    the reductions are stored, not added, as in `msa_kl_fwd_kernel`: `d_index_q` is then the
+    per-entry rows and `d_index_k` the per-item rows."""
     item, start, end, kv_head, key_row, key_position, key_ok, index_keys = _item_block(
         index_k, entry_query, item_start, item_end, item_bucket, bucket_head, bucket_key_row, bucket_block, position,
         num_keys, stride_ik_token, TOPK, BLOCK, INDEX_DIM,
