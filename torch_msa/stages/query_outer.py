@@ -165,11 +165,11 @@ def split_forward(block_indices, documents: Documents, num_keys: int, block_size
 def program_tokens(num_heads: int, num_kv_heads: int, rows: int) -> tuple[int, int]:
     """`(tokens, parts)`: a group's queries run in `parts` programs of `tokens` queries, `rows`
     (a power of two; 0 for the whole group) query rows each."""
-    tokens = group_tokens(num_heads, num_kv_heads)
-    if rows:
-        group_p2 = triton.next_power_of_2(max(1, num_heads // max(1, num_kv_heads)))
-        tokens = max(1, min(tokens, rows // group_p2))
-    return tokens, group_tokens(num_heads, num_kv_heads) // tokens
+    whole = group_tokens(num_heads, num_kv_heads)
+    if not rows:
+        return whole, 1
+    tokens = max(1, min(whole, rows // triton.next_power_of_2(max(1, num_heads // max(1, num_kv_heads)))))
+    return tokens, whole // tokens
 
 
 def add_partials(q, k, v, partial_out, partial_lse, work: QueryOuter, block_size: int, softmax_scale: float) -> None:
