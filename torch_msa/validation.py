@@ -158,6 +158,13 @@ def _documents(documents: Documents, anchor_name, anchor) -> None:
 
 def check_select_blocks(index_q, index_k, documents: Documents, topk, block_size) -> None:
     """Metadata checks of `msa::select_blocks` (no host sync)."""
+    _index_tensors(index_q, index_k)
+    _documents(documents, "index_q", index_q)
+    check_host_args(documents.max_seqlen_q, documents.max_seqlen_k, block_size, topk=topk)
+
+
+def _index_tensors(index_q, index_k) -> None:
+    """`index_q [Tq, Hi, Di]` and `index_k [Tk, 1, Di]`: one float dtype, one device, one Di."""
     _float_tensor("index_q", index_q, "[Tq, Hi, Di]")
     _float_tensor("index_k", index_k, "[Tk, 1, Di]")
     _dim("index_k.shape[1]", index_k.shape[1], 1, "one shared index key head:")
@@ -169,8 +176,6 @@ def check_select_blocks(index_q, index_k, documents: Documents, topk, block_size
     if index_k.dtype != index_q.dtype:
         raise TypeError(f"index_k: expected dtype {index_q.dtype} (the dtype of index_q), got {index_k.dtype}")
     _same_device("index_k", index_k, "index_q", index_q)
-    _documents(documents, "index_q", index_q)
-    check_host_args(documents.max_seqlen_q, documents.max_seqlen_k, block_size, topk=topk)
 
 
 def check_attention(q, k, v, documents: Documents, block_size, softmax_scale) -> None:
@@ -457,7 +462,13 @@ def check_indexer_kl(q, k, lse, index_q, index_k, block_indices, documents: Docu
         check_block_indices(block_indices, q, k)
     if lse is not None:
         _lse_like("lse", lse, q)
-    check_select_blocks(index_q, index_k, documents, None, block_size)
+    _check_index_loss_inputs(q, k, index_q, index_k, index_softmax_scale)
+
+
+def _check_index_loss_inputs(q, k, index_q, index_k, index_softmax_scale) -> None:
+    """The index inputs of the index loss against q and k, whose own checks (and the documents')
+    came first."""
+    _index_tensors(index_q, index_k)
     if list(index_q.shape[:2]) != [q.shape[0], k.shape[1]]:
         raise ValueError(
             f"index_q: expected [Tq, Hi] = [{q.shape[0]}, {k.shape[1]}] (one index head per KV head), "
@@ -500,8 +511,7 @@ def check_forward_with_index_loss(q, k, v, index_q, index_k, block_indices, docu
     """Metadata checks of `msa::forward_with_index_loss` (no host sync): the forward's and the
     sparse index loss's, and `loss_value` a 0-D tensor of the loss's dtype on q's device."""
     check_forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan)
-    check_indexer_kl(q, k, None, index_q, index_k, block_indices, documents, block_size, softmax_scale,
-                     index_softmax_scale)
+    _check_index_loss_inputs(q, k, index_q, index_k, index_softmax_scale)
     check_loss_value(loss_value, index_q, q)
 
 
@@ -517,8 +527,7 @@ def check_backward_with_index_loss(grad_out, grad_loss, q, k, v, out, lse, index
     """Metadata checks of `msa::backward_with_index_loss` (no host sync): the attention
     backward's and the sparse index loss's, and `grad_loss` a 0-D tensor of the loss's dtype."""
     check_backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, softmax_scale, grad_lse, plan)
-    check_indexer_kl(q, k, lse, index_q, index_k, block_indices, documents, block_size, softmax_scale,
-                     index_softmax_scale)
+    _check_index_loss_inputs(q, k, index_q, index_k, index_softmax_scale)
     _loss_scalar("grad_loss", grad_loss, "[] (a scalar)", index_q, "q", q)
 
 
