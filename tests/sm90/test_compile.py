@@ -59,7 +59,7 @@ BACKWARD_VECTOR_ATOMICS = 2 * 2 * 32 // 2
 DS_MATRIX_STORES = 4
 
 
-def _build(tmp_path_factory, module: str, options: str = ""):
+def _build(tmp_path_factory, module: str, options: str = "", function: str = "compile_blocks_kernel"):
     """Compile `module`'s blocks kernel once for sm_90a (bf16, Hkv = 4, keyword `options`) with the
     cubin, PTX and SASS kept; returns the dump folder. The CuTe DSL writes SASS only for the
     architecture named by `CUTE_DSL_ARCH` when it is imported, so the compile runs in a fresh
@@ -70,9 +70,9 @@ def _build(tmp_path_factory, module: str, options: str = ""):
     code = (
         "import sys, torch\n"
         "from tests.support.cute_dsl import deprecated_dsl_use_is_an_error\n"
-        f"from torch_msa.sm90.{module} import compile_blocks_kernel\n"
+        f"from torch_msa.sm90.{module} import {function}\n"
         "with deprecated_dsl_use_is_an_error():\n"
-        f"    compile_blocks_kernel(torch.bfloat16, 4, 'sm_90a', sys.argv[1], listings=True, {options})\n"
+        f"    {function}(torch.bfloat16, 4, 'sm_90a', sys.argv[1], listings=True, {options})\n"
     )
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     environment = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": path}
@@ -86,6 +86,11 @@ def _build(tmp_path_factory, module: str, options: str = ""):
 @pytest.fixture(scope="module")
 def sm90_build(tmp_path_factory):
     return _build(tmp_path_factory, "forward_host")
+
+
+@pytest.fixture(scope="module")
+def sm90_groups_build(tmp_path_factory):
+    return _build(tmp_path_factory, "forward_host", function="compile_groups_kernel")
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +288,26 @@ def test_backend_is_unavailable_off_sm90():
 
     assert not sm90.available(torch.device("cpu"))
     assert set(sm90.BACKEND.ops) == {"forward", "backward", "backward_with_index_loss"}
+
+
+# The query-outer groups kernel per listed block: Q K^T and P V once each; its TMA loads: K and V
+# (two boxes each) and the Q tiles of both consumers (4 tokens, two boxes each); one token's output.
+GROUPS_TMA_LOADS = 2 * 2 + 2 * 4 * 2
+GROUPS_WGMMA_WAITS = 2
+
+
+@requires_cute
+def test_groups_kernel_is_warp_specialised_with_wgmmas_tma_and_no_spills(sm90_groups_build):
+    """`sm90/groups_kernel.py`: the forward's three warpgroups and register split, `Q K^T` from
+    shared memory and `P V` from registers once per block, its TMA loads and stores, no spills."""
+    ptx, sass = _listing(sm90_groups_build, ".ptx"), _listing(sm90_groups_build, ".sass")
+    assert ".target sm_90a" in ptx and ".reqntid 384, 1, 1" in ptx
+    qk = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+,", ptx)
+    pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{[^}]*\}, %rd\d+,", ptx)
+    assert (len(qk), len(pv)) == (K_STEPS, K_STEPS)
+    assert re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx) == [str(PRODUCER_REGISTERS)]
+    assert re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx) == [str(CONSUMER_REGISTERS)]
+    assert len(re.findall(r"\bUTMALDG\.[23]D\b", sass)) == GROUPS_TMA_LOADS
+    assert len(re.findall(r"\bUTMASTG\.[23]D\b", sass)) == TMA_STORES // 2
+    assert len(re.findall(r"\bWARPGROUP\.DEPBAR\b", sass)) == GROUPS_WGMMA_WAITS
+    assert not re.findall(r"\b(STL|LDL)\b", sass)

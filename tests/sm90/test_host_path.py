@@ -51,7 +51,7 @@ def check_call(compiled_args, call_args) -> None:
     from cutlass.cute.runtime import _FakeStream, _FakeTensor
 
     torch_dtypes = {cutlass.BFloat16: torch.bfloat16, cutlass.Float16: torch.float16, cutlass.Float32: torch.float32,
-                    cutlass.Int32: torch.int32}
+                    cutlass.Int32: torch.int32, cutlass.Int64: torch.int64}
     *parameters, stream = compiled_args
     assert isinstance(stream, _FakeStream) and stream.use_tvm_ffi_env_stream, "the stream comes from the environment"
     assert len(call_args) == len(parameters), "every parameter but the stream is passed"
@@ -278,3 +278,40 @@ def test_the_sm90_forward_declines_before_building_the_query_groups(monkeypatch)
     with pytest.raises(torch_msa.UnsupportedInputs):
         interface.forward(*args)
     assert built == []
+
+
+@requires_cute
+def test_the_query_outer_part_launches_the_groups_kernel_on_its_window(recorded, monkeypatch):
+    """With a `QueryOuter` part the forward launches the blocks kernel on the KV-outer part, then
+    the CuTe groups kernel on the call's flat tables (checked against what was compiled,
+    unconverted), its group ids and scalars, then the combine."""
+    from torch_msa import documents as reference_documents
+    from torch_msa.plan.groups import build_query_groups, group_tokens
+    from torch_msa.sm90 import forward_host
+    from torch_msa.stages.query_outer import QueryOuter
+
+    monkeypatch.setattr(forward_host, "locate_queries", reference_documents.locate_queries)
+    forward_host._compiled_groups.cache_clear()
+    q, k, v, block_indices, cu_q, cu_k, plan, schedule = _inputs(recorded.key_count)
+    documents = documents_of(cu_q, cu_k)
+    groups = build_query_groups(block_indices, documents, TOKENS, BLOCK, group_tokens(HEADS, KV_HEADS))
+    work = QueryOuter(groups, block_indices, documents, 0, TOKENS)
+    kv_outer = groups.kv_outer_indices
+    kv_plan = pack(build_schedule(kv_outer, documents, TOKENS, BLOCK, entries_per_item(HEADS, KV_HEADS)))
+    kv_schedule = unpack(kv_plan, kv_outer, TOKENS, 1, BLOCK)
+    recorded.key_count[kv_schedule.bucket_key_row.data_ptr()] = bucket_key_count(kv_schedule.bucket_key_row, cu_k,
+                                                                                  BLOCK)
+    args = backend_arguments("forward", q, k, v, kv_outer, cu_q, cu_k, TOKENS, TOKENS, BLOCK, DIM**-0.5, kv_plan)
+    forward_host.forward(*args, query_outer=work)
+    blocks, groups_kernel = recorded.kernels
+    assert len(blocks.calls) == len(groups_kernel.calls) == 1 and recorded.stages[-1] == "combine"
+    call = groups_kernel.calls[0]
+    assert torch.equal(call[5], block_indices.reshape(-1)) and torch.equal(call[6], groups.kv_outer_indices.reshape(-1))
+    assert call[7] is groups.group_start and call[8] is groups.group_end
+    located = reference_documents.locate_queries(cu_q, cu_k, TOKENS, TOKENS)
+    assert torch.equal(call[10], located.key_start) and torch.equal(call[11], located.position)
+    # Every group id (0 to 299 // 8 + 1 = 38), each with the four KV heads.
+    num_ids, most = groups.group_blocks.shape[1:]
+    assert call[12:20] == (TOPK, most, num_ids, TOKENS, 0, 39 * KV_HEADS, 0, TOKENS)
+    assert call[20] == pytest.approx(DIM**-0.5 * 1.4426950408889634) and call[21] == min(132, 39 * KV_HEADS)
+    forward_host._compiled_groups.cache_clear()

@@ -20,7 +20,7 @@ def cutlass_dtype(dtype: torch.dtype):
 
     types = {
         torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32,
-        torch.int32: cutlass.Int32,
+        torch.int32: cutlass.Int32, torch.int64: cutlass.Int64,
     }
     if dtype not in types:
         raise TypeError(f"dtype: expected one of {list(types)}, got {dtype}")

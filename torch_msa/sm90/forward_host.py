@@ -10,10 +10,21 @@ import torch
 from ..backends import UnsupportedInputs
 from ..contract import compute_dtype
 from ..cute_dsl import require_cute_dsl, sm_count
-from ..cute_dsl.cute_io import aligned_operand, launcher
+from ..cute_dsl.cute_io import aligned_operand, compile_kernel, fake_rows, launcher
+from ..plan.groups import group_tokens
 from ..stages.combine import combine
-from ..stages.query_outer import add_partials
-from .common import HEAD_DIM, HEADS_PER_KV, blocks_operands, check_served, compile_blocks, launch, step_schedule
+from ..stages.query_outer import QueryOuter
+from ..triton_utils.common import locate_queries
+from .common import (
+    HEAD_DIM,
+    HEADS_PER_KV,
+    LOG2_E,
+    blocks_operands,
+    check_served,
+    compile_blocks,
+    launch,
+    step_schedule,
+)
 
 CTAS_PER_SM = 1  # one CTA uses 224 KiB of shared memory
 # Rows, not elements: TMA addresses 64-bit, but extents and the partial lse's index are 32-bit.
@@ -61,7 +72,7 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     partial_lse = torch.full((rows,), -math.inf, dtype=torch.float32, device=q.device)
     launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale)
     if query_outer is not None:
-        add_partials(q, k, v, partial_out, partial_lse, query_outer, block_size, softmax_scale)
+        launch_groups(q, k, v, partial_out, partial_lse, query_outer, softmax_scale)
     combine(partial_out, partial_lse, out, lse, num_kv_heads, topk)
     return out, lse
 
@@ -97,3 +108,59 @@ def compile_blocks_kernel(
     from .forward_kernel import Sm90ForwardKernel
 
     return compile_blocks(Sm90ForwardKernel(num_kv_heads), operands(num_kv_heads), dtype, (), arch, dump_dir, listings)
+
+
+# The groups kernel's tensors after q, k, v (dim 0 dynamic): the partials, then `GroupTables`.
+GROUP_OPERANDS = (
+    ("partial_out", (HEAD_DIM,), None), ("partial_lse", (), torch.float32),
+    *((name, (), torch.int32) for name in ("block_indices", "kv_outer_indices", "group_start", "group_end",
+                                           "group_blocks")),
+    ("key_start", (), torch.int64), ("position", (), torch.int64),
+)
+
+
+def launch_groups(q, k, v, partial_out, partial_lse, work: QueryOuter, softmax_scale: float) -> None:
+    """The query-outer part of `work`'s window into the partials of `launch_blocks` (in place), as
+    `torch_msa.stages.query_outer.add_partials` writes it, on the CuTe groups kernel."""
+    num_kv_heads = k.shape[1]
+    groups, documents = work.groups, work.documents
+    num_call_queries, topk = work.block_indices.shape[1:]
+    num_ids, most = groups.group_blocks.shape[1:]
+    first_group, last_group = work.window_groups(group_tokens(q.shape[1], num_kv_heads))
+    num_units = max(0, last_group - first_group + 1) * num_kv_heads
+    if num_units == 0:
+        return
+    located = locate_queries(documents.cu_seqlens_q, documents.cu_seqlens_k, num_call_queries, k.shape[0],
+                             *documents.fragments)
+    tensors = (q, k, v, partial_out, partial_lse, work.block_indices.contiguous().view(-1),
+               groups.kv_outer_indices.view(-1), groups.group_start, groups.group_end,
+               groups.group_blocks.contiguous().view(-1), located.key_start, located.position)
+    grid = max(1, min(num_units, CTAS_PER_SM * sm_count(q.device)))
+    _compiled_groups(q.dtype, num_kv_heads)(*tensors, topk, most, num_ids, num_call_queries, first_group, num_units,
+                                             work.start, work.stop, softmax_scale * LOG2_E, grid)
+
+
+@functools.cache
+def _compiled_groups(dtype: torch.dtype, num_kv_heads: int):
+    return launcher(compile_groups_kernel(dtype, num_kv_heads))
+
+
+def compile_groups_kernel(
+    dtype: torch.dtype = torch.bfloat16,
+    num_kv_heads: int = 4,
+    arch: str | None = None,
+    dump_dir: str | None = None,
+    listings: bool = False,
+):
+    """`cute.compile` the query-outer groups kernel (`arch=None`: this GPU); sizes are dynamic."""
+    require_cute_dsl()
+    import cutlass
+
+    from .groups_kernel import Sm90GroupsKernel
+
+    operands = (("q", (HEADS_PER_KV * num_kv_heads, HEAD_DIM), None), ("k", (num_kv_heads, HEAD_DIM), None),
+                ("v", (num_kv_heads, HEAD_DIM), None), *GROUP_OPERANDS)
+    fakes = [fake_rows(dtype if want is None else want, inner) for _, inner, want in operands]
+    scalars = (*(cutlass.Int32(1) for _ in range(8)), cutlass.Float32(1.0), cutlass.Int32(1))
+    return compile_kernel(Sm90GroupsKernel(num_kv_heads), *fakes, *scalars, arch=arch, dump_dir=dump_dir,
+                          listings=listings)

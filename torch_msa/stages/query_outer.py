@@ -132,6 +132,15 @@ class QueryOuter:
         """The same call's work seen from queries `[start, stop)`."""
         return dataclasses.replace(self, start=start, stop=stop)
 
+    def window_groups(self, tokens_per_group: int) -> tuple[int, int]:
+        """`(first, last)`: the group ids that may meet the window. The group starting at query `t`
+        of segment `s` has the id `t // G + s` (`torch_msa.plan.groups.group_ids`), so those of
+        queries `[start, stop)` lie in `[start // G - 1, (stop - 1) // G + segments]`."""
+        num_ids = self.groups.group_start.shape[0]
+        num_segments = self.documents.cu_seqlens_q.shape[0] - 1
+        return (max(0, self.start // tokens_per_group - 1),
+                min(num_ids - 1, (self.stop - 1) // tokens_per_group + num_segments))
+
 
 def for_call(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int) -> QueryOuter:
     """The query groups of a forward call (`torch_msa.plan.kernels.query_groups`), over all its
@@ -189,12 +198,7 @@ def add_partials(q, k, v, partial_out, partial_lse, work: QueryOuter, block_size
     topk = work.block_indices.shape[-1]
     cu_seqlens_q, fragments = documents.cu_seqlens_q, documents.has_fragments
     num_segments = cu_seqlens_q.numel() - 1
-    tokens = group_tokens(num_heads, num_kv_heads)
-    # The groups that meet the window: the group starting at query `t` of segment `s` has the id
-    # `t // G + s` (`torch_msa.plan.groups.group_ids`), so those of queries `[start, stop)` lie in
-    # `[start // G - 1, (stop - 1) // G + segments]`.
-    first_group = max(0, work.start // tokens - 1)
-    last_group = min(num_ids - 1, (work.stop - 1) // tokens + num_segments)
+    first_group, last_group = work.window_groups(group_tokens(num_heads, num_kv_heads))
     shape_key = (q.device, q.dtype, dim, block_size, group, topk)
 
     def launch_groups(config):

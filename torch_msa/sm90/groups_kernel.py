@@ -1,0 +1,318 @@
+"""The SM90 query-outer kernel (CuTe DSL, sm_90a): per (query group, KV head), the group's listed
+blocks with an online softmax, written into the KV-outer forward's partials (the query-outer
+stage, `torch_msa/stages/README.md`); host side `forward_host.py`.
+"""
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..cute_dsl.compat import SmemAllocator
+from .blocks_kernel import K_MAJOR, MN_MAJOR, thread_and_warp
+from .common import BLOCK_SIZE, HEAD_DIM, TILE_ROWS, TOKENS_PER_TILE
+from .forward_kernel import (
+    CONSUMER_REGISTERS,
+    CONSUMERS,
+    KV_STAGES,
+    PRODUCER_REGISTERS,
+    Q_STAGES,
+    THREADS,
+    WARPGROUP_BARRIER,
+    WARPGROUP_THREADS,
+    WARPS_PER_WARPGROUP,
+    Sm90ForwardKernel,
+    issue_gemm,
+)
+from .mask import hide_scores_past, zero_keys_past
+from .pipeline import consumer_state, producer_state
+from .softmax import online_softmax_row
+from .tma import (
+    accumulator_as_operand_a,
+    accumulator_rows_cols,
+    load_key_block,
+    token_rows_tma,
+    token_tile_partition,
+)
+
+
+class GroupTables(NamedTuple):
+    """The int32 tables the kernel reads (`torch_msa.plan.groups.QueryGroups` and the call's
+    selection, flat): the selection and its KV-outer part `[Hkv * Tq * topk]`, the groups' bounds
+    `[NG]`, their listed blocks `[Hkv * NG * MQ]`; per query the packed row of its document's key 0
+    and its position `[Tq]`."""
+
+    block_indices: cute.Tensor
+    kv_outer_indices: cute.Tensor
+    group_start: cute.Tensor
+    group_end: cute.Tensor
+    group_blocks: cute.Tensor
+    key_start: cute.Tensor
+    position: cute.Tensor
+
+
+class Unit(NamedTuple):
+    """One (group, KV head): queries `start .. end - 1` (inside the window), `num_listed` blocks."""
+
+    group: Int32
+    kv_head: Int32
+    start: Int32
+    end: Int32
+    num_listed: Int32
+
+
+class Sm90GroupsKernel(Sm90ForwardKernel):
+    """The SM90 query-outer kernel; `__call__` is the `cute.jit` host function."""
+
+    @cute.jit
+    def __call__(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+        mPartialOut: cute.Tensor,  # [Tq_w * Hkv * topk * 16, 128]
+        mPartialLse: cute.Tensor,  # fp32 [Tq_w * Hkv * topk * 16]
+        *tables_and_scalars,  # `GroupTables`, then the scalars of `kernel`, grid_size, stream
+    ):
+        count = len(GroupTables._fields)
+        tables = GroupTables(*tables_and_scalars[:count])
+        topk, most, num_ids, num_queries, first_group, num_units, window_start, window_stop, scale_log2, grid_size, \
+            stream = tables_and_scalars[count:]
+        self.dtype = mQ.element_type
+        mma_qk = self.tiled_mma(K_MAJOR, (1, 1, 1), (TILE_ROWS, BLOCK_SIZE))
+        mma_pv = self.tiled_mma(MN_MAJOR, (1, 1, 1), (TILE_ROWS, HEAD_DIM), warpgroup.OperandSource.RMEM)
+        qk_tiler = (TILE_ROWS, BLOCK_SIZE, HEAD_DIM)
+        sQ_layout = self.operand_a_tiles(qk_tiler, Q_STAGES)
+        sK_layout = self.operand_b_tiles(qk_tiler, KV_STAGES)
+        sO_layout = self.operand_a_tiles(qk_tiler, CONSUMERS)
+        (tma_atom_K, tma_K), (tma_atom_V, tma_V), (tma_atom_Q, tma_Q), token_rows = self.key_and_query_tma(
+            mK, mV, mQ, sK_layout, sQ_layout
+        )
+        tma_atom_O, tma_O = token_rows_tma(cpasync.CopyBulkTensorTileS2GOp(), mPartialOut, token_rows)
+        self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        self.shared_storage = self.make_shared_storage(
+            {"sK": sK_layout, "sV": sK_layout, "sQ": sQ_layout, "sO": sO_layout}, {}, KV_STAGES, Q_STAGES
+        )
+        self.kernel(
+            mma_qk, mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
+            mPartialLse, tables, topk, most, num_ids, num_queries, first_group, num_units, window_start, window_stop,
+            scale_log2, sQ_layout, sK_layout, sO_layout,
+        ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tma_atom_Q: cute.CopyAtom, tma_Q: cute.Tensor,
+        tma_atom_K: cute.CopyAtom, tma_K: cute.Tensor, tma_atom_V: cute.CopyAtom, tma_V: cute.Tensor,
+        tma_atom_O: cute.CopyAtom, tma_O: cute.Tensor, mPartialLse: cute.Tensor, tables: GroupTables, topk: Int32,
+        most: Int32, num_ids: Int32, num_queries: Int32, first_group: Int32, num_units: Int32, window_start: Int32,
+        window_stop: Int32, scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+    ):
+        tidx, warp = thread_and_warp()
+        storage = SmemAllocator().allocate(self.shared_storage)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        kv_pipeline, q_pipeline = self.load_pipelines(
+            storage, tidx, (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O),
+            (KV_STAGES, CONSUMERS * WARPS_PER_WARPGROUP), (Q_STAGES, self.q_bytes, WARPS_PER_WARPGROUP),
+        )
+        walk = (tables, most, num_ids, first_group, window_start, window_stop)
+        warpgroup_index = warp // WARPS_PER_WARPGROUP
+        if warpgroup_index == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp == 0:
+                self.produce(kv_pipeline, q_pipeline, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK,
+                             sV, walk, num_units)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            self.consume(
+                mma_qk, mma_pv, kv_pipeline, q_pipeline, tma_atom_O, tma_O, mPartialLse, sQ, sK, sV, sO, walk,
+                num_units, topk, num_queries, scale_log2, warpgroup_index - 1, tidx % WARPGROUP_THREADS,
+                warp % WARPS_PER_WARPGROUP,
+            )
+
+    @cute.jit
+    def unit(self, walk: tuple, index: Int32) -> Unit:
+        """Work unit `index`: group `first_group + index // Hkv`, KV head `index % Hkv`, cut to the
+        window; `num_listed` counts its listed blocks (ascending, `-1` after)."""
+        tables, most, num_ids, first_group, window_start, window_stop = walk
+        group = first_group + index // self.num_kv_heads
+        kv_head = index - (index // self.num_kv_heads) * self.num_kv_heads
+        start = cutlass.max(tables.group_start[group], window_start)
+        end = cutlass.min(tables.group_end[group], window_stop)
+        row = (kv_head * num_ids + group) * most
+        num_listed = Int32(0)
+        # The read stays inside the row whether or not the condition short-circuits.
+        while num_listed < most and tables.group_blocks[row + cutlass.min(num_listed, most - 1)] >= 0:
+            num_listed += 1
+        if start >= end:
+            num_listed = Int32(0)
+        return Unit(group, kv_head, start, end, num_listed)
+
+    @cute.jit
+    def listed_block(self, walk: tuple, unit: Unit, index: Int32) -> Int32:
+        tables, most, num_ids = walk[0], walk[1], walk[2]
+        return tables.group_blocks[(unit.kv_head * num_ids + unit.group) * most + index]
+
+    @cute.jit
+    def produce(
+        self, kv_pipeline, q_pipeline, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
+        sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, walk: tuple, num_units: Int32,
+    ):
+        """Warp 0: per unit the Q tile of each consumer (4 tokens each; a token past the group's end
+        repeats its last), then K and V of each listed block."""
+        tables, window_start = walk[0], walk[4]
+        tQsQ, tQgQ = token_tile_partition(tma_atom_Q, tma_Q, sQ, Q_STAGES)
+        kv_load, q_load = producer_state(KV_STAGES), producer_state(Q_STAGES)
+        for index in cutlass.range(cute.arch.block_idx()[0], num_units, cute.arch.grid_dim()[0], unroll=1):
+            unit = self.unit(walk, index)
+            if unit.num_listed > 0:
+                for consumer in cutlass.range_constexpr(CONSUMERS):
+                    q_pipeline.producer_acquire(q_load)
+                    barrier = q_pipeline.producer_get_barrier(q_load)
+                    for slot in cutlass.range_constexpr(TOKENS_PER_TILE):
+                        token = cutlass.min(unit.start + consumer * TOKENS_PER_TILE + slot, unit.end - 1)
+                        box = (token - window_start) * self.num_kv_heads + unit.kv_head
+                        cute.copy(tma_atom_Q, tQgQ[None, box, 0], tQsQ[None, slot, 0, q_load.index],
+                                  tma_bar_ptr=barrier)
+                    q_load = advanced(q_load, 1)
+                key_row = Int32(tables.key_start[unit.start])
+                for listed in cutlass.range(unit.num_listed, unroll=1):
+                    block = self.listed_block(walk, unit, listed)
+                    kv_pipeline.producer_acquire(kv_load)
+                    barrier = kv_pipeline.producer_get_barrier(kv_load)
+                    for atom, rows, tile in ((tma_atom_K, tma_K, sK), (tma_atom_V, tma_V, sV)):
+                        load_key_block(atom, rows, tile, kv_load.index, unit.kv_head, key_row + block * BLOCK_SIZE,
+                                       barrier)
+                    kv_load = advanced(kv_load, 1)
+
+    @cute.jit
+    def consume(
+        self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, kv_pipeline, q_pipeline, tma_atom_O, tma_O,
+        mPartialLse: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor, walk: tuple,
+        num_units: Int32, topk: Int32, num_queries: Int32, scale_log2: Float32, consumer: Int32, thread: Int32,
+        warp: Int32,
+    ):
+        """Consumer warpgroup `consumer`: tokens `4 * consumer ..` of every unit's group, warp `warp`
+        one token, over the unit's listed blocks with an online softmax; then the token's merged
+        output into its first seen listed slot (`write_output`)."""
+        tables, window_start = walk[0], walk[4]
+        sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
+        tOsO_tma, tOgO_tma = token_tile_partition(tma_atom_O, tma_O, sO, CONSUMERS)
+        thr_qk = mma_qk.get_slice(thread)
+        thr_pv = mma_pv.get_slice(thread)
+        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        tOsO = thr_pv.partition_C(sO[None, None, consumer])
+        cS = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, BLOCK_SIZE)))
+        cO = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HEAD_DIM)))
+        acc_S = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
+        acc_O = cute.make_rmem_tensor(cO.shape, self.acc_dtype)
+        s_rc, o_rc, cS_rc, cO_rc = (
+            cute.make_tensor(x.iterator, accumulator_rows_cols(x.layout)) for x in (acc_S, acc_O, cS, cO)
+        )
+        rP = cute.make_rmem_tensor(cS.shape, self.dtype)
+        tOrP = cute.make_tensor(rP.iterator, accumulator_as_operand_a(rP.layout))
+        rows_per_thread = cute.size(s_rc, mode=[0])
+        row_shift = cute.make_rmem_tensor(rows_per_thread, Float32)
+        row_sum = cute.make_rmem_tensor(rows_per_thread, Float32)
+        output = (acc_O, o_rc, cO_rc, row_shift, row_sum, tOsO, tma_atom_O, tOsO_tma, tOgO_tma, mPartialLse)
+
+        kv_read = consumer_state(KV_STAGES)
+        q_read = consumer_state(Q_STAGES)
+        if consumer == 1:
+            q_read = advanced(q_read, 1)
+        for index in cutlass.range(cute.arch.block_idx()[0], num_units, cute.arch.grid_dim()[0], unroll=1):
+            unit = self.unit(walk, index)
+            if unit.num_listed > 0:
+                token = unit.start + consumer * TOKENS_PER_TILE + warp
+                own = cutlass.min(token, unit.end - 1)
+                position = Int32(tables.position[own])
+                # Keys past the group's last position are no row's: zeroed in V (0 * NaN).
+                horizon = Int32(tables.position[unit.end - 1])
+                selection = (unit.kv_head * num_queries + own) * topk
+                first_slot = self.first_listed_slot(tables, selection, topk, position)
+                acc_O.fill(0.0)
+                row_shift.fill(-Float32.inf)
+                row_sum.fill(0.0)
+                attended = Int32(0)
+                q_pipeline.consumer_wait(q_read)
+                for listed in cutlass.range(unit.num_listed, unroll=1):
+                    block = self.listed_block(walk, unit, listed)
+                    kv_stage = kv_read.index
+                    kv_pipeline.consumer_wait(kv_read)
+                    key_count = horizon - block * BLOCK_SIZE + 1
+                    if key_count < BLOCK_SIZE:
+                        zero_keys_past(sV[None, None, kv_stage], key_count, thread)
+                        cute.arch.barrier(barrier_id=WARPGROUP_BARRIER + consumer, number_of_threads=WARPGROUP_THREADS)
+                    issue_gemm(mma_qk, acc_S, tSrQ[None, None, None, q_read.index], tSrK[None, None, None, kv_stage])
+                    warpgroup.wait_group(0)
+                    # This warp's token sees the block's keys up to its position, if it selected it.
+                    last_key = Int32(-1)
+                    if token < unit.end and self.selects(tables, selection, topk, block):
+                        last_key = position - block * BLOCK_SIZE
+                    if last_key >= 0:
+                        attended = Int32(1)
+                    for r in cutlass.range_constexpr(rows_per_thread):
+                        hide_scores_past(s_rc, cS_rc, r, last_key)
+                        row_shift[r], row_sum[r], rescale = online_softmax_row(
+                            s_rc, r, scale_log2, row_shift[r], row_sum[r]
+                        )
+                        for c in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
+                            o_rc[r, c] = o_rc[r, c] * rescale
+                    rP.store(acc_S.load().to(self.dtype))
+                    accumulate_gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv_stage])
+                    warpgroup.wait_group(0)
+                    kv_pipeline.consumer_release(kv_read)
+                    kv_read = advanced(kv_read, 1)
+                q_pipeline.consumer_release(q_read)
+                q_read = advanced(q_read, CONSUMERS)
+                partial_block = ((token - window_start) * self.num_kv_heads + unit.kv_head) * topk + first_slot
+                # A token that attended no listed block writes nothing: its slot keeps `-inf`.
+                if attended == 0 or first_slot >= topk:
+                    partial_block = Int32(-1)
+                self.write_output(output, partial_block, consumer, thread, warp)
+        # Shared memory must outlive the TMA's reads of the last output rows.
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def first_listed_slot(self, tables: GroupTables, selection: Int32, topk: Int32, position: Int32) -> Int32:
+        """The first slot whose id the query sees and the KV-outer part dropped (`topk` if none):
+        where its query-outer output goes."""
+        found = topk
+        for slot in cutlass.range(topk, unroll=1):
+            block = tables.block_indices[selection + slot]
+            seen = block >= 0 and block <= position // BLOCK_SIZE and position >= 0
+            if found == topk and seen and tables.kv_outer_indices[selection + slot] < 0:
+                found = slot
+        return found
+
+    @cute.jit
+    def selects(self, tables: GroupTables, selection: Int32, topk: Int32, block: Int32):
+        """Whether the query's selection holds `block`."""
+        held = Int32(0)
+        for slot in cutlass.range(topk, unroll=1):
+            if tables.block_indices[selection + slot] == block:
+                held = Int32(1)
+        return held > 0
+
+
+def advanced(state, steps: int):
+    """`state` advanced `steps` stages, returned for the caller to assign: the CuTe DSL carries a
+    pipeline state out of a run-time branch or loop only where the kernel assigns it."""
+    for _ in range(steps):
+        state.advance()
+    return state
+
+
+@cute.jit
+def accumulate_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor):
+    """Issue `acc += a b` as one wgmma group; the caller waits."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, True)
+    for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+    warpgroup.commit_group()
