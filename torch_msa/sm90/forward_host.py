@@ -42,6 +42,17 @@ def check_rows(num_queries: int, num_kv_heads: int, topk: int) -> None:
         )
 
 
+def check_selection_entries(num_kv_heads: int, num_queries: int, topk: int) -> None:
+    """Raises `UnsupportedInputs` when the call's `Hkv * Tq * topk` selection entries exceed int32
+    (the query-outer kernel indexes the call's selection with 32-bit integers)."""
+    entries = num_kv_heads * num_queries * topk
+    if entries > MAX_PARTIAL_ROWS:
+        raise UnsupportedInputs(
+            f"the SM90 query-outer forward indexes the selection with 32-bit integers: {num_kv_heads} KV heads x "
+            f"{num_queries} queries x topk {topk} are {entries} entries, more than {MAX_PARTIAL_ROWS}"
+        )
+
+
 def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None, query_outer=None):
     """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
 
@@ -50,11 +61,14 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     KV-outer part's selection and its query-outer part runs too.
 
     Raises:
-        UnsupportedInputs: outside the served configuration (`check_served`) or beyond int32
-            partial rows (`check_rows`).
+        UnsupportedInputs: outside the served configuration (`check_served`), beyond int32
+            partial rows (`check_rows`) or, with `query_outer`, selection entries
+            (`check_selection_entries`).
     """
     check_served(q, k, v, block_size)
     check_rows(q.shape[0], k.shape[1], block_indices.shape[-1])
+    if query_outer is not None:
+        check_selection_entries(*query_outer.block_indices.shape)
     require_cute_dsl()
 
     num_queries, num_heads, dim = q.shape

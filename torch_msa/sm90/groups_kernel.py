@@ -143,11 +143,10 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         end = cutlass.min(tables.group_end[group], window_stop)
         row = (kv_head * num_ids + group) * most
         num_listed = Int32(0)
-        # The read stays inside the row whether or not the condition short-circuits.
-        while num_listed < most and tables.group_blocks[row + cutlass.min(num_listed, most - 1)] >= 0:
-            num_listed += 1
-        if start >= end:
-            num_listed = Int32(0)
+        if start < end:
+            # The read stays inside the row whether or not the condition short-circuits.
+            while num_listed < most and tables.group_blocks[row + cutlass.min(num_listed, most - 1)] >= 0:
+                num_listed += 1
         return Unit(group, kv_head, start, end, num_listed)
 
     @cute.jit
@@ -230,7 +229,8 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
                 token = unit.start + consumer * TOKENS_PER_TILE + warp
                 own = cutlass.min(token, unit.end - 1)
                 position = Int32(tables.position[own])
-                # Keys past the group's last position are no row's: zeroed in V (0 * NaN).
+                # Keys past the group's last position are no row's: zeroed in V (0 * NaN). A group
+                # lies in one document or fragment, so its last query has its largest position.
                 horizon = Int32(tables.position[unit.end - 1])
                 selection = (unit.kv_head * num_queries + own) * topk
                 first_slot = self.first_listed_slot(tables, selection, topk, position)
@@ -241,6 +241,13 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
                 q_pipeline.consumer_wait(q_read)
                 for listed in cutlass.range(unit.num_listed, unroll=1):
                     block = self.listed_block(walk, unit, listed)
+                    # This warp's token sees the block's keys up to its position, if it selected it
+                    # (read before the wait, so the loads overlap the block's TMA).
+                    last_key = Int32(-1)
+                    if token < unit.end and self.selects(tables, selection, topk, block):
+                        last_key = position - block * BLOCK_SIZE
+                    if last_key >= 0:
+                        attended = Int32(1)
                     kv_stage = kv_read.index
                     kv_pipeline.consumer_wait(kv_read)
                     key_count = horizon - block * BLOCK_SIZE + 1
@@ -249,12 +256,6 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
                         cute.arch.barrier(barrier_id=WARPGROUP_BARRIER + consumer, number_of_threads=WARPGROUP_THREADS)
                     issue_gemm(mma_qk, acc_S, tSrQ[None, None, None, q_read.index], tSrK[None, None, None, kv_stage])
                     warpgroup.wait_group(0)
-                    # This warp's token sees the block's keys up to its position, if it selected it.
-                    last_key = Int32(-1)
-                    if token < unit.end and self.selects(tables, selection, topk, block):
-                        last_key = position - block * BLOCK_SIZE
-                    if last_key >= 0:
-                        attended = Int32(1)
                     for r in cutlass.range_constexpr(rows_per_thread):
                         hide_scores_past(s_rc, cS_rc, r, last_key)
                         row_shift[r], row_sum[r], rescale = online_softmax_row(
