@@ -10,7 +10,7 @@ import torch
 from ..backends import UnsupportedInputs
 from ..contract import compute_dtype
 from ..cute_dsl import require_cute_dsl, sm_count
-from ..cute_dsl.cute_io import aligned_operand, compile_kernel, fake_rows, launcher
+from ..cute_dsl.cute_io import aligned_operand, launcher
 from ..plan.groups import group_tokens
 from ..stages.combine import combine
 from ..stages.query_outer import QueryOuter
@@ -150,8 +150,8 @@ def launch_groups(q, k, v, partial_out, partial_lse, work: QueryOuter, softmax_s
                groups.kv_outer_indices.view(-1), groups.group_start, groups.group_end,
                groups.group_blocks.contiguous().view(-1), located.key_start, located.position)
     grid = max(1, min(num_units, CTAS_PER_SM * sm_count(q.device)))
-    _compiled_groups(q.dtype, num_kv_heads)(*tensors, topk, most, num_ids, num_call_queries, first_group, num_units,
-                                             work.start, work.stop, softmax_scale * LOG2_E, grid)
+    _compiled_groups(q.dtype, num_kv_heads)(*tensors, topk, softmax_scale * LOG2_E, most, num_ids, num_call_queries,
+                                             first_group, num_units, work.start, work.stop, grid)
 
 
 @functools.cache
@@ -166,15 +166,12 @@ def compile_groups_kernel(
     dump_dir: str | None = None,
     listings: bool = False,
 ):
-    """`cute.compile` the query-outer groups kernel (`arch=None`: this GPU); sizes are dynamic."""
+    """`cute.compile` the query-outer groups kernel (`common.compile_blocks`; `arch=None`: this GPU)."""
     require_cute_dsl()
     import cutlass
 
     from .groups_kernel import Sm90GroupsKernel
 
-    operands = (("q", (HEADS_PER_KV * num_kv_heads, HEAD_DIM), None), ("k", (num_kv_heads, HEAD_DIM), None),
-                ("v", (num_kv_heads, HEAD_DIM), None), *GROUP_OPERANDS)
-    fakes = [fake_rows(dtype if want is None else want, inner) for _, inner, want in operands]
-    scalars = (*(cutlass.Int32(1) for _ in range(8)), cutlass.Float32(1.0), cutlass.Int32(1))
-    return compile_kernel(Sm90GroupsKernel(num_kv_heads), *fakes, *scalars, arch=arch, dump_dir=dump_dir,
-                          listings=listings)
+    operands = (*blocks_operands(num_kv_heads, ())[:3], *GROUP_OPERANDS)
+    walk_scalars = tuple(cutlass.Int32(1) for _ in range(7))
+    return compile_blocks(Sm90GroupsKernel(num_kv_heads), operands, dtype, walk_scalars, arch, dump_dir, listings)

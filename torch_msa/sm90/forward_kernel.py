@@ -3,6 +3,8 @@ wgmma and TMA. Writes per-(query, slot) partial outputs `[Tq * Hkv * topk * 16, 
 fp32 log2-sum-exp; host side `forward_host.py`, design `README.md`.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -35,6 +37,22 @@ Q_STAGES = 2 * CONSUMERS  # two per consumer: its next tile loads while this one
 WARPGROUP_BARRIER = 1  # named barrier of consumer 0 (0 is the CTA's); consumer 1 takes the next
 
 
+class ConsumerTiles(NamedTuple):
+    """A consumer warpgroup's wgmma operands (`Q K^T`: `tSrQ`, `tSrK`; `P V`: `tOrP` over `rP`,
+    `tOrV`), the scores `acc_S` as (row, key) `s_rc` with coordinates `cS_rc`, and `output`: what
+    `Sm90ForwardKernel.write_output` takes, from the output accumulator and its rows' shift and sum."""
+
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrV: cute.Tensor
+    acc_S: cute.Tensor
+    s_rc: cute.Tensor
+    cS_rc: cute.Tensor
+    rP: cute.Tensor
+    tOrP: cute.Tensor
+    output: tuple
+
+
 class Sm90ForwardKernel(BlocksKernel):
     """The SM90 forward blocks kernel; `__call__` is the `cute.jit` host function."""
 
@@ -46,6 +64,15 @@ class Sm90ForwardKernel(BlocksKernel):
         *schedule_and_scalars,  # `BlocksKernel`: the schedule, then topk, scale_log2, grid_size, stream
     ):
         schedule, (topk, scale_log2, grid_size, stream) = self.split_schedule(schedule_and_scalars)
+        operands, layouts = self.prepare(mQ, mK, mV, mPartialOut)
+        self.kernel(*operands, mPartialLse, schedule, topk, scale_log2, *layouts).launch(
+            grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream
+        )
+
+    def prepare(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mPartialOut: cute.Tensor):
+        """Set `dtype`, `q_bytes` and `shared_storage`; return `(operands, layouts)`: the wgmmas and
+        the TMA atoms and views (`mma_qk, mma_pv`, then Q, K, V, O) and the shared-memory tiles
+        (`sQ, sK, sO`), as `kernel` takes them."""
         self.dtype = mQ.element_type
         mma_qk = self.tiled_mma(K_MAJOR, (1, 1, 1), (TILE_ROWS, BLOCK_SIZE))
         mma_pv = self.tiled_mma(MN_MAJOR, (1, 1, 1), (TILE_ROWS, HEAD_DIM), warpgroup.OperandSource.RMEM)
@@ -63,10 +90,8 @@ class Sm90ForwardKernel(BlocksKernel):
         self.shared_storage = self.make_shared_storage(
             {"sK": sK_layout, "sV": sK_layout, "sQ": sQ_layout, "sO": sO_layout}, {}, KV_STAGES, Q_STAGES
         )
-        self.kernel(
-            mma_qk, mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
-            mPartialLse, schedule, topk, scale_log2, sQ_layout, sK_layout, sO_layout,
-        ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        operands = (mma_qk, mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O)
+        return operands, (sQ_layout, sK_layout, sO_layout)
 
     @cute.kernel
     def kernel(
@@ -90,14 +115,8 @@ class Sm90ForwardKernel(BlocksKernel):
         sO_layout: cute.ComposedLayout,
     ):
         tidx, warp = thread_and_warp()
-        storage = SmemAllocator().allocate(self.shared_storage)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        kv_pipeline, q_pipeline = self.load_pipelines(
-            storage, tidx, (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O),
-            (KV_STAGES, CONSUMERS * WARPS_PER_WARPGROUP), (Q_STAGES, self.q_bytes, WARPS_PER_WARPGROUP),
+        (sQ, sK, sV, sO), (kv_pipeline, q_pipeline) = self.shared_tiles(
+            tidx, (sQ_layout, sK_layout, sO_layout), (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O)
         )
         items = ItemScheduler.create(schedule, topk)
         warpgroup_index = warp // WARPS_PER_WARPGROUP
@@ -140,29 +159,10 @@ class Sm90ForwardKernel(BlocksKernel):
         """Consumer warpgroup `consumer` (`thread`, `warp`: indices within it) over its tiles of every
         item: `P V` of the pending tile and `Q K^T` of the next are issued together, the pending
         output written while `Q K^T` runs."""
-        # V as the (dim, key) B operand of P V: same bytes, modes swapped.
-        sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
-        tOsO_tma, tOgO_tma = token_tile_partition(tma_atom_O, tma_O, sO, CONSUMERS)
-        thr_qk = mma_qk.get_slice(thread)
-        thr_pv = mma_pv.get_slice(thread)
-        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
-        tOsO = thr_pv.partition_C(sO[None, None, consumer])
-        cS = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, BLOCK_SIZE)))
-        cO = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HEAD_DIM)))
-        acc_S = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
-        acc_O = cute.make_rmem_tensor(cO.shape, self.acc_dtype)
-        s_rc, o_rc, cS_rc, cO_rc = (
-            cute.make_tensor(x.iterator, accumulator_rows_cols(x.layout)) for x in (acc_S, acc_O, cS, cO)
+        tSrQ, tSrK, tOrV, acc_S, s_rc, cS_rc, rP, tOrP, output = self.consumer_tiles(
+            mma_qk, mma_pv, sQ, sK, sV, sO, tma_atom_O, tma_O, mPartialLse, consumer, thread
         )
-        rP = cute.make_rmem_tensor(cS.shape, self.dtype)
-        tOrP = cute.make_tensor(rP.iterator, accumulator_as_operand_a(rP.layout))
-        rows_per_thread = cute.size(s_rc, mode=[0])
-        # The pending tile's rows: log2-sum-exp = shift + log2(sum).
-        row_shift = cute.make_rmem_tensor(rows_per_thread, Float32)
-        row_sum = cute.make_rmem_tensor(rows_per_thread, Float32)
-        output = (acc_O, o_rc, cO_rc, row_shift, row_sum, tOsO, tma_atom_O, tOsO_tma, tOgO_tma, mPartialLse)
+        acc_O, _, _, row_shift, row_sum = output[:5]
 
         kv_read = consumer_state(KV_STAGES)
         q_read = consumer_state(Q_STAGES)
@@ -211,6 +211,52 @@ class Sm90ForwardKernel(BlocksKernel):
             tiles_before += item.num_tiles
         # Shared memory must outlive the TMA's reads of the last output rows.
         cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def shared_tiles(self, tidx: Int32, layouts: tuple, atoms: tuple):
+        """`((sQ, sK, sV, sO), (kv_pipeline, q_pipeline))`: the shared-memory tiles of `layouts`
+        (`prepare`'s) and the load pipelines on their barriers, the TMA `atoms`' descriptors
+        prefetched."""
+        sQ_layout, sK_layout, sO_layout = layouts
+        storage = SmemAllocator().allocate(self.shared_storage)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        pipelines = self.load_pipelines(
+            storage, tidx, atoms, (KV_STAGES, CONSUMERS * WARPS_PER_WARPGROUP),
+            (Q_STAGES, self.q_bytes, WARPS_PER_WARPGROUP),
+        )
+        return (sQ, sK, sV, sO), pipelines
+
+    def consumer_tiles(
+        self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+        sO: cute.Tensor, tma_atom_O, tma_O, mPartialLse: cute.Tensor, consumer: Int32, thread: Int32,
+    ) -> ConsumerTiles:
+        """A consumer warpgroup's operands and registers (`thread`: its index within the warpgroup)."""
+        # V as the (dim, key) B operand of P V: same bytes, modes swapped.
+        sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
+        tOsO_tma, tOgO_tma = token_tile_partition(tma_atom_O, tma_O, sO, CONSUMERS)
+        thr_qk = mma_qk.get_slice(thread)
+        thr_pv = mma_pv.get_slice(thread)
+        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        tOsO = thr_pv.partition_C(sO[None, None, consumer])
+        cS = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, BLOCK_SIZE)))
+        cO = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HEAD_DIM)))
+        acc_S = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
+        acc_O = cute.make_rmem_tensor(cO.shape, self.acc_dtype)
+        s_rc, o_rc, cS_rc, cO_rc = (
+            cute.make_tensor(x.iterator, accumulator_rows_cols(x.layout)) for x in (acc_S, acc_O, cS, cO)
+        )
+        rP = cute.make_rmem_tensor(cS.shape, self.dtype)
+        tOrP = cute.make_tensor(rP.iterator, accumulator_as_operand_a(rP.layout))
+        rows_per_thread = cute.size(s_rc, mode=[0])
+        # The rows' log2-sum-exp = shift + log2(sum).
+        row_shift = cute.make_rmem_tensor(rows_per_thread, Float32)
+        row_sum = cute.make_rmem_tensor(rows_per_thread, Float32)
+        output = (acc_O, o_rc, cO_rc, row_shift, row_sum, tOsO, tma_atom_O, tOsO_tma, tOgO_tma, mPartialLse)
+        return ConsumerTiles(tSrQ, tSrK, tOrV, acc_S, s_rc, cS_rc, rP, tOrP, output)
 
     @cute.jit
     def warp_row(self, items: ItemScheduler, item, first: Int32, warp: Int32):
@@ -264,11 +310,13 @@ class Sm90ForwardKernel(BlocksKernel):
 
 
 @cute.jit
-def issue_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor):
-    """Issue `acc = a b` as one wgmma group; the caller waits. A fresh atom keeps the accumulate flag local."""
+def issue_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+               accumulate: cutlass.Constexpr[bool] = False):
+    """Issue `acc = a b` (with `accumulate`, `acc += a b`) as one wgmma group; the caller waits. A
+    fresh atom keeps the accumulate flag local."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, False)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
     for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
         cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)

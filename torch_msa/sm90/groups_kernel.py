@@ -8,11 +8,10 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
-from ..cute_dsl.compat import SmemAllocator
-from .blocks_kernel import K_MAJOR, MN_MAJOR, thread_and_warp
-from .common import BLOCK_SIZE, HEAD_DIM, TILE_ROWS, TOKENS_PER_TILE
+from .blocks_kernel import thread_and_warp
+from .common import BLOCK_SIZE, TOKENS_PER_TILE
 from .forward_kernel import (
     CONSUMER_REGISTERS,
     CONSUMERS,
@@ -30,10 +29,7 @@ from .mask import hide_scores_past, zero_keys_past
 from .pipeline import consumer_state, producer_state
 from .softmax import online_softmax_row
 from .tma import (
-    accumulator_as_operand_a,
-    accumulator_rows_cols,
     load_key_block,
-    token_rows_tma,
     token_tile_partition,
 )
 
@@ -71,31 +67,16 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
         mPartialOut: cute.Tensor,  # [Tq_w * Hkv * topk * 16, 128]
         mPartialLse: cute.Tensor,  # fp32 [Tq_w * Hkv * topk * 16]
-        *tables_and_scalars,  # `GroupTables`, then the scalars of `kernel`, grid_size, stream
+        *tables_and_scalars,  # `GroupTables`, topk, scale_log2, the unit walk's scalars, grid_size, stream
     ):
         count = len(GroupTables._fields)
         tables = GroupTables(*tables_and_scalars[:count])
-        topk, most, num_ids, num_queries, first_group, num_units, window_start, window_stop, scale_log2, grid_size, \
+        topk, scale_log2, most, num_ids, num_queries, first_group, num_units, window_start, window_stop, grid_size, \
             stream = tables_and_scalars[count:]
-        self.dtype = mQ.element_type
-        mma_qk = self.tiled_mma(K_MAJOR, (1, 1, 1), (TILE_ROWS, BLOCK_SIZE))
-        mma_pv = self.tiled_mma(MN_MAJOR, (1, 1, 1), (TILE_ROWS, HEAD_DIM), warpgroup.OperandSource.RMEM)
-        qk_tiler = (TILE_ROWS, BLOCK_SIZE, HEAD_DIM)
-        sQ_layout = self.operand_a_tiles(qk_tiler, Q_STAGES)
-        sK_layout = self.operand_b_tiles(qk_tiler, KV_STAGES)
-        sO_layout = self.operand_a_tiles(qk_tiler, CONSUMERS)
-        (tma_atom_K, tma_K), (tma_atom_V, tma_V), (tma_atom_Q, tma_Q), token_rows = self.key_and_query_tma(
-            mK, mV, mQ, sK_layout, sQ_layout
-        )
-        tma_atom_O, tma_O = token_rows_tma(cpasync.CopyBulkTensorTileS2GOp(), mPartialOut, token_rows)
-        self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
-        self.shared_storage = self.make_shared_storage(
-            {"sK": sK_layout, "sV": sK_layout, "sQ": sQ_layout, "sO": sO_layout}, {}, KV_STAGES, Q_STAGES
-        )
+        operands, layouts = self.prepare(mQ, mK, mV, mPartialOut)
         self.kernel(
-            mma_qk, mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
-            mPartialLse, tables, topk, most, num_ids, num_queries, first_group, num_units, window_start, window_stop,
-            scale_log2, sQ_layout, sK_layout, sO_layout,
+            *operands, mPartialLse, tables, topk, most, num_ids, num_queries, first_group, num_units, window_start,
+            window_stop, scale_log2, *layouts,
         ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
@@ -108,14 +89,8 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         sO_layout: cute.ComposedLayout,
     ):
         tidx, warp = thread_and_warp()
-        storage = SmemAllocator().allocate(self.shared_storage)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        kv_pipeline, q_pipeline = self.load_pipelines(
-            storage, tidx, (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O),
-            (KV_STAGES, CONSUMERS * WARPS_PER_WARPGROUP), (Q_STAGES, self.q_bytes, WARPS_PER_WARPGROUP),
+        (sQ, sK, sV, sO), (kv_pipeline, q_pipeline) = self.shared_tiles(
+            tidx, (sQ_layout, sK_layout, sO_layout), (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O)
         )
         walk = (tables, most, num_ids, first_group, window_start, window_stop)
         warpgroup_index = warp // WARPS_PER_WARPGROUP
@@ -197,27 +172,11 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         one token, over the unit's listed blocks with an online softmax; then the token's merged
         output into its first seen listed slot (`write_output`)."""
         tables, window_start = walk[0], walk[4]
-        sVt = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))
-        tOsO_tma, tOgO_tma = token_tile_partition(tma_atom_O, tma_O, sO, CONSUMERS)
-        thr_qk = mma_qk.get_slice(thread)
-        thr_pv = mma_pv.get_slice(thread)
-        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
-        tOsO = thr_pv.partition_C(sO[None, None, consumer])
-        cS = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, BLOCK_SIZE)))
-        cO = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HEAD_DIM)))
-        acc_S = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
-        acc_O = cute.make_rmem_tensor(cO.shape, self.acc_dtype)
-        s_rc, o_rc, cS_rc, cO_rc = (
-            cute.make_tensor(x.iterator, accumulator_rows_cols(x.layout)) for x in (acc_S, acc_O, cS, cO)
+        tSrQ, tSrK, tOrV, acc_S, s_rc, cS_rc, rP, tOrP, output = self.consumer_tiles(
+            mma_qk, mma_pv, sQ, sK, sV, sO, tma_atom_O, tma_O, mPartialLse, consumer, thread
         )
-        rP = cute.make_rmem_tensor(cS.shape, self.dtype)
-        tOrP = cute.make_tensor(rP.iterator, accumulator_as_operand_a(rP.layout))
+        acc_O, o_rc, _, row_shift, row_sum = output[:5]
         rows_per_thread = cute.size(s_rc, mode=[0])
-        row_shift = cute.make_rmem_tensor(rows_per_thread, Float32)
-        row_sum = cute.make_rmem_tensor(rows_per_thread, Float32)
-        output = (acc_O, o_rc, cO_rc, row_shift, row_sum, tOsO, tma_atom_O, tOsO_tma, tOgO_tma, mPartialLse)
 
         kv_read = consumer_state(KV_STAGES)
         q_read = consumer_state(Q_STAGES)
@@ -264,7 +223,7 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
                         for c in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
                             o_rc[r, c] = o_rc[r, c] * rescale
                     rP.store(acc_S.load().to(self.dtype))
-                    accumulate_gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv_stage])
+                    issue_gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv_stage], accumulate=True)
                     warpgroup.wait_group(0)
                     kv_pipeline.consumer_release(kv_read)
                     kv_read = advanced(kv_read, 1)
@@ -306,14 +265,3 @@ def advanced(state, steps: int):
     for _ in range(steps):
         state.advance()
     return state
-
-
-@cute.jit
-def accumulate_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor):
-    """Issue `acc += a b` as one wgmma group; the caller waits."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, True)
-    for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
-        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
-    warpgroup.commit_group()
