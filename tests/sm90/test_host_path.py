@@ -281,21 +281,20 @@ def test_the_sm90_forward_declines_before_building_the_query_groups(monkeypatch)
 
 
 @requires_cute
-def test_the_query_outer_part_launches_the_groups_kernel_on_its_window(recorded, monkeypatch):
+def test_the_query_outer_part_launches_the_groups_kernel_on_its_window(recorded):
     """With a `QueryOuter` part the forward launches the blocks kernel on the KV-outer part, then
     the CuTe groups kernel on the call's flat tables (checked against what was compiled,
     unconverted), its group ids and scalars, then the combine."""
-    from torch_msa import documents as reference_documents
     from torch_msa.plan.groups import build_query_groups, group_tokens
     from torch_msa.sm90 import forward_host
     from torch_msa.stages.query_outer import QueryOuter
 
-    monkeypatch.setattr(forward_host, "locate_queries", reference_documents.locate_queries)
     forward_host._compiled_groups.cache_clear()
     q, k, v, block_indices, cu_q, cu_k, plan, schedule = _inputs(recorded.key_count)
     documents = documents_of(cu_q, cu_k)
     groups = build_query_groups(block_indices, documents, TOKENS, BLOCK, group_tokens(HEADS, KV_HEADS))
-    work = QueryOuter(groups, block_indices, documents, 0, TOKENS)
+    located = documents.locate(TOKENS, TOKENS)
+    work = QueryOuter(groups, block_indices, documents, located, 0, TOKENS)
     kv_outer = groups.kv_outer_indices
     kv_plan = pack(build_schedule(kv_outer, documents, TOKENS, BLOCK, entries_per_item(HEADS, KV_HEADS)))
     kv_schedule = unpack(kv_plan, kv_outer, TOKENS, 1, BLOCK)
@@ -308,8 +307,7 @@ def test_the_query_outer_part_launches_the_groups_kernel_on_its_window(recorded,
     call = groups_kernel.calls[0]
     assert torch.equal(call[5], block_indices.reshape(-1)) and torch.equal(call[6], groups.kv_outer_indices.reshape(-1))
     assert call[7] is groups.group_start and call[8] is groups.group_end
-    located = reference_documents.locate_queries(cu_q, cu_k, TOKENS, TOKENS)
-    assert torch.equal(call[10], located.key_start) and torch.equal(call[11], located.position)
+    assert call[10] is located.key_start and call[11] is located.position
     # Every group id (0 to 299 // 8 + 1 = 38), each with the four KV heads.
     num_ids, most = groups.group_blocks.shape[1:]
     assert call[12] == TOPK and call[13] == pytest.approx(DIM**-0.5 * 1.4426950408889634)

@@ -14,7 +14,6 @@ from ..cute_dsl.cute_io import aligned_operand, launcher
 from ..plan.groups import group_tokens
 from ..stages.combine import combine
 from ..stages.query_outer import QueryOuter
-from ..triton_utils.common import locate_queries
 from .common import (
     HEAD_DIM,
     HEADS_PER_KV,
@@ -137,18 +136,16 @@ def launch_groups(q, k, v, partial_out, partial_lse, work: QueryOuter, softmax_s
     """The query-outer part of `work`'s window into the partials of `launch_blocks` (in place), as
     `torch_msa.stages.query_outer.add_partials` writes it, on the CuTe groups kernel."""
     num_kv_heads = k.shape[1]
-    groups, documents = work.groups, work.documents
+    groups = work.groups
     num_call_queries, topk = work.block_indices.shape[1:]
     num_ids, most = groups.group_blocks.shape[1:]
     first_group, last_group = work.window_groups(group_tokens(q.shape[1], num_kv_heads))
     num_units = max(0, last_group - first_group + 1) * num_kv_heads
     if num_units == 0:
         return
-    located = locate_queries(documents.cu_seqlens_q, documents.cu_seqlens_k, num_call_queries, k.shape[0],
-                             *documents.fragments)
     tensors = (q, k, v, partial_out, partial_lse, work.block_indices.contiguous().view(-1),
                groups.kv_outer_indices.view(-1), groups.group_start, groups.group_end,
-               groups.group_blocks.contiguous().view(-1), located.key_start, located.position)
+               groups.group_blocks.contiguous().view(-1), work.located.key_start, work.located.position)
     grid = max(1, min(num_units, CTAS_PER_SM * sm_count(q.device)))
     _compiled_groups(q.dtype, num_kv_heads)(*tensors, topk, softmax_scale * LOG2_E, most, num_ids, num_call_queries,
                                              first_group, num_units, work.start, work.stop, grid)
