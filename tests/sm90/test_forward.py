@@ -234,6 +234,40 @@ def test_the_query_outer_part_matches_reference(q_lens, k_lens, selection, monke
     _check(sm90_interface.forward(*args), _reference(*inputs))
 
 
+def test_the_query_outer_part_keeps_nan_in_its_document(monkeypatch):
+    """With `TORCH_MSA_QUERY_OUTER=1` on tile-shared selections, documents whose blocks run into a
+    NaN document's keys stay finite and exact."""
+    from torch_msa.sm90 import interface as sm90_interface
+
+    lens = [200, 300, 333]
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs(lens, lens, torch.bfloat16)
+    blocks = tile_shared(blocks, cu_q, BLOCK)
+    want = _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k)
+    for x in (q, k, v):
+        x[200:500] = math.nan
+    monkeypatch.setenv(QUERY_OUTER_ENV, "1")
+    out, lse = sm90_interface.forward(*backend_arguments("forward", q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK,
+                                                         SCALE))
+    clean = torch.cat([torch.arange(0, 200), torch.arange(500, 833)]).cuda()
+    _check((out, lse), want, rows=clean)
+    assert torch.isnan(out[200:500]).all()
+
+
+def test_the_query_outer_part_over_query_windows_that_cut_groups(monkeypatch):
+    """Windows of 1001 queries cut 8-query groups (a pack with empty and one-token documents): the
+    query-outer forward still matches the reference."""
+    from torch_msa import query_windows
+    from torch_msa.sm90 import interface as sm90_interface
+
+    lens = [0, 1, 3000, 0, 1094, 1]
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs(lens, lens, torch.bfloat16, seed=8)
+    inputs = (q, k, v, tile_shared(blocks, cu_q, BLOCK), cu_q, cu_k, max_q, max_k)
+    monkeypatch.setattr(query_windows, "PARTIAL_BYTES",
+                        1001 * query_windows.partial_bytes_per_query(HQ, TOPK, D, torch.bfloat16))
+    monkeypatch.setenv(QUERY_OUTER_ENV, "1")
+    _check(sm90_interface.forward(*backend_arguments("forward", *inputs, BLOCK, SCALE)), _reference(*inputs))
+
+
 @pytest.mark.parametrize("query_outer", [False, True], ids=["default", "query-outer"])
 def test_a_documents_output_is_bitwise_the_same_alone_and_packed(query_outer, monkeypatch):
     """Batch invariance: each document of a pack gets, bit for bit, the output and lse it gets
