@@ -47,16 +47,13 @@ def query_groups_python(
             for t in range(start, end):
                 result["token_group"][t] = gid
             for head in range(num_kv_heads):
-                chosen_by: dict[int, int] = {}
+                chosen: set[int] = set()
                 entries = 0
                 for t in range(start, end):
                     row = {b for b in ids[head][t] if b >= 0 and b * block_size <= position[t]}
                     entries += len(row)
-                    for b in row:
-                        chosen_by[b] = chosen_by.get(b, 0) + 1
-                union = len(chosen_by)
-                whole = union * size * numerator <= entries * denominator
-                result["union"][head, gid] = union
-                result["blocks"][head, gid] = sorted(
-                    b for b, count in chosen_by.items() if whole or count * denominator >= size * numerator)
+                    chosen |= row
+                whole = len(chosen) * size * numerator <= entries * denominator
+                result["union"][head, gid] = len(chosen)
+                result["blocks"][head, gid] = sorted(chosen) if whole else []
     return result

@@ -13,9 +13,11 @@ from .schedule import valid_entries
 GROUP_ROWS = 128
 """Query rows (tokens x query heads of a KV head) of a group: the rows of one query-outer tile."""
 
-Q_OUTER_COST = (9, 16)
-"""`(numerator, denominator)`: what one token's pass over one block costs in a query-outer tile,
-whether the token selected the block or is masked, relative to one KV-outer entry."""
+Q_OUTER_COST = (11, 16)
+"""`(numerator, denominator)`: the least fill `E / (U * G)` of a group's query-outer tiles (its
+valid entries over its tokens' passes over its blocks, selected or masked) at which the group runs
+query-outer: what one pass costs there relative to one KV-outer entry with its share of the
+combine, the unit's own work included (`torch_msa/plan/README.md`)."""
 
 
 class QueryGroups(NamedTuple):
@@ -60,8 +62,8 @@ def group_ids(num_queries: int, num_segments: int, tokens_per_group: int) -> int
 
 
 def max_group_blocks(topk: int, tokens_per_group: int) -> int:
-    """`MQ`, the most blocks a group runs query-outer: the rule sends at most `topk / cost` blocks
-    (`Q_OUTER_COST`), and a group selects at most `G * topk`."""
+    """`MQ`, the most blocks a group runs query-outer: a group of at most `G * topk` entries has a
+    fill of at least `cost` (`Q_OUTER_COST`) over at most `topk / cost` blocks."""
     numerator, denominator = Q_OUTER_COST
     return max(1, min(tokens_per_group * topk, topk * denominator // numerator))
 
@@ -77,9 +79,9 @@ def build_query_groups(
 
     A group holds the queries `[start, start + G)` of its segment, cut at the segment's end; it is
     kept only when every one of them lies in that segment and sees a key (malformed boundaries
-    leave their queries in no group; an empty selection has none). Per (KV head, group) with `E` valid entries over `U` distinct
-    blocks, the whole group runs query-outer when `U * G * cost <= E`, else each block that at
-    least `G * cost` of its queries select does (`Q_OUTER_COST`).
+    leave their queries in no group; an empty selection has none). Per (KV head, group) with `E`
+    valid entries over `U` distinct blocks, the whole group runs query-outer when
+    `U * G * cost <= E` (`Q_OUTER_COST`), else none of it does.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
@@ -133,14 +135,11 @@ def build_query_groups(
     keys = keys.sort(-1).values
     real = keys < past_all
     run_start = real & (keys != F.pad(keys[..., :-1], (1, 0), value=-1))
-    run = torch.cumsum(run_start, -1) - 1
-    counts = torch.zeros_like(keys).scatter_add_(-1, run.clamp(min=0), real.to(keys.dtype)).gather(-1, run.clamp(min=0))
     union = run_start.sum(-1, dtype=torch.int32)
     entries = real.sum(-1)
     numerator, denominator = Q_OUTER_COST
     whole = (union * size * numerator <= entries * denominator).unsqueeze(-1)
-    chosen = run_start & (whole | (counts * denominator >= size * numerator))
-    blocks = torch.where(chosen, keys, past_all).sort(-1).values[..., :most]
+    blocks = torch.where(run_start & whole, keys, past_all).sort(-1).values[..., :most]
     blocks = F.pad(blocks, (0, most - blocks.shape[-1]), value=past_all)
 
     token_group = torch.full((num_queries,), -1, dtype=torch.int32, device=device)

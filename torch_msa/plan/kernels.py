@@ -449,9 +449,9 @@ def msa_plan_query_groups_kernel(
     ids, last_block, valid = _valid_selections(block_indices, head, token, slot, slot_ok, pos, block_size,
                                                stride_head, stride_token, stride_slot, TOPK, TOPK_P2)
 
-    # Per lane: the group's queries that select its block, and whether an earlier one does.
+    # Per lane: whether any query of the group validly selects its block, and an earlier one does.
     slots = tl.arange(0, TOPK_P2)
-    count = tl.zeros((GROUP * TOPK_P2,), tl.int32)
+    selected = tl.zeros((GROUP * TOPK_P2,), tl.int1)
     earlier_query = tl.zeros((GROUP * TOPK_P2,), tl.int1)
     for member in range(GROUP):
         member_token = start + member
@@ -461,15 +461,15 @@ def msa_plan_query_groups_kernel(
                          + slots * stride_slot, mask=member_ok & (slots < TOPK), other=-1)
         chosen_ok = (chosen >= 0) & (chosen.to(tl.int64) <= member_last)
         hit = tl.max(((ids[:, None] == chosen[None, :]) & chosen_ok[None, :]).to(tl.int32), axis=1)
-        count += hit
+        selected |= hit > 0
         earlier_query |= (hit > 0) & (member_index > member)
     first_choice = valid & ~earlier_query
     union = tl.sum(first_choice.to(tl.int32), axis=0)
     entries = tl.sum(valid.to(tl.int32), axis=0)
     whole = union * GROUP * COST_NUMERATOR <= entries * COST_DENOMINATOR
-    # `count` is the same on every lane of a block (any query's, seen by it or not), so the rule
-    # marks every occurrence of a block it lists.
-    listed = slot_ok & (count > 0) & (whole | (count * COST_DENOMINATOR >= GROUP * COST_NUMERATOR))
+    # `selected` is the same on every lane of a block (any query's, seen by it or not), so a
+    # whole group marks every occurrence of the blocks it lists.
+    listed = slot_ok & selected & whole
     blocks = tl.sort(tl.where(listed & first_choice, ids, 2147483647))
 
     pair = head.to(tl.int64) * num_ids + group
