@@ -54,6 +54,8 @@ def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Doc
     """`forward(...)` (`msa::forward` in the backends' form) with its partials bounded by `budget`
     bytes (`PARTIAL_BYTES` when None); returns `(out, lse)` as `forward` does.
 
+    Over several windows, `forward` writes each window's output into the rows of the call's that it
+    is given as `into=(out, lse)` (views, `[Tq_w, Hq, D]` and `[Tq_w, Hq]`, both contiguous).
     `window_arguments(start, stop)`, when given, returns more keyword arguments of `forward` for
     the window of queries `[start, stop)` (`[0, Tq)` when one window holds them all)."""
     num_queries, num_heads, dim = q.shape
@@ -74,8 +76,7 @@ def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Doc
                                                               documents.num_documents, block_size)
     window_schedule = plan_windows(schedule, topk, entries_per_item(num_heads, num_kv_heads))
     for start, stop, window_documents in query_windows(documents, num_queries, k.shape[0], window):
-        part_out, part_lse = forward(q[start:stop], k, v, block_indices[:, start:stop].contiguous(), window_documents,
-                                     block_size, softmax_scale, window_schedule(start, stop), **more(start, stop))
-        out[start:stop] = part_out
-        lse[start:stop] = part_lse
+        forward(q[start:stop], k, v, block_indices[:, start:stop].contiguous(), window_documents, block_size,
+                softmax_scale, window_schedule(start, stop), into=(out[start:stop], lse[start:stop]),
+                **more(start, stop))
     return out, lse

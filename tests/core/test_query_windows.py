@@ -27,19 +27,26 @@ def _budget(window):
 
 
 class _Recorder:
-    """`reference.forward`, recording the queries and plan of every call."""
+    """`reference.forward` writing into what it is given, recording the queries and plan of every
+    call (`calls`) and where it wrote (`written`)."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.written = [], []
 
-    def __call__(self, q, k, v, block_indices, documents, block_size, softmax_scale, plan):
+    def __call__(self, q, k, v, block_indices, documents, block_size, softmax_scale, plan, into=None):
         self.calls.append((q.shape[0], plan))
-        return reference.forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan)
+        out, lse = reference.forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan)
+        if into is None:
+            return out, lse
+        self.written.append(into)
+        into[0].copy_(out)
+        into[1].copy_(lse)
+        return into
 
 
-def _windowed(problem, window, plan=None, fragments=(None, None)):
+def _windowed(problem, window, plan=None, fragments=(None, None), recorder=None):
     q, k, v, block_indices, cu_q, cu_k, max_q, max_k = problem
-    recorder = _Recorder()
+    recorder = recorder or _Recorder()
     out, lse = query_windows.forward_in_windows(recorder, q, k, v, block_indices,
                                                 Documents(cu_q, cu_k, max_q, max_k, *fragments), BLOCK, DIM**-0.5, plan,
                                                 budget=_budget(window))
@@ -62,6 +69,18 @@ def test_windows_equal_one_call(window, lengths):
     _assert_same((out, lse), expected)
     assert all(queries <= window for queries, _ in calls)
     assert sum(queries for queries, _ in calls) == q.shape[0]
+
+
+def test_each_window_writes_its_rows_of_the_result():
+    """No window's output is copied: each forward writes the rows of the call's `out` and `lse`."""
+    problem = _problem([70], [70])
+    recorder = _Recorder()
+    out, lse, _ = _windowed(problem, 32, recorder=recorder)
+    starts = [0, 32, 64]
+    assert len(recorder.written) == len(starts)
+    for start, (window_out, window_lse) in zip(starts, recorder.written):
+        assert window_out.data_ptr() == out[start:].data_ptr() and window_out.is_contiguous()
+        assert window_lse.data_ptr() == lse[start:].data_ptr() and window_lse.is_contiguous()
 
 
 def test_a_problem_that_fits_one_window_is_passed_through_with_its_plan():

@@ -52,12 +52,13 @@ def check_selection_entries(num_kv_heads: int, num_queries: int, topk: int) -> N
         )
 
 
-def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None, query_outer=None):
+def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None, query_outer=None, into=None):
     """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
 
     Walks `plan`'s items (any item size), or those of a new plan. With `query_outer`
     (`torch_msa.stages.query_outer.QueryOuter`, windowed to these queries), `block_indices` is its
-    KV-outer part's selection and its query-outer part runs too.
+    KV-outer part's selection and its query-outer part runs too. With `into`, `(out, lse)`
+    contiguous of those shapes and dtypes, writes them and returns them.
 
     Raises:
         UnsupportedInputs: outside the served configuration (`check_served`), beyond int32
@@ -73,8 +74,9 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     topk = block_indices.shape[-1]
-    out = torch.empty((num_queries, num_heads, dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
+    out, lse = into if into is not None else (
+        torch.empty((num_queries, num_heads, dim), dtype=q.dtype, device=q.device),
+        torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device))
     if num_queries == 0 or topk == 0 or num_keys == 0:
         return out.zero_(), lse.fill_(-math.inf)
     # TMA reads whole 16-byte aligned rows.

@@ -76,18 +76,20 @@ def msa_fwd_blocks_kernel(
         tl.store(partial_lse + partial, lse, mask=row_ok)
 
 
-def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None, query_outer=None):
+def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None, query_outer=None, into=None):
     """Same contract as `torch_msa.reference.forward`: `out [Tq, Hq, D]`, `lse [Tq, Hq]` fp32.
 
     `plan` (from `msa::plan`, any item size) spares building the schedule. With `query_outer`
     (`torch_msa.stages.query_outer.QueryOuter`, windowed to these queries), `block_indices` is its
-    KV-outer part's selection and its query-outer part runs too."""
+    KV-outer part's selection and its query-outer part runs too. With `into`, `(out, lse)`
+    contiguous of those shapes and dtypes, writes them and returns them."""
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     topk = block_indices.shape[-1]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
+    out, lse = into if into is not None else (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device))
     if num_queries == 0:
         return out, lse
     if num_keys == 0:
