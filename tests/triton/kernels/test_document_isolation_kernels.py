@@ -51,14 +51,18 @@ def _run_attention(x, args):
     """Forward, backward and deterministic backward of the tensors in `x`."""
     forward_args = backend_arguments("forward", x["q"], x["k"], x["v"], *args)
     out, lse = forward_kernel.forward(*forward_args)
-    # Every query selects blocks 0 and 1. Documents 0 and 1 (one group each) run block 0
-    # query-outer; block 1, which few queries see, and document 2, too short for the rule, run
-    # KV-outer.
+    # Every query selects blocks 0 and 1; groups of 32 queries. The groups whose queries all see
+    # block 0 alone and fill a tile (queries 0-31 of documents 0 and 1, document 2's 30) run it
+    # query-outer; the rest (document 0's last 18 queries, 6 of which see block 1, and document 1's
+    # last 8) run KV-outer.
     block_indices, documents, num_keys, block_size = forward_args[3], forward_args[4], x["k"].shape[0], args[-2]
     # The reference builds of the groups and the plan, which the interpreter runs faster.
     groups = build_query_groups(block_indices, documents, num_keys, block_size, group_tokens(x["q"].shape[1], 1))
     kv_outer = groups.kv_outer_indices
-    assert (kv_outer[0, :90, 0] < 0).all() and (kv_outer[0, 90:, 0] == 0).all() and (kv_outer[..., 1] == 1).all()
+    query_outer_rows = torch.zeros(kv_outer.shape[1], dtype=torch.bool, device=kv_outer.device)
+    for start, stop in ((0, 32), (50, 82), (90, 120)):
+        query_outer_rows[start:stop] = True
+    assert torch.equal(kv_outer[0, :, 0] < 0, query_outer_rows) and (kv_outer[..., 1] == 1).all()
     plan = pack(build_schedule(kv_outer, documents, num_keys, block_size, 16))
     work = query_outer.QueryOuter(groups, block_indices, documents, documents.locate(x["q"].shape[0], num_keys),
                                   0, block_indices.shape[1])
@@ -77,7 +81,7 @@ def _clean_attention():
     """The clean problem of POISON_LAYOUT, its kernel arguments and results (run once for every
     poisoned input)."""
     cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(*POISON_LAYOUT)
-    num_heads, num_kv_heads, dim, block_size, topk = 2, 1, 64, 64, 2
+    num_heads, num_kv_heads, dim, block_size, topk = 4, 1, 64, 64, 2
     generator = torch.Generator().manual_seed(1)
     clean = {
         "q": torch.randn(num_queries, num_heads, dim, generator=generator),
