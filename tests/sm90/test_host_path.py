@@ -253,6 +253,9 @@ def test_a_step_with_the_fused_index_loss_builds_one_plan_over_several_query_win
                                        block_indices, documents, BLOCK, DIM**-0.5, DIM**-0.5, None, plan)
     forward_kernel, backward_kernel = recorded.kernels
     assert len(forward_kernel.calls) == 3 and len(backward_kernel.calls) == 1
+    # The last window's combine writes its rows of the call's output: no copy after.
+    _, _, window_out, window_lse, *_ = recorded.stage_args["combine"]
+    assert (window_out.data_ptr(), window_lse.data_ptr()) == (out[256:].data_ptr(), lse[256:].data_ptr())
     assert builds == [(KV_HEADS, TOKENS, TOPK)], "the step's plan is its only build"
 
 
