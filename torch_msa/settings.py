@@ -3,8 +3,8 @@
 import os
 
 QUERY_OUTER_ENV = "TORCH_MSA_QUERY_OUTER"
-"""Set to 1, asks the Triton and SM90 forwards to run the blocks a query group shares query-outer
-(`torch_msa/stages/README.md`)."""
+"""Set to 1, asks the Triton and SM90 forwards to run query-outer the query groups whose tokens
+share their blocks (`torch_msa/stages/README.md`)."""
 
 
 def flag(name: str) -> bool:

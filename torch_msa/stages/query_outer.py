@@ -1,6 +1,6 @@
-"""The query-outer part of a forward: the blocks a query group shares (`torch_msa/plan/README.md`),
-run by one program per (group, KV head) into the partials of the backend's KV-outer forward, which
-walks the rest of the selection.
+"""The query-outer part of a forward: the query groups the plan's rule sends query-outer
+(`torch_msa/plan/README.md`), run by one program per (group, KV head) into the partials of the
+backend's KV-outer forward, which walks the rest of the selection.
 """
 
 import dataclasses

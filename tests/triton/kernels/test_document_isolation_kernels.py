@@ -52,7 +52,7 @@ def _run_attention(x, args):
     forward_args = backend_arguments("forward", x["q"], x["k"], x["v"], *args)
     out, lse = forward_kernel.forward(*forward_args)
     # Every query selects blocks 0 and 1; groups of 32 queries. The groups whose queries all see
-    # block 0 alone and fill a tile (queries 0-31 of documents 0 and 1, document 2's 30) run it
+    # block 0 alone and fill 11/16 of a tile (queries 0-31 of documents 0 and 1, document 2's 30) run it
     # query-outer; the rest (document 0's last 18 queries, 6 of which see block 1, and document 1's
     # last 8) run KV-outer.
     block_indices, documents, num_keys, block_size = forward_args[3], forward_args[4], x["k"].shape[0], args[-2]
