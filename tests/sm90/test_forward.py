@@ -268,6 +268,43 @@ def test_the_query_outer_part_over_query_windows_that_cut_groups(monkeypatch):
     _check(sm90_interface.forward(*backend_arguments("forward", *inputs, BLOCK, SCALE)), _reference(*inputs))
 
 
+def test_rows_the_kv_outer_part_leaves_empty_skip_the_combine(monkeypatch):
+    """The groups kernel writes straight into the output, and flags for the combine to skip,
+    exactly the (query, KV head) rows that see a listed block and no entry of the KV-outer part:
+    a pack of a tile-shared document (most rows) and a random one (some rows, as in a pack with
+    junk ids). Every row still matches the reference."""
+    from torch_msa.plan.schedule import valid_entries
+    from torch_msa.sm90 import forward_host
+    from torch_msa.sm90 import interface as sm90_interface
+
+    lens = [1100, 900]
+    q, k, v, random_blocks, cu_q, cu_k, max_q, max_k = _inputs(lens, lens, torch.bfloat16, seed=5)
+    tiled = tile_shared(random_blocks, cu_q, BLOCK)
+    blocks = torch.where(torch.arange(sum(lens), device="cuda").view(1, -1, 1) < lens[0], tiled, with_junk_ids(random_blocks))
+    inputs = (q, k, v, blocks, cu_q, cu_k, max_q, max_k)
+    flags = []
+
+    def combine(*args):
+        flags.append(args[-1].clone())
+        return real_combine(*args)
+
+    real_combine = forward_host.combine
+    monkeypatch.setattr(forward_host, "combine", combine)
+    monkeypatch.setenv(QUERY_OUTER_ENV, "1")
+    args = backend_arguments("forward", *inputs, BLOCK, SCALE)
+    got = sm90_interface.forward(*args)
+    _check(got, _reference(*inputs))
+
+    from torch_msa.stages import query_outer
+
+    kv_outer = query_outer.split_forward(blocks, args[4], k.shape[0], BLOCK, HQ, None)[0]
+    valid = valid_entries(blocks, args[4].locate(q.shape[0], k.shape[0]).position, BLOCK)
+    expected = ((valid & (kv_outer < 0)).any(-1) & ~(valid & (kv_outer >= 0)).any(-1)).T  # [Tq, Hkv]
+    (done,) = flags
+    assert torch.equal(done.view(-1, HKV) != 0, expected)
+    assert expected[:lens[0]].float().mean() > 0.9 and 0 < expected[lens[0]:].sum() < expected[lens[0]:].numel()
+
+
 @pytest.mark.parametrize("query_outer", [False, True], ids=["default", "query-outer"])
 def test_a_documents_output_is_bitwise_the_same_alone_and_packed(query_outer, monkeypatch):
     """Batch invariance: each document of a pack gets, bit for bit, the output and lse it gets

@@ -304,15 +304,21 @@ def test_the_query_outer_part_launches_the_groups_kernel_on_its_window(recorded)
     recorded.key_count[kv_schedule.bucket_key_row.data_ptr()] = bucket_key_count(kv_schedule.bucket_key_row, cu_k,
                                                                                   BLOCK)
     args = backend_arguments("forward", q, k, v, kv_outer, cu_q, cu_k, TOKENS, TOKENS, BLOCK, DIM**-0.5, kv_plan)
-    forward_host.forward(*args, query_outer=work)
+    out, lse = forward_host.forward(*args, query_outer=work)
     blocks, groups_kernel = recorded.kernels
     assert len(blocks.calls) == len(groups_kernel.calls) == 1 and recorded.stages[-1] == "combine"
     call = groups_kernel.calls[0]
-    assert torch.equal(call[5], block_indices.reshape(-1)) and torch.equal(call[6], groups.kv_outer_indices.reshape(-1))
-    assert call[7] is groups.group_start and call[8] is groups.group_end
-    assert call[10] is located.key_start and call[11] is located.position
+    # The output rows the KV-outer part holds no entry of go straight into the call's output, and
+    # the combine skips the rows the done flags mark.
+    done = call[7]
+    assert call[5].data_ptr() == out.data_ptr() and call[6].data_ptr() == lse.data_ptr()
+    assert done.dtype == torch.int32 and done.shape == (TOKENS * KV_HEADS,) and not done.any()
+    assert recorded.stage_args["combine"][-1] is done
+    assert torch.equal(call[8], block_indices.reshape(-1)) and torch.equal(call[9], groups.kv_outer_indices.reshape(-1))
+    assert call[10] is groups.group_start and call[11] is groups.group_end
+    assert call[13] is located.key_start and call[14] is located.position
     # Every group id (0 to 299 // 8 + 1 = 38), each with the four KV heads.
     num_ids, most = groups.group_blocks.shape[1:]
-    assert call[12] == TOPK and call[13] == pytest.approx(DIM**-0.5 * 1.4426950408889634)
-    assert call[14:] == (most, num_ids, TOKENS, 0, 39 * KV_HEADS, 0, TOKENS, min(132, 39 * KV_HEADS))
+    assert call[15] == TOPK and call[16] == pytest.approx(DIM**-0.5 * 1.4426950408889634)
+    assert call[17:] == (most, num_ids, TOKENS, 0, 39 * KV_HEADS, 0, TOKENS, min(132, 39 * KV_HEADS))
     forward_host._compiled_groups.cache_clear()

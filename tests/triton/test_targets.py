@@ -92,8 +92,9 @@ def _forward_groups(config):
 
 
 def _forward_combine(config):
-    types = {"partial_out": "*bf16", "partial_lse": "*fp32", "out": "*bf16", "lse": "*fp32"}
-    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=GROUP, TOPK=M3["topk"], DIM=M3["dim"])
+    types = {"partial_out": "*bf16", "partial_lse": "*fp32", "out": "*bf16", "lse": "*fp32", "done": "*i32"}
+    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=GROUP, TOPK=M3["topk"], DIM=M3["dim"],
+                     SKIP_DONE=False)
     return combine.msa_fwd_combine_kernel, types, constants
 
 

@@ -20,6 +20,7 @@ TOKENS_PER_TILE = 4  # one warp per token: 4 x 16 heads = the 64 rows of one wgm
 TILE_ROWS = TOKENS_PER_TILE * HEADS_PER_KV
 SERVED_DTYPES = (torch.bfloat16, torch.float16)
 LOG2_E = math.log2(math.e)
+LN_2 = math.log(2)
 # The backward's dQ layout per (token, KV head): [128 / 8 dim groups, 16 heads, 8 dims], so a
 # warp's 8-byte fragment stores fill contiguous bytes without bank conflicts (README.md).
 DQ_DIM_GROUP = 8

@@ -86,9 +86,11 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     partial_out = torch.empty((rows, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((rows,), -math.inf, dtype=torch.float32, device=q.device)
     launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale)
+    done = None
     if query_outer is not None:
-        launch_groups(q, k, v, partial_out, partial_lse, query_outer, softmax_scale)
-    combine(partial_out, partial_lse, out, lse, num_kv_heads, topk)
+        done = torch.zeros(num_queries * num_kv_heads, dtype=torch.int32, device=q.device)
+        launch_groups(q, k, v, partial_out, partial_lse, out, lse, done, query_outer, softmax_scale)
+    combine(partial_out, partial_lse, out, lse, num_kv_heads, topk, done)
     return out, lse
 
 
@@ -125,18 +127,25 @@ def compile_blocks_kernel(
     return compile_blocks(Sm90ForwardKernel(num_kv_heads), operands(num_kv_heads), dtype, (), arch, dump_dir, listings)
 
 
-# The groups kernel's tensors after q, k, v (dim 0 dynamic): the partials, then `GroupTables`.
-GROUP_OPERANDS = (
-    ("partial_out", (HEAD_DIM,), None), ("partial_lse", (), torch.float32),
-    *((name, (), torch.int32) for name in ("block_indices", "kv_outer_indices", "group_start", "group_end",
-                                           "group_blocks")),
-    ("key_start", (), torch.int64), ("position", (), torch.int64),
-)
+def groups_operands(num_kv_heads: int) -> tuple:
+    """The groups kernel's tensor operands in launch order (`common.blocks_operands` form): q, k,
+    v, the partials, the output (shaped like q) with its flat lse and done flags, then `GroupTables`."""
+    q_k_v = blocks_operands(num_kv_heads, ())[:3]
+    return (
+        *q_k_v, ("partial_out", (HEAD_DIM,), None), ("partial_lse", (), torch.float32),
+        ("out", q_k_v[0][1], None), ("lse", (), torch.float32), ("done", (), torch.int32),
+        *((name, (), torch.int32) for name in ("block_indices", "kv_outer_indices", "group_start", "group_end",
+                                               "group_blocks")),
+        ("key_start", (), torch.int64), ("position", (), torch.int64),
+    )
 
 
-def launch_groups(q, k, v, partial_out, partial_lse, work: QueryOuter, softmax_scale: float) -> None:
-    """The query-outer part of `work`'s window into the partials of `launch_blocks` (in place), as
-    `torch_msa.stages.query_outer.add_partials` writes it, on the CuTe groups kernel."""
+def launch_groups(q, k, v, partial_out, partial_lse, out, lse, done, work: QueryOuter, softmax_scale: float) -> None:
+    """The query-outer part of `work`'s window on the CuTe groups kernel, in place: into the
+    partials of `launch_blocks`, as `torch_msa.stages.query_outer.add_partials` writes them, except
+    for the (query, KV head) rows the KV-outer part holds no entry of: those go straight into `out`
+    `[Tq_w, Hq, D]` and `lse` fp32 `[Tq_w, Hq]` (contiguous), with `done` (int32 `[Tq_w * Hkv]`,
+    zeros) set to 1 for `combine` to skip them."""
     num_kv_heads = k.shape[1]
     groups = work.groups
     num_call_queries, topk = work.block_indices.shape[1:]
@@ -145,7 +154,7 @@ def launch_groups(q, k, v, partial_out, partial_lse, work: QueryOuter, softmax_s
     num_units = max(0, last_group - first_group + 1) * num_kv_heads
     if num_units == 0:
         return
-    tensors = (q, k, v, partial_out, partial_lse, work.block_indices.contiguous().view(-1),
+    tensors = (q, k, v, partial_out, partial_lse, out, lse.view(-1), done, work.block_indices.contiguous().view(-1),
                groups.kv_outer_indices.view(-1), groups.group_start, groups.group_end,
                groups.group_blocks.contiguous().view(-1), work.located.key_start, work.located.position)
     grid = max(1, min(num_units, CTAS_PER_SM * sm_count(q.device)))
@@ -171,6 +180,6 @@ def compile_groups_kernel(
 
     from .groups_kernel import Sm90GroupsKernel
 
-    operands = (*blocks_operands(num_kv_heads, ())[:3], *GROUP_OPERANDS)
+    operands = groups_operands(num_kv_heads)
     walk_scalars = tuple(cutlass.Int32(1) for _ in range(7))
     return compile_blocks(Sm90GroupsKernel(num_kv_heads), operands, dtype, walk_scalars, arch, dump_dir, listings)

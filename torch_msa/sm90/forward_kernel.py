@@ -12,7 +12,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..cute_dsl.compat import SmemAllocator
 from .blocks_kernel import K_MAJOR, MN_MAJOR, BlocksKernel, thread_and_warp
-from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, TILE_ROWS, TOKENS_PER_TILE, ScheduleOperands
+from .common import BLOCK_SIZE, HEAD_DIM, HEADS_PER_KV, LN_2, TILE_ROWS, TOKENS_PER_TILE, ScheduleOperands
 from .mask import hide_scores_past, zero_keys_past
 from .pipeline import consumer_state, producer_state
 from .softmax import block_softmax_row
@@ -285,10 +285,12 @@ class Sm90ForwardKernel(BlocksKernel):
         return q_read
 
     @cute.jit
-    def write_output(self, output: tuple, block: Int32, consumer: Int32, thread: Int32, warp: Int32):
+    def write_output(self, output: tuple, block: Int32, consumer: Int32, thread: Int32, warp: Int32,
+                     natural: cutlass.Constexpr[bool] = False):
         """Store this warp's token (`block` from `warp_row`; none for -1): normalised `acc_O` by one TMA
-        store through the output tile, and the rows' log2-sum-exp. `output` as packed by `consume`."""
-        acc_O, o_rc, cO_rc, row_shift, row_sum, tOsO, tma_atom_O, tOsO_tma, tOgO_tma, mPartialLse = output
+        store through the output tile, and the rows' log2-sum-exp (with `natural`, their natural
+        log-sum-exp, as `combine` writes it). `output` as packed by `consume`."""
+        acc_O, o_rc, cO_rc, row_shift, row_sum, tOsO, tma_atom_O, tOsO_tma, tOgO_tma, mRowLse = output
         # A row sees its own key, so sum >= 1, unless NaN: that flows into out, as in the reference.
         for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
             inverse = Float32(1.0) / row_sum[r]
@@ -306,7 +308,10 @@ class Sm90ForwardKernel(BlocksKernel):
             if thread % 4 == 0:
                 for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
                     head = cO_rc[r, 0][0] % HEADS_PER_KV
-                    mPartialLse[block * HEADS_PER_KV + head] = row_shift[r] + cute.math.log2(row_sum[r], fastmath=True)
+                    row_lse = row_shift[r] + cute.math.log2(row_sum[r], fastmath=True)
+                    if cutlass.const_expr(natural):
+                        row_lse = row_lse * Float32(LN_2)
+                    mRowLse[block * HEADS_PER_KV + head] = row_lse
 
 
 @cute.jit

@@ -1,6 +1,7 @@
 """The SM90 query-outer kernel (CuTe DSL, sm_90a): per (query group, KV head), the group's listed
-blocks with an online softmax, written into the KV-outer forward's partials (the query-outer
-stage, `torch_msa/stages/README.md`); host side `forward_host.py`.
+blocks with an online softmax, written into the KV-outer forward's partials, or straight into the
+forward's output where the query has no KV-outer entry (the query-outer stage,
+`torch_msa/stages/README.md`); host side `forward_host.py`.
 """
 
 from typing import NamedTuple
@@ -8,7 +9,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .blocks_kernel import thread_and_warp
 from .common import BLOCK_SIZE, TOKENS_PER_TILE
@@ -30,6 +31,9 @@ from .pipeline import consumer_state, producer_state
 from .softmax import online_softmax_row
 from .tma import (
     load_key_block,
+    query_rows,
+    token_box_layout,
+    token_rows_tma,
     token_tile_partition,
 )
 
@@ -67,6 +71,9 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
         mPartialOut: cute.Tensor,  # [Tq_w * Hkv * topk * 16, 128]
         mPartialLse: cute.Tensor,  # fp32 [Tq_w * Hkv * topk * 16]
+        mOut: cute.Tensor,  # [Tq_w, Hq, 128], the forward's output
+        mLse: cute.Tensor,  # fp32 [Tq_w * Hq], the forward's natural log-sum-exp
+        mDone: cute.Tensor,  # int32 [Tq_w * Hkv], 1 where this kernel wrote the output
         *tables_and_scalars,  # `GroupTables`, topk, scale_log2, the unit walk's scalars, grid_size, stream
     ):
         count = len(GroupTables._fields)
@@ -74,17 +81,19 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         topk, scale_log2, most, num_ids, num_queries, first_group, num_units, window_start, window_stop, grid_size, \
             stream = tables_and_scalars[count:]
         operands, layouts = self.prepare(mQ, mK, mV, mPartialOut)
+        tma_atom_Out, tma_Out = token_rows_tma(cpasync.CopyBulkTensorTileS2GOp(), query_rows(mOut, self.num_heads),
+                                               token_box_layout(layouts[0]))
         self.kernel(
-            *operands, mPartialLse, tables, topk, most, num_ids, num_queries, first_group, num_units, window_start,
-            window_stop, scale_log2, *layouts,
+            *operands, mPartialLse, tma_atom_Out, tma_Out, mLse, mDone, tables, topk, most, num_ids, num_queries,
+            first_group, num_units, window_start, window_stop, scale_log2, *layouts,
         ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(
         self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tma_atom_Q: cute.CopyAtom, tma_Q: cute.Tensor,
         tma_atom_K: cute.CopyAtom, tma_K: cute.Tensor, tma_atom_V: cute.CopyAtom, tma_V: cute.Tensor,
-        tma_atom_O: cute.CopyAtom, tma_O: cute.Tensor, mPartialLse: cute.Tensor, tables: GroupTables, topk: Int32,
-        most: Int32, num_ids: Int32, num_queries: Int32, first_group: Int32, num_units: Int32, window_start: Int32,
+        tma_atom_O: cute.CopyAtom, tma_O: cute.Tensor, mPartialLse: cute.Tensor, tma_atom_Out: cute.CopyAtom,
+        tma_Out: cute.Tensor, mLse: cute.Tensor, mDone: cute.Tensor, tables: GroupTables, topk: Int32, most: Int32, num_ids: Int32, num_queries: Int32, first_group: Int32, num_units: Int32, window_start: Int32,
         window_stop: Int32, scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
     ):
@@ -102,9 +111,9 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self.consume(
-                mma_qk, mma_pv, kv_pipeline, q_pipeline, tma_atom_O, tma_O, mPartialLse, sQ, sK, sV, sO, walk,
-                num_units, topk, num_queries, scale_log2, warpgroup_index - 1, tidx % WARPGROUP_THREADS,
-                warp % WARPS_PER_WARPGROUP,
+                mma_qk, mma_pv, kv_pipeline, q_pipeline, tma_atom_O, tma_O, mPartialLse, (tma_atom_Out, tma_Out, mLse),
+                mDone, sQ, sK, sV, sO, walk, num_units, topk, num_queries, scale_log2, warpgroup_index - 1,
+                tidx % WARPGROUP_THREADS, warp % WARPS_PER_WARPGROUP,
             )
 
     @cute.jit
@@ -164,18 +173,23 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
     @cute.jit
     def consume(
         self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, kv_pipeline, q_pipeline, tma_atom_O, tma_O,
-        mPartialLse: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor, walk: tuple,
-        num_units: Int32, topk: Int32, num_queries: Int32, scale_log2: Float32, consumer: Int32, thread: Int32,
-        warp: Int32,
+        mPartialLse: cute.Tensor, final: tuple, mDone: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+        sV: cute.Tensor, sO: cute.Tensor, walk: tuple, num_units: Int32, topk: Int32, num_queries: Int32,
+        scale_log2: Float32, consumer: Int32, thread: Int32, warp: Int32,
     ):
         """Consumer warpgroup `consumer`: tokens `4 * consumer ..` of every unit's group, warp `warp`
-        one token, over the unit's listed blocks with an online softmax; then the token's merged
-        output into its first seen listed slot (`write_output`)."""
+        one token, over the unit's listed blocks with an online softmax. Then the token's merged
+        output goes into its first seen listed slot (`write_output`), or, where the KV-outer part
+        holds none of its entries, into the forward's output and lse (`final`: the TMA atom and
+        view of the output rows, the lse), with its `mDone` flag set for `combine` to skip."""
         tables, window_start = walk[0], walk[4]
         tSrQ, tSrK, tOrV, acc_S, s_rc, cS_rc, rP, tOrP, output = self.consumer_tiles(
             mma_qk, mma_pv, sQ, sK, sV, sO, tma_atom_O, tma_O, mPartialLse, consumer, thread
         )
         acc_O, o_rc, _, row_shift, row_sum = output[:5]
+        tma_atom_Out, tma_Out, mLse = final
+        tOsOut_tma, tOgOut_tma = token_tile_partition(tma_atom_Out, tma_Out, sO, CONSUMERS)
+        final_output = (*output[:6], tma_atom_Out, tOsOut_tma, tOgOut_tma, mLse)
         rows_per_thread = cute.size(s_rc, mode=[0])
 
         kv_read = consumer_state(KV_STAGES)
@@ -192,7 +206,7 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
                 # lies in one document or fragment, so its last query has its largest position.
                 horizon = Int32(tables.position[unit.end - 1])
                 selection = (unit.kv_head * num_queries + own) * topk
-                first_slot = self.first_listed_slot(tables, selection, topk, position)
+                first_slot, kv_outer_entries = self.first_listed_slot(tables, selection, topk, position)
                 acc_O.fill(0.0)
                 row_shift.fill(-Float32.inf)
                 row_sum.fill(0.0)
@@ -229,25 +243,35 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
                     kv_read = advanced(kv_read, 1)
                 q_pipeline.consumer_release(q_read)
                 q_read = advanced(q_read, CONSUMERS)
-                partial_block = ((token - window_start) * self.num_kv_heads + unit.kv_head) * topk + first_slot
-                # A token that attended no listed block writes nothing: its slot keeps `-inf`.
-                if attended == 0 or first_slot >= topk:
-                    partial_block = Int32(-1)
-                self.write_output(output, partial_block, consumer, thread, warp)
+                box = (token - window_start) * self.num_kv_heads + unit.kv_head
+                if attended == 1 and kv_outer_entries == 0:
+                    self.write_output(final_output, box, consumer, thread, warp, natural=True)
+                    if thread % 32 == 0:
+                        mDone[box] = Int32(1)
+                else:
+                    # A token that attended no listed block writes nothing: its slot keeps `-inf`.
+                    partial_block = box * topk + first_slot
+                    if attended == 0 or first_slot >= topk:
+                        partial_block = Int32(-1)
+                    self.write_output(output, partial_block, consumer, thread, warp)
         # Shared memory must outlive the TMA's reads of the last output rows.
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def first_listed_slot(self, tables: GroupTables, selection: Int32, topk: Int32, position: Int32) -> Int32:
-        """The first slot whose id the query sees and the KV-outer part dropped (`topk` if none):
-        where its query-outer output goes."""
+    def first_listed_slot(self, tables: GroupTables, selection: Int32, topk: Int32, position: Int32):
+        """`(slot, kv_outer)`: the first slot whose id the query sees and the KV-outer part dropped
+        (`topk` if none), where its query-outer output goes; how many slots the query sees that
+        the KV-outer part kept (0: this kernel's output is the query's whole output)."""
         found = topk
+        kv_outer = Int32(0)
         for slot in cutlass.range(topk, unroll=1):
             block = tables.block_indices[selection + slot]
             seen = block >= 0 and block <= position // BLOCK_SIZE and position >= 0
+            if seen and tables.kv_outer_indices[selection + slot] >= 0:
+                kv_outer += 1
             if found == topk and seen and tables.kv_outer_indices[selection + slot] < 0:
                 found = slot
-        return found
+        return found, kv_outer
 
     @cute.jit
     def selects(self, tables: GroupTables, selection: Int32, topk: Int32, block: Int32):

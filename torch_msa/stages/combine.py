@@ -12,12 +12,15 @@ COMBINE_CONFIGS = (LaunchConfig(num_stages=3, num_warps=4),)
 @cached_launches
 @triton.jit
 def msa_fwd_combine_kernel(
-    partial_out, partial_lse, out, lse,
+    partial_out, partial_lse, out, lse, done,
     stride_out_token, stride_out_head,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-    TOPK: tl.constexpr, DIM: tl.constexpr,
+    TOPK: tl.constexpr, DIM: tl.constexpr, SKIP_DONE: tl.constexpr,
 ):
     token, kv_head, heads, head_ok = program_token_group(GROUP, GROUP_P2)
+    if SKIP_DONE:
+        if tl.load(done + token * NUM_KV_HEADS + kv_head) != 0:
+            return
     dims = tl.arange(0, DIM)
     base = (token * NUM_KV_HEADS + kv_head) * TOPK * GROUP
     best = tl.full((GROUP_P2,), float("-inf"), tl.float32)
@@ -42,7 +45,7 @@ def msa_fwd_combine_kernel(
     tl.store(lse + token * NUM_KV_HEADS * GROUP + query_head, natural, mask=head_ok)
 
 
-def combine(partial_out, partial_lse, out, lse, num_kv_heads, topk):
+def combine(partial_out, partial_lse, out, lse, num_kv_heads, topk, done=None):
     """Merge the per-(query, slot) partials of a KV-outer forward into `out` and `lse` (in place).
 
     Args:
@@ -52,17 +55,19 @@ def combine(partial_out, partial_lse, out, lse, num_kv_heads, topk):
             `-inf` for a slot without an entry.
         out: `[Tq, Hq, D]` (unit stride in D), written.
         lse: fp32 `[Tq, Hq]` contiguous, written (natural log).
+        done: optional int32 `[Tq * Hkv]`: the (query, KV head) rows whose output and lse a
+            query-outer kernel already wrote where nonzero; those are left as they are.
     """
     num_queries, num_heads, dim = out.shape
     group = num_heads // num_kv_heads
-    shape_key = (out.device, out.dtype, dim, group, topk)
+    shape_key = (out.device, out.dtype, dim, group, topk, done is not None)
 
     def launch_combine(config):
         msa_fwd_combine_kernel[(num_queries, num_kv_heads)](
-            partial_out, partial_lse, out, lse,
+            partial_out, partial_lse, out, lse, partial_lse if done is None else done,
             out.stride(0), out.stride(1),
             NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), TOPK=topk, DIM=dim,
-            **config.options,
+            SKIP_DONE=done is not None, **config.options,
         )
 
     launch("msa_fwd_combine_kernel", shape_key, COMBINE_CONFIGS, launch_combine)

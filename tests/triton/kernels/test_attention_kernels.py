@@ -97,6 +97,27 @@ def test_ungroup_dq_restores_natural_order(dtype):
     ungroup_dq(empty, empty.to(dtype), block_heads, width, (DEVICE, dtype, dim))
 
 
+def test_the_combine_leaves_the_rows_flagged_done():
+    """With `done` flags the combine writes every other (query, KV head) row as without them and
+    leaves the flagged rows' output and lse as they are."""
+    from torch_msa.stages.combine import combine
+
+    num_queries, num_kv_heads, group, topk, dim = 5, 2, 4, 3, 16
+    rows = num_queries * num_kv_heads * topk * group
+    partial_out = torch.randn(rows, dim, device=DEVICE, dtype=torch.float16)
+    partial_lse = torch.randn(rows, device=DEVICE)
+    partial_lse[::7] = -float("inf")
+    done = torch.tensor([1, 0, 0, 1, 0, 0, 1, 1, 0, 0], dtype=torch.int32, device=DEVICE)
+    shape = (num_queries, num_kv_heads * group)
+    want_out, want_lse = torch.empty(*shape, dim, device=DEVICE, dtype=torch.float16), torch.empty(shape, device=DEVICE)
+    combine(partial_out, partial_lse, want_out, want_lse, num_kv_heads, topk)
+    out, lse = torch.full_like(want_out, 7.0), torch.full_like(want_lse, 7.0)
+    combine(partial_out, partial_lse, out, lse, num_kv_heads, topk, done)
+    flagged = (done.view(num_queries, num_kv_heads) != 0).repeat_interleave(group, 1)
+    assert flagged.any() and (out[flagged] == 7.0).all() and (lse[flagged] == 7.0).all()
+    assert torch.equal(out[~flagged], want_out[~flagged]) and torch.equal(lse[~flagged], want_lse[~flagged])
+
+
 def test_forward_and_backward_read_a_given_plan():
     """A plan of any item size (here 8, the kernels build 128 for this shape) gives the results
     of the reference."""
