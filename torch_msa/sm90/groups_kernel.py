@@ -93,7 +93,8 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tma_atom_Q: cute.CopyAtom, tma_Q: cute.Tensor,
         tma_atom_K: cute.CopyAtom, tma_K: cute.Tensor, tma_atom_V: cute.CopyAtom, tma_V: cute.Tensor,
         tma_atom_O: cute.CopyAtom, tma_O: cute.Tensor, mPartialLse: cute.Tensor, tma_atom_Out: cute.CopyAtom,
-        tma_Out: cute.Tensor, mLse: cute.Tensor, mDone: cute.Tensor, tables: GroupTables, topk: Int32, most: Int32, num_ids: Int32, num_queries: Int32, first_group: Int32, num_units: Int32, window_start: Int32,
+        tma_Out: cute.Tensor, mLse: cute.Tensor, mDone: cute.Tensor, tables: GroupTables, topk: Int32, most: Int32,
+        num_ids: Int32, num_queries: Int32, first_group: Int32, num_units: Int32, window_start: Int32,
         window_stop: Int32, scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
     ):
