@@ -4,6 +4,7 @@ M3 shapes (Hq = 64, Hkv = 4, D = 128, block 128, top-16): a 1K document, a pack 
 one-token documents, an Lq < Lk pack, a 1M-token document on sampled rows, junk ids, a skewed
 selection, NaN in one document, bf16 and fp16, query fragments, given plans of any item size,
 the query-outer part (`TORCH_MSA_QUERY_OUTER=1`) on random, skewed, tiled and junk selections,
+at 1 and 2 KV heads, in fp16, over fragments, its rows that skip the combine,
 batch invariance (a document alone and packed, bit for bit),
 query windows (bounded partials), a 32K document (partials past 2**31 elements, against the
 Triton forward), CUDA-graph replay, `torch.compile(fullgraph=True)`, `torch.library.opcheck` and
@@ -232,6 +233,46 @@ def test_the_query_outer_part_matches_reference(q_lens, k_lens, selection, monke
     kv_outer = query_outer.split_forward(blocks, args[4], k.shape[0], BLOCK, HQ, None)[0]
     assert ((kv_outer < 0) & (blocks >= 0)).any()
     _check(sm90_interface.forward(*args), _reference(*inputs))
+
+
+@pytest.mark.parametrize("kv_heads, dtype", [(1, torch.float16), (2, torch.bfloat16)], ids=["hkv1-fp16", "hkv2-bf16"])
+def test_the_query_outer_part_at_other_head_counts(kv_heads, dtype, monkeypatch):
+    """The groups kernel compiled for 1 and 2 KV heads (16 query heads each), fp16 and bf16, on a
+    pack whose first document shares its selection per 128-query tile and whose others are random."""
+    from torch_msa.sm90 import interface as sm90_interface
+
+    lens = [700, 1, 600]
+    q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs(lens, lens, dtype, seed=6, kv_heads=kv_heads)
+    shared = torch.arange(sum(lens), device="cuda").view(1, -1, 1) < lens[0]
+    blocks = torch.where(shared, tile_shared(blocks, cu_q, BLOCK), blocks)
+    inputs = (q, k, v, blocks, cu_q, cu_k, max_q, max_k)
+    monkeypatch.setenv(QUERY_OUTER_ENV, "1")
+    _check(sm90_interface.forward(*backend_arguments("forward", *inputs, BLOCK, SCALE)), _reference(*inputs))
+
+
+def test_the_query_outer_part_over_fragments(monkeypatch):
+    """Query fragments (a context-parallel rank's share of three documents) on selections shared
+    per 128-query tile of each fragment: groups stay inside their fragment, and a tile's blocks
+    past an early query's position are masked for it."""
+    from torch_msa.sm90 import interface as sm90_interface
+
+    frag = fragments((4096, 2048, 1), ((0, 0, 1024), (0, 3072, 1024), (1, 500, 700), (2, 0, 1)), "cuda")
+    generator = torch.Generator().manual_seed(11)
+    tq, tk = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16)
+
+    q, k, v = tensor(tq, HQ, D), tensor(tk, HKV, D), tensor(tk, HKV, D)
+    blocks = random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, HKV, TOPK, BLOCK, generator,
+                                  *frag.tensors).cuda()
+    blocks = tile_shared(blocks, frag.cu_seqlens_q, BLOCK)
+    args = (blocks, *frag.op_args, BLOCK, SCALE)
+    monkeypatch.setenv(QUERY_OUTER_ENV, "1")
+    got = sm90_interface.forward(*backend_arguments("forward", q, k, v, *args, None, *frag.tensors))
+    want_out, want_lse = reference.forward(*backend_arguments("forward", q.float(), k.float(), v.float(), *args, None,
+                                                              *frag.tensors))
+    _check(got, (want_out.to(q.dtype), want_lse))
 
 
 def test_the_query_outer_part_keeps_nan_in_its_document(monkeypatch):
