@@ -4,7 +4,7 @@ M3 shapes (Hq = 64, Hkv = 4, D = 128, block 128, top-16): a 1K document, a pack 
 one-token documents, an Lq < Lk pack, a 1M-token document on sampled rows, junk ids, a skewed
 selection, NaN in one document, bf16 and fp16, query fragments, given plans of any item size,
 the query-outer part (`TORCH_MSA_QUERY_OUTER=1`) on random, skewed, tiled and junk selections,
-at 1 and 2 KV heads, in fp16, over fragments, its rows that skip the combine,
+at 1 and 2 KV heads, in fp16, over query fragments, its rows that skip the combine,
 batch invariance (a document alone and packed, bit for bit),
 query windows (bounded partials), a 32K document (partials past 2**31 elements, against the
 Triton forward), CUDA-graph replay, `torch.compile(fullgraph=True)`, `torch.library.opcheck` and
@@ -250,31 +250,6 @@ def test_the_query_outer_part_at_other_head_counts(kv_heads, dtype, monkeypatch)
     _check(sm90_interface.forward(*backend_arguments("forward", *inputs, BLOCK, SCALE)), _reference(*inputs))
 
 
-def test_the_query_outer_part_over_fragments(monkeypatch):
-    """Query fragments (a context-parallel rank's share of three documents) on selections shared
-    per 128-query tile of each fragment: groups stay inside their fragment, and a tile's blocks
-    past an early query's position are masked for it."""
-    from torch_msa.sm90 import interface as sm90_interface
-
-    frag = fragments((4096, 2048, 1), ((0, 0, 1024), (0, 3072, 1024), (1, 500, 700), (2, 0, 1)), "cuda")
-    generator = torch.Generator().manual_seed(11)
-    tq, tk = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
-
-    def tensor(*shape):
-        return torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16)
-
-    q, k, v = tensor(tq, HQ, D), tensor(tk, HKV, D), tensor(tk, HKV, D)
-    blocks = random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, HKV, TOPK, BLOCK, generator,
-                                  *frag.tensors).cuda()
-    blocks = tile_shared(blocks, frag.cu_seqlens_q, BLOCK)
-    args = (blocks, *frag.op_args, BLOCK, SCALE)
-    monkeypatch.setenv(QUERY_OUTER_ENV, "1")
-    got = sm90_interface.forward(*backend_arguments("forward", q, k, v, *args, None, *frag.tensors))
-    want_out, want_lse = reference.forward(*backend_arguments("forward", q.float(), k.float(), v.float(), *args, None,
-                                                              *frag.tensors))
-    _check(got, (want_out.to(q.dtype), want_lse))
-
-
 def test_the_query_outer_part_keeps_nan_in_its_document(monkeypatch):
     """With `TORCH_MSA_QUERY_OUTER=1` on tile-shared selections, documents whose blocks run into a
     NaN document's keys stay finite and exact."""
@@ -380,10 +355,13 @@ def test_given_plans_of_any_item_size(entries):
     _check(got, _reference(q, k, v, blocks, cu_q, cu_k, max_q, max_k))
 
 
-def test_fragments_match_reference():
+@pytest.mark.parametrize("query_outer", [False, True], ids=["default", "query-outer"])
+def test_fragments_match_reference(query_outer, monkeypatch):
     """A context-parallel rank's share: two chunks of a 4K document, the middle of a 2K one and a
-    1-token document, as query fragments over the whole documents' keys."""
-    from torch_msa.sm90.forward_host import forward
+    1-token document, as query fragments over the whole documents' keys. With the query-outer
+    part, on selections shared per 128-query tile of each fragment: groups stay inside their
+    fragment, and a tile's blocks past an early query's position are masked for it."""
+    from torch_msa.sm90 import interface as sm90_interface
 
     frag = fragments((4096, 2048, 1), ((0, 0, 1024), (0, 3072, 1024), (1, 500, 700), (2, 0, 1)), "cuda")
     generator = torch.Generator().manual_seed(8)
@@ -395,8 +373,11 @@ def test_fragments_match_reference():
     q, k, v = tensor(tq, HQ, D), tensor(tk, HKV, D), tensor(tk, HKV, D)
     blocks = random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, HKV, TOPK, BLOCK, generator,
                                   *frag.tensors).cuda()
+    if query_outer:
+        blocks = tile_shared(blocks, frag.cu_seqlens_q, BLOCK)
+        monkeypatch.setenv(QUERY_OUTER_ENV, "1")
     args = (blocks, *frag.op_args, BLOCK, SCALE)
-    got = forward(*backend_arguments("forward", q, k, v, *args, None, *frag.tensors))
+    got = sm90_interface.forward(*backend_arguments("forward", q, k, v, *args, None, *frag.tensors))
     want_out, want_lse = reference.forward(*backend_arguments("forward", q.float(), k.float(), v.float(), *args, None,
                                                               *frag.tensors))
     _check(got, (want_out.to(q.dtype), want_lse))
