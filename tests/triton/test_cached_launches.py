@@ -43,7 +43,7 @@ def kernel(monkeypatch):
     backend = make_backend(GPUTarget("cuda", 90, 32))
     binder = create_function_from_signature(jit_function.signature, jit_function.params, backend)
     monkeypatch.setitem(jit_function.device_caches, 0, ({}, {}, None, backend, binder))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     through_triton = []
 

@@ -146,7 +146,7 @@ class CachedLaunches:
 
     def _launch(self, grid, args, kwargs):
         jit_function = self.jit_function
-        device = torch.cuda.current_device()
+        device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its Python checks
         caches = jit_function.device_caches.get(device)
         if caches is None or jit_function.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook) or _hooked(
                 knobs.runtime.launch_exit_hook) or getattr(knobs.runtime, "add_stages_inspection_hook", None):
@@ -154,7 +154,8 @@ class CachedLaunches:
         options = dict(kwargs, debug=kwargs.get("debug", jit_function.debug) or knobs.runtime.debug,
                        instrumentation_mode=knobs.compilation.instrumentation_mode)
         bound, specialization, options = caches[-1](*args, **options)
-        key = (device, tuple(specialization), tuple(sorted(options.items())))
+        # Unsorted: a call site passes its options in one order, and another order only adds an entry.
+        key = (device, tuple(specialization), tuple(options.items()))
         with _lock:  # the recency order is shared by every thread that launches
             compiled = self._compiled.get(key)
             if compiled is not None:
