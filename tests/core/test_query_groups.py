@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.support.documents import documents_of
-from tests.support.groups_oracle import query_groups_python
+from tests.support.groups_oracle import query_groups_python, units_python
 from torch_msa import testing
 from torch_msa.plan.groups import (
     Q_OUTER_COST,
@@ -54,6 +54,9 @@ def _check(groups, expected, num_kv_heads, tokens_per_group, topk):
             assert blocks == expected["blocks"].get((head, gid), []), (head, gid)
             assert (groups.group_blocks[head, gid, len(blocks):] == -1).all()
             assert int(groups.group_union[head, gid]) == expected["union"].get((head, gid), 0), (head, gid)
+    units, units_before = units_python(expected["blocks"], num_kv_heads, num_ids)
+    assert groups.units.tolist() == units
+    assert groups.units_before.tolist() == units_before
 
 
 @pytest.mark.parametrize("kind", ["random", "skewed", "tiled"])

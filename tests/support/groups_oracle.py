@@ -57,3 +57,15 @@ def query_groups_python(
                 result["union"][head, gid] = len(chosen)
                 result["blocks"][head, gid] = sorted(chosen) if whole else []
     return result
+
+
+def units_python(blocks: dict, num_kv_heads: int, num_ids: int) -> tuple[list[int], list[int]]:
+    """`(units, units_before)` of `QueryGroups` from the oracle's `blocks`: the (group, head) pairs
+    with a listed block as `group * Hkv + head` in increasing order, `-1` up to `Hkv * NG`; per group
+    id the pairs listed in the groups before it, then their total."""
+    units, units_before = [], []
+    for gid in range(num_ids):
+        units_before.append(len(units))
+        units += [gid * num_kv_heads + head for head in range(num_kv_heads) if blocks.get((head, gid))]
+    units_before.append(len(units))
+    return units + [-1] * (num_kv_heads * num_ids - len(units)), units_before

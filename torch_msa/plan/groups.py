@@ -36,6 +36,10 @@ class QueryGroups(NamedTuple):
         kv_outer_indices: `[Hkv, Tq, topk]`, contiguous, the selection the KV-outer part walks:
             `block_indices` with `-1` wherever the id is a block the query's group lists. A valid
             entry runs query-outer where its id is replaced, KV-outer where it is kept.
+        units: `[Hkv * NG]` the (group, KV head) pairs that list a block, as `group * Hkv + head`,
+            ascending, `-1` after: the query-outer work, so that a kernel hands out no empty pair.
+        units_before: `[NG + 1]` the listed pairs of the groups below each id: the pairs of groups
+            `[a, b]` are `units[units_before[a]:units_before[b + 1]]`.
     """
 
     token_group: torch.Tensor
@@ -44,6 +48,8 @@ class QueryGroups(NamedTuple):
     group_union: torch.Tensor
     group_blocks: torch.Tensor
     kv_outer_indices: torch.Tensor
+    units: torch.Tensor
+    units_before: torch.Tensor
 
 
 def group_tokens(num_heads: int, num_kv_heads: int) -> int:
@@ -97,10 +103,11 @@ def build_query_groups(
     most = max_group_blocks(topk, size)
     if block_indices.numel() == 0:
         zeros = torch.zeros(num_ids, dtype=torch.int32, device=device)
+        group_blocks = torch.full((num_kv_heads, num_ids, most), -1, dtype=torch.int32, device=device)
         return QueryGroups(torch.full((num_queries,), -1, dtype=torch.int32, device=device), zeros, zeros.clone(),
-                           torch.zeros((num_kv_heads, num_ids), dtype=torch.int32, device=device),
-                           torch.full((num_kv_heads, num_ids, most), -1, dtype=torch.int32, device=device),
-                           block_indices.to(torch.int32, memory_format=torch.contiguous_format, copy=True))
+                           torch.zeros((num_kv_heads, num_ids), dtype=torch.int32, device=device), group_blocks,
+                           block_indices.to(torch.int32, memory_format=torch.contiguous_format, copy=True),
+                           *unit_list(group_blocks))
     position = documents.locate(num_queries, num_keys).position
 
     # The segment of each group id: the probes of a binary search for the last `s` with
@@ -158,4 +165,22 @@ def build_query_groups(
         group_union=union,
         group_blocks=group_blocks,
         kv_outer_indices=torch.where(query_outer, -1, block_indices).to(torch.int32),
+        **unit_list(group_blocks)._asdict(),
     )
+
+
+class UnitList(NamedTuple):
+    units: torch.Tensor
+    units_before: torch.Tensor
+
+
+def unit_list(group_blocks: torch.Tensor) -> UnitList:
+    """`QueryGroups.units` and `units_before` of int32 `group_blocks [Hkv, NG, MQ]`, without a host sync."""
+    num_kv_heads, num_ids, _ = group_blocks.shape
+    listed = (group_blocks[..., 0] >= 0).t().reshape(-1)  # by unit id, group * Hkv + head
+    total = listed.numel()
+    ids = torch.arange(total, dtype=torch.int32, device=group_blocks.device)
+    # Unlisted ids sort after every listed one.
+    ordered = torch.where(listed, ids, ids + total).sort().values
+    per_group = listed.view(num_ids, num_kv_heads).sum(1)
+    return UnitList(torch.where(ordered < total, ordered, -1), F.pad(per_group.cumsum(0), (1, 0)).to(torch.int32))

@@ -483,8 +483,31 @@ def msa_plan_query_groups_kernel(
         tl.store(token_group + token, group + tl.zeros_like(slot), mask=in_group & kept & (slot == 0))
 
 
+@cached_launches
+@triton.jit
+def msa_plan_query_units_kernel(group_blocks, units, units_before, num_units, num_ids, MOST: tl.constexpr,
+                                NUM_KV_HEADS: tl.constexpr, CHUNK: tl.constexpr):
+    # One program: a running count over chunks of unit ids, `group * Hkv + head`.
+    listed_before = tl.zeros((), tl.int32)
+    for first in range(0, num_units, CHUNK):
+        unit = first + tl.arange(0, CHUNK)
+        ok = unit < num_units
+        group = unit // NUM_KV_HEADS
+        head = unit % NUM_KV_HEADS
+        first_block = tl.load(group_blocks + (head.to(tl.int64) * num_ids + group) * MOST, mask=ok, other=-1)
+        listed = (ok & (first_block >= 0)).to(tl.int32)
+        slot = listed_before + tl.cumsum(listed, axis=0) - listed
+        tl.store(units + slot, unit, mask=listed > 0)
+        tl.store(units_before + group, slot, mask=ok & (head == 0))
+        listed_before += tl.sum(listed, axis=0)
+    tl.store(units_before + num_ids, listed_before)
+    for first in range(0, num_units, CHUNK):
+        slot = first + tl.arange(0, CHUNK)
+        tl.store(units + slot, -1, mask=(slot >= listed_before) & (slot < num_units))
+
+
 def query_groups(block_indices, documents: Documents, num_keys, block_size, tokens_per_group) -> QueryGroups:
-    """`torch_msa.plan.groups.build_query_groups` (same arguments, same tables) in three launches."""
+    """`torch_msa.plan.groups.build_query_groups` (same arguments, same tables) in four launches."""
     num_kv_heads, num_queries, topk = block_indices.shape
     if tokens_per_group & (tokens_per_group - 1):
         raise ValueError(f"tokens_per_group: expected a power of two (group_tokens gives one), got {tokens_per_group}")
@@ -498,11 +521,12 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
     num_ids = group_ids(num_queries, num_segments, tokens_per_group)
     most = max_group_blocks(topk, tokens_per_group)
     token_group = torch.full((num_queries,), -1, dtype=torch.int32, device=device)
-    bounds = torch.empty(2 * num_ids, dtype=torch.int32, device=device)
-    group_union = torch.empty((num_kv_heads, num_ids), dtype=torch.int32, device=device)
-    group_blocks = torch.empty((num_kv_heads, num_ids, most), dtype=torch.int32, device=device)
+    num_units = num_kv_heads * num_ids
+    sizes = (num_ids, num_ids, num_units, num_ids + 1, num_units, num_units * most)
+    group_start, group_end, group_union, units_before, units, group_blocks = torch.empty(
+        sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
+    group_union, group_blocks = group_union.view(num_kv_heads, num_ids), group_blocks.view(num_kv_heads, num_ids, most)
     kv_outer_indices = block_indices.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
-    group_start, group_end = bounds.split_with_sizes((num_ids, num_ids))
     msa_plan_query_groups_kernel[(num_ids, num_kv_heads)](
         block_indices, cu_seqlens_q, cu_seqlens_k,
         documents.fragment_documents if fragments else cu_seqlens_q, documents.fragment_starts if fragments else cu_seqlens_q,
@@ -512,7 +536,10 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
         TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), GROUP=tokens_per_group, MOST=most,
         COST_NUMERATOR=Q_OUTER_COST[0], COST_DENOMINATOR=Q_OUTER_COST[1], FRAGMENTS=fragments,
     )
-    return QueryGroups(token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices)
+    msa_plan_query_units_kernel[(1,)](group_blocks, units, units_before, num_units, num_ids, MOST=most,
+                                      NUM_KV_HEADS=num_kv_heads, CHUNK=_ENTRIES)
+    return QueryGroups(token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices, units,
+                       units_before)
 
 
 @cached_launches

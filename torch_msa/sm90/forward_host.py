@@ -137,6 +137,7 @@ def groups_operands(num_kv_heads: int) -> tuple:
         *((name, (), torch.int32) for name in ("block_indices", "kv_outer_indices", "group_start", "group_end",
                                                "group_blocks")),
         ("key_start", (), torch.int64), ("position", (), torch.int64),
+        ("units", (), torch.int32), ("units_before", (), torch.int32),
     )
 
 
@@ -151,15 +152,16 @@ def launch_groups(q, k, v, partial_out, partial_lse, out, lse, done, work: Query
     num_call_queries, topk = work.block_indices.shape[1:]
     num_ids, most = groups.group_blocks.shape[1:]
     first_group, last_group = work.window_groups(group_tokens(q.shape[1], num_kv_heads))
-    num_units = max(0, last_group - first_group + 1) * num_kv_heads
-    if num_units == 0:
+    window_units = max(0, last_group - first_group + 1) * num_kv_heads  # the most units listed there
+    if window_units == 0:
         return
     tensors = (q, k, v, partial_out, partial_lse, out, lse.view(-1), done, work.block_indices.contiguous().view(-1),
                groups.kv_outer_indices.view(-1), groups.group_start, groups.group_end,
-               groups.group_blocks.contiguous().view(-1), work.located.key_start, work.located.position)
-    grid = max(1, min(num_units, CTAS_PER_SM * sm_count(q.device)))
+               groups.group_blocks.contiguous().view(-1), work.located.key_start, work.located.position, groups.units,
+               groups.units_before)
+    grid = max(1, min(window_units, CTAS_PER_SM * sm_count(q.device)))
     _compiled_groups(q.dtype, num_kv_heads)(*tensors, topk, softmax_scale * LOG2_E, most, num_ids, num_call_queries,
-                                             first_group, num_units, work.start, work.stop, grid)
+                                             first_group, last_group, work.start, work.stop, grid)
 
 
 @functools.cache

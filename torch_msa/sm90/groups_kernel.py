@@ -42,7 +42,8 @@ class GroupTables(NamedTuple):
     """The int32 tables the kernel reads (`torch_msa.plan.groups.QueryGroups` and the call's
     selection, flat): the selection and its KV-outer part `[Hkv * Tq * topk]`, the groups' bounds
     `[NG]`, their listed blocks `[Hkv * NG * MQ]`; per query the packed row of its document's key 0
-    and its position `[Tq]`."""
+    and its position `[Tq]`; the listed (group, KV head) units `[Hkv * NG]` and the units of the
+    groups before each id `[NG + 1]`."""
 
     block_indices: cute.Tensor
     kv_outer_indices: cute.Tensor
@@ -51,6 +52,8 @@ class GroupTables(NamedTuple):
     group_blocks: cute.Tensor
     key_start: cute.Tensor
     position: cute.Tensor
+    units: cute.Tensor
+    units_before: cute.Tensor
 
 
 class Unit(NamedTuple):
@@ -78,14 +81,14 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
     ):
         count = len(GroupTables._fields)
         tables = GroupTables(*tables_and_scalars[:count])
-        topk, scale_log2, most, num_ids, num_queries, first_group, num_units, window_start, window_stop, grid_size, \
+        topk, scale_log2, most, num_ids, num_queries, first_group, last_group, window_start, window_stop, grid_size, \
             stream = tables_and_scalars[count:]
         operands, layouts = self.prepare(mQ, mK, mV, mPartialOut)
         tma_atom_Out, tma_Out = token_rows_tma(cpasync.CopyBulkTensorTileS2GOp(), query_rows(mOut, self.num_heads),
                                                token_box_layout(layouts[0]))
         self.kernel(
             *operands, mPartialLse, tma_atom_Out, tma_Out, mLse, mDone, tables, topk, most, num_ids, num_queries,
-            first_group, num_units, window_start, window_stop, scale_log2, *layouts,
+            first_group, last_group, window_start, window_stop, scale_log2, *layouts,
         ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
@@ -94,7 +97,7 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         tma_atom_K: cute.CopyAtom, tma_K: cute.Tensor, tma_atom_V: cute.CopyAtom, tma_V: cute.Tensor,
         tma_atom_O: cute.CopyAtom, tma_O: cute.Tensor, mPartialLse: cute.Tensor, tma_atom_Out: cute.CopyAtom,
         tma_Out: cute.Tensor, mLse: cute.Tensor, mDone: cute.Tensor, tables: GroupTables, topk: Int32, most: Int32,
-        num_ids: Int32, num_queries: Int32, first_group: Int32, num_units: Int32, window_start: Int32,
+        num_ids: Int32, num_queries: Int32, first_group: Int32, last_group: Int32, window_start: Int32,
         window_stop: Int32, scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
     ):
@@ -103,27 +106,30 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
             tidx, (sQ_layout, sK_layout, sO_layout), (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O)
         )
         walk = (tables, most, num_ids, first_group, window_start, window_stop)
+        # The listed units of the window's groups, handed out in turn.
+        units = (tables.units_before[first_group], tables.units_before[last_group + 1])
         warpgroup_index = warp // WARPS_PER_WARPGROUP
         if warpgroup_index == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp == 0:
                 self.produce(kv_pipeline, q_pipeline, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK,
-                             sV, walk, num_units)
+                             sV, walk, units)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self.consume(
                 mma_qk, mma_pv, kv_pipeline, q_pipeline, tma_atom_O, tma_O, mPartialLse, (tma_atom_Out, tma_Out, mLse),
-                mDone, sQ, sK, sV, sO, walk, num_units, topk, num_queries, scale_log2, warpgroup_index - 1,
+                mDone, sQ, sK, sV, sO, walk, units, topk, num_queries, scale_log2, warpgroup_index - 1,
                 tidx % WARPGROUP_THREADS, warp % WARPS_PER_WARPGROUP,
             )
 
     @cute.jit
     def unit(self, walk: tuple, index: Int32) -> Unit:
-        """Work unit `index`: group `first_group + index // Hkv`, KV head `index % Hkv`, cut to the
-        window; `num_listed` counts its listed blocks (ascending, `-1` after)."""
-        tables, most, num_ids, first_group, window_start, window_stop = walk
-        group = first_group + index // self.num_kv_heads
-        kv_head = index - (index // self.num_kv_heads) * self.num_kv_heads
+        """Listed unit `index` (`GroupTables.units`): its group and KV head, cut to the window;
+        `num_listed` counts its listed blocks (ascending, `-1` after), 0 outside the window."""
+        tables, most, num_ids, _, window_start, window_stop = walk
+        unit_id = tables.units[index]
+        group = unit_id // self.num_kv_heads
+        kv_head = unit_id - group * self.num_kv_heads
         start = cutlass.max(tables.group_start[group], window_start)
         end = cutlass.min(tables.group_end[group], window_stop)
         row = (kv_head * num_ids + group) * most
@@ -142,14 +148,14 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
     @cute.jit
     def produce(
         self, kv_pipeline, q_pipeline, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-        sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, walk: tuple, num_units: Int32,
+        sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, walk: tuple, units: tuple,
     ):
         """Warp 0: per unit the Q tile of each consumer (4 tokens each; a token past the group's end
         repeats its last), then K and V of each listed block."""
         tables, window_start = walk[0], walk[4]
         tQsQ, tQgQ = token_tile_partition(tma_atom_Q, tma_Q, sQ, Q_STAGES)
         kv_load, q_load = producer_state(KV_STAGES), producer_state(Q_STAGES)
-        for index in cutlass.range(cute.arch.block_idx()[0], num_units, cute.arch.grid_dim()[0], unroll=1):
+        for index in cutlass.range(units[0] + cute.arch.block_idx()[0], units[1], cute.arch.grid_dim()[0], unroll=1):
             unit = self.unit(walk, index)
             if unit.num_listed > 0:
                 for consumer in cutlass.range_constexpr(CONSUMERS):
@@ -175,7 +181,7 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
     def consume(
         self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, kv_pipeline, q_pipeline, tma_atom_O, tma_O,
         mPartialLse: cute.Tensor, final: tuple, mDone: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-        sV: cute.Tensor, sO: cute.Tensor, walk: tuple, num_units: Int32, topk: Int32, num_queries: Int32,
+        sV: cute.Tensor, sO: cute.Tensor, walk: tuple, units: tuple, topk: Int32, num_queries: Int32,
         scale_log2: Float32, consumer: Int32, thread: Int32, warp: Int32,
     ):
         """Consumer warpgroup `consumer`: tokens `4 * consumer ..` of every unit's group, warp `warp`
@@ -197,7 +203,7 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         q_read = consumer_state(Q_STAGES)
         if consumer == 1:
             q_read = advanced(q_read, 1)
-        for index in cutlass.range(cute.arch.block_idx()[0], num_units, cute.arch.grid_dim()[0], unroll=1):
+        for index in cutlass.range(units[0] + cute.arch.block_idx()[0], units[1], cute.arch.grid_dim()[0], unroll=1):
             unit = self.unit(walk, index)
             if unit.num_listed > 0:
                 token = unit.start + consumer * TOKENS_PER_TILE + warp
