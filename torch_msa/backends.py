@@ -137,10 +137,41 @@ def registered_backends() -> list[str]:
     return sorted(_BACKENDS, key=lambda name: -_BACKENDS[name].priority)
 
 
-def candidates(op: str, device: torch.device) -> list[Backend]:
-    """Backends that may serve `op` on `device`, best first; a forced one first, the rest as fallbacks."""
-    _register_builtins()
+# Resolutions by (op, device, forced name), each with the registry order it was made from: every op
+# call asks, and asking each backend whether it serves the device costs microseconds. Bounded by the
+# ops, devices and forced names a process uses; cleared by `forget_resolutions`.
+_resolved: dict[tuple[str, torch.device, str], tuple[list[Backend], tuple[Backend, ...]]] = {}
+_MOST_RESOLUTIONS = 256
+
+
+def forget_resolutions() -> None:
+    """Drop the cached resolutions, for a caller that changes what the backends see of a device
+    (tests that fake device facts)."""
+    _resolved.clear()
+
+
+def candidates(op: str, device: torch.device) -> tuple[Backend, ...]:
+    """Backends that may serve `op` on `device`, best first; a forced one first, the rest as fallbacks.
+
+    The answer is cached until the registry changes; one that passes over an opt-in backend with a
+    note is not, so the note's once-per-process warning stays where it is."""
+    ordered = _ordered()
     forced = os.environ.get(BACKEND_ENV, "").strip()
+    key = (op, device, forced)
+    cached = _resolved.get(key)
+    if cached is not None and cached[0] is ordered:
+        return cached[1]
+    made, noted = _candidates(op, device, forced)
+    found = tuple(made)
+    if not noted:
+        if len(_resolved) >= _MOST_RESOLUTIONS:
+            _resolved.clear()
+        _resolved[key] = (ordered, found)
+    return found
+
+
+def _candidates(op: str, device: torch.device, forced: str) -> tuple[list[Backend], bool]:
+    """`candidates` made anew, and whether an opt-in backend's note was asked for."""
     if forced:
         backend = _BACKENDS.get(forced)
         if backend is None:
@@ -154,23 +185,25 @@ def candidates(op: str, device: torch.device) -> list[Backend]:
                     f"{BACKEND_ENV}={forced!r} cannot serve msa::{op} on {device}: {backend.why_not(op, device)}; "
                     f"backends that can: {', '.join(able)}"
                 )
-            return [backend] + [b for b in _by_default(op, device, notes=False) if b is not backend]
+            return [backend] + [b for b in _by_default(op, device, notes=False)[0] if b is not backend], False
     return _by_default(op, device, notes=not forced)
 
 
-def _by_default(op: str, device: torch.device, notes: bool) -> list[Backend]:
-    """The backends serving `op` on `device` without forcing, best first, opt-in ones passed over."""
-    found = []
+def _by_default(op: str, device: torch.device, notes: bool) -> tuple[list[Backend], bool]:
+    """The backends serving `op` on `device` without forcing, best first, opt-in ones passed over;
+    and whether one of those had a note for `device` (printed once, when `notes`)."""
+    found, noted = [], False
     for backend in _ordered():
         if backend.opt_in_note is not None:
             if notes and backend.implements(op) and (backend.device_types is None or device.type in backend.device_types):
                 note = backend.opt_in_note(device)
                 if note:
+                    noted = True
                     _warn_once(("opt-in", backend.name), f"torch_msa: {note}")
             continue
         if backend.serves(op, device):
             found.append(backend)
-    return found
+    return found, noted
 
 
 def resolve(op: str, device: torch.device) -> Backend:

@@ -131,6 +131,7 @@ def fake_cuda(monkeypatch):
         sm90._extras_installed.cache_clear()
         triton_backend._capability.cache_clear()
         triton_backend._triton_installed.cache_clear()
+        backends.forget_resolutions()
 
     def fake(capability=(9, 0), extras=True, triton=True, cuda=True):
         caches_clear()

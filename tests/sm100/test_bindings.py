@@ -194,10 +194,12 @@ def device_caches():
     cute_dsl._capability_of.cache_clear()
     cute_dsl._sm_count_of.cache_clear()
     sm100._extras_installed.cache_clear()
+    backends.forget_resolutions()
     yield
     cute_dsl._capability_of.cache_clear()
     cute_dsl._sm_count_of.cache_clear()
     sm100._extras_installed.cache_clear()
+    backends.forget_resolutions()
 
 
 # --- the bundle ------------------------------------------------------------------------------
