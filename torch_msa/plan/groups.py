@@ -152,6 +152,7 @@ def build_query_groups(
     token_group = torch.full((num_queries,), -1, dtype=torch.int32, device=device)
     token_group.index_put_((token_index[rows],), ids.view(-1, 1).expand_as(rows)[rows].to(torch.int32))
     group_blocks = torch.where(blocks == past_all, -1, blocks).to(torch.int32)
+    units, units_before = unit_list(group_blocks)
     # The ids a query's group lists, every occurrence: `-1` in the KV-outer part's selection.
     listed = group_blocks.index_select(1, token_group.to(torch.int64).clamp(min=0))  # [Hkv, Tq, MQ]
     query_outer = torch.zeros_like(valid)
@@ -165,17 +166,13 @@ def build_query_groups(
         group_union=union,
         group_blocks=group_blocks,
         kv_outer_indices=torch.where(query_outer, -1, block_indices).to(torch.int32),
-        **unit_list(group_blocks)._asdict(),
+        units=units,
+        units_before=units_before,
     )
 
 
-class UnitList(NamedTuple):
-    units: torch.Tensor
-    units_before: torch.Tensor
-
-
-def unit_list(group_blocks: torch.Tensor) -> UnitList:
-    """`QueryGroups.units` and `units_before` of int32 `group_blocks [Hkv, NG, MQ]`, without a host sync."""
+def unit_list(group_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(units, units_before)` of `QueryGroups` from int32 `group_blocks [Hkv, NG, MQ]`, without a host sync."""
     num_kv_heads, num_ids, _ = group_blocks.shape
     listed = (group_blocks[..., 0] >= 0).t().reshape(-1)  # by unit id, group * Hkv + head
     total = listed.numel()
@@ -183,4 +180,4 @@ def unit_list(group_blocks: torch.Tensor) -> UnitList:
     # Unlisted ids sort after every listed one.
     ordered = torch.where(listed, ids, ids + total).sort().values
     per_group = listed.view(num_ids, num_kv_heads).sum(1)
-    return UnitList(torch.where(ordered < total, ordered, -1), F.pad(per_group.cumsum(0), (1, 0)).to(torch.int32))
+    return torch.where(ordered < total, ordered, -1), F.pad(per_group.cumsum(0), (1, 0)).to(torch.int32)
