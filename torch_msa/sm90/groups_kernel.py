@@ -105,7 +105,7 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         (sQ, sK, sV, sO), (kv_pipeline, q_pipeline) = self.shared_tiles(
             tidx, (sQ_layout, sK_layout, sO_layout), (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O)
         )
-        walk = (tables, most, num_ids, first_group, window_start, window_stop)
+        walk = (tables, most, num_ids, window_start, window_stop)
         # The listed units of the window's groups, handed out in turn.
         units = (tables.units_before[first_group], tables.units_before[last_group + 1])
         warpgroup_index = warp // WARPS_PER_WARPGROUP
@@ -126,7 +126,7 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
     def unit(self, walk: tuple, index: Int32) -> Unit:
         """Listed unit `index` (`GroupTables.units`): its group and KV head, cut to the window;
         `num_listed` counts its listed blocks (ascending, `-1` after), 0 outside the window."""
-        tables, most, num_ids, _, window_start, window_stop = walk
+        tables, most, num_ids, window_start, window_stop = walk
         unit_id = tables.units[index]
         group = unit_id // self.num_kv_heads
         kv_head = unit_id - group * self.num_kv_heads
@@ -152,7 +152,7 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
     ):
         """Warp 0: per unit the Q tile of each consumer (4 tokens each; a token past the group's end
         repeats its last), then K and V of each listed block."""
-        tables, window_start = walk[0], walk[4]
+        tables, window_start = walk[0], walk[3]
         tQsQ, tQgQ = token_tile_partition(tma_atom_Q, tma_Q, sQ, Q_STAGES)
         kv_load, q_load = producer_state(KV_STAGES), producer_state(Q_STAGES)
         for index in cutlass.range(units[0] + cute.arch.block_idx()[0], units[1], cute.arch.grid_dim()[0], unroll=1):
@@ -189,7 +189,7 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         output goes into its first seen listed slot (`write_output`), or, where the KV-outer part
         holds none of its entries, into the forward's output and lse (`final`: the TMA atom and
         view of the output rows, the lse), with its `mDone` flag set for `combine` to skip."""
-        tables, window_start = walk[0], walk[4]
+        tables, window_start = walk[0], walk[3]
         tSrQ, tSrK, tOrV, acc_S, s_rc, cS_rc, rP, tOrP, output = self.consumer_tiles(
             mma_qk, mma_pv, sQ, sK, sV, sO, tma_atom_O, tma_O, mPartialLse, consumer, thread
         )
