@@ -41,6 +41,28 @@ def test_reference_serves_every_op_on_cpu():
         assert torch_msa.resolve(op, torch.device("cpu")).name == "reference"
 
 
+def test_the_registry_asks_the_backends_once_per_op_and_device_until_it_changes(stand_in, monkeypatch):
+    asked = []
+
+    def available(device):
+        asked.append(device.type)
+        return True
+
+    monkeypatch.delenv(torch_msa.BACKEND_ENV, raising=False)
+    forward = backends._BACKENDS["reference"].ops["forward"]
+    stand_in(torch_msa.Backend("counted", {"forward": forward}, priority=50, available=available))
+    cpu = torch.device("cpu")
+    assert [torch_msa.resolve("forward", cpu).name for _ in range(3)] == ["counted"] * 3
+    assert asked == ["cpu"]
+    stand_in(torch_msa.Backend("better", {"forward": forward}, priority=60))  # the registry changed
+    assert torch_msa.resolve("forward", cpu).name == "better" and asked == ["cpu"] * 2
+    monkeypatch.setenv(torch_msa.BACKEND_ENV, "counted")  # another forced name: asked anew
+    assert torch_msa.resolve("forward", cpu).name == "counted" and len(asked) == 4
+    backends.unregister_backend("better")
+    monkeypatch.delenv(torch_msa.BACKEND_ENV)
+    assert torch_msa.resolve("forward", cpu).name == "counted" and len(asked) == 5
+
+
 def test_a_forced_backend_without_a_plan_op_gets_the_best_plan(stand_in, monkeypatch):
     stand_in(torch_msa.Backend("no_plan", {"forward": backends._BACKENDS["reference"].ops["forward"]}))
     monkeypatch.setenv(torch_msa.BACKEND_ENV, "no_plan")
