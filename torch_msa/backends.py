@@ -154,7 +154,8 @@ def candidates(op: str, device: torch.device) -> tuple[Backend, ...]:
     """Backends that may serve `op` on `device`, best first; a forced one first, the rest as fallbacks.
 
     The answer is cached until the registry changes; one that passes over an opt-in backend with a
-    note is not, so the note's once-per-process warning stays where it is."""
+    note is not, so the note's once-per-process warning stays where it is, nor one for `cuda`
+    without an index."""
     ordered = _ordered()
     forced = os.environ.get(BACKEND_ENV, "").strip()
     key = (op, device, forced)
@@ -163,7 +164,8 @@ def candidates(op: str, device: torch.device) -> tuple[Backend, ...]:
         return cached[1]
     made, noted = _candidates(op, device, forced)
     found = tuple(made)
-    if not noted:
+    # A device without an index means the current one, which may change between calls.
+    if not noted and (device.index is not None or device.type != "cuda"):
         if len(_resolved) >= _MOST_RESOLUTIONS:
             _resolved.clear()
         _resolved[key] = (ordered, found)

@@ -61,6 +61,10 @@ def test_the_registry_asks_the_backends_once_per_op_and_device_until_it_changes(
     backends.unregister_backend("better")
     monkeypatch.delenv(torch_msa.BACKEND_ENV)
     assert torch_msa.resolve("forward", cpu).name == "counted" and len(asked) == 5
+    # `cuda` without an index is whichever device is current at the call: asked every time.
+    for _ in range(2):
+        torch_msa.resolve("forward", torch.device("cuda"))
+    assert asked[5:] == ["cuda", "cuda"]
 
 
 def test_a_forced_backend_without_a_plan_op_gets_the_best_plan(stand_in, monkeypatch):
