@@ -153,27 +153,25 @@ def forget_resolutions() -> None:
 def candidates(op: str, device: torch.device) -> tuple[Backend, ...]:
     """Backends that may serve `op` on `device`, best first; a forced one first, the rest as fallbacks.
 
-    The answer is cached until the registry changes; one that passes over an opt-in backend with a
-    note is not, so the note's once-per-process warning stays where it is, nor one for `cuda`
-    without an index."""
+    The answer is cached until the registry changes (not for `cuda` without an index); an opt-in
+    backend's note, printed once per process, is printed when the answer is first made."""
     ordered = _ordered()
     forced = os.environ.get(BACKEND_ENV, "").strip()
     key = (op, device, forced)
     cached = _resolved.get(key)
     if cached is not None and cached[0] is ordered:
         return cached[1]
-    made, noted = _candidates(op, device, forced)
-    found = tuple(made)
+    found = tuple(_candidates(op, device, forced))
     # A device without an index means the current one, which may change between calls.
-    if not noted and (device.index is not None or device.type != "cuda"):
+    if device.index is not None or device.type != "cuda":
         if len(_resolved) >= _MOST_RESOLUTIONS:
             _resolved.clear()
         _resolved[key] = (ordered, found)
     return found
 
 
-def _candidates(op: str, device: torch.device, forced: str) -> tuple[list[Backend], bool]:
-    """`candidates` made anew, and whether an opt-in backend's note was asked for."""
+def _candidates(op: str, device: torch.device, forced: str) -> list[Backend]:
+    """`candidates` made anew."""
     if forced:
         backend = _BACKENDS.get(forced)
         if backend is None:
@@ -187,25 +185,23 @@ def _candidates(op: str, device: torch.device, forced: str) -> tuple[list[Backen
                     f"{BACKEND_ENV}={forced!r} cannot serve msa::{op} on {device}: {backend.why_not(op, device)}; "
                     f"backends that can: {', '.join(able)}"
                 )
-            return [backend] + [b for b in _by_default(op, device, notes=False)[0] if b is not backend], False
+            return [backend] + [b for b in _by_default(op, device, notes=False) if b is not backend]
     return _by_default(op, device, notes=not forced)
 
 
-def _by_default(op: str, device: torch.device, notes: bool) -> tuple[list[Backend], bool]:
-    """The backends serving `op` on `device` without forcing, best first, opt-in ones passed over;
-    and whether one of those had a note for `device` (printed once, when `notes`)."""
-    found, noted = [], False
+def _by_default(op: str, device: torch.device, notes: bool) -> list[Backend]:
+    """The backends serving `op` on `device` without forcing, best first, opt-in ones passed over."""
+    found = []
     for backend in _ordered():
         if backend.opt_in_note is not None:
             if notes and backend.implements(op) and (backend.device_types is None or device.type in backend.device_types):
                 note = backend.opt_in_note(device)
                 if note:
-                    noted = True
                     _warn_once(("opt-in", backend.name), f"torch_msa: {note}")
             continue
         if backend.serves(op, device):
             found.append(backend)
-    return found, noted
+    return found
 
 
 def resolve(op: str, device: torch.device) -> Backend:
