@@ -218,3 +218,54 @@ def test_a_query_window_walks_exactly_its_queries_entries(layout, window):
         assert covered == {entry for entry in every if start * topk <= entry[3] < stop * topk}
         assert largest <= 5 and part.item_start.numel() >= int(part.num_items)
         assert torch.equal(part.position, whole.position[start:stop])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dropped", ["every-other-slot", "query-groups"])
+def test_a_restricted_schedule_keeps_exactly_the_kept_entries_in_order(layout, dropped):
+    """`restrict` (the KV-outer part of a step's plan): each bucket holds the entries of the kept
+    selection that a plain-Python build gives it, in query order, then every dropped row; the items
+    cover the kept entries alone; the other tables are the plan's."""
+    from torch_msa.plan.groups import build_query_groups
+    from torch_msa.plan.schedule import restrict
+
+    lengths_q, lengths_k, block_size, topk = LAYOUTS[layout]
+    cu_q, cu_k = testing.cu_seqlens(lengths_q, lengths_k)
+    block_indices = testing.skewed_block_indices(cu_q, cu_k, 2, topk, block_size)
+    block_indices[1, ::3, 0] = 10_000  # out-of-contract ids stay dropped
+    documents, num_keys, num_queries = documents_of(cu_q, cu_k), sum(lengths_k), sum(lengths_q)
+    if dropped == "query-groups":
+        kept_indices = build_query_groups(block_indices, documents, num_keys, block_size, 4).kv_outer_indices
+    else:
+        kept_indices = block_indices.clone()
+        kept_indices[:, ::2, 1::2] = -1
+    assert (kept_indices < 0).sum() > (block_indices < 0).sum()
+    whole = build_schedule(block_indices, documents, num_keys, block_size, 8)
+    part = restrict(whole, kept_indices, 3)
+    expected = build_schedule_python(kept_indices, cu_q, cu_k, num_keys, block_size, 3)
+
+    by_bucket = {(head, row): entries for head, row, _, entries in expected["buckets"]}
+    kept_rows = []
+    for bucket in range(int(whole.num_buckets)):
+        key = (int(whole.bucket_head[bucket]), int(whole.bucket_key_row[bucket]))
+        start, end = int(part.bucket_ptr[bucket]), int(part.bucket_ptr[bucket + 1])
+        assert part.entry_query[start:end].tolist() == by_bucket.pop(key, []), key
+        kept_rows += part.entry_query[start:end].tolist()
+    assert not by_bucket, "a kept entry outside the plan's buckets"
+    total = len(kept_rows)
+    assert (part.bucket_ptr[int(whole.num_buckets):] == total).all()
+    heads = torch.repeat_interleave(whole.bucket_head, whole.bucket_ptr.diff()).tolist()  # of the valid rows
+    flat = kept_indices.reshape(kept_indices.shape[0], -1).tolist()
+    dropped_rows = [q for row, q in enumerate(whole.entry_query.tolist())
+                    if row >= len(heads) or flat[heads[row]][q] < 0]
+    assert part.entry_query[total:].tolist() == dropped_rows
+
+    covered, largest = _covered(part)
+    assert len(covered) == total and largest <= 3
+    assert torch.equal(part.item_start[int(part.num_items):], part.item_end[int(part.num_items):])
+    for name in ("bucket_head", "bucket_key_row", "bucket_block", "position", "num_buckets"):
+        assert torch.equal(getattr(part, name), getattr(whole, name)), name
+    # Cut into query windows as a plan's schedule is.
+    from torch_msa.plan.schedule import query_windows
+    window = query_windows(part, topk, 3)(0, num_queries // 2)
+    assert _covered(window)[0] == {entry for entry in covered if entry[3] < num_queries // 2 * topk}

@@ -1,6 +1,6 @@
 """`msa::plan` in Triton: the tables of `torch_msa.plan.schedule.build_schedule` in five launches
-(steps: `torch_msa/plan/README.md`), the query groups of `torch_msa.plan.groups` in three, and
-`bucket_key_count` in one.
+(steps: `torch_msa/plan/README.md`), `restrict` in six, the query groups of `torch_msa.plan.groups`
+in four, and `bucket_key_count` in one.
 """
 
 import torch
@@ -29,6 +29,9 @@ _CHUNK_QUERIES = 32  # fewest queries per chunk: the scratch is chunks x key blo
 _ROW_LANES = 128  # (query, slot) lanes of their tiles
 _COLUMN_SLOTS = 32  # slots per program of the column scan
 _COLUMN_CHUNKS = 128  # chunks per step of the column scan
+# One warp per group: its every-lane-against-every-lane comparison then needs no cross-warp
+# reduction (2x faster than four warps on an H100, docs/performance.md).
+_GROUPS_WARPS = 1
 
 
 @triton.jit
@@ -374,6 +377,92 @@ def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
     return schedule._replace(item_bucket=item_bucket, item_start=item_start, item_end=item_end, num_items=num_items)
 
 
+@cached_launches
+@triton.jit
+def msa_plan_restrict_count_kernel(entry_query, bucket_ptr, bucket_head, kept_indices, kept, block_kept, num_entries,
+                                   num_buckets, search_steps, slots_per_head, BLOCK: tl.constexpr):
+    entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = entry < tl.load(bucket_ptr + num_buckets)
+    # torch.searchsorted(bucket_ptr[1:], entry, right=True): the entry's bucket.
+    low = tl.zeros((BLOCK,), tl.int32)
+    high = tl.zeros((BLOCK,), tl.int32) + num_buckets
+    for _ in range(search_steps):
+        active = low < high
+        middle = low + ((high - low) >> 1)
+        right = tl.load(bucket_ptr + 1 + middle, mask=active & valid, other=0) > entry
+        high = tl.where(active & right, middle, high)
+        low = tl.where(active & ~right, middle + 1, low)
+    head = tl.load(bucket_head + tl.minimum(low, num_buckets - 1), mask=valid, other=0)
+    slot = head.to(tl.int64) * slots_per_head + tl.load(entry_query + entry, mask=valid, other=0)
+    keep = valid & (tl.load(kept_indices + slot, mask=valid, other=-1) >= 0)
+    tl.store(kept + entry, keep.to(tl.int8), mask=entry < num_entries)
+    tl.store(block_kept + tl.program_id(0), tl.sum(keep.to(tl.int32), axis=0))
+
+
+@cached_launches
+@triton.jit
+def msa_plan_restrict_scan_kernel(block_kept, num_blocks, ROWS: tl.constexpr):
+    """One program: each block's count of kept entries becomes how many the blocks before it keep;
+    `block_kept[num_blocks]` gets the total."""
+    before = tl.zeros((), tl.int32)
+    for first in range(0, num_blocks, ROWS):
+        blocks = first + tl.arange(0, ROWS)
+        ok = blocks < num_blocks
+        counts = tl.load(block_kept + blocks, mask=ok, other=0)
+        tl.store(block_kept + blocks, before + tl.cumsum(counts, 0) - counts, mask=ok)
+        before += tl.sum(counts, axis=0)
+    tl.store(block_kept + num_blocks, before)
+
+
+@cached_launches
+@triton.jit
+def msa_plan_restrict_place_kernel(entry_query, kept, block_kept, kept_before, restricted_query, num_entries,
+                                   num_blocks, BLOCK: tl.constexpr):
+    entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = entry < num_entries
+    keep = tl.load(kept + entry, mask=ok, other=0).to(tl.int32)
+    before = tl.load(block_kept + tl.program_id(0)) + tl.cumsum(keep, 0) - keep
+    total = tl.load(block_kept + num_blocks)
+    # Kept entries first, in order; then the dropped ones, in order.
+    row = tl.where(keep > 0, before, total + entry - before)
+    tl.store(restricted_query + row, tl.load(entry_query + entry, mask=ok, other=0), mask=ok)
+    tl.store(kept_before + entry, before, mask=ok)
+    tl.store(kept_before + num_entries + tl.zeros_like(entry), total, mask=entry == 0)
+
+
+@cached_launches
+@triton.jit
+def msa_plan_gather_kernel(table, index, out, num_rows, BLOCK: tl.constexpr):
+    row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = row < num_rows
+    tl.store(out + row, tl.load(table + tl.load(index + row, mask=ok, other=0), mask=ok, other=0), mask=ok)
+
+
+def restrict(schedule: Schedule, kept_indices: torch.Tensor, entries_per_item: int) -> Schedule:
+    """`torch_msa.plan.schedule.restrict` (same arguments, same tables) in six launches;
+    `kept_indices` contiguous."""
+    if not kept_indices.is_contiguous():
+        raise ValueError(f"kept_indices: expected a contiguous tensor, got strides {kept_indices.stride()}")
+    num_entries, num_buckets = schedule.entry_query.numel(), schedule.bucket_head.numel()
+    if num_entries == 0:
+        return with_items(schedule, entries_per_item)
+    num_blocks = triton.cdiv(num_entries, _ENTRIES)
+    device = schedule.entry_query.device
+    sizes = (num_blocks + 1, num_entries + 1, num_entries, num_buckets + 1)
+    block_kept, kept_before, entry_query, bucket_ptr = torch.empty(
+        sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
+    kept = torch.empty(num_entries, dtype=torch.int8, device=device)
+    msa_plan_restrict_count_kernel[(num_blocks,)](
+        schedule.entry_query, schedule.bucket_ptr, schedule.bucket_head, kept_indices, kept, block_kept, num_entries,
+        num_buckets, binary_search_steps(num_buckets), kept_indices[0].numel(), BLOCK=_ENTRIES)
+    msa_plan_restrict_scan_kernel[(1,)](block_kept, num_blocks, ROWS=_ENTRIES)
+    msa_plan_restrict_place_kernel[(num_blocks,)](schedule.entry_query, kept, block_kept, kept_before, entry_query,
+                                                  num_entries, num_blocks, BLOCK=_ENTRIES)
+    msa_plan_gather_kernel[(triton.cdiv(num_buckets + 1, _ENTRIES),)](kept_before, schedule.bucket_ptr, bucket_ptr,
+                                                                     num_buckets + 1, BLOCK=_ENTRIES)
+    return with_items(schedule._replace(entry_query=entry_query, bucket_ptr=bucket_ptr), entries_per_item)
+
+
 def plan_schedule(block_indices, documents: Documents, num_keys, block_size, entries_per_item) -> Schedule:
     """The schedule of a new plan with items of `entries_per_item` entries, built on the device by
     `plan`; the arguments as `build_schedule`'s."""
@@ -446,23 +535,14 @@ def msa_plan_query_groups_kernel(
     kept = has_segment & (start >= 0) & (start < end) & (strangers == 0)
 
     slot_ok = in_group & kept & (slot < TOPK)
-    ids, last_block, valid = _valid_selections(block_indices, head, token, slot, slot_ok, pos, block_size,
-                                               stride_head, stride_token, stride_slot, TOPK, TOPK_P2)
+    ids, _, valid = _valid_selections(block_indices, head, token, slot, slot_ok, pos, block_size, stride_head,
+                                      stride_token, stride_slot, TOPK, TOPK_P2)
 
-    # Per lane: whether any query of the group validly selects its block, and an earlier one does.
-    slots = tl.arange(0, TOPK_P2)
-    selected = tl.zeros((GROUP * TOPK_P2,), tl.int1)
-    earlier_query = tl.zeros((GROUP * TOPK_P2,), tl.int1)
-    for member in range(GROUP):
-        member_token = start + member
-        member_ok = kept & (member_token < end)
-        member_last = tl.max(tl.where(member_index == member, last_block, -1), axis=0)
-        chosen = tl.load(block_indices + head.to(tl.int64) * stride_head + member_token * stride_token
-                         + slots * stride_slot, mask=member_ok & (slots < TOPK), other=-1)
-        chosen_ok = (chosen >= 0) & (chosen.to(tl.int64) <= member_last)
-        hit = tl.max(((ids[:, None] == chosen[None, :]) & chosen_ok[None, :]).to(tl.int32), axis=1)
-        selected |= hit > 0
-        earlier_query |= (hit > 0) & (member_index > member)
+    # Per lane: whether any query of the group validly selects its block, and an earlier one does
+    # (every lane against every valid lane at once: no loop of cross-warp reductions).
+    same = (ids[:, None] == ids[None, :]) & valid[None, :]
+    selected = tl.max(same.to(tl.int32), axis=1) > 0
+    earlier_query = tl.max((same & (member_index[None, :] < member_index[:, None])).to(tl.int32), axis=1) > 0
     first_choice = valid & ~earlier_query
     union = tl.sum(first_choice.to(tl.int32), axis=0)
     entries = tl.sum(valid.to(tl.int32), axis=0)
@@ -535,6 +615,7 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
         num_ids, *block_indices.stride(),
         TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), GROUP=tokens_per_group, MOST=most,
         COST_NUMERATOR=Q_OUTER_COST[0], COST_DENOMINATOR=Q_OUTER_COST[1], FRAGMENTS=fragments,
+        num_warps=_GROUPS_WARPS,
     )
     msa_plan_query_units_kernel[(1,)](group_blocks, units, units_before, num_units, num_ids, MOST=most,
                                       NUM_KV_HEADS=num_kv_heads, CHUNK=_ENTRIES)

@@ -187,6 +187,41 @@ def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
     return schedule._replace(**dict(zip(("item_bucket", "item_start", "item_end", "num_items"), items)))
 
 
+def kept_entries(schedule: Schedule, kept_indices: torch.Tensor) -> torch.Tensor:
+    """bool `[Hkv * Tq * topk]`: the entry rows of `schedule` whose slot `kept_indices` still holds
+    (`>= 0`); rows past the valid entries are not kept."""
+    num_queries_slots = kept_indices[0].numel()
+    num_buckets = schedule.bucket_head.numel()
+    entry = torch.arange(schedule.entry_query.numel(), device=kept_indices.device, dtype=torch.int32)
+    entry_bucket = torch.searchsorted(schedule.bucket_ptr[1:], entry, right=True).clamp_(max=num_buckets - 1)
+    valid = entry < schedule.bucket_ptr[-1]
+    slot = schedule.bucket_head.index_select(0, entry_bucket).to(torch.int64) * num_queries_slots
+    slot += schedule.entry_query.to(torch.int64).clamp(0, max(0, num_queries_slots - 1))
+    return valid & (kept_indices.reshape(-1).index_select(0, torch.where(valid, slot, 0)) >= 0)
+
+
+def restrict(schedule: Schedule, kept_indices: torch.Tensor, entries_per_item: int) -> Schedule:
+    """`schedule` restricted to the entries whose slot `kept_indices` still holds, in items of
+    `entries_per_item` (no sort, no host sync).
+
+    `kept_indices` is int32 `[Hkv, Tq, topk]`: the selection `schedule` was built from with `-1`
+    in the slots to drop (`QueryGroups.kv_outer_indices`). Each bucket keeps its kept entries in
+    their order (so by query, and `query_windows` cuts the result as it cuts a plan's schedule);
+    the dropped entries follow every kept one, in order, as unused rows. Buckets and their tables
+    stay, some of them now empty; `position` and `num_buckets` are `schedule`'s.
+    """
+    kept = kept_entries(schedule, kept_indices)
+    kept_before = F.pad(torch.cumsum(kept, 0, dtype=torch.int32), (1, 0))
+    entry = torch.arange(kept.numel(), device=kept.device, dtype=torch.int32)
+    row = torch.where(kept, kept_before[:-1], kept_before[-1] + entry - kept_before[:-1])
+    entry_query = torch.empty_like(schedule.entry_query).index_put_((row.to(torch.int64),), schedule.entry_query)
+    bucket_ptr = kept_before.index_select(0, schedule.bucket_ptr)
+    item_bound = max_items(kept.numel(), schedule.bucket_head.numel(), entries_per_item)
+    items = _items(bucket_ptr[:-1], bucket_ptr[1:], entries_per_item, item_bound)
+    return schedule._replace(entry_query=entry_query, bucket_ptr=bucket_ptr,
+                             **dict(zip(("item_bucket", "item_start", "item_end", "num_items"), items)))
+
+
 def query_windows(schedule: Schedule, topk: int, entries_per_item: int) -> Callable[[int, int], Schedule]:
     """`window(start, stop)`: the schedule of queries `[start, stop)` of `schedule`'s, as a forward
     over `q[start:stop]` walks it: items of `entries_per_item` over each bucket's entries of those

@@ -184,3 +184,25 @@ def test_bucket_key_counts_equal_the_reference():
             got = plan_kernel.bucket_key_count(rows, cu_k, block_size)
             assert got.dtype == torch.int32 and torch.equal(got, bucket_key_count(rows, cu_k, block_size)), bounds
     assert plan_kernel.bucket_key_count(rows[:0], cu_k, 128).shape == (0,)
+
+
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_restricted_plan_equals_the_reference(case):
+    """`plan_kernel.restrict` (the KV-outer part of a step's plan) gives `schedule.restrict`'s
+    tables, over junk ids and the query groups' dropped blocks."""
+    from torch_msa.plan.schedule import restrict
+
+    q_lens, k_lens, num_kv_heads, block_size, topk = PLAN_CASES[case]
+    cu_q, cu_k, _, num_keys, _, _ = layout(q_lens, k_lens)
+    block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    # Each odd query takes the selection of the query before it, so that groups of 2 share blocks.
+    block_indices[:, 1::2] = block_indices[:, ::2][:, : block_indices[:, 1::2].shape[1]]
+    documents = documents_of(cu_q, cu_k)
+    kept_indices = build_query_groups(block_indices, documents, num_keys, block_size, 2).kv_outer_indices
+    assert (kept_indices != block_indices).any()
+    built = build_schedule(block_indices, documents, num_keys, block_size, 4)
+    for entries_per_item in (1, 5):
+        expected = restrict(built, kept_indices, entries_per_item)
+        got = plan_kernel.restrict(built, kept_indices, entries_per_item)
+        for name, a, b in zip(expected._fields, got, expected, strict=True):
+            assert torch.equal(a, b), (name, entries_per_item)
