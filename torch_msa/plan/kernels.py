@@ -29,9 +29,10 @@ _CHUNK_QUERIES = 32  # fewest queries per chunk: the scratch is chunks x key blo
 _ROW_LANES = 128  # (query, slot) lanes of their tiles
 _COLUMN_SLOTS = 32  # slots per program of the column scan
 _COLUMN_CHUNKS = 128  # chunks per step of the column scan
-# One warp per group: its every-lane-against-every-lane comparison then needs no cross-warp
-# reduction (2x faster than four warps on an H100, docs/performance.md).
-_GROUPS_WARPS = 1
+# The most lanes (queries x slots) of a group whose lane pairs the groups kernel compares at once,
+# in one warp: then no comparison needs a cross-warp reduction (2x faster than the loop over the
+# group's queries in four warps on an H100, docs/performance.md). Larger groups take the loop.
+_PAIRWISE_LANES = tl.constexpr(128)
 
 
 @triton.jit
@@ -448,10 +449,12 @@ def restrict(schedule: Schedule, kept_indices: torch.Tensor, entries_per_item: i
         return with_items(schedule, entries_per_item)
     num_blocks = triton.cdiv(num_entries, _ENTRIES)
     device = schedule.entry_query.device
-    sizes = (num_blocks + 1, num_entries + 1, num_entries, num_buckets + 1)
-    block_kept, kept_before, entry_query, bucket_ptr = torch.empty(
-        sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
+    # The scratch apart from the tables the schedule keeps, so that it is freed on return.
+    block_kept, kept_before = torch.empty(num_blocks + num_entries + 2, dtype=torch.int32,
+                                          device=device).split_with_sizes((num_blocks + 1, num_entries + 1))
     kept = torch.empty(num_entries, dtype=torch.int8, device=device)
+    entry_query, bucket_ptr = torch.empty(num_entries + num_buckets + 1, dtype=torch.int32,
+                                          device=device).split_with_sizes((num_entries, num_buckets + 1))
     msa_plan_restrict_count_kernel[(num_blocks,)](
         schedule.entry_query, schedule.bucket_ptr, schedule.bucket_head, kept_indices, kept, block_kept, num_entries,
         num_buckets, binary_search_steps(num_buckets), kept_indices[0].numel(), BLOCK=_ENTRIES)
@@ -535,14 +538,29 @@ def msa_plan_query_groups_kernel(
     kept = has_segment & (start >= 0) & (start < end) & (strangers == 0)
 
     slot_ok = in_group & kept & (slot < TOPK)
-    ids, _, valid = _valid_selections(block_indices, head, token, slot, slot_ok, pos, block_size, stride_head,
-                                      stride_token, stride_slot, TOPK, TOPK_P2)
+    ids, last_block, valid = _valid_selections(block_indices, head, token, slot, slot_ok, pos, block_size,
+                                               stride_head, stride_token, stride_slot, TOPK, TOPK_P2)
 
-    # Per lane: whether any query of the group validly selects its block, and an earlier one does
-    # (every lane against every valid lane at once: no loop of cross-warp reductions).
-    same = (ids[:, None] == ids[None, :]) & valid[None, :]
-    selected = tl.max(same.to(tl.int32), axis=1) > 0
-    earlier_query = tl.max((same & (member_index[None, :] < member_index[:, None])).to(tl.int32), axis=1) > 0
+    # Per lane: whether any query of the group validly selects its block, and an earlier one does.
+    if GROUP * TOPK_P2 <= _PAIRWISE_LANES:
+        # Every lane against every valid lane at once: no loop of cross-warp reductions.
+        same = (ids[:, None] == ids[None, :]) & valid[None, :]
+        selected = tl.max(same.to(tl.int32), axis=1) > 0
+        earlier_query = tl.max((same & (member_index[None, :] < member_index[:, None])).to(tl.int32), axis=1) > 0
+    else:
+        # Lane pairs past what registers hold: against one query's slots at a time.
+        slots = tl.arange(0, TOPK_P2)
+        selected = tl.zeros((GROUP * TOPK_P2,), tl.int1)
+        earlier_query = tl.zeros((GROUP * TOPK_P2,), tl.int1)
+        for member in range(GROUP):
+            member_token = start + member
+            member_last = tl.max(tl.where(member_index == member, last_block, -1), axis=0)
+            chosen = tl.load(block_indices + head.to(tl.int64) * stride_head + member_token * stride_token
+                             + slots * stride_slot, mask=kept & (member_token < end) & (slots < TOPK), other=-1)
+            chosen_ok = (chosen >= 0) & (chosen.to(tl.int64) <= member_last)
+            hit = tl.max(((ids[:, None] == chosen[None, :]) & chosen_ok[None, :]).to(tl.int32), axis=1) > 0
+            selected |= hit
+            earlier_query |= hit & (member_index > member)
     first_choice = valid & ~earlier_query
     union = tl.sum(first_choice.to(tl.int32), axis=0)
     entries = tl.sum(valid.to(tl.int32), axis=0)
@@ -615,7 +633,7 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
         num_ids, *block_indices.stride(),
         TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), GROUP=tokens_per_group, MOST=most,
         COST_NUMERATOR=Q_OUTER_COST[0], COST_DENOMINATOR=Q_OUTER_COST[1], FRAGMENTS=fragments,
-        num_warps=_GROUPS_WARPS,
+        num_warps=1 if tokens_per_group * triton.next_power_of_2(topk) <= _PAIRWISE_LANES.value else 4,
     )
     msa_plan_query_units_kernel[(1,)](group_blocks, units, units_before, num_units, num_ids, MOST=most,
                                       NUM_KV_HEADS=num_kv_heads, CHUNK=_ENTRIES)

@@ -98,8 +98,11 @@ def test_plan_build_equals_reference_on_malformed_documents():
         assert torch.equal(plan_kernel.plan(block_indices, documents_of(cu_q, cu_k), num_keys, 64, 8), expected), q_bounds
 
 
-@pytest.mark.parametrize(("case", "tokens_per_group"), [("pack-empty-and-1-token", 8), ("one-doc-block-128", 2)])
+@pytest.mark.parametrize(("case", "tokens_per_group"),
+                         [("pack-empty-and-1-token", 8), ("one-doc-block-128", 2), ("suffix-pack-topk-16", 16)])
 def test_query_groups_equal_the_reference_tables(case, tokens_per_group):
+    """The groups kernel compares a group's lane pairs at once up to 128 lanes, past that (16
+    queries x 16 slots) one query's slots at a time: both give the reference's tables."""
     q_lens, k_lens, num_kv_heads, block_size, topk = PLAN_CASES[case]
     cu_q, cu_k, _, num_keys, _, _ = layout(q_lens, k_lens)
     block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
