@@ -213,11 +213,14 @@ def test_query_windows_bound_the_partials_and_equal_one_call(monkeypatch):
     assert above_inputs < outputs + 2 * window * per_query + (64 << 20), above_inputs
 
 
+@pytest.mark.parametrize("given_plan", [False, True], ids=["own-plan", "given-plan"])
 @pytest.mark.parametrize("selection", ["random", "skewed", "tiled", "junk"])
 @REFERENCE_LAYOUTS
-def test_the_query_outer_part_matches_reference(q_lens, k_lens, selection, monkeypatch):
-    """`TORCH_MSA_QUERY_OUTER=1`: the kernel walks the KV-outer part's selection and the
-    query-outer stage writes the partials of the blocks the query groups share."""
+def test_the_query_outer_part_matches_reference(q_lens, k_lens, selection, given_plan, monkeypatch):
+    """`TORCH_MSA_QUERY_OUTER=1`: the kernel walks the KV-outer part's selection (in a plan of its
+    own, or in the given plan restricted to it) and the query-outer stage writes the partials of the
+    blocks the query groups share."""
+    import torch_msa
     from torch_msa.sm90 import interface as sm90_interface
     from torch_msa.stages import query_outer
 
@@ -228,7 +231,9 @@ def test_the_query_outer_part_matches_reference(q_lens, k_lens, selection, monke
     if selection == "junk":
         blocks = with_junk_ids(blocks)
     inputs = (q, k, v, blocks, cu_q, cu_k, max_q, max_k)
-    args = backend_arguments("forward", *inputs, BLOCK, SCALE)
+    plan = (torch_msa.build_plan(blocks, cu_q, cu_k, max_q, max_k, num_keys=k.shape[0], num_heads=HQ, block_size=BLOCK)
+            if given_plan else None)
+    args = backend_arguments("forward", *inputs, BLOCK, SCALE, plan)
     monkeypatch.setenv(QUERY_OUTER_ENV, "1")
     kv_outer = query_outer.split_forward(blocks, args[4], k.shape[0], BLOCK, HQ, None)[0]
     assert ((kv_outer < 0) & (blocks >= 0)).any()

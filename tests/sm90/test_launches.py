@@ -8,10 +8,12 @@ the compile replaced: `tests/sm90/test_host_path.py`. Skipped without a compute 
 GPU or the CuTe DSL.
 """
 
+import pytest
 import torch
 
 import torch_msa
 from tests.support.sm90 import SM90_MARKS
+from torch_msa.settings import QUERY_OUTER_ENV
 
 pytestmark = SM90_MARKS
 
@@ -25,6 +27,10 @@ OWN_LAUNCHES = {
     "forward": 4,  # bucket key counts, the -inf fill of the partial lse, the CuTe kernel, the combine
     "backward": 7,  # one zero fill of the accumulators, delta, bucket key counts, the CuTe kernel, three casts
 }
+# The forward's query-outer part, by design: the groups (a fill, a copy, two kernels), the located
+# queries, the plan restricted to the KV-outer part (six kernels), the `done` fill and the CuTe
+# groups kernel.
+QUERY_OUTER_LAUNCHES = 13
 
 
 # The step with the index loss: the plain step's launches and 15 of the index loss's own, 37 as
@@ -43,7 +49,8 @@ def _device_activities(fn) -> list[str]:
     return [e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def test_an_eager_step_launches_few_kernels_and_converts_no_tensor_in_python(monkeypatch):
+@pytest.mark.parametrize("query_outer", ["0", "1"], ids=["kv-outer", "query-outer"])
+def test_an_eager_step_launches_few_kernels_and_converts_no_tensor_in_python(query_outer, monkeypatch):
     import cutlass.cute.runtime as runtime
     import tvm_ffi  # noqa: F401  (installs torch's DLPack exchange API where torch lacks it natively)
 
@@ -57,6 +64,7 @@ def test_an_eager_step_launches_few_kernels_and_converts_no_tensor_in_python(mon
         return real_from_dlpack(*args, **kwargs)
 
     monkeypatch.setattr(runtime, "from_dlpack", from_dlpack)
+    monkeypatch.setenv(QUERY_OUTER_ENV, query_outer)
     generator = torch.Generator(device="cuda").manual_seed(0)
 
     def normal(*shape, grad=False):
@@ -64,6 +72,7 @@ def test_an_eager_step_launches_few_kernels_and_converts_no_tensor_in_python(mon
 
     q, k, v = normal(TOKENS, HQ, D, grad=True), normal(TOKENS, HKV, D, grad=True), normal(TOKENS, HKV, D, grad=True)
     index_q, index_k, grad_out = normal(TOKENS, HKV, D), normal(TOKENS, 1, D), normal(TOKENS, HQ, D)
+    more = QUERY_OUTER_LAUNCHES if query_outer == "1" else 0
     cu = torch.tensor([0, TOKENS], dtype=torch.int32, device="cuda")
 
     def step():
@@ -76,7 +85,7 @@ def test_an_eager_step_launches_few_kernels_and_converts_no_tensor_in_python(mon
     conversions.clear()
     launches = _device_activities(step)
     assert not conversions, f"{len(conversions)} tensors converted by cutlass.cute.runtime.from_dlpack"
-    bound = sum(OWN_LAUNCHES.values())
+    bound = sum(OWN_LAUNCHES.values()) + more
     assert len(launches) <= bound, f"{len(launches)} launches, expected at most {bound}: {sorted(launches)}"
 
     # The same step training the index branch: the fused backward and the index loss's own kernels.
@@ -90,14 +99,16 @@ def test_an_eager_step_launches_few_kernels_and_converts_no_tensor_in_python(mon
     conversions.clear()
     launches = _device_activities(step_with_index_loss)
     assert not conversions, f"{len(conversions)} tensors converted by cutlass.cute.runtime.from_dlpack"
-    assert len(launches) <= INDEX_LOSS_STEP_LAUNCHES, (
-        f"{len(launches)} launches, expected at most {INDEX_LOSS_STEP_LAUNCHES}: {sorted(launches)}")
+    assert len(launches) <= INDEX_LOSS_STEP_LAUNCHES + more, (
+        f"{len(launches)} launches, expected at most {INDEX_LOSS_STEP_LAUNCHES + more}: {sorted(launches)}")
 
 
-def test_a_step_with_the_fused_index_loss_builds_one_plan_and_no_sort_over_query_windows(monkeypatch):
-    """One plan per step: the forward's query windows, the backward and the fused index loss all
-    walk the plan `msa_attention` builds, and nothing in the step runs torch's sort (the plan
-    sorts in its own kernels)."""
+@pytest.mark.parametrize("query_outer", ["0", "1"], ids=["kv-outer", "query-outer"])
+def test_a_step_with_the_fused_index_loss_builds_one_plan_and_no_sort_over_query_windows(query_outer, monkeypatch):
+    """One plan per step: the forward's query windows (their KV-outer part restricted from it when
+    the query-outer part runs), the backward and the fused index loss all walk the plan
+    `msa_attention` builds, and nothing in the step runs torch's sort (the plan sorts in its own
+    kernels)."""
     from torch_msa import query_windows
     from torch_msa.plan import kernels as plan_kernels
 
@@ -109,6 +120,7 @@ def test_a_step_with_the_fused_index_loss_builds_one_plan_and_no_sort_over_query
         return real_plan(*args)
 
     monkeypatch.setattr(plan_kernels, "plan", counted_plan)
+    monkeypatch.setenv(QUERY_OUTER_ENV, query_outer)
     per_query = query_windows.partial_bytes_per_query(HQ, TOPK, D, torch.bfloat16)
     monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 3000 * per_query)  # three windows of 8192 queries
     generator = torch.Generator(device="cuda").manual_seed(0)

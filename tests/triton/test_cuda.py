@@ -107,7 +107,9 @@ def test_attention_matches_reference(layout, kind):
 @pytest.mark.parametrize("layout", ["4K", "pack", "suffix-pack"])
 def test_the_query_outer_forward_matches_reference(layout, kind, monkeypatch):
     """`TORCH_MSA_QUERY_OUTER=1`: the Triton forward runs the blocks its query groups share
-    query-outer, the rest KV-outer."""
+    query-outer, the rest KV-outer: in a plan of its own (4K) or in the given plan restricted to
+    them (the packs)."""
+    import torch_msa
     import torch_msa.triton.interface as triton_backend
     from torch_msa.stages import query_outer
 
@@ -116,7 +118,9 @@ def test_the_query_outer_forward_matches_reference(layout, kind, monkeypatch):
     if kind == "tiled":
         block_indices = tile_shared(block_indices, inputs["docs"][0], M3["block_size"])
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    args = backend_arguments("forward", q, k, v, block_indices, *inputs["docs"], 128, 128**-0.5)
+    plan = None if layout == "4K" else torch_msa.build_plan(block_indices, *inputs["docs"], num_keys=k.shape[0],
+                                                            num_heads=q.shape[1], block_size=128)
+    args = backend_arguments("forward", q, k, v, block_indices, *inputs["docs"], 128, 128**-0.5, plan)
     monkeypatch.setenv(QUERY_OUTER_ENV, "1")
     kv_outer = query_outer.split_forward(block_indices, args[4], k.shape[0], 128, q.shape[1], None)[0]
     share = ((kv_outer < 0) & (block_indices >= 0)).sum().item() / max(1, (block_indices >= 0).sum().item())

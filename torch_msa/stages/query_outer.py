@@ -12,7 +12,8 @@ import triton.language as tl
 
 from ..documents import Documents, QueryDocuments
 from ..plan.groups import QueryGroups, group_tokens
-from ..plan.kernels import query_groups
+from ..plan.kernels import query_groups, restrict, schedule_for
+from ..plan.schedule import Schedule, entries_per_item
 from ..settings import query_outer_requested
 from ..triton_utils.common import LOG2_E, binary_search_steps, dot_precision, locate_queries, locate_tokens
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
@@ -157,23 +158,29 @@ def for_call(block_indices, documents: Documents, num_keys: int, block_size: int
 
 def split_forward(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int, plan,
                   check: Callable[[], None] | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[int, int], dict] | None]:
+                  ) -> tuple[torch.Tensor, torch.Tensor | Schedule | None, Callable[[int, int], dict] | None]:
     """How a backend's forward runs a call, as `(block_indices, plan, window_arguments)` for
     `torch_msa.query_windows.forward_in_windows`.
 
     Without `TORCH_MSA_QUERY_OUTER=1` (`torch_msa.settings.QUERY_OUTER_ENV`): the call's own, no
-    window arguments. With it: the KV-outer part's selection (`QueryGroups.kv_outer_indices`), no
-    plan (a given plan holds every entry), and per window the `query_outer` keyword of the
-    backend's forward. The groups are cut from the call's documents: a query window's one-token
-    fragments would make groups of one query. `check`, when given, runs before the groups are
-    built: a backend that may decline the inputs declines there, not after building them.
+    window arguments. With it: the KV-outer part's selection (`QueryGroups.kv_outer_indices`), its
+    schedule, and per window the `query_outer` keyword of the backend's forward. The schedule is
+    the given plan's restricted to the entries that part keeps (`torch_msa.plan.kernels.restrict`,
+    no second sort), or None without a plan, for the backend to build one of that selection. The
+    groups are cut from the call's documents: a query window's one-token fragments would make
+    groups of one query. `check`, when given, runs before the groups are built: a backend that may
+    decline the inputs declines there, not after building them.
     """
     if not query_outer_requested():
         return block_indices, plan, None
     if check is not None:
         check()
     work = for_call(block_indices, documents, num_keys, block_size, num_heads)
-    return work.groups.kv_outer_indices, None, lambda start, stop: {"query_outer": work.window(start, stop)}
+    kv_outer_indices = work.groups.kv_outer_indices
+    if plan is not None:
+        plan = restrict(schedule_for(block_indices, documents, num_keys, block_size, num_heads, plan),
+                        kv_outer_indices, entries_per_item(num_heads, block_indices.shape[0]))
+    return kv_outer_indices, plan, lambda start, stop: {"query_outer": work.window(start, stop)}
 
 
 def program_tokens(num_heads: int, num_kv_heads: int, rows: int) -> tuple[int, int]:

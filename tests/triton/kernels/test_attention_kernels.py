@@ -21,7 +21,7 @@ from tests.support.triton_kernels import (
 from torch_msa import reference, testing
 from torch_msa.plan import kernels as plan_kernel
 from torch_msa.plan.groups import build_query_groups, group_tokens
-from torch_msa.plan.schedule import build_schedule, pack
+from torch_msa.plan.schedule import build_schedule, pack, unpack
 from torch_msa.settings import QUERY_OUTER_ENV
 from torch_msa.stages import query_outer
 from torch_msa.stages.dq import ungroup_dq
@@ -233,11 +233,12 @@ def test_the_query_outer_forward_matches_reference(case):
     close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[q.dtype], "lse")
 
 
-@pytest.mark.parametrize("rows", [0, 32])
-def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch, rows):
+@pytest.mark.parametrize("rows, given_plan", [(0, False), (32, True)])
+def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch, rows, given_plan):
     """Asked for by `TORCH_MSA_QUERY_OUTER`, the backend's forward groups the call's queries
     (fragments are segments of their own) and runs them through query windows of 45 queries, which
-    cut groups: it still matches the reference, with a group in one program or (`rows` 32) in four."""
+    cut groups: it still matches the reference, with a group in one program or (`rows` 32) in four,
+    its KV-outer part in a plan of its own or in the given plan restricted to it."""
     import torch_msa.triton.interface as triton_backend
     from torch_msa import query_windows
 
@@ -252,15 +253,22 @@ def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch, rows):
     block_indices = _shared_selection(block_indices, block_size, 8)
     q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
-    forward_args = backend_arguments("forward", q, k, v, block_indices, *frag.op_args, block_size, dim**-0.5, None,
+    plan = (plan_kernel.plan(block_indices, documents_of(frag.cu_seqlens_q, frag.cu_seqlens_k, *fragments), num_keys,
+                             block_size, 16) if given_plan else None)
+    forward_args = backend_arguments("forward", q, k, v, block_indices, *frag.op_args, block_size, dim**-0.5, plan,
                                      *fragments)
     out_ref, lse_ref = reference.forward(*forward_args)
     monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 45 * query_windows.partial_bytes_per_query(num_heads, topk, dim,
                                                                                                    dtype))
     monkeypatch.setenv(QUERY_OUTER_ENV, "1")
-    kv_outer, plan, window_arguments = query_outer.split_forward(block_indices, forward_args[4], num_keys, block_size,
-                                                                 num_heads, None)
+    kv_outer, kv_outer_plan, window_arguments = query_outer.split_forward(block_indices, forward_args[4], num_keys,
+                                                                          block_size, num_heads, plan)
     assert ((kv_outer < 0) & (block_indices >= 0)).any() and window_arguments is not None
+    if given_plan:  # the plan's entries that run KV-outer, without a second sort
+        whole = unpack(plan, block_indices, num_keys, forward_args[4].num_documents, block_size)
+        assert 0 < int(kv_outer_plan.bucket_ptr[-1]) < int(whole.bucket_ptr[-1])
+    else:
+        assert kv_outer_plan is None
     with launch.pinned("msa_fwd_groups_kernel", LaunchConfig(num_stages=1, num_warps=4, rows=rows)):
         out, lse = triton_backend.forward(*forward_args)
     close(out, out_ref, TOLERANCE[dtype], "out")
