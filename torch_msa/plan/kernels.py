@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from ..documents import Documents
-from ..triton_utils.common import binary_search_steps, find_segments, locate_tokens
+from ..triton_utils.common import binary_search_steps, find_segments, locate_tokens, search_right
 from ..triton_utils.launch import cached_launches
 from .groups import Q_OUTER_COST, QueryGroups, build_query_groups, group_ids, max_group_blocks
 from .schedule import (
@@ -266,17 +266,9 @@ def msa_plan_item_tables_kernel(
 ):
     item = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = item < item_bound
-    # torch.searchsorted(item_ptr, item, right=True), clamped to the last bucket: item rows past
-    # the real ones land on it, past its end, and come out empty.
-    low = tl.zeros((BLOCK,), tl.int32)
-    high = tl.zeros((BLOCK,), tl.int32) + bucket_bound
-    for _ in range(search_steps):
-        active = low < high
-        middle = low + ((high - low) >> 1)
-        right = tl.load(item_ptr + middle, mask=active & ok, other=0) > item
-        high = tl.where(active & right, middle, high)
-        low = tl.where(active & ~right, middle + 1, low)
-    bucket = tl.minimum(low, bucket_bound - 1)
+    # The item's bucket, clamped to the last: item rows past the real ones land on it, past its
+    # end, and come out empty.
+    bucket = tl.minimum(search_right(item_ptr, bucket_bound, item, ok, search_steps), bucket_bound - 1)
     rank = item - (tl.load(item_ptr + bucket, mask=ok, other=0) - tl.load(items_per_bucket + bucket, mask=ok, other=0))
     start = tl.load(bucket_start + bucket, mask=ok, other=0) + rank * entries_per_item
     end = tl.load(bucket_end + bucket, mask=ok, other=0)
@@ -384,16 +376,8 @@ def msa_plan_restrict_count_kernel(entry_query, bucket_ptr, bucket_head, kept_in
                                    num_buckets, search_steps, slots_per_head, BLOCK: tl.constexpr):
     entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = entry < tl.load(bucket_ptr + num_buckets)
-    # torch.searchsorted(bucket_ptr[1:], entry, right=True): the entry's bucket.
-    low = tl.zeros((BLOCK,), tl.int32)
-    high = tl.zeros((BLOCK,), tl.int32) + num_buckets
-    for _ in range(search_steps):
-        active = low < high
-        middle = low + ((high - low) >> 1)
-        right = tl.load(bucket_ptr + 1 + middle, mask=active & valid, other=0) > entry
-        high = tl.where(active & right, middle, high)
-        low = tl.where(active & ~right, middle + 1, low)
-    head = tl.load(bucket_head + tl.minimum(low, num_buckets - 1), mask=valid, other=0)
+    bucket = search_right(bucket_ptr + 1, num_buckets, entry, valid, search_steps)
+    head = tl.load(bucket_head + tl.minimum(bucket, num_buckets - 1), mask=valid, other=0)
     slot = head.to(tl.int64) * slots_per_head + tl.load(entry_query + entry, mask=valid, other=0)
     keep = valid & (tl.load(kept_indices + slot, mask=valid, other=-1) >= 0)
     tl.store(kept + entry, keep.to(tl.int8), mask=entry < num_entries)
@@ -648,16 +632,9 @@ def msa_bucket_key_count_kernel(bucket_key_row, cu_seqlens_k, key_count, num_buc
     bucket = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = bucket < num_buckets
     row = tl.load(bucket_key_row + bucket, mask=ok, other=0).to(tl.int64)
-    # torch.searchsorted(cu_seqlens_k, row, right=True), clamped to the last boundary.
-    low = tl.zeros((BLOCK,), tl.int32)
-    high = tl.zeros((BLOCK,), tl.int32) + num_bounds
-    for _ in range(search_steps):
-        active = low < high
-        middle = low + ((high - low) >> 1)
-        right = tl.load(cu_seqlens_k + middle, mask=active & ok, other=0).to(tl.int64) > row
-        high = tl.where(active & right, middle, high)
-        low = tl.where(active & ~right, middle + 1, low)
-    doc_end = tl.load(cu_seqlens_k + tl.minimum(low, num_bounds - 1), mask=ok, other=0).to(tl.int64)
+    # The boundary past the bucket's first key row, clamped to the last.
+    after = tl.minimum(search_right(cu_seqlens_k, num_bounds, row, ok, search_steps), num_bounds - 1)
+    doc_end = tl.load(cu_seqlens_k + after, mask=ok, other=0).to(tl.int64)
     tl.store(key_count + bucket, tl.minimum(tl.maximum(doc_end - row, 0), block_size).to(tl.int32), mask=ok)
 
 

@@ -57,20 +57,29 @@ def binary_search_steps(length: int | torch.SymInt) -> int:
 
 
 @triton.jit
-def find_segments(token, token_ok, cu_seqlens_q, num_segments, search_steps):
-    """Per lane, `(segment, in_range)`: the document (or fragment) of `cu_seqlens_q` whose queries
-    hold `token` (int64), clamped to the last, and whether one does. The probes of
-    `torch.searchsorted(cu_seqlens_q[1:], token, right=True)`, so that even unsorted (malformed)
-    boundaries give the reference's segment."""
-    low = tl.zeros(token.shape, tl.int32)
-    high = tl.zeros(token.shape, tl.int32) + num_segments
+def search_right(table, length, values, mask, search_steps):
+    """Per lane, int32: the probes of `torch.searchsorted(table[:length], values, right=True)`, the
+    entries of an ascending `table` at most `values` (each read in `values`' dtype); a lane off
+    `mask` reads nothing and gets no meaning. `search_steps = binary_search_steps(length)`. On an
+    unsorted table the probes are the same as torch's, so a malformed input gives the reference's
+    answer."""
+    low = tl.zeros(values.shape, tl.int32)
+    high = tl.zeros(values.shape, tl.int32) + length
     for _ in range(search_steps):
         active = low < high
         middle = low + ((high - low) >> 1)
-        boundary = tl.load(cu_seqlens_q + 1 + middle, mask=active & token_ok, other=0).to(tl.int64)
-        right = boundary > token
+        right = tl.load(table + middle, mask=active & mask, other=0).to(values.dtype) > values
         high = tl.where(active & right, middle, high)
         low = tl.where(active & ~right, middle + 1, low)
+    return low
+
+
+@triton.jit
+def find_segments(token, token_ok, cu_seqlens_q, num_segments, search_steps):
+    """Per lane, `(segment, in_range)`: the document (or fragment) of `cu_seqlens_q` whose queries
+    hold `token` (int64), clamped to the last, and whether one does (`search_right` over
+    `cu_seqlens_q[1:]`, so that even unsorted, malformed boundaries give the reference's segment)."""
+    low = search_right(cu_seqlens_q + 1, num_segments, token, token_ok, search_steps)
     return tl.minimum(low, num_segments - 1), low < num_segments
 
 
