@@ -29,10 +29,8 @@ _CHUNK_QUERIES = 32  # fewest queries per chunk: the scratch is chunks x key blo
 _ROW_LANES = 128  # (query, slot) lanes of their tiles
 _COLUMN_SLOTS = 32  # slots per program of the column scan
 _COLUMN_CHUNKS = 128  # chunks per step of the column scan
-# The most lanes (queries x slots) of a group whose lane pairs the groups kernel compares at once,
-# in one warp: then no comparison needs a cross-warp reduction (2x faster than the loop over the
-# group's queries in four warps on an H100, docs/performance.md). Larger groups take the loop.
-_PAIRWISE_LANES = tl.constexpr(128)
+_SORTED_LANES_PER_WARP = 128  # (query, slot) lanes a warp of the groups kernel sorts: 8 x 16 at M3
+_UNIT_CHUNK = 4096  # unit ids per step of the one-program unit list
 
 
 @triton.jit
@@ -478,14 +476,21 @@ def schedule_for(block_indices, documents: Documents, num_keys, block_size, num_
     return unpack(plan, block_indices, num_keys, documents.num_documents, block_size)
 
 
+@triton.jit
+def _first_of_runs(block_a, block_first_a, query_a, query_first_a, block_b, block_first_b, query_b, query_first_b):
+    """Carries the first key of each run of equal `block` and of equal `query` keys along ascending keys."""
+    return (block_b, tl.where(block_a == block_b, block_first_a, block_first_b),
+            query_b, tl.where(query_a == query_b, query_first_a, query_first_b))
+
+
 @cached_launches
 @triton.jit
 def msa_plan_query_groups_kernel(
     block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
-    token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices,
+    token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices, unit_listed,
     num_queries, num_keys, num_segments, num_docs, search_steps, block_size, num_ids,
     stride_head, stride_token, stride_slot,
-    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, GROUP: tl.constexpr, MOST: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, GROUP: tl.constexpr, MOST: tl.constexpr, MOST_P2: tl.constexpr,
     COST_NUMERATOR: tl.constexpr, COST_DENOMINATOR: tl.constexpr, FRAGMENTS: tl.constexpr,
 ):
     group = tl.program_id(0)
@@ -516,49 +521,44 @@ def msa_plan_query_groups_kernel(
     token = start + member_index
     in_group = (token < end) & (token >= 0)
     pos, _, _ = locate_tokens(token, in_group, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
-                           num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
+                              num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
     token_segment, _ = find_segments(token, in_group, cu_seqlens_q, num_segments, search_steps)
     strangers = tl.sum((in_group & ((token_segment != segment) | (pos < 0))).to(tl.int32), axis=0)
     kept = has_segment & (start >= 0) & (start < end) & (strangers == 0)
 
     slot_ok = in_group & kept & (slot < TOPK)
-    ids, last_block, valid = _valid_selections(block_indices, head, token, slot, slot_ok, pos, block_size,
-                                               stride_head, stride_token, stride_slot, TOPK, TOPK_P2)
-
-    # Per lane: whether any query of the group validly selects its block, and an earlier one does.
-    if GROUP * TOPK_P2 <= _PAIRWISE_LANES:
-        # Every lane against every valid lane at once: no loop of cross-warp reductions.
-        same = (ids[:, None] == ids[None, :]) & valid[None, :]
-        selected = tl.max(same.to(tl.int32), axis=1) > 0
-        earlier_query = tl.max((same & (member_index[None, :] < member_index[:, None])).to(tl.int32), axis=1) > 0
-    else:
-        # Lane pairs past what registers hold: against one query's slots at a time.
-        slots = tl.arange(0, TOPK_P2)
-        selected = tl.zeros((GROUP * TOPK_P2,), tl.int1)
-        earlier_query = tl.zeros((GROUP * TOPK_P2,), tl.int1)
-        for member in range(GROUP):
-            member_token = start + member
-            member_last = tl.max(tl.where(member_index == member, last_block, -1), axis=0)
-            chosen = tl.load(block_indices + head.to(tl.int64) * stride_head + member_token * stride_token
-                             + slots * stride_slot, mask=kept & (member_token < end) & (slots < TOPK), other=-1)
-            chosen_ok = (chosen >= 0) & (chosen.to(tl.int64) <= member_last)
-            hit = tl.max(((ids[:, None] == chosen[None, :]) & chosen_ok[None, :]).to(tl.int32), axis=1) > 0
-            selected |= hit
-            earlier_query |= hit & (member_index > member)
-    first_choice = valid & ~earlier_query
-    union = tl.sum(first_choice.to(tl.int32), axis=0)
-    entries = tl.sum(valid.to(tl.int32), axis=0)
+    ids = tl.load(block_indices + head.to(tl.int64) * stride_head + token * stride_token + slot * stride_slot,
+                  mask=slot_ok, other=-1).to(tl.int64)
+    last_block = tl.where(pos >= 0, pos // block_size, -1)
+    # A lane counts when some query of the group may see its id; sorted by (id, unseen, lane), the
+    # lanes of one id form a run that starts with its first valid choice when it has one, and a
+    # query's repeats of one id sit together behind their first slot.
+    counted = slot_ok & (ids >= 0) & (ids <= tl.max(tl.where(slot_ok, last_block, -1), axis=0))
+    unseen = (ids > last_block).to(tl.int64)
+    past_all: tl.constexpr = 9223372036854775807
+    keys = tl.sort(tl.where(counted, (ids << 32) | (unseen << 31) | lanes.to(tl.int64), past_all))
+    _, block_first, _, query_first = tl.associative_scan((keys >> 32, keys, keys // TOPK_P2, keys), 0,
+                                                         _first_of_runs)
+    counted = keys != past_all
+    seen = ((keys >> 31) & 1) == 0
+    new_block = counted & seen & (block_first == keys)
+    union = tl.sum(new_block.to(tl.int32), axis=0)
+    entries = tl.sum((counted & seen & (query_first == keys)).to(tl.int32), axis=0)
     whole = union * GROUP * COST_NUMERATOR <= entries * COST_DENOMINATOR
-    # `selected` is the same on every lane of a block (any query's, seen by it or not), so a
-    # whole group marks every occurrence of the blocks it lists.
-    listed = slot_ok & selected & whole
-    blocks = tl.sort(tl.where(listed & first_choice, ids, 2147483647))
+    listed_blocks = tl.where(whole, union, 0)
 
     pair = head.to(tl.int64) * num_ids + group
-    tl.store(group_blocks + pair * MOST + lanes, tl.where(blocks == 2147483647, -1, blocks), mask=lanes < MOST)
+    rank = tl.cumsum(new_block.to(tl.int32), axis=0) - new_block.to(tl.int32)
+    tl.store(group_blocks + pair * MOST + rank, (keys >> 32).to(tl.int32), mask=new_block & whole & (rank < MOST))
+    unfilled = tl.arange(0, MOST_P2)
+    tl.store(group_blocks + pair * MOST + unfilled, -1, mask=(unfilled >= listed_blocks) & (unfilled < MOST))
     tl.store(group_union + pair, tl.where(kept, union, 0))
-    tl.store(kv_outer_indices + (head.to(tl.int64) * num_queries + token) * TOPK + slot, tl.where(listed, -1, ids),
-             mask=slot_ok)
+    tl.store(unit_listed + group * tl.num_programs(1) + head, (listed_blocks > 0).to(tl.int32))
+    # Every occurrence of a listed block, seen or not, leaves the KV-outer part's selection.
+    lane = keys & 0x7FFFFFFF
+    listed = counted & whole & (((block_first >> 31) & 1) == 0)
+    tl.store(kv_outer_indices + (head.to(tl.int64) * num_queries + start + lane // TOPK_P2) * TOPK + lane % TOPK_P2,
+             -1, mask=listed)
     if head == 0:
         tl.store(group_start + group, tl.where(kept, start, 0).to(tl.int32))
         tl.store(group_end + group, tl.where(kept, end, 0).to(tl.int32))
@@ -567,20 +567,17 @@ def msa_plan_query_groups_kernel(
 
 @cached_launches
 @triton.jit
-def msa_plan_query_units_kernel(group_blocks, units, units_before, num_units, num_ids, MOST: tl.constexpr,
-                                NUM_KV_HEADS: tl.constexpr, CHUNK: tl.constexpr):
+def msa_plan_query_units_kernel(unit_listed, units, units_before, num_units, num_ids, NUM_KV_HEADS: tl.constexpr,
+                                CHUNK: tl.constexpr):
     # One program: a running count over chunks of unit ids, `group * Hkv + head`.
     listed_before = tl.zeros((), tl.int32)
     for first in range(0, num_units, CHUNK):
         unit = first + tl.arange(0, CHUNK)
         ok = unit < num_units
-        group = unit // NUM_KV_HEADS
-        head = unit % NUM_KV_HEADS
-        first_block = tl.load(group_blocks + (head.to(tl.int64) * num_ids + group) * MOST, mask=ok, other=-1)
-        listed = (ok & (first_block >= 0)).to(tl.int32)
+        listed = tl.load(unit_listed + unit, mask=ok, other=0)
         slot = listed_before + tl.cumsum(listed, axis=0) - listed
         tl.store(units + slot, unit, mask=listed > 0)
-        tl.store(units_before + group, slot, mask=ok & (head == 0))
+        tl.store(units_before + unit // NUM_KV_HEADS, slot, mask=ok & (unit % NUM_KV_HEADS == 0))
         listed_before += tl.sum(listed, axis=0)
     tl.store(units_before + num_ids, listed_before)
     for first in range(0, num_units, CHUNK):
@@ -602,25 +599,26 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
     num_segments = cu_seqlens_q.numel() - 1
     num_ids = group_ids(num_queries, num_segments, tokens_per_group)
     most = max_group_blocks(topk, tokens_per_group)
+    lanes = tokens_per_group * triton.next_power_of_2(topk)
     token_group = torch.full((num_queries,), -1, dtype=torch.int32, device=device)
     num_units = num_kv_heads * num_ids
-    sizes = (num_ids, num_ids, num_units, num_ids + 1, num_units, num_units * most)
-    group_start, group_end, group_union, units_before, units, group_blocks = torch.empty(
+    sizes = (num_ids, num_ids, num_units, num_ids + 1, num_units, num_units * most, num_units)
+    group_start, group_end, group_union, units_before, units, group_blocks, unit_listed = torch.empty(
         sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
     group_union, group_blocks = group_union.view(num_kv_heads, num_ids), group_blocks.view(num_kv_heads, num_ids, most)
     kv_outer_indices = block_indices.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
     msa_plan_query_groups_kernel[(num_ids, num_kv_heads)](
         block_indices, cu_seqlens_q, cu_seqlens_k,
         documents.fragment_documents if fragments else cu_seqlens_q, documents.fragment_starts if fragments else cu_seqlens_q,
-        token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices,
+        token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices, unit_listed,
         num_queries, num_keys, num_segments, documents.num_documents, binary_search_steps(num_segments), block_size,
         num_ids, *block_indices.stride(),
         TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), GROUP=tokens_per_group, MOST=most,
-        COST_NUMERATOR=Q_OUTER_COST[0], COST_DENOMINATOR=Q_OUTER_COST[1], FRAGMENTS=fragments,
-        num_warps=1 if tokens_per_group * triton.next_power_of_2(topk) <= _PAIRWISE_LANES.value else 4,
+        MOST_P2=triton.next_power_of_2(most), COST_NUMERATOR=Q_OUTER_COST[0], COST_DENOMINATOR=Q_OUTER_COST[1],
+        FRAGMENTS=fragments, num_warps=min(8, max(1, lanes // _SORTED_LANES_PER_WARP)),
     )
-    msa_plan_query_units_kernel[(1,)](group_blocks, units, units_before, num_units, num_ids, MOST=most,
-                                      NUM_KV_HEADS=num_kv_heads, CHUNK=_ENTRIES)
+    msa_plan_query_units_kernel[(1,)](unit_listed, units, units_before, num_units, num_ids,
+                                      NUM_KV_HEADS=num_kv_heads, CHUNK=_UNIT_CHUNK)
     return QueryGroups(token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices, units,
                        units_before)
 

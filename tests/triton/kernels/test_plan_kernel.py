@@ -101,8 +101,8 @@ def test_plan_build_equals_reference_on_malformed_documents():
 @pytest.mark.parametrize(("case", "tokens_per_group"),
                          [("pack-empty-and-1-token", 8), ("one-doc-block-128", 2), ("suffix-pack-topk-16", 16)])
 def test_query_groups_equal_the_reference_tables(case, tokens_per_group):
-    """The groups kernel compares a group's lane pairs at once up to 128 lanes, past that (16
-    queries x 16 slots) one query's slots at a time: both give the reference's tables."""
+    """The groups kernel sorts a group's (query, slot) lanes by block: in one warp up to 128 lanes,
+    in more past that (16 queries x 16 slots here); both give the reference's tables."""
     q_lens, k_lens, num_kv_heads, block_size, topk = PLAN_CASES[case]
     cu_q, cu_k, _, num_keys, _, _ = layout(q_lens, k_lens)
     block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
