@@ -504,6 +504,39 @@ def test_the_plan_passes_leave_room_for_many_programs_per_sm(place, fragments, t
     assert re.search(r"LOCAL:0\b", usage), usage  # nothing spilled
 
 
+# Registers a thread of the query groups' one-warp programs (8 queries x 16 slots at M3) may take:
+# the sorted form needs 72; the pairwise comparison it replaced needed 207.
+QUERY_GROUPS_REGISTERS = 96
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["documents", "fragments"])
+def test_the_query_groups_kernel_sorts_a_group_in_one_warp_without_spills(fragments, tmp_path):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from torch_msa.plan.groups import Q_OUTER_COST
+
+    kernel = plan_kernels.msa_plan_query_groups_kernel.jit_function
+    tokens = group_tokens(M3["num_heads"], M3["num_kv_heads"])
+    most = max_group_blocks(M3["topk"], tokens)
+    constants = dict(TOPK=M3["topk"], TOPK_P2=triton.next_power_of_2(M3["topk"]), GROUP=tokens, MOST=most,
+                     MOST_P2=triton.next_power_of_2(most), COST_NUMERATOR=Q_OUTER_COST[0],
+                     COST_DENOMINATOR=Q_OUTER_COST[1], FRAGMENTS=fragments, stride_slot=1)
+    integers = {"num_queries", "num_keys", "num_segments", "num_docs", "search_steps", "block_size", "num_ids",
+                "stride_head", "stride_token"}
+    signature = {name: "constexpr" if name in constants else "i32" if name in integers else "*i32"
+                 for name in kernel.arg_names}
+    warps = plan_kernels.query_groups_warps(tokens, M3["topk"])
+    assert warps == 1
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants),
+                              target=GPUTarget("cuda", TARGETS["sm_90"][0], 32), options={"num_warps": warps})
+    usage = _resource_usage(compiled, tmp_path / "groups.cubin")
+    registers = re.search(r"REG:(\d+)", usage)
+    assert registers is not None, usage
+    assert int(registers[1]) <= QUERY_GROUPS_REGISTERS, usage
+    assert re.search(r"LOCAL:0\b", usage), usage
+
+
 def _resource_usage(compiled, path) -> str:
     """cuobjdump's resource line of a compiled kernel (`REG:`, `LOCAL:`, ...)."""
     path.write_bytes(compiled.asm["cubin"])

@@ -585,6 +585,11 @@ def msa_plan_query_units_kernel(unit_listed, units, units_before, num_units, num
         tl.store(units + slot, -1, mask=(slot >= listed_before) & (slot < num_units))
 
 
+def query_groups_warps(tokens_per_group: int, topk: int) -> int:
+    """Warps of a program of `msa_plan_query_groups_kernel`: one per `_SORTED_LANES_PER_WARP` of its lanes, up to 8."""
+    return min(8, max(1, tokens_per_group * triton.next_power_of_2(topk) // _SORTED_LANES_PER_WARP))
+
+
 def query_groups(block_indices, documents: Documents, num_keys, block_size, tokens_per_group) -> QueryGroups:
     """`torch_msa.plan.groups.build_query_groups` (same arguments, same tables) in four launches."""
     num_kv_heads, num_queries, topk = block_indices.shape
@@ -599,7 +604,6 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
     num_segments = cu_seqlens_q.numel() - 1
     num_ids = group_ids(num_queries, num_segments, tokens_per_group)
     most = max_group_blocks(topk, tokens_per_group)
-    lanes = tokens_per_group * triton.next_power_of_2(topk)
     token_group = torch.full((num_queries,), -1, dtype=torch.int32, device=device)
     num_units = num_kv_heads * num_ids
     sizes = (num_ids, num_ids, num_units, num_ids + 1, num_units, num_units * most, num_units)
@@ -615,7 +619,7 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
         num_ids, *block_indices.stride(),
         TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), GROUP=tokens_per_group, MOST=most,
         MOST_P2=triton.next_power_of_2(most), COST_NUMERATOR=Q_OUTER_COST[0], COST_DENOMINATOR=Q_OUTER_COST[1],
-        FRAGMENTS=fragments, num_warps=min(8, max(1, lanes // _SORTED_LANES_PER_WARP)),
+        FRAGMENTS=fragments, num_warps=query_groups_warps(tokens_per_group, topk),
     )
     msa_plan_query_units_kernel[(1,)](unit_listed, units, units_before, num_units, num_ids,
                                       NUM_KV_HEADS=num_kv_heads, CHUNK=_UNIT_CHUNK)
