@@ -123,21 +123,28 @@ def test_query_groups_equal_the_reference_tables(case, tokens_per_group):
 
 
 def test_query_groups_list_a_block_for_the_queries_that_do_not_see_it_yet():
-    """Blocks of 4 keys, groups of 8 queries: a group's first four queries see block 0 only, its
-    last four blocks 0 and 1. Queries 0-3 name block 1 too (an invalid entry: they cannot see it),
-    ahead of the valid choices of queries 4-7 in lane order; the group lists block 1 and drops it
-    from all eight rows. Query 8 alone names block 3, which nobody in its group sees: it is counted
-    as no entry and stays in its row. Query 9 repeats block 2 in two slots: both leave its row."""
-    cu_q = torch.tensor([0, 16], dtype=torch.int32, device=DEVICE)
-    selection = [[0, 1, -1]] * 4 + [[0, 1, -1]] * 4 + [[2, 0, 3], [2, 2, -1]] + [[2, 0, -1]] * 6
+    """Blocks of 4 keys, groups of 8 queries; a group's first four queries see one block fewer
+    than its last four.
+    - Group 0: queries 0-3 name block 1, which they cannot see yet (an invalid entry), ahead of
+      the valid choices of queries 4-7 in lane order; the group lists blocks 0 and 1 and drops
+      block 1 from all eight rows.
+    - Group 1: query 8 alone names block 3, which none of the queries that see it chooses: it is
+      no entry and stays in its row. Query 9 repeats block 2: both slots leave its row.
+    - Group 2: 16 valid entries over 3 blocks fall short of the cost rule (3 x 8 x 11 > 16 x 16),
+      and query 16's repeat of block 4 would have tipped it: the group lists nothing."""
+    cu_q = torch.tensor([0, 24], dtype=torch.int32, device=DEVICE)
+    selection = ([[0, 1, -1]] * 8 + [[2, 0, 3], [2, 2, -1]] + [[2, 0, -1]] * 6
+                 + [[4, 0, 4], [4, -1, -1]] + [[4, 0, -1]] * 5 + [[4, 0, 5]])
     block_indices = torch.tensor([selection], dtype=torch.int32, device=DEVICE)
     documents = documents_of(cu_q, cu_q)
-    expected = build_query_groups(block_indices, documents, 16, 4, 8)
-    assert expected.group_blocks[0, :2, :2].tolist() == [[0, 1], [0, 2]]
+    expected = build_query_groups(block_indices, documents, 24, 4, 8)
+    assert expected.group_blocks[0, :3, :3].tolist() == [[0, 1, -1], [0, 2, -1], [-1, -1, -1]]
+    assert expected.group_union[0, :3].tolist() == [2, 2, 3]
     assert (expected.kv_outer_indices[0, :8, :2] == -1).all()
     assert expected.kv_outer_indices[0, 8].tolist() == [-1, -1, 3]
     assert expected.kv_outer_indices[0, 9].tolist() == [-1, -1, -1]
-    got = plan_kernel.query_groups(block_indices, documents, 16, 4, 8)
+    assert torch.equal(expected.kv_outer_indices[0, 16:], block_indices[0, 16:])
+    got = plan_kernel.query_groups(block_indices, documents, 24, 4, 8)
     for name, a, b in zip(expected._fields, got, expected):
         assert torch.equal(a, b), name
 
