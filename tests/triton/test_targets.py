@@ -505,7 +505,7 @@ def test_the_plan_passes_leave_room_for_many_programs_per_sm(place, fragments, t
 
 
 # Registers a thread of the query groups' one-warp programs (8 queries x 16 slots at M3) may take:
-# the sorted form needs 72; the pairwise comparison it replaced needed 207.
+# sorting the lanes needs 72; comparing every pair of the 128 lanes at once would need about 200.
 QUERY_GROUPS_REGISTERS = 96
 
 
