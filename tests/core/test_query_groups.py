@@ -49,6 +49,14 @@ def _check(groups, expected, num_kv_heads, tokens_per_group, topk):
     for gid in range(num_ids):
         bounds = (int(groups.group_start[gid]), int(groups.group_end[gid]))
         assert bounds == expected["groups"].get(gid, (0, 0)), gid
+        located = (int(groups.group_key_start[gid]), int(groups.group_position[gid]))
+        if gid in expected["groups"]:
+            # Each query of the group: its document's key 0 and its position, from the group's.
+            for t in range(*bounds):
+                assert (expected["key_start"][t], expected["position"][t]) == (
+                    located[0], t - bounds[0] + located[1]), (gid, t)
+        else:
+            assert located == (0, 0), gid
         for head in range(num_kv_heads):
             blocks = [b for b in groups.group_blocks[head, gid].tolist() if b >= 0]
             assert blocks == expected["blocks"].get((head, gid), []), (head, gid)

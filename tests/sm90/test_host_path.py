@@ -296,8 +296,7 @@ def test_the_query_outer_part_launches_the_groups_kernel_on_its_window(recorded)
     q, k, v, block_indices, cu_q, cu_k, plan, schedule = _inputs(recorded.key_count)
     documents = documents_of(cu_q, cu_k)
     groups = build_query_groups(block_indices, documents, TOKENS, BLOCK, group_tokens(HEADS, KV_HEADS))
-    located = documents.locate(TOKENS, TOKENS)
-    work = QueryOuter(groups, block_indices, documents, located, 0, TOKENS)
+    work = QueryOuter(groups, block_indices, documents, 0, TOKENS)
     kv_outer = groups.kv_outer_indices
     kv_plan = pack(build_schedule(kv_outer, documents, TOKENS, BLOCK, entries_per_item(HEADS, KV_HEADS)))
     kv_schedule = unpack(kv_plan, kv_outer, TOKENS, 1, BLOCK)
@@ -316,7 +315,7 @@ def test_the_query_outer_part_launches_the_groups_kernel_on_its_window(recorded)
     assert recorded.stage_args["combine"][-1] is done
     assert torch.equal(call[8], block_indices.reshape(-1)) and torch.equal(call[9], groups.kv_outer_indices.reshape(-1))
     assert call[10] is groups.group_start and call[11] is groups.group_end
-    assert call[13] is located.key_start and call[14] is located.position
+    assert call[13] is groups.group_key_start and call[14] is groups.group_position
     assert call[15] is groups.units and call[16] is groups.units_before
     # Every group id (0 to 299 // 8 + 1 = 38): the listed units of groups 0 to 38, at most one CTA
     # per (group, KV head).

@@ -25,17 +25,20 @@ def query_groups_python(
     """The query groups of `torch_msa.plan.groups.build_query_groups`, built with plain Python.
 
     Returns `{"token_group": [gid or -1 per query], "groups": {gid: (start, end)},
-    "union": {(head, gid): distinct blocks}, "blocks": {(head, gid): [query-outer blocks ascending]}}`
-    over the groups kept (those whose queries all see a key).
+    "union": {(head, gid): distinct blocks}, "blocks": {(head, gid): [query-outer blocks ascending]},
+    "position": [per query], "key_start": [per query]}` over the groups kept (those whose queries
+    all see a key).
     """
     num_kv_heads, num_queries, _ = block_indices.shape
     ids = block_indices.tolist()
     cu_q = cu_seqlens_q.tolist()
     size = tokens_per_group
     numerator, denominator = Q_OUTER_COST
-    position, _ = query_locations_python(cu_seqlens_q, cu_seqlens_k, num_queries, fragment_documents, fragment_starts)
+    position, key_start = query_locations_python(cu_seqlens_q, cu_seqlens_k, num_queries, fragment_documents,
+                                                 fragment_starts)
 
-    result: dict = {"token_group": [-1] * num_queries, "groups": {}, "union": {}, "blocks": {}}
+    result: dict = {"token_group": [-1] * num_queries, "groups": {}, "union": {}, "blocks": {},
+                    "position": position, "key_start": key_start}
     for segment in range(len(cu_q) - 1):
         for offset in range(0, cu_q[segment + 1] - cu_q[segment], size):
             start = cu_q[segment] + offset

@@ -31,6 +31,11 @@ class QueryGroups(NamedTuple):
         token_group: `[Tq]` the group of each query, `-1` for a query in none.
         group_start, group_end: `[NG]` the group's queries `[start, end)`; empty (`0, 0`) for an
             id that holds no group.
+        group_key_start: `[NG]` the packed row of key 0 of the group's document
+            (`Documents.locate`), 0 for an id that holds no group.
+        group_position: `[NG]` the position of the group's first query in its document (its
+            query `t` is at `t - group_start + group_position`: a group lies in one document or
+            fragment), 0 for an id that holds no group.
         group_union: `[Hkv, NG]` the distinct blocks the group's queries validly select.
         group_blocks: `[Hkv, NG, MQ]` the blocks the group runs query-outer, ascending, `-1` after.
         kv_outer_indices: `[Hkv, Tq, topk]`, contiguous, the selection the KV-outer part walks:
@@ -45,6 +50,8 @@ class QueryGroups(NamedTuple):
     token_group: torch.Tensor
     group_start: torch.Tensor
     group_end: torch.Tensor
+    group_key_start: torch.Tensor
+    group_position: torch.Tensor
     group_union: torch.Tensor
     group_blocks: torch.Tensor
     kv_outer_indices: torch.Tensor
@@ -105,10 +112,11 @@ def build_query_groups(
         zeros = torch.zeros(num_ids, dtype=torch.int32, device=device)
         group_blocks = torch.full((num_kv_heads, num_ids, most), -1, dtype=torch.int32, device=device)
         return QueryGroups(torch.full((num_queries,), -1, dtype=torch.int32, device=device), zeros, zeros.clone(),
+                           zeros.clone(), zeros.clone(),
                            torch.zeros((num_kv_heads, num_ids), dtype=torch.int32, device=device), group_blocks,
                            block_indices.to(torch.int32, memory_format=torch.contiguous_format, copy=True),
                            *unit_list(group_blocks))
-    position = documents.locate(num_queries, num_keys).position
+    key_start, position = documents.locate(num_queries, num_keys)
 
     # The segment of each group id: the probes of a binary search for the last `s` with
     # `max(c_s, 0) // G + s <= id`, as the Triton build makes them.
@@ -131,6 +139,7 @@ def build_query_groups(
     member = (token_segment == segment.view(-1, 1)) & (position.index_select(0, token_index.view(-1)).view_as(tokens) >= 0)
     kept = has_segment & (start >= 0) & (start < end) & (member | ~in_group).all(1)
     rows = in_group & kept.view(-1, 1)
+    first_token = token_index[:, 0]
 
     # Per (KV head, group): the valid entries sorted by block, run by run.
     valid = valid_entries(block_indices, position, block_size)
@@ -163,6 +172,8 @@ def build_query_groups(
         token_group=token_group,
         group_start=torch.where(kept, start, 0).to(torch.int32),
         group_end=torch.where(kept, end, 0).to(torch.int32),
+        group_key_start=torch.where(kept, key_start.index_select(0, first_token), 0).to(torch.int32),
+        group_position=torch.where(kept, position.index_select(0, first_token), 0).to(torch.int32),
         group_union=union,
         group_blocks=group_blocks,
         kv_outer_indices=torch.where(query_outer, -1, block_indices).to(torch.int32),

@@ -1,5 +1,5 @@
 """`msa::plan` in Triton: the tables of `torch_msa.plan.schedule.build_schedule` in five launches
-(steps: `torch_msa/plan/README.md`), `restrict` in six, the query groups of `torch_msa.plan.groups`
+(steps: `torch_msa/plan/README.md`), `restrict` in four, the query groups of `torch_msa.plan.groups`
 in four, and `bucket_key_count` in one.
 """
 
@@ -238,6 +238,16 @@ def msa_plan_scan_kernel(
     tl.store(num_buckets, tl.minimum(buckets, bucket_bound))
 
 
+@triton.jit
+def _bucket_items(bucket_start, bucket_end, items_per_bucket, item_ptr, buckets, ok, items, entries_per_item):
+    """Stores the items of buckets `buckets` (entries `[bucket_start, bucket_end)` each) and their
+    running sum from `items`; returns the sum past them."""
+    bucket_items = (bucket_end - bucket_start + entries_per_item - 1) // entries_per_item
+    tl.store(items_per_bucket + buckets, bucket_items, mask=ok)
+    tl.store(item_ptr + buckets, items + tl.cumsum(bucket_items, 0), mask=ok)
+    return items + tl.sum(tl.where(ok, bucket_items, 0), axis=0)
+
+
 @cached_launches
 @triton.jit
 def msa_plan_item_counts_kernel(bucket_start, bucket_end, items_per_bucket, item_ptr, num_buckets, entries_per_item,
@@ -248,11 +258,9 @@ def msa_plan_item_counts_kernel(bucket_start, bucket_end, items_per_bucket, item
     for first in range(0, num_buckets, ROWS):
         buckets = first + tl.arange(0, ROWS)
         ok = buckets < num_buckets
-        counts = tl.load(bucket_end + buckets, mask=ok, other=0) - tl.load(bucket_start + buckets, mask=ok, other=0)
-        bucket_items = (counts + entries_per_item - 1) // entries_per_item
-        tl.store(items_per_bucket + buckets, bucket_items, mask=ok)
-        tl.store(item_ptr + buckets, items + tl.cumsum(bucket_items, 0), mask=ok)
-        items += tl.sum(bucket_items, axis=0)
+        items = _bucket_items(tl.load(bucket_start + buckets, mask=ok, other=0),
+                              tl.load(bucket_end + buckets, mask=ok, other=0),
+                              items_per_bucket, item_ptr, buckets, ok, items, entries_per_item)
 
 
 @cached_launches
@@ -350,6 +358,16 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> to
     return packed
 
 
+def _item_tables(item_ptr, items_per_bucket, bucket_start, bucket_end, item_bucket, item_start, item_end, num_items,
+                 item_bound, num_buckets, entries_per_item) -> None:
+    """Launches `msa_plan_item_tables_kernel` over `item_bound` item rows of `num_buckets` buckets."""
+    msa_plan_item_tables_kernel[(triton.cdiv(item_bound, _ENTRIES),)](
+        item_ptr, items_per_bucket, bucket_start, bucket_end, item_bucket, item_start, item_end, num_items,
+        item_bound, num_buckets, binary_search_steps(num_buckets), entries_per_item,
+        BLOCK=_ENTRIES,
+    )
+
+
 def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
     """`torch_msa.plan.schedule.with_items` (same arguments, same tables) in two launches."""
     num_buckets = schedule.bucket_head.numel()
@@ -360,33 +378,47 @@ def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
     bucket_start, bucket_end = schedule.bucket_ptr[:-1], schedule.bucket_ptr[1:]
     msa_plan_item_counts_kernel[(1,)](bucket_start, bucket_end, items_per_bucket, item_ptr, num_buckets,
                                       entries_per_item, ROWS=1024)
-    msa_plan_item_tables_kernel[(triton.cdiv(item_bound, _ENTRIES),)](
-        item_ptr, items_per_bucket, bucket_start, bucket_end, item_bucket, item_start, item_end, num_items,
-        item_bound, num_buckets, binary_search_steps(num_buckets), entries_per_item,
-        BLOCK=_ENTRIES,
-    )
+    _item_tables(item_ptr, items_per_bucket, bucket_start, bucket_end, item_bucket, item_start, item_end, num_items,
+                 item_bound, num_buckets, entries_per_item)
     return schedule._replace(item_bucket=item_bucket, item_start=item_start, item_end=item_end, num_items=num_items)
 
 
 @cached_launches
 @triton.jit
-def msa_plan_restrict_count_kernel(entry_query, bucket_ptr, bucket_head, kept_indices, kept, block_kept, num_entries,
-                                   num_buckets, search_steps, slots_per_head, BLOCK: tl.constexpr):
+def msa_plan_restrict_count_kernel(entry_query, bucket_ptr, bucket_head, kept_indices, kept, kept_before, block_kept,
+                                   num_entries, num_buckets, search_steps, slots_per_head, BLOCK: tl.constexpr):
+    """Per entry whether its slot is kept (`kept`, int8); per program of `BLOCK` entries how many
+    it keeps (`block_kept`); at each bucket's first entry `e`, how many entries of its program
+    before `e` are kept (`kept_before[e]`, the rest of `kept_before` unwritten)."""
     entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = entry < tl.load(bucket_ptr + num_buckets)
-    bucket = search_right(bucket_ptr + 1, num_buckets, entry, valid, search_steps)
-    head = tl.load(bucket_head + tl.minimum(bucket, num_buckets - 1), mask=valid, other=0)
+    bucket = tl.minimum(search_right(bucket_ptr + 1, num_buckets, entry, valid, search_steps), num_buckets - 1)
+    head = tl.load(bucket_head + bucket, mask=valid, other=0)
     slot = head.to(tl.int64) * slots_per_head + tl.load(entry_query + entry, mask=valid, other=0)
-    keep = valid & (tl.load(kept_indices + slot, mask=valid, other=-1) >= 0)
+    keep = (valid & (tl.load(kept_indices + slot, mask=valid, other=-1) >= 0)).to(tl.int32)
+    first = valid & (tl.load(bucket_ptr + bucket, mask=valid, other=-1) == entry)
     tl.store(kept + entry, keep.to(tl.int8), mask=entry < num_entries)
-    tl.store(block_kept + tl.program_id(0), tl.sum(keep.to(tl.int32), axis=0))
+    tl.store(kept_before + entry, tl.cumsum(keep, 0) - keep, mask=first)
+    tl.store(block_kept + tl.program_id(0), tl.sum(keep, axis=0))
+
+
+@triton.jit
+def _kept_before(bound, ok, kept_before, block_kept, valid_entries, total, BLOCK: tl.constexpr):
+    """The kept entries before entry `*bound`: the prefix of its program (`block_kept`) and its count
+    within it (`kept_before`, stored at each bucket's first entry); `total` from the valid entries' end on."""
+    entry = tl.load(bound, mask=ok, other=0)
+    inside = ok & (entry < valid_entries)
+    prefix = tl.load(block_kept + entry // BLOCK, mask=inside, other=0)
+    return tl.where(inside, prefix + tl.load(kept_before + entry, mask=inside, other=0), total)
 
 
 @cached_launches
 @triton.jit
-def msa_plan_restrict_scan_kernel(block_kept, num_blocks, ROWS: tl.constexpr):
-    """One program: each block's count of kept entries becomes how many the blocks before it keep;
-    `block_kept[num_blocks]` gets the total."""
+def msa_plan_restrict_buckets_kernel(bucket_ptr, kept_before, block_kept, restricted_ptr, items_per_bucket, item_ptr,
+                                     num_blocks, num_buckets, entries_per_item, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """One program: each program's count of kept entries (`block_kept`) becomes how many the
+    programs before it keep, `block_kept[num_blocks]` the total; then each bucket's bounds among
+    the kept entries (`restricted_ptr`), and its items with their running sum."""
     before = tl.zeros((), tl.int32)
     for first in range(0, num_blocks, ROWS):
         blocks = first + tl.arange(0, ROWS)
@@ -395,12 +427,24 @@ def msa_plan_restrict_scan_kernel(block_kept, num_blocks, ROWS: tl.constexpr):
         tl.store(block_kept + blocks, before + tl.cumsum(counts, 0) - counts, mask=ok)
         before += tl.sum(counts, axis=0)
     tl.store(block_kept + num_blocks, before)
+    # The bounds below read the prefixes this program's other threads stored.
+    tl.debug_barrier()
+    valid_entries = tl.load(bucket_ptr + num_buckets)
+    items = tl.zeros((), tl.int32)
+    for first in range(0, num_buckets, ROWS):
+        buckets = first + tl.arange(0, ROWS)
+        ok = buckets < num_buckets
+        start = _kept_before(bucket_ptr + buckets, ok, kept_before, block_kept, valid_entries, before, BLOCK)
+        end = _kept_before(bucket_ptr + buckets + 1, ok, kept_before, block_kept, valid_entries, before, BLOCK)
+        tl.store(restricted_ptr + buckets, start, mask=ok)
+        tl.store(restricted_ptr + buckets + 1, end, mask=ok & (buckets == num_buckets - 1))
+        items = _bucket_items(start, end, items_per_bucket, item_ptr, buckets, ok, items, entries_per_item)
 
 
 @cached_launches
 @triton.jit
-def msa_plan_restrict_place_kernel(entry_query, kept, block_kept, kept_before, restricted_query, num_entries,
-                                   num_blocks, BLOCK: tl.constexpr):
+def msa_plan_restrict_place_kernel(entry_query, kept, block_kept, restricted_query, num_entries, num_blocks,
+                                   BLOCK: tl.constexpr):
     entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = entry < num_entries
     keep = tl.load(kept + entry, mask=ok, other=0).to(tl.int32)
@@ -409,43 +453,38 @@ def msa_plan_restrict_place_kernel(entry_query, kept, block_kept, kept_before, r
     # Kept entries first, in order; then the dropped ones, in order.
     row = tl.where(keep > 0, before, total + entry - before)
     tl.store(restricted_query + row, tl.load(entry_query + entry, mask=ok, other=0), mask=ok)
-    tl.store(kept_before + entry, before, mask=ok)
-    tl.store(kept_before + num_entries + tl.zeros_like(entry), total, mask=entry == 0)
-
-
-@cached_launches
-@triton.jit
-def msa_plan_gather_kernel(table, index, out, num_rows, BLOCK: tl.constexpr):
-    row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = row < num_rows
-    tl.store(out + row, tl.load(table + tl.load(index + row, mask=ok, other=0), mask=ok, other=0), mask=ok)
 
 
 def restrict(schedule: Schedule, kept_indices: torch.Tensor, entries_per_item: int) -> Schedule:
-    """`torch_msa.plan.schedule.restrict` (same arguments, same tables) in six launches;
+    """`torch_msa.plan.schedule.restrict` (same arguments, same tables) in four launches;
     `kept_indices` contiguous."""
     if not kept_indices.is_contiguous():
         raise ValueError(f"kept_indices: expected a contiguous tensor, got strides {kept_indices.stride()}")
     num_entries, num_buckets = schedule.entry_query.numel(), schedule.bucket_head.numel()
-    if num_entries == 0:
+    if num_entries == 0 or num_buckets == 0:
         return with_items(schedule, entries_per_item)
     num_blocks = triton.cdiv(num_entries, _ENTRIES)
     device = schedule.entry_query.device
+    item_bound = max_items(num_entries, num_buckets, entries_per_item)
     # The scratch apart from the tables the schedule keeps, so that it is freed on return.
-    block_kept, kept_before = torch.empty(num_blocks + num_entries + 2, dtype=torch.int32,
-                                          device=device).split_with_sizes((num_blocks + 1, num_entries + 1))
+    block_kept, kept_before = torch.empty(num_blocks + 1 + num_entries, dtype=torch.int32,
+                                          device=device).split_with_sizes((num_blocks + 1, num_entries))
     kept = torch.empty(num_entries, dtype=torch.int8, device=device)
-    entry_query, bucket_ptr = torch.empty(num_entries + num_buckets + 1, dtype=torch.int32,
-                                          device=device).split_with_sizes((num_entries, num_buckets + 1))
+    sizes = (num_entries, num_buckets + 1, num_buckets, num_buckets, item_bound, item_bound, item_bound, 1)
+    entry_query, bucket_ptr, items_per_bucket, item_ptr, item_bucket, item_start, item_end, num_items = torch.empty(
+        sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
     msa_plan_restrict_count_kernel[(num_blocks,)](
-        schedule.entry_query, schedule.bucket_ptr, schedule.bucket_head, kept_indices, kept, block_kept, num_entries,
-        num_buckets, binary_search_steps(num_buckets), kept_indices[0].numel(), BLOCK=_ENTRIES)
-    msa_plan_restrict_scan_kernel[(1,)](block_kept, num_blocks, ROWS=_ENTRIES)
-    msa_plan_restrict_place_kernel[(num_blocks,)](schedule.entry_query, kept, block_kept, kept_before, entry_query,
-                                                  num_entries, num_blocks, BLOCK=_ENTRIES)
-    msa_plan_gather_kernel[(triton.cdiv(num_buckets + 1, _ENTRIES),)](kept_before, schedule.bucket_ptr, bucket_ptr,
-                                                                     num_buckets + 1, BLOCK=_ENTRIES)
-    return with_items(schedule._replace(entry_query=entry_query, bucket_ptr=bucket_ptr), entries_per_item)
+        schedule.entry_query, schedule.bucket_ptr, schedule.bucket_head, kept_indices, kept, kept_before, block_kept,
+        num_entries, num_buckets, binary_search_steps(num_buckets), kept_indices[0].numel(), BLOCK=_ENTRIES)
+    msa_plan_restrict_buckets_kernel[(1,)](
+        schedule.bucket_ptr, kept_before, block_kept, bucket_ptr, items_per_bucket, item_ptr, num_blocks, num_buckets,
+        entries_per_item, BLOCK=_ENTRIES, ROWS=_ENTRIES)
+    msa_plan_restrict_place_kernel[(num_blocks,)](schedule.entry_query, kept, block_kept, entry_query, num_entries,
+                                                  num_blocks, BLOCK=_ENTRIES)
+    _item_tables(item_ptr, items_per_bucket, bucket_ptr[:-1], bucket_ptr[1:], item_bucket, item_start, item_end,
+                 num_items, item_bound, num_buckets, entries_per_item)
+    return schedule._replace(entry_query=entry_query, bucket_ptr=bucket_ptr, item_bucket=item_bucket,
+                             item_start=item_start, item_end=item_end, num_items=num_items)
 
 
 def plan_schedule(block_indices, documents: Documents, num_keys, block_size, entries_per_item) -> Schedule:
@@ -487,8 +526,8 @@ def _first_of_runs(block_a, block_first_a, query_a, query_first_a, block_b, bloc
 @triton.jit
 def msa_plan_query_groups_kernel(
     block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
-    token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices, unit_listed,
-    num_queries, num_keys, num_segments, num_docs, search_steps, block_size, num_ids,
+    token_group, group_start, group_end, group_key_start, group_position, group_union, group_blocks, kv_outer_indices,
+    unit_listed, num_queries, num_keys, num_segments, num_docs, search_steps, block_size, num_ids,
     stride_head, stride_token, stride_slot,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, GROUP: tl.constexpr, MOST: tl.constexpr, MOST_P2: tl.constexpr,
     COST_NUMERATOR: tl.constexpr, COST_DENOMINATOR: tl.constexpr, FRAGMENTS: tl.constexpr,
@@ -520,8 +559,8 @@ def msa_plan_query_groups_kernel(
     slot = lanes % TOPK_P2
     token = start + member_index
     in_group = (token < end) & (token >= 0)
-    pos, _, _ = locate_tokens(token, in_group, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
-                              num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
+    pos, key_start, _ = locate_tokens(token, in_group, cu_seqlens_q, cu_seqlens_k, fragment_documents,
+                                      fragment_starts, num_keys, num_segments, num_docs, search_steps, FRAGMENTS)
     token_segment, _ = find_segments(token, in_group, cu_seqlens_q, num_segments, search_steps)
     strangers = tl.sum((in_group & ((token_segment != segment) | (pos < 0))).to(tl.int32), axis=0)
     kept = has_segment & (start >= 0) & (start < end) & (strangers == 0)
@@ -562,6 +601,10 @@ def msa_plan_query_groups_kernel(
     if head == 0:
         tl.store(group_start + group, tl.where(kept, start, 0).to(tl.int32))
         tl.store(group_end + group, tl.where(kept, end, 0).to(tl.int32))
+        first_lane = lanes == 0
+        tl.store(group_key_start + group,
+                 tl.where(kept, tl.sum(tl.where(first_lane, key_start, 0), axis=0), 0).to(tl.int32))
+        tl.store(group_position + group, tl.where(kept, tl.sum(tl.where(first_lane, pos, 0), axis=0), 0).to(tl.int32))
         tl.store(token_group + token, group + tl.zeros_like(slot), mask=in_group & kept & (slot == 0))
 
 
@@ -606,25 +649,25 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
     most = max_group_blocks(topk, tokens_per_group)
     token_group = torch.full((num_queries,), -1, dtype=torch.int32, device=device)
     num_units = num_kv_heads * num_ids
-    sizes = (num_ids, num_ids, num_units, num_ids + 1, num_units, num_units * most, num_units)
-    group_start, group_end, group_union, units_before, units, group_blocks, unit_listed = torch.empty(
-        sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
+    sizes = (num_ids, num_ids, num_ids, num_ids, num_units, num_ids + 1, num_units, num_units * most, num_units)
+    (group_start, group_end, group_key_start, group_position, group_union, units_before, units, group_blocks,
+     unit_listed) = torch.empty(sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
     group_union, group_blocks = group_union.view(num_kv_heads, num_ids), group_blocks.view(num_kv_heads, num_ids, most)
     kv_outer_indices = block_indices.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
     msa_plan_query_groups_kernel[(num_ids, num_kv_heads)](
         block_indices, cu_seqlens_q, cu_seqlens_k,
         documents.fragment_documents if fragments else cu_seqlens_q, documents.fragment_starts if fragments else cu_seqlens_q,
-        token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices, unit_listed,
-        num_queries, num_keys, num_segments, documents.num_documents, binary_search_steps(num_segments), block_size,
-        num_ids, *block_indices.stride(),
+        token_group, group_start, group_end, group_key_start, group_position, group_union, group_blocks,
+        kv_outer_indices, unit_listed, num_queries, num_keys, num_segments, documents.num_documents,
+        binary_search_steps(num_segments), block_size, num_ids, *block_indices.stride(),
         TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), GROUP=tokens_per_group, MOST=most,
         MOST_P2=triton.next_power_of_2(most), COST_NUMERATOR=Q_OUTER_COST[0], COST_DENOMINATOR=Q_OUTER_COST[1],
         FRAGMENTS=fragments, num_warps=query_groups_warps(tokens_per_group, topk),
     )
     msa_plan_query_units_kernel[(1,)](unit_listed, units, units_before, num_units, num_ids,
                                       NUM_KV_HEADS=num_kv_heads, CHUNK=_UNIT_CHUNK)
-    return QueryGroups(token_group, group_start, group_end, group_union, group_blocks, kv_outer_indices, units,
-                       units_before)
+    return QueryGroups(token_group, group_start, group_end, group_key_start, group_position, group_union,
+                       group_blocks, kv_outer_indices, units, units_before)
 
 
 @cached_launches

@@ -41,29 +41,32 @@ from .tma import (
 class GroupTables(NamedTuple):
     """The int32 tables the kernel reads (`torch_msa.plan.groups.QueryGroups` and the call's
     selection, flat): the selection and its KV-outer part `[Hkv * Tq * topk]`, the groups' bounds
-    `[NG]`, their listed blocks `[Hkv * NG * MQ]`; per query the packed row of its document's key 0
-    and its position `[Tq]`; the listed (group, KV head) units `[Hkv * NG]` and the units of the
-    groups before each id `[NG + 1]`."""
+    `[NG]`, their listed blocks `[Hkv * NG * MQ]`; per group the packed row of its document's key 0
+    and its first query's position `[NG]`; the listed (group, KV head) units `[Hkv * NG]` and the
+    units of the groups before each id `[NG + 1]`."""
 
     block_indices: cute.Tensor
     kv_outer_indices: cute.Tensor
     group_start: cute.Tensor
     group_end: cute.Tensor
     group_blocks: cute.Tensor
-    key_start: cute.Tensor
-    position: cute.Tensor
+    group_key_start: cute.Tensor
+    group_position: cute.Tensor
     units: cute.Tensor
     units_before: cute.Tensor
 
 
 class Unit(NamedTuple):
-    """One (group, KV head): queries `start .. end - 1` (inside the window), `num_listed` blocks."""
+    """One (group, KV head): queries `start .. end - 1` (inside the window), `num_listed` blocks;
+    `key_row`, the packed row of its document's key 0; query `t` at position `t + position_shift`."""
 
     group: Int32
     kv_head: Int32
     start: Int32
     end: Int32
     num_listed: Int32
+    key_row: Int32
+    position_shift: Int32
 
 
 class Sm90GroupsKernel(Sm90ForwardKernel):
@@ -138,7 +141,8 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
             # The read stays inside the row whether or not the condition short-circuits.
             while num_listed < most and tables.group_blocks[row + cutlass.min(num_listed, most - 1)] >= 0:
                 num_listed += 1
-        return Unit(group, kv_head, start, end, num_listed)
+        position_shift = tables.group_position[group] - tables.group_start[group]
+        return Unit(group, kv_head, start, end, num_listed, tables.group_key_start[group], position_shift)
 
     @cute.jit
     def listed_block(self, walk: tuple, unit: Unit, index: Int32) -> Int32:
@@ -152,7 +156,7 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
     ):
         """Warp 0: per unit the Q tile of each consumer (4 tokens each; a token past the group's end
         repeats its last), then K and V of each listed block."""
-        tables, window_start = walk[0], walk[3]
+        window_start = walk[3]
         tQsQ, tQgQ = token_tile_partition(tma_atom_Q, tma_Q, sQ, Q_STAGES)
         kv_load, q_load = producer_state(KV_STAGES), producer_state(Q_STAGES)
         for index in cutlass.range(units[0] + cute.arch.block_idx()[0], units[1], cute.arch.grid_dim()[0], unroll=1):
@@ -167,7 +171,7 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
                         cute.copy(tma_atom_Q, tQgQ[None, box, 0], tQsQ[None, slot, 0, q_load.index],
                                   tma_bar_ptr=barrier)
                     q_load = advanced(q_load, 1)
-                key_row = Int32(tables.key_start[unit.start])
+                key_row = unit.key_row
                 for listed in cutlass.range(unit.num_listed, unroll=1):
                     block = self.listed_block(walk, unit, listed)
                     kv_pipeline.producer_acquire(kv_load)
@@ -208,10 +212,10 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
             if unit.num_listed > 0:
                 token = unit.start + consumer * TOKENS_PER_TILE + warp
                 own = cutlass.min(token, unit.end - 1)
-                position = Int32(tables.position[own])
+                position = own + unit.position_shift
                 # Keys past the group's last position are no row's: zeroed in V (0 * NaN). A group
                 # lies in one document or fragment, so its last query has its largest position.
-                horizon = Int32(tables.position[unit.end - 1])
+                horizon = unit.end - 1 + unit.position_shift
                 selection = (unit.kv_head * num_queries + own) * topk
                 first_slot, kv_outer_entries = self.first_listed_slot(tables, selection, topk, position)
                 acc_O.fill(0.0)

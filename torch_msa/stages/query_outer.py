@@ -10,12 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..documents import Documents, QueryDocuments
+from ..documents import Documents
 from ..plan.groups import QueryGroups, group_tokens
 from ..plan.kernels import query_groups, restrict, schedule_for
 from ..plan.schedule import Schedule, entries_per_item
 from ..settings import query_outer_requested
-from ..triton_utils.common import LOG2_E, binary_search_steps, dot_precision, locate_queries, locate_tokens
+from ..triton_utils.common import LOG2_E, binary_search_steps, dot_precision, locate_tokens
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 
 GROUPS_CONFIGS = (LaunchConfig(num_stages=2), LaunchConfig(num_stages=1))
@@ -120,14 +120,12 @@ class QueryOuter:
     Attributes:
         groups: the call's query groups.
         block_indices: the call's int32 `[Hkv, Tq, topk]` selection; documents: the call's documents.
-        located: the call's queries located in their documents (`Documents.locate`).
         start, stop: the window, queries `[start, stop)` of the call's.
     """
 
     groups: QueryGroups
     block_indices: torch.Tensor
     documents: Documents
-    located: QueryDocuments
     start: int
     stop: int
 
@@ -148,12 +146,9 @@ class QueryOuter:
 def for_call(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int) -> QueryOuter:
     """The query groups of a forward call (`torch_msa.plan.kernels.query_groups`), over all its
     queries; `block_indices` int32, as `msa::forward` takes it."""
-    num_queries = block_indices.shape[1]
     groups = query_groups(block_indices, documents, num_keys, block_size,
                           group_tokens(num_heads, block_indices.shape[0]))
-    located = locate_queries(documents.cu_seqlens_q, documents.cu_seqlens_k, num_queries, num_keys,
-                             *documents.fragments)
-    return QueryOuter(groups, block_indices, documents, located, 0, num_queries)
+    return QueryOuter(groups, block_indices, documents, 0, block_indices.shape[1])
 
 
 def split_forward(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int, plan,

@@ -222,8 +222,7 @@ def test_the_query_outer_forward_matches_reference(case):
     groups = build_query_groups(block_indices, documents, num_keys, block_size, group_tokens(q.shape[1], k.shape[1]))
     kv_outer = groups.kv_outer_indices
     assert ((kv_outer < 0) & (block_indices >= 0)).any() and (kv_outer >= 0).any()
-    work = query_outer.QueryOuter(groups, block_indices, documents, documents.locate(q.shape[0], num_keys), 0,
-                                  q.shape[0])
+    work = query_outer.QueryOuter(groups, block_indices, documents, 0, q.shape[0])
     plan = pack(build_schedule(kv_outer, documents, num_keys, block_size, 16))
     out_ref, lse_ref = reference.forward(*forward_args)
     out, lse = forward_kernel.forward(*backend_arguments("forward", q, k, v, kv_outer, *args[1:], plan),

@@ -64,8 +64,7 @@ def _run_attention(x, args):
         query_outer_rows[start:stop] = True
     assert torch.equal(kv_outer[0, :, 0] < 0, query_outer_rows) and (kv_outer[..., 1] == 1).all()
     plan = pack(build_schedule(kv_outer, documents, num_keys, block_size, 16))
-    work = query_outer.QueryOuter(groups, block_indices, documents, documents.locate(x["q"].shape[0], num_keys),
-                                  0, block_indices.shape[1])
+    work = query_outer.QueryOuter(groups, block_indices, documents, 0, block_indices.shape[1])
     query_outer_out = forward_kernel.forward(*backend_arguments("forward", x["q"], x["k"], x["v"], kv_outer,
                                                                 *args[1:], plan), query_outer=work)
     backward_args = (x["grad_out"], x["q"], x["k"], x["v"], out, lse, *args, x["grad_lse"])
