@@ -391,7 +391,8 @@ def msa_plan_restrict_count_kernel(entry_query, bucket_ptr, bucket_head, kept_in
     it keeps (`block_kept`); at each bucket's first entry `e`, how many entries of its program
     before `e` are kept (`kept_before[e]`, the rest of `kept_before` unwritten)."""
     entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = entry < tl.load(bucket_ptr + num_buckets)
+    # A plan's own entries end within its table; a stale plan's bounds read nothing past it.
+    valid = (entry < tl.load(bucket_ptr + num_buckets)) & (entry < num_entries)
     bucket = tl.minimum(search_right(bucket_ptr + 1, num_buckets, entry, valid, search_steps), num_buckets - 1)
     head = tl.load(bucket_head + bucket, mask=valid, other=0)
     slot = head.to(tl.int64) * slots_per_head + tl.load(entry_query + entry, mask=valid, other=0)
@@ -405,9 +406,10 @@ def msa_plan_restrict_count_kernel(entry_query, bucket_ptr, bucket_head, kept_in
 @triton.jit
 def _kept_before(bound, ok, kept_before, block_kept, valid_entries, total, BLOCK: tl.constexpr):
     """The kept entries before entry `*bound`: the prefix of its program (`block_kept`) and its count
-    within it (`kept_before`, stored at each bucket's first entry); `total` from the valid entries' end on."""
+    within it (`kept_before`, stored at each bucket's first entry); `total` from the valid entries'
+    end on (`valid_entries`, at most the table's entries)."""
     entry = tl.load(bound, mask=ok, other=0)
-    inside = ok & (entry < valid_entries)
+    inside = ok & (entry >= 0) & (entry < valid_entries)
     prefix = tl.load(block_kept + entry // BLOCK, mask=inside, other=0)
     return tl.where(inside, prefix + tl.load(kept_before + entry, mask=inside, other=0), total)
 
@@ -415,7 +417,8 @@ def _kept_before(bound, ok, kept_before, block_kept, valid_entries, total, BLOCK
 @cached_launches
 @triton.jit
 def msa_plan_restrict_buckets_kernel(bucket_ptr, kept_before, block_kept, restricted_ptr, items_per_bucket, item_ptr,
-                                     num_blocks, num_buckets, entries_per_item, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                                     num_entries, num_blocks, num_buckets, entries_per_item, BLOCK: tl.constexpr,
+                                     ROWS: tl.constexpr):
     """One program: each program's count of kept entries (`block_kept`) becomes how many the
     programs before it keep, `block_kept[num_blocks]` the total; then each bucket's bounds among
     the kept entries (`restricted_ptr`), and its items with their running sum."""
@@ -429,7 +432,7 @@ def msa_plan_restrict_buckets_kernel(bucket_ptr, kept_before, block_kept, restri
     tl.store(block_kept + num_blocks, before)
     # The bounds below read the prefixes this program's other threads stored.
     tl.debug_barrier()
-    valid_entries = tl.load(bucket_ptr + num_buckets)
+    valid_entries = tl.minimum(tl.load(bucket_ptr + num_buckets), num_entries)
     items = tl.zeros((), tl.int32)
     for first in range(0, num_buckets, ROWS):
         buckets = first + tl.arange(0, ROWS)
@@ -477,8 +480,8 @@ def restrict(schedule: Schedule, kept_indices: torch.Tensor, entries_per_item: i
         schedule.entry_query, schedule.bucket_ptr, schedule.bucket_head, kept_indices, kept, kept_before, block_kept,
         num_entries, num_buckets, binary_search_steps(num_buckets), kept_indices[0].numel(), BLOCK=_ENTRIES)
     msa_plan_restrict_buckets_kernel[(1,)](
-        schedule.bucket_ptr, kept_before, block_kept, bucket_ptr, items_per_bucket, item_ptr, num_blocks, num_buckets,
-        entries_per_item, BLOCK=_ENTRIES, ROWS=_ENTRIES)
+        schedule.bucket_ptr, kept_before, block_kept, bucket_ptr, items_per_bucket, item_ptr, num_entries, num_blocks,
+        num_buckets, entries_per_item, BLOCK=_ENTRIES, ROWS=_ENTRIES)
     msa_plan_restrict_place_kernel[(num_blocks,)](schedule.entry_query, kept, block_kept, entry_query, num_entries,
                                                   num_blocks, BLOCK=_ENTRIES)
     _item_tables(item_ptr, items_per_bucket, bucket_ptr[:-1], bucket_ptr[1:], item_bucket, item_start, item_end,
