@@ -387,9 +387,9 @@ def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
 @triton.jit
 def msa_plan_restrict_count_kernel(entry_query, bucket_ptr, bucket_head, kept_indices, kept, kept_before, block_kept,
                                    num_entries, num_buckets, search_steps, slots_per_head, BLOCK: tl.constexpr):
-    """Per entry whether its slot is kept (`kept`, int8); per program of `BLOCK` entries how many
-    it keeps (`block_kept`); at each bucket's first entry `e`, how many entries of its program
-    before `e` are kept (`kept_before[e]`, the rest of `kept_before` unwritten)."""
+    """Per entry `e` whether its slot is kept (`kept`, int8) and how many entries of its program
+    before `e` are kept (`kept_before`); per program of `BLOCK` entries how many it keeps
+    (`block_kept`)."""
     entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     # A plan's own entries end within its table; a stale plan's bounds read nothing past it.
     valid = (entry < tl.load(bucket_ptr + num_buckets)) & (entry < num_entries)
@@ -397,17 +397,16 @@ def msa_plan_restrict_count_kernel(entry_query, bucket_ptr, bucket_head, kept_in
     head = tl.load(bucket_head + bucket, mask=valid, other=0)
     slot = head.to(tl.int64) * slots_per_head + tl.load(entry_query + entry, mask=valid, other=0)
     keep = (valid & (tl.load(kept_indices + slot, mask=valid, other=-1) >= 0)).to(tl.int32)
-    first = valid & (tl.load(bucket_ptr + bucket, mask=valid, other=-1) == entry)
     tl.store(kept + entry, keep.to(tl.int8), mask=entry < num_entries)
-    tl.store(kept_before + entry, tl.cumsum(keep, 0) - keep, mask=first)
+    tl.store(kept_before + entry, tl.cumsum(keep, 0) - keep, mask=entry < num_entries)
     tl.store(block_kept + tl.program_id(0), tl.sum(keep, axis=0))
 
 
 @triton.jit
 def _kept_before(bound, ok, kept_before, block_kept, valid_entries, total, BLOCK: tl.constexpr):
     """The kept entries before entry `*bound`: the prefix of its program (`block_kept`) and its count
-    within it (`kept_before`, stored at each bucket's first entry); `total` from the valid entries'
-    end on (`valid_entries`, at most the table's entries)."""
+    within it (`kept_before`); `total` from the valid entries' end on (`valid_entries`, at most the
+    table's entries)."""
     entry = tl.load(bound, mask=ok, other=0)
     inside = ok & (entry >= 0) & (entry < valid_entries)
     prefix = tl.load(block_kept + entry // BLOCK, mask=inside, other=0)
@@ -448,12 +447,13 @@ def msa_plan_restrict_buckets_kernel(bucket_ptr, kept_before, block_kept, restri
 @triton.jit
 def msa_plan_restrict_place_kernel(entry_query, kept, block_kept, restricted_query, num_entries, num_blocks,
                                    BLOCK: tl.constexpr):
+    """Each entry's query slot to its row of the restricted schedule: the kept entries first, in
+    order, then the dropped ones, in order."""
     entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = entry < num_entries
     keep = tl.load(kept + entry, mask=ok, other=0).to(tl.int32)
     before = tl.load(block_kept + tl.program_id(0)) + tl.cumsum(keep, 0) - keep
     total = tl.load(block_kept + num_blocks)
-    # Kept entries first, in order; then the dropped ones, in order.
     row = tl.where(keep > 0, before, total + entry - before)
     tl.store(restricted_query + row, tl.load(entry_query + entry, mask=ok, other=0), mask=ok)
 
