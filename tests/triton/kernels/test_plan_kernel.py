@@ -216,12 +216,12 @@ def test_bucket_key_counts_equal_the_reference():
     assert plan_kernel.bucket_key_count(rows[:0], cu_k, 128).shape == (0,)
 
 
-@pytest.mark.parametrize("entries_per_program", [1024, 16])
+@pytest.mark.parametrize("entries_per_program", [1024, 64])
 @pytest.mark.parametrize("case", PLAN_CASES)
 def test_restricted_plan_equals_the_reference(case, entries_per_program, monkeypatch):
     """`plan_kernel.restrict` (the KV-outer part of a step's plan) gives `schedule.restrict`'s
-    tables, over junk ids and the query groups' dropped blocks; with 16 entries a program, buckets
-    start in most programs and span several."""
+    tables, over junk ids and the query groups' dropped blocks; with 64 entries a program, buckets
+    start inside programs and span several."""
     from torch_msa.plan.schedule import restrict
 
     monkeypatch.setattr(plan_kernel, "_ENTRIES", entries_per_program)
