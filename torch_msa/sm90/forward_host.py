@@ -81,15 +81,17 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
         return out.zero_(), lse.fill_(-math.inf)
     # TMA reads whole 16-byte aligned rows.
     q, k, v = (aligned_operand(x) for x in (q, k, v))
-    schedule, key_count = step_schedule(block_indices, documents, num_keys, num_heads, plan)
     rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
     partial_out = torch.empty((rows, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((rows,), -math.inf, dtype=torch.float32, device=q.device)
-    launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale)
     done = None
     if query_outer is not None:
+        # The two kernels write disjoint partials: queued first, the query-outer part runs while
+        # the host prepares the KV-outer part's schedule.
         done = torch.zeros(num_queries * num_kv_heads, dtype=torch.int32, device=q.device)
         launch_groups(q, k, v, partial_out, partial_lse, out, lse, done, query_outer, softmax_scale)
+    schedule, key_count = step_schedule(block_indices, documents, num_keys, num_heads, plan)
+    launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale)
     combine(partial_out, partial_lse, out, lse, num_kv_heads, topk, done)
     return out, lse
 
