@@ -33,6 +33,12 @@ def window_queries(num_heads: int, topk: int, dim: int, dtype: torch.dtype, budg
     return max(1, budget // max(1, partial_bytes_per_query(num_heads, topk, dim, dtype)))
 
 
+def window_size(q: torch.Tensor, topk: int, budget: int | None = None) -> int:
+    """The queries of one window of a forward on `q [Tq, Hq, D]`: `window_queries` within `budget`
+    bytes (`PARTIAL_BYTES` when None)."""
+    return window_queries(q.shape[1], topk, q.shape[2], q.dtype, PARTIAL_BYTES if budget is None else budget)
+
+
 def query_windows(documents: Documents, num_queries: int, num_keys: int, window: int):
     """`(start, stop, documents)` per window of at most `window` consecutive queries, from shapes
     alone (no host sync); a single window keeps the call's own documents."""
@@ -58,8 +64,8 @@ def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Doc
     is given as `into=(out, lse)` (views, `[Tq_w, Hq, D]` and `[Tq_w, Hq]`, both contiguous).
     `window_arguments(start, stop)`, when given, returns more keyword arguments of `forward` for
     the window of queries `[start, stop)` (`[0, Tq)` when one window holds them all)."""
-    num_queries, num_heads, dim = q.shape
-    window = window_queries(num_heads, block_indices.shape[-1], dim, q.dtype, PARTIAL_BYTES if budget is None else budget)
+    num_queries, num_heads, _ = q.shape
+    window = window_size(q, block_indices.shape[-1], budget)
 
     def more(start: int, stop: int) -> dict:
         return {} if window_arguments is None else window_arguments(start, stop)

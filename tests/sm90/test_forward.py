@@ -235,7 +235,7 @@ def test_the_query_outer_part_matches_reference(q_lens, k_lens, selection, given
             if given_plan else None)
     args = backend_arguments("forward", *inputs, BLOCK, SCALE, plan)
     monkeypatch.setenv(QUERY_OUTER_ENV, "1")
-    kv_outer = query_outer.split_forward(blocks, args[4], k.shape[0], BLOCK, HQ, None)[0]
+    kv_outer = query_outer.split_forward(q, blocks, args[4], k.shape[0], BLOCK, None)[0]
     assert ((kv_outer < 0) & (blocks >= 0)).any()
     _check(sm90_interface.forward(*args), _reference(*inputs))
 
@@ -318,7 +318,7 @@ def test_rows_the_kv_outer_part_leaves_empty_skip_the_combine(monkeypatch):
 
     from torch_msa.stages import query_outer
 
-    kv_outer = query_outer.split_forward(blocks, args[4], k.shape[0], BLOCK, HQ, None)[0]
+    kv_outer = query_outer.split_forward(q, blocks, args[4], k.shape[0], BLOCK, None)[0]
     valid = valid_entries(blocks, args[4].locate(q.shape[0], k.shape[0]).position, BLOCK)
     expected = ((valid & (kv_outer < 0)).any(-1) & ~(valid & (kv_outer >= 0)).any(-1)).T  # [Tq, Hkv]
     (done,) = flags

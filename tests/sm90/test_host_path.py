@@ -283,12 +283,16 @@ def test_the_sm90_forward_declines_before_building_the_query_groups(monkeypatch)
 
 
 @requires_cute
-def test_the_query_outer_part_launches_the_groups_kernel_on_its_window(recorded):
+@pytest.mark.parametrize("restricted_by_forward", [False, True])
+def test_the_query_outer_part_launches_the_groups_kernel_on_its_window(recorded, monkeypatch, restricted_by_forward):
     """With a `QueryOuter` part the forward launches the CuTe groups kernel on the call's flat
     tables (checked against what was compiled, unconverted), its group ids and scalars, then the
-    blocks kernel on the KV-outer part, then the combine."""
+    blocks kernel on the KV-outer part's plan, then the combine. Given the call's plan to restrict
+    (`QueryOuter.call_plan`), it restricts it between the two kernels."""
     from torch_msa.plan.groups import build_query_groups, group_tokens
     from torch_msa.sm90 import forward_host
+    from torch_msa.sm90.common import SCHEDULE_OPERANDS
+    from torch_msa.stages import query_outer
     from torch_msa.stages.query_outer import QueryOuter
 
     forward_host._compiled_groups.cache_clear()
@@ -301,13 +305,29 @@ def test_the_query_outer_part_launches_the_groups_kernel_on_its_window(recorded)
     kv_schedule = unpack(kv_plan, kv_outer, TOKENS, 1, BLOCK)
     recorded.key_count[kv_schedule.bucket_key_row.data_ptr()] = bucket_key_count(kv_schedule.bucket_key_row, cu_k,
                                                                                   BLOCK)
-    args = backend_arguments("forward", q, k, v, kv_outer, cu_q, cu_k, TOKENS, TOKENS, BLOCK, DIM**-0.5, kv_plan)
+    restrictions = []
+    if restricted_by_forward:
+        work = dataclasses.replace(work, call_plan=plan)
+
+        def restricted_plan(given_work, num_keys, block_size, num_heads, call_plan):
+            assert (given_work, num_keys, block_size, num_heads, call_plan) == (work, TOKENS, BLOCK, HEADS, plan)
+            restrictions.append([len(kernel.calls) for kernel in recorded.kernels])
+            return kv_schedule
+
+        monkeypatch.setattr(query_outer, "restricted_plan", restricted_plan)
+    args = backend_arguments("forward", q, k, v, kv_outer, cu_q, cu_k, TOKENS, TOKENS, BLOCK, DIM**-0.5,
+                             None if restricted_by_forward else kv_plan)
     out, lse = forward_host.forward(*args, query_outer=work)
     # Compiled on first call: the groups kernel is queued first.
     groups_kernel, blocks = recorded.kernels
     assert type(groups_kernel.kernel).__name__ == "Sm90GroupsKernel"
     assert type(blocks.kernel).__name__ == "Sm90ForwardKernel"
     assert len(blocks.calls) == len(groups_kernel.calls) == 1 and recorded.stages[-1] == "combine"
+    # Restricted once, after the groups kernel's launch and before the blocks kernel was compiled.
+    assert restrictions == ([[1]] if restricted_by_forward else [])
+    _assert_schedule_passed(blocks.calls[0], 5, kv_schedule,
+                            recorded.key_count[kv_schedule.bucket_key_row.data_ptr()],
+                            [name for name, _, _ in SCHEDULE_OPERANDS])
     call = groups_kernel.calls[0]
     # The output rows the KV-outer part holds no entry of go straight into the call's output, and
     # the combine skips the rows the done flags mark.

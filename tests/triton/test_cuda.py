@@ -122,7 +122,7 @@ def test_the_query_outer_forward_matches_reference(layout, kind, monkeypatch):
                                                             num_heads=q.shape[1], block_size=128)
     args = backend_arguments("forward", q, k, v, block_indices, *inputs["docs"], 128, 128**-0.5, plan)
     monkeypatch.setenv(QUERY_OUTER_ENV, "1")
-    kv_outer = query_outer.split_forward(block_indices, args[4], k.shape[0], 128, q.shape[1], None)[0]
+    kv_outer = query_outer.split_forward(q, block_indices, args[4], k.shape[0], 128, None)[0]
     share = ((kv_outer < 0) & (block_indices >= 0)).sum().item() / max(1, (block_indices >= 0).sum().item())
     assert share > (0.5 if kind == "tiled" else 0.0), share
     out, lse = triton_backend.forward(*args)

@@ -90,6 +90,7 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
         # the host prepares the KV-outer part's schedule.
         done = torch.zeros(num_queries * num_kv_heads, dtype=torch.int32, device=q.device)
         launch_groups(q, k, v, partial_out, partial_lse, out, lse, done, query_outer, softmax_scale)
+        plan = query_outer.kv_outer_plan(plan, num_keys, block_size, num_heads)
     schedule, key_count = step_schedule(block_indices, documents, num_keys, num_heads, plan)
     launch_blocks(q, k, v, partial_out, partial_lse, schedule, key_count, topk, softmax_scale)
     combine(partial_out, partial_lse, out, lse, num_kv_heads, topk, done)

@@ -11,7 +11,7 @@ from .common import check_served
 def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
     with torch.cuda.device(q.device):
         block_indices, plan, window_arguments = query_outer.split_forward(
-            block_indices, documents, k.shape[0], block_size, q.shape[1], plan,
+            q, block_indices, documents, k.shape[0], block_size, plan,
             check=lambda: check_served(q, k, v, block_size))
         return forward_in_windows(forward_host.forward, q, k, v, block_indices, documents, block_size, softmax_scale,
                                   plan, window_arguments=window_arguments)

@@ -14,6 +14,7 @@ from ..documents import Documents
 from ..plan.groups import QueryGroups, group_tokens
 from ..plan.kernels import query_groups, restrict, schedule_for
 from ..plan.schedule import Schedule, entries_per_item
+from ..query_windows import window_size
 from ..settings import query_outer_requested
 from ..triton_utils.common import LOG2_E, binary_search_steps, dot_precision, locate_tokens
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
@@ -121,6 +122,9 @@ class QueryOuter:
         groups: the call's query groups.
         block_indices: the call's int32 `[Hkv, Tq, topk]` selection; documents: the call's documents.
         start, stop: the window, queries `[start, stop)` of the call's.
+        call_plan: the call's plan (`msa::plan`'s or a `Schedule`) when the forward restricts it to
+            the KV-outer part itself (`kv_outer_plan`); None when the forward is given that part's
+            plan, or none.
     """
 
     groups: QueryGroups
@@ -128,6 +132,7 @@ class QueryOuter:
     documents: Documents
     start: int
     stop: int
+    call_plan: torch.Tensor | Schedule | None = None
 
     def window(self, start: int, stop: int) -> "QueryOuter":
         """The same call's work seen from queries `[start, stop)`."""
@@ -142,6 +147,22 @@ class QueryOuter:
         return (max(0, self.start // tokens_per_group - 1),
                 min(num_ids - 1, (self.stop - 1) // tokens_per_group + num_segments))
 
+    def kv_outer_plan(self, plan, num_keys: int, block_size: int, num_heads: int):
+        """The plan the KV-outer part walks: `plan` as the forward is given it, or, with a
+        `call_plan`, that plan restricted to the KV-outer part (`restricted_plan`). A forward asks
+        for it after queuing the query-outer part, so that the restriction's launches overlap it."""
+        if self.call_plan is None:
+            return plan
+        return restricted_plan(self, num_keys, block_size, num_heads, self.call_plan)
+
+
+def restricted_plan(work: QueryOuter, num_keys: int, block_size: int, num_heads: int, plan) -> Schedule:
+    """The call's `plan` restricted to the entries of `work`'s KV-outer part
+    (`torch_msa.plan.kernels.restrict`: no second sort)."""
+    block_indices = work.block_indices
+    schedule = schedule_for(block_indices, work.documents, num_keys, block_size, num_heads, plan)
+    return restrict(schedule, work.groups.kv_outer_indices, entries_per_item(num_heads, block_indices.shape[0]))
+
 
 def for_call(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int) -> QueryOuter:
     """The query groups of a forward call (`torch_msa.plan.kernels.query_groups`), over all its
@@ -151,31 +172,35 @@ def for_call(block_indices, documents: Documents, num_keys: int, block_size: int
     return QueryOuter(groups, block_indices, documents, 0, block_indices.shape[1])
 
 
-def split_forward(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int, plan,
+def split_forward(q, block_indices, documents: Documents, num_keys: int, block_size: int, plan,
                   check: Callable[[], None] | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor | Schedule | None, Callable[[int, int], dict] | None]:
-    """How a backend's forward runs a call, as `(block_indices, plan, window_arguments)` for
-    `torch_msa.query_windows.forward_in_windows`.
+    """How a backend's forward runs a call on queries `q [Tq, Hq, D]`, as `(block_indices, plan,
+    window_arguments)` for `torch_msa.query_windows.forward_in_windows`.
 
     Without `TORCH_MSA_QUERY_OUTER=1` (`torch_msa.settings.QUERY_OUTER_ENV`): the call's own, no
     window arguments. With it: the KV-outer part's selection (`QueryGroups.kv_outer_indices`), its
-    schedule, and per window the `query_outer` keyword of the backend's forward. The schedule is
-    the given plan's restricted to the entries that part keeps (`torch_msa.plan.kernels.restrict`,
-    no second sort), or None without a plan, for the backend to build one of that selection. The
-    groups are cut from the call's documents: a query window's one-token fragments would make
-    groups of one query. `check`, when given, runs before the groups are built: a backend that may
-    decline the inputs declines there, not after building them.
+    plan, and per window the `query_outer` keyword of the backend's forward. A given plan is
+    restricted to the entries that part keeps (`restricted_plan`, no second sort): here when the
+    call runs in several query windows, which walk the restricted plan; by the forward when one
+    window holds the call (`QueryOuter.call_plan`, and None here), so that the restriction's
+    launches overlap the query-outer kernel. Without a plan the backend builds one of that
+    selection. The groups are cut from the call's documents: a query window's one-token fragments
+    would make groups of one query. `check`, when given, runs before the groups are built: a
+    backend that may decline the inputs declines there, not after building them.
     """
     if not query_outer_requested():
         return block_indices, plan, None
     if check is not None:
         check()
+    num_heads = q.shape[1]
     work = for_call(block_indices, documents, num_keys, block_size, num_heads)
-    kv_outer_indices = work.groups.kv_outer_indices
     if plan is not None:
-        plan = restrict(schedule_for(block_indices, documents, num_keys, block_size, num_heads, plan),
-                        kv_outer_indices, entries_per_item(num_heads, block_indices.shape[0]))
-    return kv_outer_indices, plan, lambda start, stop: {"query_outer": work.window(start, stop)}
+        if q.shape[0] <= window_size(q, block_indices.shape[-1]):
+            work, plan = dataclasses.replace(work, call_plan=plan), None
+        else:
+            plan = restricted_plan(work, num_keys, block_size, num_heads, plan)
+    return work.groups.kv_outer_indices, plan, lambda start, stop: {"query_outer": work.window(start, stop)}
 
 
 def program_tokens(num_heads: int, num_kv_heads: int, rows: int) -> tuple[int, int]:

@@ -95,10 +95,15 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     if num_keys == 0:
         return out.zero_(), lse.fill_(-math.inf)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    schedule = schedule_for(block_indices, documents, num_keys, block_size, num_heads, plan)
     partial_out = torch.empty((num_queries * num_kv_heads * topk * group, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((num_queries * num_kv_heads * topk * group,), -math.inf, dtype=torch.float32,
                              device=q.device)
+    if query_outer is not None:
+        # The two parts write disjoint partials: queued first, the query-outer part runs while
+        # the host prepares the KV-outer part's schedule.
+        add_partials(q, k, v, partial_out, partial_lse, query_outer, block_size, softmax_scale)
+        plan = query_outer.kv_outer_plan(plan, num_keys, block_size, num_heads)
+    schedule = schedule_for(block_indices, documents, num_keys, block_size, num_heads, plan)
     shape_key = (q.device, q.dtype, dim, block_size, group, topk)
 
     def launch_blocks(config):
@@ -115,7 +120,5 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
         )
 
     launch("msa_fwd_blocks_kernel", shape_key, BLOCKS_CONFIGS, launch_blocks)
-    if query_outer is not None:
-        add_partials(q, k, v, partial_out, partial_lse, query_outer, block_size, softmax_scale)
     combine(partial_out, partial_lse, out, lse, num_kv_heads, topk)
     return out, lse

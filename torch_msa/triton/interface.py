@@ -26,8 +26,8 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item):
 
 def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=None):
     check_dtype_and_group("q", q.dtype, q.shape[1] // k.shape[1])
-    block_indices, plan, window_arguments = query_outer.split_forward(block_indices, documents, k.shape[0],
-                                                                      block_size, q.shape[1], plan)
+    block_indices, plan, window_arguments = query_outer.split_forward(q, block_indices, documents, k.shape[0],
+                                                                      block_size, plan)
     return forward_in_windows(forward_kernel.forward, q, k, v, block_indices, documents, block_size, softmax_scale,
                               plan, window_arguments=window_arguments)
 

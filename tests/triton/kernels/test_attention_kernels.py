@@ -232,8 +232,8 @@ def test_the_query_outer_forward_matches_reference(case):
     close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[q.dtype], "lse")
 
 
-@pytest.mark.parametrize("rows, given_plan", [(0, False), (32, True)])
-def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch, rows, given_plan):
+@pytest.mark.parametrize("rows, given_plan, windows", [(0, False, True), (32, True, True), (0, True, False)])
+def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch, rows, given_plan, windows):
     """Asked for by `TORCH_MSA_QUERY_OUTER`, the backend's forward groups the call's queries
     (fragments are segments of their own) and runs them through query windows of 45 queries, which
     cut groups: it still matches the reference, with a group in one program or (`rows` 32) in four,
@@ -257,19 +257,31 @@ def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch, rows, g
     forward_args = backend_arguments("forward", q, k, v, block_indices, *frag.op_args, block_size, dim**-0.5, plan,
                                      *fragments)
     out_ref, lse_ref = reference.forward(*forward_args)
-    monkeypatch.setattr(query_windows, "PARTIAL_BYTES", 45 * query_windows.partial_bytes_per_query(num_heads, topk, dim,
-                                                                                                   dtype))
+    if windows:
+        monkeypatch.setattr(query_windows, "PARTIAL_BYTES",
+                            45 * query_windows.partial_bytes_per_query(num_heads, topk, dim, dtype))
     monkeypatch.setenv(QUERY_OUTER_ENV, "1")
-    kv_outer, kv_outer_plan, window_arguments = query_outer.split_forward(block_indices, forward_args[4], num_keys,
-                                                                          block_size, num_heads, plan)
+    kv_outer, kv_outer_plan, window_arguments = query_outer.split_forward(q, block_indices, forward_args[4], num_keys,
+                                                                          block_size, plan)
     assert ((kv_outer < 0) & (block_indices >= 0)).any() and window_arguments is not None
+    work = window_arguments(0, num_queries)["query_outer"]
+    if given_plan and not windows:  # restricted by the forward, after the query-outer part
+        assert kv_outer_plan is None and work.call_plan is plan
+        kv_outer_plan = work.kv_outer_plan(None, num_keys, block_size, num_heads)
+    else:
+        assert work.call_plan is None
     if given_plan:  # the plan's entries that run KV-outer, without a second sort
         whole = unpack(plan, block_indices, num_keys, forward_args[4].num_documents, block_size)
         assert 0 < int(kv_outer_plan.bucket_ptr[-1]) < int(whole.bucket_ptr[-1])
     else:
         assert kv_outer_plan is None
+    restrictions = []
+    real_restricted_plan = query_outer.restricted_plan
+    monkeypatch.setattr(query_outer, "restricted_plan",
+                        lambda *args: restrictions.append(args) or real_restricted_plan(*args))
     with launch.pinned("msa_fwd_groups_kernel", LaunchConfig(num_stages=1, num_warps=4, rows=rows)):
         out, lse = triton_backend.forward(*forward_args)
+    assert len(restrictions) == int(given_plan)  # once a call, in its one window or before its windows
     close(out, out_ref, TOLERANCE[dtype], "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
     close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[dtype], "lse")
