@@ -214,3 +214,19 @@ def test_query_outer_work_summarises_the_rule():
     entries = 16 * 1 + 48 * 2 + 1  # the first block's queries select block 0 alone
     passes = 2 * 8 * 1 + 5 * 8 * 2 + 8 * 3
     assert work.tile_fill == pytest.approx(entries / passes)
+
+
+def test_a_call_plan_is_restricted_only_for_the_whole_call():
+    """The call's plan, left to the forward to restrict (`QueryOuter.call_plan`), indexes the call's
+    queries: a window of part of them, or a second plan beside it, is refused before any work."""
+    from torch_msa.stages.query_outer import QueryOuter
+
+    cu_q, cu_k = testing.cu_seqlens([40], [40])
+    block_indices = testing.random_block_indices(cu_q, cu_k, 2, 4, 16)
+    documents = documents_of(cu_q, cu_k)
+    groups = build_query_groups(block_indices, documents, 40, 16, group_tokens(8, 2))
+    work = QueryOuter(groups, block_indices, documents, 0, 40, call_plan=torch.zeros(1))
+    with pytest.raises(RuntimeError, match=r"asked for \[0, 39\)"):
+        work.window(0, 39).kv_outer_plan(None, 40, 16, 8)
+    with pytest.raises(RuntimeError, match="with another plan"):
+        work.kv_outer_plan(torch.zeros(1), 40, 16, 8)

@@ -153,6 +153,11 @@ class QueryOuter:
         for it after queuing the query-outer part, so that the restriction's launches overlap it."""
         if self.call_plan is None:
             return plan
+        # The call's plan indexes the call's queries: only a window of all of them may walk it.
+        if plan is not None or (self.start, self.stop) != (0, self.block_indices.shape[1]):
+            raise RuntimeError(f"QueryOuter.kv_outer_plan: the call's plan is restricted for its one window "
+                               f"[0, {self.block_indices.shape[1]}), asked for [{self.start}, {self.stop})"
+                               f"{' with another plan' if plan is not None else ''}")
         return restricted_plan(self, num_keys, block_size, num_heads, self.call_plan)
 
 

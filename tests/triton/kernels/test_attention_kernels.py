@@ -257,9 +257,9 @@ def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch, rows, g
     forward_args = backend_arguments("forward", q, k, v, block_indices, *frag.op_args, block_size, dim**-0.5, plan,
                                      *fragments)
     out_ref, lse_ref = reference.forward(*forward_args)
-    if windows:
-        monkeypatch.setattr(query_windows, "PARTIAL_BYTES",
-                            45 * query_windows.partial_bytes_per_query(num_heads, topk, dim, dtype))
+    # Windows of 45 queries, or one window of exactly the call's queries.
+    monkeypatch.setattr(query_windows, "PARTIAL_BYTES", (45 if windows else num_queries)
+                        * query_windows.partial_bytes_per_query(num_heads, topk, dim, dtype))
     monkeypatch.setenv(QUERY_OUTER_ENV, "1")
     kv_outer, kv_outer_plan, window_arguments = query_outer.split_forward(q, block_indices, forward_args[4], num_keys,
                                                                           block_size, plan)
@@ -275,13 +275,18 @@ def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch, rows, g
         assert 0 < int(kv_outer_plan.bucket_ptr[-1]) < int(whole.bucket_ptr[-1])
     else:
         assert kv_outer_plan is None
-    restrictions = []
-    real_restricted_plan = query_outer.restricted_plan
+    restrictions, walked = [], []
+    real_restricted_plan, real_schedule_for = query_outer.restricted_plan, forward_kernel.schedule_for
     monkeypatch.setattr(query_outer, "restricted_plan",
                         lambda *args: restrictions.append(args) or real_restricted_plan(*args))
+    monkeypatch.setattr(forward_kernel, "schedule_for", lambda *args: walked.append(args[-1]) or real_schedule_for(*args))
     with launch.pinned("msa_fwd_groups_kernel", LaunchConfig(num_stages=1, num_warps=4, rows=rows)):
         out, lse = triton_backend.forward(*forward_args)
     assert len(restrictions) == int(given_plan)  # once a call, in its one window or before its windows
+    if not windows:  # the KV-outer kernel walks the restricted plan's entries, or a plan of its own
+        (walked_plan,) = walked
+        assert (walked_plan is None if kv_outer_plan is None
+                else int(walked_plan.bucket_ptr[-1]) == int(kv_outer_plan.bucket_ptr[-1]))
     close(out, out_ref, TOLERANCE[dtype], "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
     close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[dtype], "lse")
