@@ -87,7 +87,7 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     done = None
     if query_outer is not None:
         # The two kernels write disjoint partials: queued first, the query-outer part runs while
-        # the host prepares the KV-outer part's schedule.
+        # the host prepares the KV-outer part's plan and schedule.
         done = torch.zeros(num_queries * num_kv_heads, dtype=torch.int32, device=q.device)
         launch_groups(q, k, v, partial_out, partial_lse, out, lse, done, query_outer, softmax_scale)
         plan = query_outer.kv_outer_plan(plan, num_keys, block_size, num_heads)
