@@ -62,6 +62,8 @@ def _check(groups, expected, num_kv_heads, tokens_per_group, topk):
             assert blocks == expected["blocks"].get((head, gid), []), (head, gid)
             assert (groups.group_blocks[head, gid, len(blocks):] == -1).all()
             assert int(groups.group_union[head, gid]) == expected["union"].get((head, gid), 0), (head, gid)
+            # A listed unit lists every distinct block: the SM90 groups kernel reads its count there.
+            assert not blocks or len(blocks) == int(groups.group_union[head, gid]), (head, gid)
     units, units_before = units_python(expected["blocks"], num_kv_heads, num_ids)
     assert groups.units.tolist() == units
     assert groups.units_before.tolist() == units_before

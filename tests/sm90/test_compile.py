@@ -312,3 +312,19 @@ def test_groups_kernel_is_warp_specialised_with_wgmmas_tma_and_no_spills(sm90_gr
     assert len(re.findall(r"\bUTMASTG\.[23]D\b", sass)) == TMA_STORES
     assert len(re.findall(r"\bWARPGROUP\.DEPBAR\b", sass)) == GROUPS_WGMMA_WAITS
     assert not re.findall(r"\b(STL|LDL)\b", sass)
+
+
+def _most_loads_within(sass: str, window: int) -> int:
+    """The most global loads (`LDG`) among any `window` consecutive instructions of `sass`."""
+    loads = [bool(re.search(r"\bLDG\b", line)) for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]
+    return max(sum(loads[i:i + window]) for i in range(max(1, len(loads) - window + 1)))
+
+
+@requires_cute
+def test_groups_kernel_reads_a_selection_row_in_one_batch(sm90_groups_build):
+    """A unit's query reads its selection row and its KV-outer part (`first_listed_slot`) with the
+    loads in flight together, 16 slots of each at a time, not one slot's loads after another's."""
+    from torch_msa.sm90.groups_kernel import SLOT_UNROLL
+
+    sass = _listing(sm90_groups_build, ".sass")
+    assert _most_loads_within(sass, 2 * SLOT_UNROLL + 8) >= 2 * SLOT_UNROLL

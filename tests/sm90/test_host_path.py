@@ -337,11 +337,12 @@ def test_the_query_outer_part_launches_the_groups_kernel_on_its_window(recorded,
     assert recorded.stage_args["combine"][-1] is done
     assert torch.equal(call[8], block_indices.reshape(-1)) and torch.equal(call[9], groups.kv_outer_indices.reshape(-1))
     assert call[10] is groups.group_start and call[11] is groups.group_end
-    assert call[13] is groups.group_key_start and call[14] is groups.group_position
-    assert call[15] is groups.units and call[16] is groups.units_before
+    assert torch.equal(call[12], groups.group_blocks.reshape(-1)) and torch.equal(call[13], groups.group_union.reshape(-1))
+    assert call[14] is groups.group_key_start and call[15] is groups.group_position
+    assert call[16] is groups.units and call[17] is groups.units_before
     # Every group id (0 to 299 // 8 + 1 = 38): the listed units of groups 0 to 38, at most one CTA
     # per (group, KV head).
     num_ids, most = groups.group_blocks.shape[1:]
-    assert call[17] == TOPK and call[18] == pytest.approx(DIM**-0.5 * 1.4426950408889634)
-    assert call[19:] == (most, num_ids, TOKENS, 0, 38, 0, TOKENS, min(132, 39 * KV_HEADS))
+    assert call[18] == TOPK and call[19] == pytest.approx(DIM**-0.5 * 1.4426950408889634)
+    assert call[20:] == (most, num_ids, TOKENS, 0, 38, 0, TOKENS, min(132, 39 * KV_HEADS))
     forward_host._compiled_groups.cache_clear()

@@ -135,8 +135,8 @@ def groups_operands(num_kv_heads: int) -> tuple:
     v, the partials, the output (shaped like q) with its flat lse and done flags, then `GroupTables`
     (int32)."""
     q_k_v = blocks_operands(num_kv_heads, ())[:3]
-    tables = ("block_indices", "kv_outer_indices", "group_start", "group_end", "group_blocks", "group_key_start",
-              "group_position", "units", "units_before")
+    tables = ("block_indices", "kv_outer_indices", "group_start", "group_end", "group_blocks", "group_union",
+              "group_key_start", "group_position", "units", "units_before")
     return (
         *q_k_v, ("partial_out", (HEAD_DIM,), None), ("partial_lse", (), torch.float32),
         ("out", q_k_v[0][1], None), ("lse", (), torch.float32), ("done", (), torch.int32),
@@ -160,8 +160,8 @@ def launch_groups(q, k, v, partial_out, partial_lse, out, lse, done, work: Query
         return
     tensors = (q, k, v, partial_out, partial_lse, out, lse.view(-1), done, work.block_indices.contiguous().view(-1),
                groups.kv_outer_indices.view(-1), groups.group_start, groups.group_end,
-               groups.group_blocks.contiguous().view(-1), groups.group_key_start, groups.group_position, groups.units,
-               groups.units_before)
+               groups.group_blocks.contiguous().view(-1), groups.group_union.contiguous().view(-1),
+               groups.group_key_start, groups.group_position, groups.units, groups.units_before)
     grid = max(1, min(window_units, CTAS_PER_SM * sm_count(q.device)))
     _compiled_groups(q.dtype, num_kv_heads)(*tensors, topk, softmax_scale * LOG2_E, most, num_ids, num_call_queries,
                                              first_group, last_group, work.start, work.stop, grid)

@@ -37,19 +37,24 @@ from .tma import (
     token_tile_partition,
 )
 
+# Selection slots a loop over a query's row reads per unrolled step (M3's top-16 in one).
+SLOT_UNROLL = 16
+
 
 class GroupTables(NamedTuple):
     """The int32 tables the kernel reads (`torch_msa.plan.groups.QueryGroups` and the call's
     selection, flat): the selection and its KV-outer part `[Hkv * Tq * topk]`, the groups' bounds
-    `[NG]`, their listed blocks `[Hkv * NG * MQ]`; per group the packed row of its document's key 0
-    and its first query's position `[NG]`; the listed (group, KV head) units `[Hkv * NG]` and the
-    units of the groups before each id `[NG + 1]`."""
+    `[NG]`, their listed blocks `[Hkv * NG * MQ]` and distinct blocks `[Hkv * NG]` (a listed unit
+    lists all of them); per group the packed row of its document's key 0 and its first query's
+    position `[NG]`; the listed (group, KV head) units `[Hkv * NG]` and the units of the groups
+    before each id `[NG + 1]`."""
 
     block_indices: cute.Tensor
     kv_outer_indices: cute.Tensor
     group_start: cute.Tensor
     group_end: cute.Tensor
     group_blocks: cute.Tensor
+    group_union: cute.Tensor
     group_key_start: cute.Tensor
     group_position: cute.Tensor
     units: cute.Tensor
@@ -135,12 +140,11 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         kv_head = unit_id - group * self.num_kv_heads
         start = cutlass.max(tables.group_start[group], window_start)
         end = cutlass.min(tables.group_end[group], window_stop)
-        row = (kv_head * num_ids + group) * most
-        num_listed = Int32(0)
-        if start < end:
-            # The read stays inside the row whether or not the condition short-circuits.
-            while num_listed < most and tables.group_blocks[row + cutlass.min(num_listed, most - 1)] >= 0:
-                num_listed += 1
+        # A listed unit runs its whole group query-outer: it lists every distinct block (at most
+        # `most` by the rule), one load where a scan of the row would be a chain of them.
+        num_listed = cutlass.min(tables.group_union[kv_head * num_ids + group], most)
+        if start >= end:
+            num_listed = Int32(0)
         position_shift = tables.group_position[group] - tables.group_start[group]
         return Unit(group, kv_head, start, end, num_listed, tables.group_key_start[group], position_shift)
 
@@ -275,12 +279,18 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
         the KV-outer part kept (0: this kernel's output is the query's whole output)."""
         found = topk
         kv_outer = Int32(0)
-        for slot in cutlass.range(topk, unroll=1):
+        last_block = position // BLOCK_SIZE
+        if position < 0:
+            last_block = Int32(-1)
+        # Unrolled, with both loads ahead of the tests, so that a slot's loads do not wait for the
+        # previous slot's: the row's loads are in flight together.
+        for slot in cutlass.range(topk, unroll=SLOT_UNROLL):
             block = tables.block_indices[selection + slot]
-            seen = block >= 0 and block <= position // BLOCK_SIZE and position >= 0
-            if seen and tables.kv_outer_indices[selection + slot] >= 0:
+            kept = tables.kv_outer_indices[selection + slot]
+            seen = block >= 0 and block <= last_block
+            if seen and kept >= 0:
                 kv_outer += 1
-            if found == topk and seen and tables.kv_outer_indices[selection + slot] < 0:
+            if found == topk and seen and kept < 0:
                 found = slot
         return found, kv_outer
 
@@ -288,7 +298,7 @@ class Sm90GroupsKernel(Sm90ForwardKernel):
     def selects(self, tables: GroupTables, selection: Int32, topk: Int32, block: Int32):
         """Whether the query's selection holds `block`."""
         held = Int32(0)
-        for slot in cutlass.range(topk, unroll=1):
+        for slot in cutlass.range(topk, unroll=SLOT_UNROLL):
             if tables.block_indices[selection + slot] == block:
                 held = Int32(1)
         return held > 0
