@@ -36,7 +36,9 @@ class QueryGroups(NamedTuple):
         group_position: `[NG]` the position of the group's first query in its document (its
             query `t` is at `t - group_start + group_position`: a group lies in one document or
             fragment), 0 for an id that holds no group.
-        group_union: `[Hkv, NG]` the distinct blocks the group's queries validly select.
+        group_union: `[Hkv, NG]` how many distinct blocks the group's queries validly select, 0 for
+            an id that holds no group. A group that lists blocks lists all of them (the rule takes
+            whole groups): the SM90 query-outer kernel reads its count of listed blocks here.
         group_blocks: `[Hkv, NG, MQ]` the blocks the group runs query-outer, ascending, `-1` after.
         kv_outer_indices: `[Hkv, Tq, topk]`, contiguous, the selection the KV-outer part walks:
             `block_indices` with `-1` wherever the id is a block the query's group lists. A valid
