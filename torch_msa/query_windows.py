@@ -55,15 +55,37 @@ def query_windows(documents: Documents, num_queries: int, num_keys: int, window:
         )
 
 
+def windowed_plan(plan, block_indices, documents: Documents, num_keys: int, block_size: int,
+                  num_heads: int) -> Callable[[int, int], Schedule]:
+    """`window(start, stop)`: the schedule a forward over queries `[start, stop)` of the call walks
+    (`torch_msa.plan.schedule.query_windows`), cut from `plan` (`msa::plan`'s or a `Schedule`, of
+    `block_indices` int32 `[Hkv, Tq, topk]` and the call's `documents`), or from one plan built
+    here by the backend of `msa::plan` when None."""
+    num_kv_heads, _, topk = block_indices.shape
+    if plan is None:
+        plan = backends.call("plan", block_indices.device, block_indices, documents, num_keys, block_size,
+                             entries_per_item(num_heads, num_kv_heads))
+    schedule = plan if isinstance(plan, Schedule) else unpack(plan, block_indices, num_keys, documents.num_documents,
+                                                              block_size)
+    return plan_windows(schedule, topk, entries_per_item(num_heads, num_kv_heads))
+
+
 def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Documents, block_size, softmax_scale,
                        plan=None, budget: int | None = None, window_arguments: Callable[[int, int], dict] | None = None):
     """`forward(...)` (`msa::forward` in the backends' form) with its partials bounded by `budget`
     bytes (`PARTIAL_BYTES` when None); returns `(out, lse)` as `forward` does.
 
     Over several windows, `forward` writes each window's output into the rows of the call's that it
-    is given as `into=(out, lse)` (views, `[Tq_w, Hq, D]` and `[Tq_w, Hq]`, both contiguous).
+    is given as `into=(out, lse)` (views, `[Tq_w, Hq, D]` and `[Tq_w, Hq]`, both contiguous), and
+    walks its window of `plan` (`windowed_plan`, one plan for every window).
     `window_arguments(start, stop)`, when given, returns more keyword arguments of `forward` for
-    the window of queries `[start, stop)` (`[0, Tq)` when one window holds them all)."""
+    the window of queries `[start, stop)` (`[0, Tq)` when one window holds them all); over several
+    windows those arguments then carry the window's plan too (the query-outer part's
+    `QueryOuter.kv_outer_plan`), so `plan` must be None and each window is given None.
+
+    Raises:
+        ValueError: `plan` given with `window_arguments` over several windows.
+    """
     num_queries, num_heads, _ = q.shape
     window = window_size(q, block_indices.shape[-1], budget)
 
@@ -74,15 +96,13 @@ def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Doc
         return forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan, **more(0, num_queries))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
-    num_kv_heads, _, topk = block_indices.shape
-    if plan is None:  # built once for every window, by the backend of `msa::plan`
-        plan = backends.call("plan", q.device, block_indices, documents, k.shape[0], block_size,
-                             entries_per_item(num_heads, num_kv_heads))
-    schedule = plan if isinstance(plan, Schedule) else unpack(plan, block_indices, k.shape[0],
-                                                              documents.num_documents, block_size)
-    window_schedule = plan_windows(schedule, topk, entries_per_item(num_heads, num_kv_heads))
+    if window_arguments is not None and plan is not None:
+        raise ValueError("plan: expected None with window_arguments over several windows (the windows' "
+                         f"arguments carry their plans), got a {type(plan).__name__}")
+    window_plan = (windowed_plan(plan, block_indices, documents, k.shape[0], block_size, num_heads)
+                   if window_arguments is None else None)
     for start, stop, window_documents in query_windows(documents, num_queries, k.shape[0], window):
         forward(q[start:stop], k, v, block_indices[:, start:stop].contiguous(), window_documents, block_size,
-                softmax_scale, window_schedule(start, stop), into=(out[start:stop], lse[start:stop]),
-                **more(start, stop))
+                softmax_scale, None if window_plan is None else window_plan(start, stop),
+                into=(out[start:stop], lse[start:stop]), **more(start, stop))
     return out, lse

@@ -218,17 +218,49 @@ def test_query_outer_work_summarises_the_rule():
     assert work.tile_fill == pytest.approx(entries / passes)
 
 
-def test_a_call_plan_is_restricted_only_for_the_whole_call():
-    """The call's plan, left to the forward to restrict (`QueryOuter.call_plan`), indexes the call's
-    queries: a window of part of them, or a second plan beside it, is refused before any work."""
-    from torch_msa.stages.query_outer import QueryOuter
+@pytest.mark.parametrize("given_plan", [True, False], ids=["call-plan", "no-plan"])
+def test_the_windows_of_a_call_walk_one_kv_outer_plan_made_by_the_first_that_asks(given_plan, monkeypatch):
+    """Over several query windows (`QueryOuter.kv_outer_plan`), the first window that asks restricts
+    the call's plan, or builds one plan of the KV-outer part's selection, and cuts it for every
+    window: each window's items cover exactly its queries' KV-outer entries. A plan given beside
+    the call's, or to a window of part of the call, is refused."""
+    from torch_msa import query_windows
+    from torch_msa.plan import schedule as reference_plan
+    from torch_msa.stages import query_outer
 
-    cu_q, cu_k = testing.cu_seqlens([40], [40])
-    block_indices = testing.random_block_indices(cu_q, cu_k, 2, 4, 16)
+    num_heads, num_kv_heads, block_size, topk = 8, 2, 16, 4
+    cu_q, cu_k = testing.cu_seqlens([40, 30], [40, 50])
     documents = documents_of(cu_q, cu_k)
-    groups = build_query_groups(block_indices, documents, 40, 16, group_tokens(8, 2))
-    work = QueryOuter(groups, block_indices, documents, 0, 40, call_plan=torch.zeros(1))
-    with pytest.raises(RuntimeError, match=r"asked for \[0, 39\)"):
-        work.window(0, 39).kv_outer_plan(None, 40, 16, 8)
-    with pytest.raises(RuntimeError, match="with another plan"):
-        work.kv_outer_plan(torch.zeros(1), 40, 16, 8)
+    block_indices = testing.random_block_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    block_indices[:, 8:24] = block_indices[:, 23:24]  # groups that share their blocks: query-outer
+    groups = build_query_groups(block_indices, documents, 90, block_size, group_tokens(num_heads, num_kv_heads))
+    kv_outer = groups.kv_outer_indices
+    item_size = reference_plan.entries_per_item(num_heads, num_kv_heads)
+    restrictions, builds = [], []
+    monkeypatch.setattr(query_outer, "restrict",  # the reference's, on CPU
+                        lambda *args: restrictions.append(args) or reference_plan.restrict(*args))
+    real_call = query_windows.backends.call
+    monkeypatch.setattr(query_windows.backends, "call",
+                        lambda op, *args: builds.append((op, args[1])) or real_call(op, *args))
+    call_plan = reference_plan.pack(reference_plan.build_schedule(block_indices, documents, 90, block_size, item_size))
+    work = query_outer.QueryOuter(groups, block_indices, documents, 0, 70, call_plan if given_plan else None)
+
+    _, position = documents.locate(70, 90)
+    kept = reference_plan.valid_entries(kv_outer, position, block_size)
+    assert 0 < int(kept.sum()) < int(reference_plan.valid_entries(block_indices, position, block_size).sum())
+    for start, stop in [(32, 64), (0, 32), (64, 70)]:  # in any order, the first restricts or builds
+        schedule = work.window(start, stop).kv_outer_plan(None, 90, block_size, num_heads)
+        items = torch.arange(schedule.item_start.numel()) < schedule.num_items
+        covered = int(((schedule.item_end - schedule.item_start) * items).sum())
+        assert covered == int(kept[:, start:stop].sum()), (start, stop)
+        assert schedule.position.tolist() == position[start:stop].tolist()
+    assert len(restrictions) == int(given_plan)
+    assert [op for op, _ in builds] == ([] if given_plan else ["plan"])
+    if not given_plan:
+        assert builds[0][1] is kv_outer  # a plan of the KV-outer part's selection
+
+    with pytest.raises(RuntimeError, match=r"queries \[0, 32\) of 70 walk the call's KV-outer plan"):
+        work.window(0, 32).kv_outer_plan(call_plan, 90, block_size, num_heads)
+    if given_plan:
+        with pytest.raises(RuntimeError, match=r"queries \[0, 70\) of 70"):
+            work.kv_outer_plan(call_plan, 90, block_size, num_heads)

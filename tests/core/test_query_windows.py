@@ -90,6 +90,30 @@ def test_a_problem_that_fits_one_window_is_passed_through_with_its_plan():
     assert len(calls) == 1 and calls[0][0] == 40 and calls[0][1] is plan
 
 
+def test_windows_with_their_own_arguments_get_their_plans_there():
+    """With `window_arguments` over several windows, each window gets its plan through its own
+    arguments (the query-outer part's): the windows build no plan and pass None; a plan given
+    beside them is refused before any window runs."""
+    q, k, v, block_indices, cu_q, cu_k, max_q, max_k = _problem([70], [70])
+    documents = Documents(cu_q, cu_k, max_q, max_k)
+    calls = []
+
+    def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan, into=None, marker=None):
+        calls.append((q.shape[0], plan, marker))
+        return into
+
+    out, lse = query_windows.forward_in_windows(forward, q, k, v, block_indices, documents, BLOCK, DIM**-0.5,
+                                                budget=_budget(32), window_arguments=lambda start, stop: {
+                                                    "marker": (start, stop)})
+    assert calls == [(32, None, (0, 32)), (32, None, (32, 64)), (6, None, (64, 70))]
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+    with pytest.raises(ValueError, match="plan: expected None with window_arguments over several windows"):
+        query_windows.forward_in_windows(forward, q, k, v, block_indices, documents, BLOCK, DIM**-0.5,
+                                         torch.zeros(3, dtype=torch.int32), budget=_budget(32),
+                                         window_arguments=lambda start, stop: {})
+    assert len(calls) == 3
+
+
 def test_windows_of_fragments_equal_one_call():
     frags = testing.fragments([50, 40], [(1, 10, 20), (0, 0, 30), (1, 0, 5)])
     generator = torch.Generator().manual_seed(1)

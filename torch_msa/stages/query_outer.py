@@ -14,7 +14,7 @@ from ..documents import Documents
 from ..plan.groups import QueryGroups, group_tokens
 from ..plan.kernels import query_groups, restrict, schedule_for
 from ..plan.schedule import Schedule, entries_per_item
-from ..query_windows import window_size
+from ..query_windows import windowed_plan
 from ..settings import query_outer_requested
 from ..triton_utils.common import LOG2_E, binary_search_steps, dot_precision, locate_tokens
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
@@ -122,9 +122,11 @@ class QueryOuter:
         groups: the call's query groups.
         block_indices: the call's int32 `[Hkv, Tq, topk]` selection; documents: the call's documents.
         start, stop: the window, queries `[start, stop)` of the call's.
-        call_plan: the call's plan (`msa::plan`'s or a `Schedule`) when the forward restricts it to
+        call_plan: the call's plan (`msa::plan`'s or a `Schedule`), which the forward restricts to
             the KV-outer part itself (`kv_outer_plan`); None when the forward is given that part's
             plan, or none.
+        window_plans: shared by every window of the call: the KV-outer part's plan cut into
+            windows (`torch_msa.query_windows.windowed_plan`), once the first window built it.
     """
 
     groups: QueryGroups
@@ -133,6 +135,7 @@ class QueryOuter:
     start: int
     stop: int
     call_plan: torch.Tensor | Schedule | None = None
+    window_plans: list = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     def window(self, start: int, stop: int) -> "QueryOuter":
         """The same call's work seen from queries `[start, stop)`."""
@@ -148,17 +151,31 @@ class QueryOuter:
                 min(num_ids - 1, (self.stop - 1) // tokens_per_group + num_segments))
 
     def kv_outer_plan(self, plan, num_keys: int, block_size: int, num_heads: int):
-        """The plan the KV-outer part walks: `plan` as the forward is given it, or, with a
-        `call_plan`, that plan restricted to the KV-outer part (`restricted_plan`). A forward asks
-        for it after queuing the query-outer part, so that the restriction's launches overlap it."""
-        if self.call_plan is None:
-            return plan
-        # The call's plan indexes the call's queries: only a window of all of them may walk it.
-        if plan is not None or (self.start, self.stop) != (0, self.block_indices.shape[1]):
-            raise RuntimeError(f"QueryOuter.kv_outer_plan: the call's plan is restricted for its one window "
-                               f"[0, {self.block_indices.shape[1]}), asked for [{self.start}, {self.stop})"
-                               f"{' with another plan' if plan is not None else ''}")
-        return restricted_plan(self, num_keys, block_size, num_heads, self.call_plan)
+        """The plan the KV-outer part of this window walks. A forward asks for it after queuing the
+        query-outer part, so that building or restricting it overlaps that part's kernel.
+
+        In one window of the whole call: `plan` as the forward is given it (None: the forward
+        builds one), or, with a `call_plan`, that plan restricted to the KV-outer part
+        (`restricted_plan`). In a window of part of the call: its share of the call's KV-outer
+        plan (`call_plan` restricted, or a plan of the KV-outer part's selection), made by the first
+        window that asks, for every window; such a window is given no plan of its own.
+
+        Raises:
+            RuntimeError: `plan` given beside a `call_plan`, or to a window of part of the call.
+        """
+        whole = (self.start, self.stop) == (0, self.block_indices.shape[1])
+        if plan is not None and (self.call_plan is not None or not whole):
+            raise RuntimeError(f"QueryOuter.kv_outer_plan: queries [{self.start}, {self.stop}) of "
+                               f"{self.block_indices.shape[1]} walk the call's KV-outer plan, given another plan")
+        if whole:
+            return plan if self.call_plan is None else restricted_plan(self, num_keys, block_size, num_heads,
+                                                                       self.call_plan)
+        if not self.window_plans:
+            call_plan = (None if self.call_plan is None
+                         else restricted_plan(self, num_keys, block_size, num_heads, self.call_plan))
+            self.window_plans.append(windowed_plan(call_plan, self.groups.kv_outer_indices, self.documents, num_keys,
+                                                   block_size, num_heads))
+        return self.window_plans[0](self.start, self.stop)
 
 
 def restricted_plan(work: QueryOuter, num_keys: int, block_size: int, num_heads: int, plan) -> Schedule:
@@ -184,28 +201,23 @@ def split_forward(q, block_indices, documents: Documents, num_keys: int, block_s
     window_arguments)` for `torch_msa.query_windows.forward_in_windows`.
 
     Without `TORCH_MSA_QUERY_OUTER=1` (`torch_msa.settings.QUERY_OUTER_ENV`): the call's own, no
-    window arguments. With it: the KV-outer part's selection (`QueryGroups.kv_outer_indices`), its
-    plan, and per window the `query_outer` keyword of the backend's forward. A given plan is
-    restricted to the entries that part keeps (`restricted_plan`, no second sort): here when the
-    call runs in several query windows, which walk the restricted plan; by the forward when one
-    window holds the call (`QueryOuter.call_plan`, and None here), so that the restriction's
-    launches overlap the query-outer kernel. Without a plan the backend builds one of that
-    selection. The groups are cut from the call's documents: a query window's one-token fragments
-    would make groups of one query. `check`, when given, runs before the groups are built: a
-    backend that may decline the inputs declines there, not after building them.
+    window arguments. With it: the KV-outer part's selection (`QueryGroups.kv_outer_indices`), no
+    plan, and per window the `query_outer` keyword of the backend's forward, which gives the
+    window its plan (`QueryOuter.kv_outer_plan`) once the window's query-outer kernel is queued:
+    a given plan restricted to the entries that part keeps (`restricted_plan`, no second sort),
+    or, without one, a plan of that part's selection. The groups are cut from the call's
+    documents: a query window's one-token fragments would make groups of one query. `check`,
+    when given, runs before the groups are built: a backend that may decline the inputs declines
+    there, not after building them.
     """
     if not query_outer_requested():
         return block_indices, plan, None
     if check is not None:
         check()
-    num_heads = q.shape[1]
-    work = for_call(block_indices, documents, num_keys, block_size, num_heads)
+    work = for_call(block_indices, documents, num_keys, block_size, q.shape[1])
     if plan is not None:
-        if q.shape[0] <= window_size(q, block_indices.shape[-1]):
-            work, plan = dataclasses.replace(work, call_plan=plan), None
-        else:
-            plan = restricted_plan(work, num_keys, block_size, num_heads, plan)
-    return work.groups.kv_outer_indices, plan, lambda start, stop: {"query_outer": work.window(start, stop)}
+        work = dataclasses.replace(work, call_plan=plan)
+    return work.groups.kv_outer_indices, None, lambda start, stop: {"query_outer": work.window(start, stop)}
 
 
 def program_tokens(num_heads: int, num_kv_heads: int, rows: int) -> tuple[int, int]:

@@ -265,11 +265,9 @@ def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch, rows, g
                                                                           block_size, plan)
     assert ((kv_outer < 0) & (block_indices >= 0)).any() and window_arguments is not None
     work = window_arguments(0, num_queries)["query_outer"]
-    if given_plan and not windows:  # restricted by the forward, after the query-outer part
-        assert kv_outer_plan is None and work.call_plan is plan
-        kv_outer_plan = work.kv_outer_plan(None, num_keys, block_size, num_heads)
-    else:
-        assert work.call_plan is None
+    # Restricted by the forward, after the query-outer part: in its first window.
+    assert kv_outer_plan is None and work.call_plan is (plan if given_plan else None)
+    kv_outer_plan = work.kv_outer_plan(None, num_keys, block_size, num_heads)
     if given_plan:  # the plan's entries that run KV-outer, without a second sort
         whole = unpack(plan, block_indices, num_keys, forward_args[4].num_documents, block_size)
         assert 0 < int(kv_outer_plan.bucket_ptr[-1]) < int(whole.bucket_ptr[-1])
@@ -282,7 +280,7 @@ def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch, rows, g
     monkeypatch.setattr(forward_kernel, "schedule_for", lambda *args: walked.append(args[-1]) or real_schedule_for(*args))
     with launch.pinned("msa_fwd_groups_kernel", LaunchConfig(num_stages=1, num_warps=4, rows=rows)):
         out, lse = triton_backend.forward(*forward_args)
-    assert len(restrictions) == int(given_plan)  # once a call, in its one window or before its windows
+    assert len(restrictions) == int(given_plan)  # once a call, in its first window
     if not windows:  # the KV-outer kernel walks the restricted plan's entries, or a plan of its own
         (walked_plan,) = walked
         assert (walked_plan is None if kv_outer_plan is None
