@@ -274,19 +274,25 @@ def test_the_query_outer_part_keeps_nan_in_its_document(monkeypatch):
     assert torch.isnan(out[200:500]).all()
 
 
-def test_the_query_outer_part_over_query_windows_that_cut_groups(monkeypatch):
+@pytest.mark.parametrize("given_plan", [False, True], ids=["own-plan", "given-plan"])
+def test_the_query_outer_part_over_query_windows_that_cut_groups(given_plan, monkeypatch):
     """Windows of 1001 queries cut 8-query groups (a pack with empty and one-token documents): the
-    query-outer forward still matches the reference."""
+    query-outer forward still matches the reference, its windows walking one plan of the KV-outer
+    part, or the given plan restricted to it by the first window."""
+    import torch_msa
     from torch_msa import query_windows
     from torch_msa.sm90 import interface as sm90_interface
 
     lens = [0, 1, 3000, 0, 1094, 1]
     q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs(lens, lens, torch.bfloat16, seed=8)
-    inputs = (q, k, v, tile_shared(blocks, cu_q, BLOCK), cu_q, cu_k, max_q, max_k)
+    blocks = tile_shared(blocks, cu_q, BLOCK)
+    inputs = (q, k, v, blocks, cu_q, cu_k, max_q, max_k)
+    plan = (torch_msa.build_plan(blocks, cu_q, cu_k, max_q, max_k, num_keys=k.shape[0], num_heads=HQ, block_size=BLOCK)
+            if given_plan else None)
     monkeypatch.setattr(query_windows, "PARTIAL_BYTES",
                         1001 * query_windows.partial_bytes_per_query(HQ, TOPK, D, torch.bfloat16))
     monkeypatch.setenv(QUERY_OUTER_ENV, "1")
-    _check(sm90_interface.forward(*backend_arguments("forward", *inputs, BLOCK, SCALE)), _reference(*inputs))
+    _check(sm90_interface.forward(*backend_arguments("forward", *inputs, BLOCK, SCALE, plan)), _reference(*inputs))
 
 
 def test_rows_the_kv_outer_part_leaves_empty_skip_the_combine(monkeypatch):
