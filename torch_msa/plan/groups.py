@@ -28,9 +28,9 @@ class QueryGroups(NamedTuple):
     (`group_ids`), so some ids hold no group.
 
     Attributes:
-        token_group: `[Tq]` the group of each query, `-1` for a query in none.
         group_start, group_end: `[NG]` the group's queries `[start, end)`; empty (`0, 0`) for an
-            id that holds no group.
+            id that holds no group. The groups do not overlap; a query outside them all is in no
+            group.
         group_key_start: `[NG]` the packed row of key 0 of the group's document
             (`Documents.locate`), 0 for an id that holds no group.
         group_position: `[NG]` the position of the group's first query in its document (its
@@ -49,7 +49,6 @@ class QueryGroups(NamedTuple):
             `[a, b]` are `units[units_before[a]:units_before[b + 1]]`.
     """
 
-    token_group: torch.Tensor
     group_start: torch.Tensor
     group_end: torch.Tensor
     group_key_start: torch.Tensor
@@ -113,8 +112,7 @@ def build_query_groups(
     if block_indices.numel() == 0:
         zeros = torch.zeros(num_ids, dtype=torch.int32, device=device)
         group_blocks = torch.full((num_kv_heads, num_ids, most), -1, dtype=torch.int32, device=device)
-        return QueryGroups(torch.full((num_queries,), -1, dtype=torch.int32, device=device), zeros, zeros.clone(),
-                           zeros.clone(), zeros.clone(),
+        return QueryGroups(zeros, zeros.clone(), zeros.clone(), zeros.clone(),
                            torch.zeros((num_kv_heads, num_ids), dtype=torch.int32, device=device), group_blocks,
                            block_indices.to(torch.int32, memory_format=torch.contiguous_format, copy=True),
                            *unit_list(group_blocks))
@@ -171,7 +169,6 @@ def build_query_groups(
         query_outer |= (block_indices == column.unsqueeze(-1)) & (column >= 0).unsqueeze(-1)
     query_outer &= (token_group >= 0).view(1, -1, 1)
     return QueryGroups(
-        token_group=token_group,
         group_start=torch.where(kept, start, 0).to(torch.int32),
         group_end=torch.where(kept, end, 0).to(torch.int32),
         group_key_start=torch.where(kept, key_start.index_select(0, first_token), 0).to(torch.int32),

@@ -529,7 +529,7 @@ def _first_of_runs(block_a, block_first_a, query_a, query_first_a, block_b, bloc
 @triton.jit
 def msa_plan_query_groups_kernel(
     block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
-    token_group, group_start, group_end, group_key_start, group_position, group_union, group_blocks, kv_outer_indices,
+    group_start, group_end, group_key_start, group_position, group_union, group_blocks, kv_outer_indices,
     unit_listed, num_queries, num_keys, num_segments, num_docs, search_steps, block_size, num_ids,
     stride_head, stride_token, stride_slot,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, GROUP: tl.constexpr, MOST: tl.constexpr, MOST_P2: tl.constexpr,
@@ -608,7 +608,6 @@ def msa_plan_query_groups_kernel(
         tl.store(group_key_start + group,
                  tl.where(kept, tl.sum(tl.where(first_lane, key_start, 0), axis=0), 0).to(tl.int32))
         tl.store(group_position + group, tl.where(kept, tl.sum(tl.where(first_lane, pos, 0), axis=0), 0).to(tl.int32))
-        tl.store(token_group + token, group + tl.zeros_like(slot), mask=in_group & kept & (slot == 0))
 
 
 @cached_launches
@@ -637,7 +636,7 @@ def query_groups_warps(tokens_per_group: int, topk: int) -> int:
 
 
 def query_groups(block_indices, documents: Documents, num_keys, block_size, tokens_per_group) -> QueryGroups:
-    """`torch_msa.plan.groups.build_query_groups` (same arguments, same tables) in four launches."""
+    """`torch_msa.plan.groups.build_query_groups` (same arguments, same tables) in three launches."""
     num_kv_heads, num_queries, topk = block_indices.shape
     if tokens_per_group & (tokens_per_group - 1):
         raise ValueError(f"tokens_per_group: expected a power of two (group_tokens gives one), got {tokens_per_group}")
@@ -650,7 +649,6 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
     num_segments = cu_seqlens_q.numel() - 1
     num_ids = group_ids(num_queries, num_segments, tokens_per_group)
     most = max_group_blocks(topk, tokens_per_group)
-    token_group = torch.full((num_queries,), -1, dtype=torch.int32, device=device)
     num_units = num_kv_heads * num_ids
     sizes = (num_ids, num_ids, num_ids, num_ids, num_units, num_ids + 1, num_units, num_units * most, num_units)
     (group_start, group_end, group_key_start, group_position, group_union, units_before, units, group_blocks,
@@ -660,8 +658,8 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
     msa_plan_query_groups_kernel[(num_ids, num_kv_heads)](
         block_indices, cu_seqlens_q, cu_seqlens_k,
         documents.fragment_documents if fragments else cu_seqlens_q, documents.fragment_starts if fragments else cu_seqlens_q,
-        token_group, group_start, group_end, group_key_start, group_position, group_union, group_blocks,
-        kv_outer_indices, unit_listed, num_queries, num_keys, num_segments, documents.num_documents,
+        group_start, group_end, group_key_start, group_position, group_union, group_blocks, kv_outer_indices,
+        unit_listed, num_queries, num_keys, num_segments, documents.num_documents,
         binary_search_steps(num_segments), block_size, num_ids, *block_indices.stride(),
         TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), GROUP=tokens_per_group, MOST=most,
         MOST_P2=triton.next_power_of_2(most), COST_NUMERATOR=Q_OUTER_COST[0], COST_DENOMINATOR=Q_OUTER_COST[1],
@@ -669,7 +667,7 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
     )
     msa_plan_query_units_kernel[(1,)](unit_listed, units, units_before, num_units, num_ids,
                                       NUM_KV_HEADS=num_kv_heads, CHUNK=_UNIT_CHUNK)
-    return QueryGroups(token_group, group_start, group_end, group_key_start, group_position, group_union,
+    return QueryGroups(group_start, group_end, group_key_start, group_position, group_union,
                        group_blocks, kv_outer_indices, units, units_before)
 
 
