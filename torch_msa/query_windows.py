@@ -94,11 +94,11 @@ def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Doc
 
     if num_queries <= window:
         return forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan, **more(0, num_queries))
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
     if window_arguments is not None and plan is not None:
         raise ValueError("plan: expected None with window_arguments over several windows (the windows' "
                          f"arguments carry their plans), got a {type(plan).__name__}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
     window_plan = (windowed_plan(plan, block_indices, documents, k.shape[0], block_size, num_heads)
                    if window_arguments is None else None)
     for start, stop, window_documents in query_windows(documents, num_queries, k.shape[0], window):

@@ -125,8 +125,9 @@ class QueryOuter:
         call_plan: the call's plan (`msa::plan`'s or a `Schedule`), which the forward restricts to
             the KV-outer part itself (`kv_outer_plan`); None when the forward is given that part's
             plan, or none.
-        window_plans: shared by every window of the call: the KV-outer part's plan cut into
-            windows (`torch_msa.query_windows.windowed_plan`), once the first window built it.
+        window_plans: shared by every window of the call: empty until the first window that asks
+            for its plan (`kv_outer_plan`) adds the KV-outer part's plan cut into windows
+            (`torch_msa.query_windows.windowed_plan`).
     """
 
     groups: QueryGroups
@@ -135,7 +136,8 @@ class QueryOuter:
     start: int
     stop: int
     call_plan: torch.Tensor | Schedule | None = None
-    window_plans: list = dataclasses.field(default_factory=list, repr=False, compare=False)
+    window_plans: list[Callable[[int, int], Schedule]] = dataclasses.field(default_factory=list, repr=False,
+                                                                           compare=False)
 
     def window(self, start: int, stop: int) -> "QueryOuter":
         """The same call's work seen from queries `[start, stop)`."""
@@ -171,9 +173,9 @@ class QueryOuter:
             return plan if self.call_plan is None else restricted_plan(self, num_keys, block_size, num_heads,
                                                                        self.call_plan)
         if not self.window_plans:
-            call_plan = (None if self.call_plan is None
-                         else restricted_plan(self, num_keys, block_size, num_heads, self.call_plan))
-            self.window_plans.append(windowed_plan(call_plan, self.groups.kv_outer_indices, self.documents, num_keys,
+            kv_plan = (None if self.call_plan is None
+                       else restricted_plan(self, num_keys, block_size, num_heads, self.call_plan))
+            self.window_plans.append(windowed_plan(kv_plan, self.groups.kv_outer_indices, self.documents, num_keys,
                                                    block_size, num_heads))
         return self.window_plans[0](self.start, self.stop)
 

@@ -21,7 +21,7 @@ from tests.support.triton_kernels import (
 from torch_msa import reference, testing
 from torch_msa.plan import kernels as plan_kernel
 from torch_msa.plan.groups import build_query_groups, group_tokens
-from torch_msa.plan.schedule import build_schedule, pack, unpack
+from torch_msa.plan.schedule import Schedule, build_schedule, pack, unpack
 from torch_msa.settings import QUERY_OUTER_ENV
 from torch_msa.stages import query_outer
 from torch_msa.stages.dq import ungroup_dq
@@ -285,6 +285,9 @@ def test_the_query_outer_forward_over_windows_and_fragments(monkeypatch, rows, g
         (walked_plan,) = walked
         assert (walked_plan is None if kv_outer_plan is None
                 else int(walked_plan.bucket_ptr[-1]) == int(kv_outer_plan.bucket_ptr[-1]))
+    else:  # every window walks its cut of one plan (a cut keeps the call's bucket bounds)
+        assert len(walked) > 1 and all(isinstance(cut, Schedule) for cut in walked)
+        assert all(cut.bucket_ptr is walked[0].bucket_ptr for cut in walked)
     close(out, out_ref, TOLERANCE[dtype], "out")
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
     close(lse.nan_to_num(neginf=0), lse_ref.nan_to_num(neginf=0), TOLERANCE[dtype], "lse")
