@@ -28,8 +28,9 @@ OWN_LAUNCHES = {
     "backward": 7,  # one zero fill of the accumulators, delta, bucket key counts, the CuTe kernel, three casts
 }
 # The forward's query-outer part, by design: the groups (a copy of the selection, two kernels), the
-# plan restricted to the KV-outer part (four kernels), the `done` fill and the CuTe groups kernel.
-QUERY_OUTER_LAUNCHES = 9
+# plan restricted to the KV-outer part (four kernels) and the CuTe groups kernel; its `done` flags
+# share the partials' lse fill.
+QUERY_OUTER_LAUNCHES = 8
 
 
 # The step with the index loss: the plain step's launches and 15 of the index loss's own, 37 as

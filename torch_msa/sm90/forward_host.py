@@ -83,12 +83,15 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     q, k, v = (aligned_operand(x) for x in (q, k, v))
     rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
     partial_out = torch.empty((rows, dim), dtype=q.dtype, device=q.device)
-    partial_lse = torch.full((rows,), -math.inf, dtype=torch.float32, device=q.device)
+    # With the query-outer part, its done flags (`combine`'s) sit behind the partials' lse, so that
+    # one fill sets both: read as int32, -inf's bits are negative, "not done".
+    flags = 0 if query_outer is None else num_queries * num_kv_heads
+    partial_lse = torch.full((rows + flags,), -math.inf, dtype=torch.float32, device=q.device)
     done = None
     if query_outer is not None:
+        partial_lse, done = partial_lse[:rows], partial_lse[rows:].view(torch.int32)
         # The two kernels write disjoint partials: queued first, the query-outer part runs while
         # the host prepares the KV-outer part's plan and schedule.
-        done = torch.zeros(num_queries * num_kv_heads, dtype=torch.int32, device=q.device)
         launch_groups(q, k, v, partial_out, partial_lse, out, lse, done, query_outer, softmax_scale)
         plan = query_outer.kv_outer_plan(plan, num_keys, block_size, num_heads)
     schedule, key_count = step_schedule(block_indices, documents, num_keys, num_heads, plan)
@@ -149,7 +152,7 @@ def launch_groups(q, k, v, partial_out, partial_lse, out, lse, done, work: Query
     partials of `launch_blocks`, as `torch_msa.stages.query_outer.add_partials` writes them, except
     for the (query, KV head) rows the KV-outer part holds no entry of: those go straight into `out`
     `[Tq_w, Hq, D]` and `lse` fp32 `[Tq_w, Hq]` (contiguous), with `done` (int32 `[Tq_w * Hkv]`,
-    zeros) set to 1 for `combine` to skip them."""
+    at most 0) set to 1 for `combine` to skip them."""
     num_kv_heads = k.shape[1]
     groups = work.groups
     num_call_queries, topk = work.block_indices.shape[1:]

@@ -19,7 +19,7 @@ def msa_fwd_combine_kernel(
 ):
     token, kv_head, heads, head_ok = program_token_group(GROUP, GROUP_P2)
     if SKIP_DONE:
-        if tl.load(done + token * NUM_KV_HEADS + kv_head) != 0:
+        if tl.load(done + token * NUM_KV_HEADS + kv_head) > 0:
             return
     dims = tl.arange(0, DIM)
     base = (token * NUM_KV_HEADS + kv_head) * TOPK * GROUP
@@ -55,8 +55,8 @@ def combine(partial_out, partial_lse, out, lse, num_kv_heads, topk, done=None):
             `-inf` for a slot without an entry.
         out: `[Tq, Hq, D]` (unit stride in D), written.
         lse: fp32 `[Tq, Hq]` contiguous, written (natural log).
-        done: optional int32 `[Tq * Hkv]`: the (query, KV head) rows whose output and lse a
-            query-outer kernel already wrote where nonzero; those are left as they are.
+        done: optional int32 `[Tq * Hkv]`: positive at the (query, KV head) rows whose output
+            and lse a query-outer kernel already wrote; those are left as they are.
     """
     num_queries, num_heads, dim = out.shape
     group = num_heads // num_kv_heads

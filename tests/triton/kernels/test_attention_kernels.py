@@ -98,8 +98,9 @@ def test_ungroup_dq_restores_natural_order(dtype):
 
 
 def test_the_combine_leaves_the_rows_flagged_done():
-    """With `done` flags the combine writes every other (query, KV head) row as without them and
-    leaves the flagged rows' output and lse as they are."""
+    """With `done` flags the combine writes every (query, KV head) row not flagged positive as
+    without them (zero, and -inf's bits as the SM90 forward fills them) and leaves the flagged
+    rows' output and lse as they are."""
     from torch_msa.stages.combine import combine
 
     num_queries, num_kv_heads, group, topk, dim = 5, 2, 4, 3, 16
@@ -107,13 +108,14 @@ def test_the_combine_leaves_the_rows_flagged_done():
     partial_out = torch.randn(rows, dim, device=DEVICE, dtype=torch.float16)
     partial_lse = torch.randn(rows, device=DEVICE)
     partial_lse[::7] = -float("inf")
-    done = torch.tensor([1, 0, 0, 1, 0, 0, 1, 1, 0, 0], dtype=torch.int32, device=DEVICE)
+    not_done = torch.tensor(-float("inf")).view(torch.int32).item()
+    done = torch.tensor([1, 0, not_done, 1, 0, not_done, 1, 1, 0, not_done], dtype=torch.int32, device=DEVICE)
     shape = (num_queries, num_kv_heads * group)
     want_out, want_lse = torch.empty(*shape, dim, device=DEVICE, dtype=torch.float16), torch.empty(shape, device=DEVICE)
     combine(partial_out, partial_lse, want_out, want_lse, num_kv_heads, topk)
     out, lse = torch.full_like(want_out, 7.0), torch.full_like(want_lse, 7.0)
     combine(partial_out, partial_lse, out, lse, num_kv_heads, topk, done)
-    flagged = (done.view(num_queries, num_kv_heads) != 0).repeat_interleave(group, 1)
+    flagged = (done.view(num_queries, num_kv_heads) > 0).repeat_interleave(group, 1)
     assert flagged.any() and (out[flagged] == 7.0).all() and (lse[flagged] == 7.0).all()
     assert torch.equal(out[~flagged], want_out[~flagged]) and torch.equal(lse[~flagged], want_lse[~flagged])
 
