@@ -946,6 +946,11 @@ def test_ctrl_c_while_a_command_starts_ends_it_with_the_interrupted_status(capsy
     ("benchmarks.sm90", ["--docs", "8x"], "argument --docs: expected a document length such as 8192 or COUNTxLENGTH "
                                           "such as 8x16384, got '8x'"),
     ("benchmarks.sm90", [], "needs a CUDA device (it times the SM90 kernels of H100/H200); found no GPU"),
+    ("benchmarks.query_outer", ["8K", "--pack", "2x4K"],
+     "argument --pack: expected either document lengths or --pack, got both (['8K'] and '2x4K')"),
+    ("benchmarks.query_outer", ["--rounds", "5"], "argument --rounds: expected an integer >= 6, got '5'"),
+    ("benchmarks.query_outer", [], "needs a CUDA device (it times GPU kernels and the host work that launches "
+                                   "them); found no GPU"),
 ])
 def test_every_command_refuses_a_bad_argument_with_a_message(command, argv, message, monkeypatch, capsys):
     """As `python -m COMMAND ARGS` runs it (runpy), on a host without a GPU: the usage and a
