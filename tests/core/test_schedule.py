@@ -269,3 +269,24 @@ def test_a_restricted_schedule_keeps_exactly_the_kept_entries_in_order(layout, d
     from torch_msa.plan.schedule import query_windows
     window = query_windows(part, topk, 3)(0, num_queries // 2)
     assert _covered(window)[0] == {entry for entry in covered if entry[3] < num_queries // 2 * topk}
+
+
+def test_triton_query_groups_build_stays_a_few_host_calls(monkeypatch):
+    """The query groups' Triton build before the query-outer forward's first kernel, counted
+    without a GPU: one allocation for every table, the copy of the selection the groups kernel
+    marks, views, and the groups and units kernels."""
+    pytest.importorskip("triton", reason=install.TRITON)
+    from torch_msa.plan import kernels as plan_kernel
+
+    launches = KernelLaunches(monkeypatch)
+    launches.replace(plan_kernel, "msa_plan_query_groups_kernel", "msa_plan_query_units_kernel")
+    cu_q, cu_k = testing.cu_seqlens([300, 200], [300, 200])
+    block_indices = testing.random_block_indices(cu_q, cu_k, 4, 16, 64)
+    documents = documents_of(cu_q, cu_k)
+    with CountOps() as counted:
+        groups = plan_kernel.query_groups(block_indices, documents, 500, 64, 8)
+    assert launches.names == ["msa_plan_query_groups_kernel", "msa_plan_query_units_kernel"]
+    names = sorted(str(call) for call in counted.calls)
+    expected = ["aten.copy_.default", "aten.empty.memory_format", "aten.split_with_sizes.default"]
+    assert names == expected + ["aten.view.default"] * 3, names
+    assert torch.equal(groups.kv_outer_indices, block_indices)  # the stand-in kernels marked nothing

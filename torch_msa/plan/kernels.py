@@ -650,11 +650,15 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
     num_ids = group_ids(num_queries, num_segments, tokens_per_group)
     most = max_group_blocks(topk, tokens_per_group)
     num_units = num_kv_heads * num_ids
-    sizes = (num_ids, num_ids, num_ids, num_ids, num_units, num_ids + 1, num_units, num_units * most, num_units)
-    (group_start, group_end, group_key_start, group_position, group_union, units_before, units, group_blocks,
-     unit_listed) = torch.empty(sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
+    # One allocation for every table; the KV-outer part's selection first, a copy of the call's
+    # that the groups kernel then marks.
+    sizes = (block_indices.numel(), num_ids, num_ids, num_ids, num_ids, num_units, num_ids + 1, num_units,
+             num_units * most, num_units)
+    (kv_outer_indices, group_start, group_end, group_key_start, group_position, group_union, units_before, units,
+     group_blocks, unit_listed) = torch.empty(sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
+    kv_outer_indices = kv_outer_indices.view(num_kv_heads, num_queries, topk)
+    kv_outer_indices.copy_(block_indices)
     group_union, group_blocks = group_union.view(num_kv_heads, num_ids), group_blocks.view(num_kv_heads, num_ids, most)
-    kv_outer_indices = block_indices.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
     msa_plan_query_groups_kernel[(num_ids, num_kv_heads)](
         block_indices, cu_seqlens_q, cu_seqlens_k,
         documents.fragment_documents if fragments else cu_seqlens_q, documents.fragment_starts if fragments else cu_seqlens_q,
