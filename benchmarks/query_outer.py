@@ -11,7 +11,10 @@ verdict reads the ratios of the pairs.
 For each document length `T` (`--pack` instead: one pack) and selection regime (`--selection`,
 default all four; under `trained` a document longer than the trained ones becomes a pack of
 trained-length documents, as in `python -m benchmarks`), M3 shapes (`--heads`), bf16,
-`sparse_attention` without autograd, its plan built in the call:
+`sparse_attention` with its plan built in the call: without autograd, where the forward builds
+the plan it walks, or with `--autograd` as a training step's forward runs it (q, k, v requiring
+grad; the plan built for the backward too, which the query-outer part restricts to its KV-outer
+part; no backward runs):
 
 - synced: each call on an idle device, synchronised after it: what a loop that syncs pays,
   the host work the call cannot hide behind its kernels included;
@@ -20,7 +23,9 @@ trained-length documents, as in `python -m benchmarks`), M3 shapes (`--heads`), 
   KV-outer with its distribution-free 95% interval (`median_interval`), and the verdict
   (`verdict`): `within` when the interval lies at or below `1 + GATE`, `slower` when it lies
   above, `undecided` when it straddles it;
-- `q-outer`: the share of (token, slot) pairs the plan's rule sends query-outer.
+- `q-outer`: the share of (token, slot) pairs the plan's rule sends query-outer; `max diff`: the
+  largest difference between the two settings' outputs (bf16 rounding: the partials merge in
+  another order).
 
 CUDA only, and the forward must resolve to a backend with a query-outer part (`triton`, `sm90`).
 """
@@ -174,21 +179,23 @@ def problem_for(spec: ProblemSpec, selection: str) -> ProblemSpec:
     return ProblemSpec(split, pack=spec.pack or split != spec.lengths)
 
 
-def measure(spec: ProblemSpec, shape: Shape, selection: str, device: torch.device, rounds: int, seed: int) -> dict:
+def measure(spec: ProblemSpec, shape: Shape, selection: str, device: torch.device, rounds: int, seed: int,
+            autograd: bool = False) -> dict:
     """One row: the problem's synced and graph pairs (`Paired.summary`), the share of pairs sent
-    query-outer, and the largest difference between the two settings' outputs."""
+    query-outer, and the largest difference between the two settings' outputs; `autograd`: q, k,
+    v require grad and autograd records each forward."""
     spec = problem_for(spec, selection)
     inputs = make_inputs(spec, shape, device, selection, seed)
+    q, k, v = (x.detach().requires_grad_(autograd) for x in (inputs.q, inputs.k, inputs.v))
 
     def forward():
-        with torch.no_grad():
-            return torch_msa.sparse_attention(inputs.q, inputs.k, inputs.v, inputs.block_indices,
-                                              *inputs.document_args)
+        with torch.set_grad_enabled(autograd):
+            return torch_msa.sparse_attention(q, k, v, inputs.block_indices, *inputs.document_args)
 
     kv_outer, query_outer = with_setting(forward, "0"), with_setting(forward, "1")
     for _ in range(WARMUPS):  # the first calls compile the kernels
         kv_out, query_out = kv_outer(), query_outer()
-    difference = (query_out[0].float() - kv_out[0].float()).abs().max().item()
+    difference = (query_out.detach().float() - kv_out.detach().float()).abs().max().item()
     row = {"problem": spec.name, "selection": selection, "query_outer_share": query_outer_work(inputs).entries,
            "max_difference": difference,
            "synced": in_pairs(synced_timer(kv_outer, device), synced_timer(query_outer, device), rounds).summary()}
@@ -218,6 +225,8 @@ def main(argv=None) -> int:
                         help=f"query and KV heads (default {M3.query_heads}/{M3.kv_heads})")
     parser.add_argument("--rounds", type=command.at_least(6), default=30,
                         help="pairs of timed calls per number (default 30; at least 6 for a 95%% interval)")
+    parser.add_argument("--autograd", action="store_true",
+                        help="time the forward as a training step runs it: q, k, v require grad (no backward runs)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     args = parser.parse_args(argv)
     if args.pack is not None and args.seqlens:
@@ -238,15 +247,16 @@ def main(argv=None) -> int:
         parser.error(f"needs a forward with a query-outer part (backend {' or '.join(QUERY_OUTER_BACKENDS)}); "
                      f"{torch.cuda.get_device_name(device)} resolves the forward to {backend!r}")
     print(f"{torch.cuda.get_device_name(device)}, forward backend {backend}; Hq={shape.query_heads} "
-          f"Hkv={shape.kv_heads}, bf16, plan built in the call, {args.rounds} rounds; ms KV-outer, query-outer, "
+          f"Hkv={shape.kv_heads}, bf16, plan built in the call, {'autograd recording' if args.autograd else 'no autograd'}, "
+          f"{args.rounds} rounds; ms KV-outer, query-outer, "
           f"median change [95% interval], verdict against +{GATE:.0%}")
-    print(f"{'problem':<18} {'selection':<9} {'q-outer':>7} | {'synced':<48} | {'graph':<48}")
+    print(f"{'problem':<18} {'selection':<9} {'q-outer':>7} {'max diff':>8} | {'synced':<48} | {'graph':<48}")
     for spec in specs:
         for selection in args.selection:
-            row = measure(spec, shape, selection, device, args.rounds, args.seed)
+            row = measure(spec, shape, selection, device, args.rounds, args.seed, args.autograd)
             graph = format_pairs(row["graph"]) if "graph" in row else f"- ({row['graph_error']})"
-            print(f"{row['problem']:<18} {selection:<9} {row['query_outer_share']:7.1%} | {format_pairs(row['synced'])} | "
-                  f"{graph}", flush=True)
+            print(f"{row['problem']:<18} {selection:<9} {row['query_outer_share']:7.1%} {row['max_difference']:8.1e} | "
+                  f"{format_pairs(row['synced'])} | {graph}", flush=True)
     return 0
 
 

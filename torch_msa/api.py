@@ -14,7 +14,7 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
-from . import ops as _ops  # noqa: F401  (registers torch.ops.msa.*)
+from . import ops as _ops  # registers torch.ops.msa.*
 from . import validation
 from .contract import DEFAULT_BLOCK_SIZE, DEFAULT_TOPK
 from .diagnostics import TorchMSAWarning
@@ -342,7 +342,8 @@ def sparse_attention(
         block_size: keys per block, 64 or 128.
         softmax_scale: defaults to `D ** -0.5`.
         return_lse: also return the log-sum-exp.
-        plan: from `build_plan` on the same `block_indices` and documents; by default built here.
+        plan: from `build_plan` on the same `block_indices` and documents; by default built here
+            when autograd records the call (the backward walks it too), else by the forward.
         fragment_documents, fragment_starts: int32 `[F]` query fragments, as in `select_blocks`.
 
     Returns:
@@ -357,7 +358,10 @@ def sparse_attention(
     fragments = _fragments(fragment_documents, fragment_starts, cu_seqlens_q)
     docs = _attention_document_args(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, None, softmax_scale)
     validation.check_optional_tensor("plan", plan, "from build_plan")
-    if plan is None:
+    if plan is None and _ops.differentiated((q, k, v)):
+        # Built here once, the plan serves the backward too. A call autograd does not record
+        # leaves it to the forward, which builds only what it walks (with its query-outer part,
+        # the KV-outer part's plan, not the whole selection's restricted).
         plan = _plan_for(q, k, block_indices, docs, block_size, fragments)
     out, lse = torch.ops.msa.forward(q, k, v, block_indices, *docs, block_size, _scale(q, softmax_scale), plan, *fragments)
     return AttentionOutput(out, lse) if return_lse else out

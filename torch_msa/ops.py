@@ -408,7 +408,7 @@ _GRADIENTS = {
 _AUTOGRAD_FUNCTIONS = {name: _autograd_function(name, *_GRADIENTS[name]) for name in SCHEMAS if name in _GRADIENTS}
 
 
-def _differentiated(args) -> bool:
+def differentiated(args) -> bool:
     """Whether autograd must see this call: an input requires grad (in grad mode) or carries a
     forward-mode tangent, or a torch.func transform is active (its tensors are wrapped)."""
     tensors = [x for x in args if isinstance(x, torch.Tensor)]
@@ -421,7 +421,7 @@ def _differentiated(args) -> bool:
 
 def _autograd_kernel(function, op):
     def kernel(keyset, *args):
-        if _differentiated(args):
+        if differentiated(args):
             grad_modes = (torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled())
             with enable_single_level_autograd_function():
                 return function.apply(grad_modes, *args)

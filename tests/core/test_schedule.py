@@ -290,3 +290,26 @@ def test_triton_query_groups_build_stays_a_few_host_calls(monkeypatch):
     expected = ["aten.copy_.default", "aten.empty.memory_format", "aten.split_with_sizes.default"]
     assert names == expected + ["aten.view.default"] * 3, names
     assert torch.equal(groups.kv_outer_indices, block_indices)  # the stand-in kernels marked nothing
+
+
+def test_sparse_attention_that_autograd_does_not_record_leaves_the_plan_to_the_forward(monkeypatch):
+    """Without a gradient to compute no plan op runs: the forward builds the plan it walks (with
+    its query-outer part, the KV-outer part's alone), and gets the same output."""
+    forwards = []
+    original = torch_msa.backends._BACKENDS["reference"].ops["forward"]
+
+    def forward(*args):
+        forwards.append(args[-1])  # the plan
+        return original(*args)
+
+    monkeypatch.setitem(torch_msa.backends._BACKENDS["reference"].ops, "forward", forward)
+    cu_q, cu_k = testing.cu_seqlens([100], [100])
+    block_indices = testing.random_block_indices(cu_q, cu_k, 1, 2, 64)
+    q, k, v = (torch.randn(100, 2, 64, requires_grad=True) for _ in range(3))
+    with torch.no_grad(), CountOps() as counted:
+        out = torch_msa.sparse_attention(q, k[:, :1], v[:, :1], block_indices, cu_q, cu_k, block_size=64)
+    assert counted.count(torch.ops.msa.plan.default) == 0 and forwards == [None]
+    with CountOps() as counted:
+        recorded = torch_msa.sparse_attention(q, k[:, :1], v[:, :1], block_indices, cu_q, cu_k, block_size=64)
+    assert counted.count(torch.ops.msa.plan.default) == 1 and forwards[-1] is not None
+    assert torch.equal(out, recorded.detach())
