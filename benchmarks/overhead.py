@@ -47,6 +47,7 @@ from torch_msa.contract import M3, Shape
 from . import command
 from .cli import parse_heads
 from .problems import ProblemSpec, make_inputs, parse_length, parse_seqlens
+from .timing import capture_graph
 
 WARMUPS = 3
 SPIN_MS = 50.0  # GPU work queued before each host-timed call: longer than any call's host time
@@ -200,15 +201,7 @@ def wall_ms(fn, device: torch.device, iters: int) -> float:
 
 
 def graph_ms(fn, device: torch.device, iters: int) -> float:
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # capture needs a warm-up on a side stream
-        for _ in range(WARMUPS):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn, device, WARMUPS)
     graph.replay()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for begin, end in events:

@@ -50,6 +50,7 @@ from . import command, trained_selection
 from .cli import parse_heads
 from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_pack, parse_seqlens
 from .problems import query_outer as query_outer_work
+from .timing import capture_graph
 
 GATE = 0.02
 """How much slower than the KV-outer forward the query-outer one may be and still be the default."""
@@ -147,17 +148,9 @@ def synced_timer(fn: Callable[[], object], device: torch.device) -> Callable[[],
 
 
 def graph_timer(fn: Callable[[], object], device: torch.device) -> Callable[[], float]:
-    """Captures one call of `fn` in a CUDA graph (after warm-ups on a side stream, as capture
-    needs) and times one replay of it with CUDA events."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(WARMUPS):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """Captures one call of `fn` in a CUDA graph (`timing.capture_graph`) and times one replay of
+    it with CUDA events."""
+    graph = capture_graph(fn, device, WARMUPS)
 
     def timed() -> float:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

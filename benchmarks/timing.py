@@ -112,3 +112,18 @@ def free_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def capture_graph(fn: Callable[[], object], device: torch.device, warmups: int) -> "torch.cuda.CUDAGraph":
+    """One call of `fn` captured in a CUDA graph, after `warmups` calls on a side stream (capture
+    needs the first calls, which compile and allocate, done outside it)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
