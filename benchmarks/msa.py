@@ -28,6 +28,8 @@ run without fast kernels still finishes.
 """
 
 import os
+from collections.abc import Callable
+from typing import TypeVar
 from unittest import mock
 
 import torch
@@ -47,6 +49,7 @@ SCORING_PHASE = f"select topk={SCORING_TOPK}"
 PHASES = ("select", SCORING_PHASE, "schedule", "fwd", "bwd", "select+fwd+bwd")
 QUERY_OUTER_IMPL = "torch_msa q-outer"
 QUERY_OUTER_PHASES = ("fwd", "select+fwd+bwd")
+Result = TypeVar("Result")
 
 
 def resolved_backends(device: torch.device) -> dict[str, str]:
@@ -137,6 +140,16 @@ def msa_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
     return Subject(IMPL, phases, measurements)
 
 
+def with_query_outer_setting(fn: Callable[[], Result], value: str) -> Callable[[], Result]:
+    """`fn` called with `TORCH_MSA_QUERY_OUTER` set to `value` (the caller's value restored)."""
+
+    def call():
+        with mock.patch.dict(os.environ, {QUERY_OUTER_ENV: value}):
+            return fn()
+
+    return call
+
+
 def query_outer_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
     """`msa_subject`'s forward and step with the forward's query-outer part."""
     plain = msa_subject(inputs, max_reference_tokens)
@@ -144,16 +157,9 @@ def query_outer_subject(inputs: Inputs, max_reference_tokens: int) -> Subject:
         return Subject(QUERY_OUTER_IMPL, QUERY_OUTER_PHASES, skip_reason=plain.skip_reason)
     measurements = plain.measurements
 
-    def with_query_outer(fn):
-        def call():
-            with mock.patch.dict(os.environ, {QUERY_OUTER_ENV: "1"}):
-                return fn()
-
-        return call
-
     def query_outer_measurements():
         for measurement in measurements():
             if measurement.phase in QUERY_OUTER_PHASES:
-                yield measurement._replace(fn=measurement.fn and with_query_outer(measurement.fn))
+                yield measurement._replace(fn=measurement.fn and with_query_outer_setting(measurement.fn, "1"))
 
     return Subject(QUERY_OUTER_IMPL, QUERY_OUTER_PHASES, query_outer_measurements)

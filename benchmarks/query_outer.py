@@ -33,22 +33,19 @@ CUDA only, and the forward must resolve to a backend with a query-outer part (`t
 import argparse
 import dataclasses
 import math
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
-from unittest import mock
 
 import torch
 
 import torch_msa
 from torch_msa.contract import M3, Shape
-from torch_msa.settings import QUERY_OUTER_ENV
 
 from . import command, trained_selection
 from .cli import parse_heads
+from .msa import with_query_outer_setting
 from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_pack, parse_seqlens
 from .problems import query_outer as query_outer_work
 from .timing import capture_graph
@@ -58,7 +55,6 @@ GATE = 0.02
 CONFIDENCE = 0.95
 WARMUPS = 3
 QUERY_OUTER_BACKENDS = ("triton", "sm90")
-Result = TypeVar("Result")
 
 
 def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -128,16 +124,6 @@ def in_pairs(kv_outer: Callable[[], float], query_outer: Callable[[], float], ro
     return Paired(tuple(kv_outer_ms), tuple(query_outer_ms))
 
 
-def with_setting(fn: Callable[[], Result], value: str) -> Callable[[], Result]:
-    """`fn` called with `TORCH_MSA_QUERY_OUTER` set to `value` (the caller's value restored)."""
-
-    def call():
-        with mock.patch.dict(os.environ, {QUERY_OUTER_ENV: value}):
-            return fn()
-
-    return call
-
-
 def synced_timer(fn: Callable[[], object], device: torch.device) -> Callable[[], float]:
     """Times one call of `fn` started on an idle device and synchronised after it."""
 
@@ -190,7 +176,7 @@ def measure(spec: ProblemSpec, shape: Shape, selection: str, device: torch.devic
             return torch_msa.sparse_attention(q, k, v, inputs.block_indices, *inputs.document_args,
                                               block_size=shape.block_size)
 
-    kv_outer, query_outer = with_setting(forward, "0"), with_setting(forward, "1")
+    kv_outer, query_outer = with_query_outer_setting(forward, "0"), with_query_outer_setting(forward, "1")
     for _ in range(WARMUPS):  # the first calls compile the kernels
         kv_out, query_out = kv_outer(), query_outer()
     difference = (query_out.detach().float() - kv_out.detach().float()).abs().max().item()
@@ -198,8 +184,8 @@ def measure(spec: ProblemSpec, shape: Shape, selection: str, device: torch.devic
            "max_difference": difference,
            # The setting changes outside the timed window: patching the environment costs the host
            # about 0.1 ms, which would pull both arms' times, and so their ratio, toward each other.
-           "synced": in_pairs(with_setting(synced_timer(forward, device), "0"),
-                              with_setting(synced_timer(forward, device), "1"), rounds).summary()}
+           "synced": in_pairs(with_query_outer_setting(synced_timer(forward, device), "0"),
+                              with_query_outer_setting(synced_timer(forward, device), "1"), rounds).summary()}
     try:
         row["graph"] = in_pairs(graph_timer(kv_outer, device), graph_timer(query_outer, device), rounds).summary()
     except RuntimeError as error:  # a call that cannot be captured is reported; the synced pairs still stand

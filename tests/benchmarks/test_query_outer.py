@@ -8,6 +8,7 @@ import random
 import pytest
 
 from benchmarks import query_outer, trained_selection
+from benchmarks.msa import with_query_outer_setting
 from benchmarks.problems import ProblemSpec
 from torch_msa.settings import QUERY_OUTER_ENV
 
@@ -66,10 +67,10 @@ def test_pairs_alternate_which_setting_runs_first_and_pair_each_round():
 
 def test_each_setting_runs_with_its_flag_and_the_callers_value_comes_back(monkeypatch):
     monkeypatch.setenv(QUERY_OUTER_ENV, "yes")
-    seen = query_outer.with_setting(lambda: os.environ[QUERY_OUTER_ENV], "0")()
+    seen = with_query_outer_setting(lambda: os.environ[QUERY_OUTER_ENV], "0")()
     assert seen == "0" and os.environ[QUERY_OUTER_ENV] == "yes"
     monkeypatch.delenv(QUERY_OUTER_ENV)
-    assert query_outer.with_setting(lambda: os.environ[QUERY_OUTER_ENV], "1")() == "1"
+    assert with_query_outer_setting(lambda: os.environ[QUERY_OUTER_ENV], "1")() == "1"
     assert QUERY_OUTER_ENV not in os.environ
 
 
