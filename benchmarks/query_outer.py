@@ -1,8 +1,9 @@
 """`python -m benchmarks.query_outer [T ...]`: the forward with its query-outer part against the
 KV-outer forward, call by call.
 
-The query-outer part (`TORCH_MSA_QUERY_OUTER=1`) may become the default only where its forward is
-no more than `GATE` slower than the KV-outer one (docs/performance.md, "Query-outer work"). On the
+The query-outer part (`TORCH_MSA_QUERY_OUTER=1`) is the default only where its forward is no more
+than `GATE` slower than the KV-outer one (`TORCH_MSA_QUERY_OUTER=0`; docs/performance.md, "The
+default"); `--setting auto` times the default's rule itself against `0`. On the
 GPU hosts measured so far, synchronised calls drift by more than that between two blocks of runs,
 so timing each setting in a block of its own cannot tell. Here the two run in pairs: each of
 `--rounds` rounds times one call of each, the order alternating from round to round, and the
@@ -12,9 +13,10 @@ For each document length `T` (`--pack` instead: one pack) and selection regime (
 default all four; under `trained` a document longer than the trained ones becomes a pack of
 trained-length documents, as in `python -m benchmarks`), M3 shapes (`--heads`), bf16,
 `sparse_attention` with its plan built in the call: without autograd, where the forward builds
-the plan it walks, or with `--autograd` as a training step's forward runs it (q, k, v requiring
+the plan it walks; with `--autograd` as a training step's forward runs it (q, k, v requiring
 grad; the plan built for the backward too, which the query-outer part restricts to its KV-outer
-part; no backward runs):
+part; no backward runs); or with `--step`, the whole training step: that forward and the backward
+(`torch.autograd.grad` of a fixed output gradient), which the setting leaves as it is:
 
 - synced: each call on an idle device, synchronised after it: what a loop that syncs pays,
   the host work the call cannot hide behind its kernels included;
@@ -162,21 +164,38 @@ def problem_for(spec: ProblemSpec, selection: str) -> ProblemSpec:
     return ProblemSpec(split, pack=spec.pack or split != spec.lengths)
 
 
+MODES = ("forward", "autograd", "step")
+"""What one timed call runs: the forward without autograd, the forward autograd records, or
+that forward and its backward."""
+
+
 def measure(spec: ProblemSpec, shape: Shape, selection: str, device: torch.device, rounds: int, seed: int,
-            autograd: bool = False) -> dict:
+            mode: str = "forward", setting: str = "1") -> dict:
     """One row: the problem's synced and graph pairs (`Paired.summary`), the share of pairs sent
-    query-outer, and the largest difference between the two settings' outputs; `autograd`: q, k,
-    v require grad and autograd records each forward."""
+    query-outer, and the largest difference between the two settings' outputs; `mode` one of
+    `MODES`; `setting`: the value of `TORCH_MSA_QUERY_OUTER` timed against `0`."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     spec = problem_for(spec, selection)
     inputs = make_inputs(spec, shape, device, selection, seed)
-    q, k, v = (x.detach().requires_grad_(autograd) for x in (inputs.q, inputs.k, inputs.v))
+    autograd = mode != "forward"
+    # From a CPU generator: a capture that failed leaves the device's generator unusable.
+    grad_out = (torch.randn(inputs.q.shape, generator=torch.Generator().manual_seed(seed)).to(inputs.q)
+                if mode == "step" else None)
 
     def forward():
+        # Leaves made in the call, on its stream, as a step's activations are: a leaf made once
+        # would tie its gradient to the stream of its first backward, and a CUDA-graph capture on
+        # another stream would fail.
+        q, k, v = (x.detach().requires_grad_(autograd) for x in (inputs.q, inputs.k, inputs.v))
         with torch.set_grad_enabled(autograd):
-            return torch_msa.sparse_attention(q, k, v, inputs.block_indices, *inputs.document_args,
-                                              block_size=shape.block_size)
+            out = torch_msa.sparse_attention(q, k, v, inputs.block_indices, *inputs.document_args,
+                                             block_size=shape.block_size)
+        if grad_out is not None:
+            torch.autograd.grad(out, (q, k, v), grad_out)
+        return out
 
-    kv_outer, query_outer = with_query_outer_setting(forward, "0"), with_query_outer_setting(forward, "1")
+    kv_outer, query_outer = with_query_outer_setting(forward, "0"), with_query_outer_setting(forward, setting)
     for _ in range(WARMUPS):  # the first calls compile the kernels
         kv_out, query_out = kv_outer(), query_outer()
     difference = (query_out.detach().float() - kv_out.detach().float()).abs().max().item()
@@ -185,7 +204,7 @@ def measure(spec: ProblemSpec, shape: Shape, selection: str, device: torch.devic
            # The setting changes outside the timed window: patching the environment costs the host
            # about 0.1 ms, which would pull both arms' times, and so their ratio, toward each other.
            "synced": in_pairs(with_query_outer_setting(synced_timer(forward, device), "0"),
-                              with_query_outer_setting(synced_timer(forward, device), "1"), rounds).summary()}
+                              with_query_outer_setting(synced_timer(forward, device), setting), rounds).summary()}
     try:
         row["graph"] = in_pairs(graph_timer(kv_outer, device), graph_timer(query_outer, device), rounds).summary()
     except RuntimeError as error:  # a call that cannot be captured is reported; the synced pairs still stand
@@ -214,8 +233,13 @@ def main(argv=None) -> int:
                         help=f"query and KV heads (default {M3.query_heads}/{M3.kv_heads})")
     parser.add_argument("--rounds", type=command.at_least(6), default=30,
                         help="pairs of timed calls per number (default 30; at least 6 for a 95%% interval)")
-    parser.add_argument("--autograd", action="store_true",
-                        help="time the forward as a training step runs it: q, k, v require grad (no backward runs)")
+    timed = parser.add_mutually_exclusive_group()
+    timed.add_argument("--autograd", action="store_true",
+                       help="time the forward as a training step runs it: q, k, v require grad (no backward runs)")
+    timed.add_argument("--step", action="store_true", help="time the training step: that forward and the backward")
+    parser.add_argument("--setting", choices=("1", "auto"), default="1",
+                        help="the TORCH_MSA_QUERY_OUTER value timed against 0: 1, the query-outer part in every "
+                             "document (default), or auto, the default's rule")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     args = parser.parse_args(argv)
     if args.pack is not None and args.seqlens:
@@ -235,14 +259,17 @@ def main(argv=None) -> int:
     if backend not in QUERY_OUTER_BACKENDS:
         parser.error(f"needs a forward with a query-outer part (backend {' or '.join(QUERY_OUTER_BACKENDS)}); "
                      f"{torch.cuda.get_device_name(device)} resolves the forward to {backend!r}")
+    mode = "step" if args.step else "autograd" if args.autograd else "forward"
+    timed_call = {"forward": "forward, no autograd", "autograd": "forward, autograd recording",
+                  "step": "forward and backward"}[mode]
     print(f"{torch.cuda.get_device_name(device)}, forward backend {backend}; Hq={shape.query_heads} "
-          f"Hkv={shape.kv_heads}, bf16, plan built in the call, {'autograd recording' if args.autograd else 'no autograd'}, "
+          f"Hkv={shape.kv_heads}, bf16, plan built in the call, {timed_call}, setting {args.setting} against 0, "
           f"{args.rounds} rounds; ms KV-outer, query-outer, "
           f"median change [95% interval], verdict against +{GATE:.0%}")
     print(f"{'problem':<18} {'selection':<9} {'q-outer':>7} {'max diff':>8} | {'synced':<48} | {'graph':<48}")
     for spec in specs:
         for selection in args.selection:
-            row = measure(spec, shape, selection, device, args.rounds, args.seed, args.autograd)
+            row = measure(spec, shape, selection, device, args.rounds, args.seed, mode, args.setting)
             graph = format_pairs(row["graph"]) if "graph" in row else f"- ({row['graph_error']})"
             print(f"{row['problem']:<18} {selection:<9} {row['query_outer_share']:7.1%} {row['max_difference']:8.1e} | "
                   f"{format_pairs(row['synced'])} | {graph}", flush=True)

@@ -949,6 +949,7 @@ def test_ctrl_c_while_a_command_starts_ends_it_with_the_interrupted_status(capsy
     ("benchmarks.query_outer", ["8K", "--pack", "2x4K"],
      "argument --pack: expected either document lengths or --pack, got both (['8K'] and '2x4K')"),
     ("benchmarks.query_outer", ["--rounds", "5"], "argument --rounds: expected an integer >= 6, got '5'"),
+    ("benchmarks.query_outer", ["--autograd", "--step"], "argument --step: not allowed with argument --autograd"),
     ("benchmarks.query_outer", [], "needs a CUDA device (it times GPU kernels and the host work that launches "
                                    "them); found no GPU"),
 ])

@@ -80,3 +80,8 @@ def test_a_document_longer_than_the_trained_ones_runs_as_a_pack_of_trained_lengt
     assert query_outer.problem_for(longer, "trained") == ProblemSpec((trained, trained, 5), pack=True)
     assert query_outer.problem_for(longer, "index") == longer
     assert query_outer.problem_for(ProblemSpec((trained,)), "trained") == ProblemSpec((trained,))
+
+
+def test_a_row_names_what_it_times():
+    with pytest.raises(ValueError, match=r"mode: expected one of \('forward', 'autograd', 'step'\), got 'backward'"):
+        query_outer.measure(ProblemSpec((1024,)), None, "index", None, 6, 0, mode="backward")

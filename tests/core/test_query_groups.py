@@ -8,8 +8,10 @@ from tests.support.documents import documents_of
 from tests.support.groups_oracle import query_groups_python, units_python
 from torch_msa import testing
 from torch_msa.plan.groups import (
+    DEFAULT_MIN_SEGMENT_QUERIES,
     Q_OUTER_COST,
     build_query_groups,
+    default_min_queries,
     group_ids,
     group_tokens,
     max_group_blocks,
@@ -88,6 +90,32 @@ def test_groups_match_the_python_build(layout, kind):
     groups = build_query_groups(block_indices, documents_of(cu_q, cu_k), sum(k_lens), block_size, size)
     assert groups.group_start.numel() == group_ids(sum(q_lens), len(q_lens), size)
     _check(groups, query_groups_python(block_indices, cu_q, cu_k, block_size, size), 2, size, topk)
+
+
+@pytest.mark.parametrize("least", [2, 40, 91, 1 << 20])
+def test_only_documents_of_the_least_queries_list_blocks(least):
+    """`min_segment_queries`: a document shorter than it keeps its groups but lists no block."""
+    q_lens, k_lens, block_size, topk, size = LAYOUTS["pack-with-empty-and-1-token-documents"]
+    cu_q, cu_k = testing.cu_seqlens(q_lens, k_lens)
+    block_indices = _selection("tiled", cu_q, cu_k, 2, topk, block_size)
+    groups = build_query_groups(block_indices, documents_of(cu_q, cu_k), sum(k_lens), block_size, size, least)
+    expected = query_groups_python(block_indices, cu_q, cu_k, block_size, size, min_segment_queries=least)
+    _check(groups, expected, 2, size, topk)
+    bounds = list(zip(cu_q.tolist()[:-1], cu_q.tolist()[1:]))
+    listed = [gid for (_, gid), blocks in expected["blocks"].items() if blocks]
+    for gid in listed:
+        start = expected["groups"][gid][0]
+        assert next(end - first for first, end in bounds if first <= start < end) >= least, gid
+    # The rule takes the 90-query document's groups without the bound: the bound alone turns them away.
+    assert bool(listed) == (least <= 90)
+
+
+@pytest.mark.parametrize(("heads", "expected"), [
+    ((64, 4), DEFAULT_MIN_SEGMENT_QUERIES), ((128, 8), DEFAULT_MIN_SEGMENT_QUERIES),
+    ((64, 8), None), ((16, 1), None), ((32, 2), None), ((64, 1), DEFAULT_MIN_SEGMENT_QUERIES),
+])
+def test_the_default_admits_the_head_layouts_it_was_measured_to_win_on(heads, expected):
+    assert default_min_queries(*heads) == expected
 
 
 def test_out_of_contract_ids_count_as_nothing():

@@ -332,26 +332,40 @@ def test_rows_the_kv_outer_part_leaves_empty_skip_the_combine(monkeypatch):
     assert expected[:lens[0]].float().mean() > 0.9 and 0 < expected[lens[0]:].sum() < expected[lens[0]:].numel()
 
 
-@pytest.mark.parametrize("query_outer", [False, True], ids=["default", "query-outer"])
-def test_a_documents_output_is_bitwise_the_same_alone_and_packed(query_outer, monkeypatch):
+@pytest.mark.parametrize("setting", ["0", "1", "auto"], ids=["kv-outer", "query-outer", "default"])
+def test_a_documents_output_is_bitwise_the_same_alone_and_packed(setting, monkeypatch):
     """Batch invariance: each document of a pack gets, bit for bit, the output and lse it gets
-    alone, with and without the query-outer part (on a selection shared by 128-query tiles)."""
+    alone, without and with the query-outer part (on a selection shared by 128-query tiles), and by
+    default, where a document's own length decides: the 8300-query one runs its groups
+    query-outer as the setting `1` would, the shorter ones none, as `0` would."""
     from torch_msa.sm90 import interface as sm90_interface
 
-    lens = [700, 1500, 129, 1000]
+    lens = [8300, 700, 1500] if setting == "auto" else [700, 1500, 129, 1000]
     q, k, v, blocks, cu_q, cu_k, max_q, max_k = _inputs(lens, lens, torch.bfloat16, seed=3)
-    if query_outer:
-        monkeypatch.setenv(QUERY_OUTER_ENV, "1")
+    if setting != "0":
         blocks = tile_shared(blocks, cu_q, BLOCK)
-    packed = sm90_interface.forward(*backend_arguments("forward", q, k, v, blocks, cu_q, cu_k, max_q, max_k, BLOCK,
-                                                       SCALE))
-    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+
+    def forward(setting, start=0, end=None):
+        monkeypatch.setenv(QUERY_OUTER_ENV, setting)
+        if end is None:
+            return sm90_interface.forward(*backend_arguments("forward", q, k, v, blocks, cu_q, cu_k, max_q, max_k,
+                                                             BLOCK, SCALE))
         cu = torch.tensor([0, end - start], dtype=torch.int32, device="cuda")
-        alone = sm90_interface.forward(*backend_arguments("forward", q[start:end], k[start:end], v[start:end],
-                                                          blocks[:, start:end].contiguous(), cu, cu, end - start,
-                                                          end - start, BLOCK, SCALE))
+        return sm90_interface.forward(*backend_arguments("forward", q[start:end], k[start:end], v[start:end],
+                                                         blocks[:, start:end].contiguous(), cu, cu, end - start,
+                                                         end - start, BLOCK, SCALE))
+
+    packed = forward(setting)
+    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        alone = forward(setting, start, end)
         assert torch.equal(alone[0], packed[0][start:end]), (start, end)
         assert torch.equal(alone[1], packed[1][start:end]), (start, end)
+    if setting == "auto":
+        on, off = forward("1"), forward("0")
+        long = slice(0, lens[0])
+        assert not torch.equal(on[0][long], off[0][long]), "the two parts round differently"
+        assert torch.equal(packed[0][long], on[0][long]) and torch.equal(packed[1][long], on[1][long])
+        assert torch.equal(packed[0][lens[0]:], off[0][lens[0]:]) and torch.equal(packed[1][lens[0]:], off[1][lens[0]:])
 
 
 @pytest.mark.parametrize("entries", [None, 7, 128])

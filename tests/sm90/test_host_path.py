@@ -260,7 +260,7 @@ def test_a_step_with_the_fused_index_loss_builds_one_plan_over_several_query_win
 
 def test_the_sm90_forward_declines_before_building_the_query_groups(monkeypatch):
     """With `TORCH_MSA_QUERY_OUTER=1`, inputs the SM90 kernels do not serve raise `UnsupportedInputs`
-    before any group is built (the fallback builds its own); without it no group is built at all."""
+    before any group is built (the fallback builds its own); by default, at 64 queries, none is built at all."""
     import torch_msa
     from torch_msa.settings import QUERY_OUTER_ENV
     from torch_msa.sm90 import interface
@@ -280,6 +280,69 @@ def test_the_sm90_forward_declines_before_building_the_query_groups(monkeypatch)
     with pytest.raises(torch_msa.UnsupportedInputs):
         interface.forward(*args)
     assert built == []
+
+
+@pytest.mark.parametrize(("setting", "heads", "max_seqlen", "least"), [
+    (None, (HEADS, KV_HEADS), 8192, 8192), ("auto", (HEADS, KV_HEADS), 40000, 8192),
+    (None, (HEADS, KV_HEADS), 8191, None), (None, (16, 1), 65536, None), (None, (128, 8), 8192, 8192),
+    ("0", (HEADS, KV_HEADS), 65536, None), ("off", (HEADS, KV_HEADS), 65536, None),
+    ("1", (HEADS, KV_HEADS), 64, 0), ("yes", (16, 1), 64, 0),
+])
+def test_by_default_the_sm90_forward_runs_query_outer_in_long_documents_at_m3_heads(monkeypatch, setting, heads,
+                                                                                     max_seqlen, least):
+    """Unset or `auto`, the setting runs the query-outer part where the default's rule admits it
+    (`torch_msa.plan.groups.default_min_queries`): the call builds groups, bounded to documents of
+    8192 queries, only when its longest may be that long; `1` builds them for every document,
+    `0` never. The Triton forward builds none unless asked."""
+    from torch_msa.settings import QUERY_OUTER_ENV
+    from torch_msa.sm90 import interface
+    from torch_msa.stages import query_outer
+    from torch_msa.triton import interface as triton_interface
+
+    built = []
+    for module in (interface, triton_interface):
+        monkeypatch.setattr(module, "forward_in_windows", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    if setting is None:
+        monkeypatch.delenv(QUERY_OUTER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(QUERY_OUTER_ENV, setting)
+    num_heads, num_kv_heads = heads
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    block_indices = torch.zeros((num_kv_heads, 64, TOPK), dtype=torch.int32)
+    q, k, v = (torch.zeros(64, h, DIM, dtype=torch.bfloat16) for h in (num_heads, num_kv_heads, num_kv_heads))
+    args = backend_arguments("forward", q, k, v, block_indices, cu, cu, max_seqlen, max_seqlen, BLOCK, DIM**-0.5)
+
+    class Built(Exception):
+        """Stops the call once it has built its groups: no kernel runs on CPU."""
+
+    def record(*args):
+        built.append(args[-1])  # the least queries of a document that may run query-outer
+        raise Built
+
+    monkeypatch.setattr(query_outer, "for_call", record)
+    with contextlib.suppress(Built):
+        interface.forward(*args)
+    assert built == ([] if least is None else [least])
+    built.clear()
+    with contextlib.suppress(Built):
+        triton_interface.forward(*args)
+    assert built == ([0] if least == 0 else [])
+
+
+def test_an_unknown_query_outer_setting_is_refused_by_name(monkeypatch):
+    from torch_msa.settings import QUERY_OUTER_ENV
+    from torch_msa.sm90 import interface
+
+    monkeypatch.setenv(QUERY_OUTER_ENV, "sometimes")
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    q, k, v = (torch.zeros(64, h, DIM, dtype=torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
+    args = backend_arguments("forward", q, k, v, torch.zeros((KV_HEADS, 64, TOPK), dtype=torch.int32), cu, cu, 64,
+                             64, BLOCK, DIM**-0.5)
+    with pytest.raises(ValueError, match=r"TORCH_MSA_QUERY_OUTER: expected auto, 1 \(true, yes, on\) or 0 "
+                                         r"\(false, no, off\), got 'sometimes'"):
+        interface.forward(*args)
 
 
 @requires_cute

@@ -21,13 +21,14 @@ def query_groups_python(
     tokens_per_group: int,
     fragment_documents: torch.Tensor | None = None,
     fragment_starts: torch.Tensor | None = None,
+    min_segment_queries: int = 0,
 ) -> dict:
     """The query groups of `torch_msa.plan.groups.build_query_groups`, built with plain Python.
 
     Returns `{"token_group": [gid or -1 per query], "groups": {gid: (start, end)},
     "union": {(head, gid): distinct blocks}, "blocks": {(head, gid): [query-outer blocks ascending]},
     "position": [per query], "key_start": [per query]}` over the groups kept (those whose queries
-    all see a key).
+    all see a key); only a segment of at least `min_segment_queries` queries lists blocks.
     """
     num_kv_heads, num_queries, _ = block_indices.shape
     ids = block_indices.tolist()
@@ -56,7 +57,8 @@ def query_groups_python(
                     row = {b for b in ids[head][t] if b >= 0 and b * block_size <= position[t]}
                     entries += len(row)
                     chosen |= row
-                whole = len(chosen) * size * numerator <= entries * denominator
+                long_enough = cu_q[segment + 1] - cu_q[segment] >= min_segment_queries
+                whole = long_enough and len(chosen) * size * numerator <= entries * denominator
                 result["union"][head, gid] = len(chosen)
                 result["blocks"][head, gid] = sorted(chosen) if whole else []
     return result

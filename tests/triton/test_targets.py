@@ -523,7 +523,7 @@ def test_the_query_groups_kernel_sorts_a_group_in_one_warp_without_spills(fragme
                      MOST_P2=triton.next_power_of_2(most), COST_NUMERATOR=Q_OUTER_COST[0],
                      COST_DENOMINATOR=Q_OUTER_COST[1], FRAGMENTS=fragments, stride_slot=1)
     integers = {"num_queries", "num_keys", "num_segments", "num_docs", "search_steps", "block_size", "num_ids",
-                "stride_head", "stride_token"}
+                "min_segment_queries", "stride_head", "stride_token"}
     signature = {name: "constexpr" if name in constants else "i32" if name in integers else "*i32"
                  for name in kernel.arg_names}
     warps = plan_kernels.query_groups_warps(tokens, M3["topk"])

@@ -19,6 +19,17 @@ valid entries over its tokens' passes over its blocks, selected or masked) at wh
 query-outer: what one pass costs there relative to one KV-outer entry with its share of the
 combine, the unit's own work included (`torch_msa/plan/README.md`)."""
 
+DEFAULT_MIN_SEGMENT_QUERIES = 8192
+"""By default (`torch_msa.settings.QUERY_OUTER_ENV` unset) the rule takes groups only in
+documents (fragments) of at least this many queries: below, the host work the query-outer part
+adds to a call outweighs what it saves on the device (`docs/performance.md`, "The default")."""
+
+DEFAULT_MIN_QUERY_HEADS = 64
+DEFAULT_MIN_HEAD_GROUP = 16
+"""By default the query-outer part runs only with at least `DEFAULT_MIN_QUERY_HEADS` query heads
+and at least `DEFAULT_MIN_HEAD_GROUP` of them per KV head (M3's 64 over 4): with fewer rows per
+token it saves too little to pay for its host work."""
+
 
 class QueryGroups(NamedTuple):
     """Device tables of the query groups (all int32).
@@ -75,6 +86,18 @@ def group_ids(num_queries: int, num_segments: int, tokens_per_group: int) -> int
     return (num_queries + tokens_per_group - 1) // tokens_per_group + max(0, num_segments)
 
 
+def default_min_queries(num_heads: int, num_kv_heads: int) -> int | None:
+    """The least queries of a document (fragment) whose groups the default's rule may take at
+    `num_heads` query heads over `num_kv_heads`; None where the default runs no query-outer part.
+
+    A document's own length decides, never the call's: a document's output is the same alone and
+    packed with others.
+    """
+    if num_heads < DEFAULT_MIN_QUERY_HEADS or num_heads < DEFAULT_MIN_HEAD_GROUP * max(1, num_kv_heads):
+        return None
+    return DEFAULT_MIN_SEGMENT_QUERIES
+
+
 def max_group_blocks(topk: int, tokens_per_group: int) -> int:
     """`MQ`, the most blocks a group runs query-outer: a group of at most `G * topk` entries has a
     fill of at least `cost` (`Q_OUTER_COST`) over at most `topk / cost` blocks."""
@@ -88,6 +111,7 @@ def build_query_groups(
     num_keys: int,
     block_size: int,
     tokens_per_group: int,
+    min_segment_queries: int = 0,
 ) -> QueryGroups:
     """The query groups of `block_indices` on its device, without a host sync (the reference build).
 
@@ -95,12 +119,15 @@ def build_query_groups(
     kept only when every one of them lies in that segment and sees a key (malformed boundaries
     leave their queries in no group; an empty selection has none). Per (KV head, group) with `E`
     valid entries over `U` distinct blocks, the whole group runs query-outer when
-    `U * G * cost <= E` (`Q_OUTER_COST`), else none of it does.
+    `U * G * cost <= E` (`Q_OUTER_COST`) and its segment has at least `min_segment_queries`
+    queries, else none of it does.
 
     Args:
         block_indices: int32 `[Hkv, Tq, topk]`.
         documents: the documents; fragments are segments of their own.
         num_keys: `Tk`; block_size: keys per block; tokens_per_group: `G` (`group_tokens`).
+        min_segment_queries: the least queries of a segment whose groups may run query-outer
+            (`default_min_queries`; 0: any).
     """
     num_kv_heads, num_queries, topk = block_indices.shape
     device = block_indices.device
@@ -154,7 +181,8 @@ def build_query_groups(
     union = run_start.sum(-1, dtype=torch.int32)
     entries = real.sum(-1)
     numerator, denominator = Q_OUTER_COST
-    whole = (union * size * numerator <= entries * denominator).unsqueeze(-1)
+    long_enough = (last - first) >= min_segment_queries
+    whole = ((union * size * numerator <= entries * denominator) & long_enough).unsqueeze(-1)
     blocks = torch.where(run_start & whole, keys, past_all).sort(-1).values[..., :most]
     blocks = F.pad(blocks, (0, most - blocks.shape[-1]), value=past_all)
 

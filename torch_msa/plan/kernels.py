@@ -369,7 +369,7 @@ def _item_tables(item_ptr, items_per_bucket, bucket_start, bucket_end, item_buck
 
 
 def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
-    """`torch_msa.plan.schedule.with_items` (same arguments, same tables) in two launches."""
+    """`torch_msa.plan.schedule.with_items` (same arguments, same tables) in three launches."""
     num_buckets = schedule.bucket_head.numel()
     item_bound = max_items(schedule.entry_query.numel(), num_buckets, entries_per_item)
     sizes = (num_buckets, num_buckets, item_bound, item_bound, item_bound, 1)
@@ -531,7 +531,7 @@ def msa_plan_query_groups_kernel(
     block_indices, cu_seqlens_q, cu_seqlens_k, fragment_documents, fragment_starts,
     group_start, group_end, group_key_start, group_position, group_union, group_blocks, kv_outer_indices,
     unit_listed, num_queries, num_keys, num_segments, num_docs, search_steps, block_size, num_ids,
-    stride_head, stride_token, stride_slot,
+    min_segment_queries, stride_head, stride_token, stride_slot,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, GROUP: tl.constexpr, MOST: tl.constexpr, MOST_P2: tl.constexpr,
     COST_NUMERATOR: tl.constexpr, COST_DENOMINATOR: tl.constexpr, FRAGMENTS: tl.constexpr,
 ):
@@ -586,7 +586,7 @@ def msa_plan_query_groups_kernel(
     new_block = counted & seen & (block_first == keys)
     union = tl.sum(new_block.to(tl.int32), axis=0)
     entries = tl.sum((counted & seen & (query_first == keys)).to(tl.int32), axis=0)
-    whole = union * GROUP * COST_NUMERATOR <= entries * COST_DENOMINATOR
+    whole = (union * GROUP * COST_NUMERATOR <= entries * COST_DENOMINATOR) & (last - first >= min_segment_queries)
     listed_blocks = tl.where(whole, union, 0)
 
     pair = head.to(tl.int64) * num_ids + group
@@ -635,13 +635,15 @@ def query_groups_warps(tokens_per_group: int, topk: int) -> int:
     return min(8, max(1, tokens_per_group * triton.next_power_of_2(topk) // _SORTED_LANES_PER_WARP))
 
 
-def query_groups(block_indices, documents: Documents, num_keys, block_size, tokens_per_group) -> QueryGroups:
+def query_groups(block_indices, documents: Documents, num_keys, block_size, tokens_per_group,
+                 min_segment_queries: int = 0) -> QueryGroups:
     """`torch_msa.plan.groups.build_query_groups` (same arguments, same tables) in three launches."""
     num_kv_heads, num_queries, topk = block_indices.shape
     if tokens_per_group & (tokens_per_group - 1):
         raise ValueError(f"tokens_per_group: expected a power of two (group_tokens gives one), got {tokens_per_group}")
     if block_indices.numel() == 0:
-        return build_query_groups(block_indices, documents, num_keys, block_size, tokens_per_group)
+        return build_query_groups(block_indices, documents, num_keys, block_size, tokens_per_group,
+                                  min_segment_queries)
     documents = documents.map_tensors(torch.Tensor.contiguous)
     cu_seqlens_q, cu_seqlens_k = documents.cu_seqlens_q, documents.cu_seqlens_k
     fragments = documents.has_fragments
@@ -664,7 +666,7 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
         documents.fragment_documents if fragments else cu_seqlens_q, documents.fragment_starts if fragments else cu_seqlens_q,
         group_start, group_end, group_key_start, group_position, group_union, group_blocks, kv_outer_indices,
         unit_listed, num_queries, num_keys, num_segments, documents.num_documents,
-        binary_search_steps(num_segments), block_size, num_ids, *block_indices.stride(),
+        binary_search_steps(num_segments), block_size, num_ids, min_segment_queries, *block_indices.stride(),
         TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), GROUP=tokens_per_group, MOST=most,
         MOST_P2=triton.next_power_of_2(most), COST_NUMERATOR=Q_OUTER_COST[0], COST_DENOMINATOR=Q_OUTER_COST[1],
         FRAGMENTS=fragments, num_warps=query_groups_warps(tokens_per_group, topk),

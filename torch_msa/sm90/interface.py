@@ -12,7 +12,7 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     with torch.cuda.device(q.device):
         block_indices, plan, window_arguments = query_outer.split_forward(
             q, block_indices, documents, k.shape[0], block_size, plan,
-            check=lambda: check_served(q, k, v, block_size))
+            check=lambda: check_served(q, k, v, block_size), by_default=True)
         return forward_in_windows(forward_host.forward, q, k, v, block_indices, documents, block_size, softmax_scale,
                                   plan, window_arguments=window_arguments)
 

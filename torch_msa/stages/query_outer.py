@@ -11,11 +11,11 @@ import triton
 import triton.language as tl
 
 from ..documents import Documents
-from ..plan.groups import QueryGroups, group_tokens
+from ..plan.groups import QueryGroups, default_min_queries, group_tokens
 from ..plan.kernels import query_groups, restrict, schedule_for
 from ..plan.schedule import Schedule, entries_per_item
 from ..query_windows import windowed_plan
-from ..settings import query_outer_requested
+from ..settings import query_outer_setting
 from ..triton_utils.common import LOG2_E, binary_search_steps, dot_precision, locate_tokens
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
 
@@ -188,35 +188,57 @@ def restricted_plan(work: QueryOuter, num_keys: int, block_size: int, num_heads:
     return restrict(schedule, work.groups.kv_outer_indices, entries_per_item(num_heads, block_indices.shape[0]))
 
 
-def for_call(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int) -> QueryOuter:
+def for_call(block_indices, documents: Documents, num_keys: int, block_size: int, num_heads: int,
+             min_segment_queries: int = 0) -> QueryOuter:
     """The query groups of a forward call (`torch_msa.plan.kernels.query_groups`), over all its
-    queries; `block_indices` int32, as `msa::forward` takes it."""
+    queries, in documents (fragments) of at least `min_segment_queries` queries; `block_indices`
+    int32, as `msa::forward` takes it."""
     groups = query_groups(block_indices, documents, num_keys, block_size,
-                          group_tokens(num_heads, block_indices.shape[0]))
+                          group_tokens(num_heads, block_indices.shape[0]), min_segment_queries)
     return QueryOuter(groups, block_indices, documents, 0, block_indices.shape[1])
 
 
+def min_segment_queries(num_heads: int, num_kv_heads: int, by_default: bool) -> int | None:
+    """The least queries of a document whose groups may run query-outer under the setting
+    (`torch_msa.settings.query_outer_setting`): 0 (any) when it is on; by default, where the
+    backend's forward runs the query-outer part `by_default`, the default's rule
+    (`torch_msa.plan.groups.default_min_queries`); None when no query-outer part runs.
+
+    Raises:
+        ValueError: an unknown setting.
+    """
+    setting = query_outer_setting()
+    if setting == "on":
+        return 0
+    if setting == "off" or not by_default:
+        return None
+    return default_min_queries(num_heads, num_kv_heads)
+
+
 def split_forward(q, block_indices, documents: Documents, num_keys: int, block_size: int, plan,
-                  check: Callable[[], None] | None = None,
+                  check: Callable[[], None] | None = None, by_default: bool = False,
                   ) -> tuple[torch.Tensor, torch.Tensor | Schedule | None, Callable[[int, int], dict] | None]:
     """How a backend's forward runs a call on queries `q [Tq, Hq, D]`, as `(block_indices, plan,
     window_arguments)` for `torch_msa.query_windows.forward_in_windows`.
 
-    Without `TORCH_MSA_QUERY_OUTER=1` (`torch_msa.settings.QUERY_OUTER_ENV`): the call's own, no
-    window arguments. With it: the KV-outer part's selection (`QueryGroups.kv_outer_indices`), no
-    plan, and per window the `query_outer` keyword of the backend's forward, which gives the
-    window its plan (`QueryOuter.kv_outer_plan`) once the window's query-outer kernel is queued:
-    a given plan restricted to the entries that part keeps (`restricted_plan`, no second sort),
-    or, without one, a plan of that part's selection. The groups are cut from the call's
-    documents: a query window's one-token fragments would make groups of one query. `check`,
-    when given, runs before the groups are built: a backend that may decline the inputs declines
-    there, not after building them.
+    Where no document of the call may run query-outer (`min_segment_queries`; the host bound
+    `documents.max_seqlen_q` below it): the call's own, no window arguments. Otherwise: the
+    KV-outer part's selection (`QueryGroups.kv_outer_indices`), no plan, and per window the
+    `query_outer` keyword of the backend's forward, which gives the window its plan
+    (`QueryOuter.kv_outer_plan`) once the window's query-outer kernel is queued: a given plan
+    restricted to the entries that part keeps (`restricted_plan`, no second sort), or, without
+    one, a plan of that part's selection. The groups are cut from the call's documents: a query
+    window's one-token fragments would make groups of one query. `check`, when given, runs before
+    the groups are built: a backend that may decline the inputs declines there, not after
+    building them. `by_default`: whether the backend runs its query-outer part without the
+    setting asking for it.
     """
-    if not query_outer_requested():
+    least = min_segment_queries(q.shape[1], block_indices.shape[0], by_default)
+    if least is None or documents.max_seqlen_q < least:
         return block_indices, plan, None
     if check is not None:
         check()
-    work = for_call(block_indices, documents, num_keys, block_size, q.shape[1])
+    work = for_call(block_indices, documents, num_keys, block_size, q.shape[1], least)
     if plan is not None:
         work = dataclasses.replace(work, call_plan=plan)
     return work.groups.kv_outer_indices, None, lambda start, stop: {"query_outer": work.window(start, stop)}

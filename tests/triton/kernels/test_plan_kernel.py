@@ -120,6 +120,13 @@ def test_query_groups_equal_the_reference_tables(case, tokens_per_group):
         strided = block_indices.transpose(0, 1).contiguous().transpose(0, 1)
         got = plan_kernel.query_groups(strided, documents, num_keys, block_size, tokens_per_group)
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    # Only documents of at least `least` queries list blocks: the longest alone, then none.
+    for least in (max(q_lens), max(q_lens) + 1):
+        bounded = build_query_groups(block_indices, documents, num_keys, block_size, tokens_per_group, least)
+        assert bool((bounded.group_blocks >= 0).any()) == (least == max(q_lens))
+        got = plan_kernel.query_groups(block_indices, documents, num_keys, block_size, tokens_per_group, least)
+        for name, a, b in zip(bounded._fields, got, bounded):
+            assert torch.equal(a, b), name
 
 
 def test_query_groups_list_a_block_for_the_queries_that_do_not_see_it_yet():
