@@ -178,11 +178,12 @@ def make_inputs(spec: ProblemSpec, shape: Shape, device: torch.device, selection
     )
 
 
-def query_outer(inputs: Inputs) -> QueryOuterWork:
-    """The work the plan's query-outer rule takes of the problem's selection (`torch_msa.selection_stats`)."""
+def query_outer(inputs: Inputs, min_segment_queries: int = 0) -> QueryOuterWork:
+    """The work the plan's query-outer rule takes of the problem's selection (`torch_msa.selection_stats`),
+    in documents of at least `min_segment_queries` queries."""
     documents = Documents(inputs.cu_seqlens, inputs.cu_seqlens, inputs.max_seqlen, inputs.max_seqlen)
     return query_outer_work(inputs.block_indices, documents, inputs.spec.tokens, inputs.shape.query_heads,
-                            inputs.shape.block_size)
+                            inputs.shape.block_size, min_segment_queries)
 
 
 def describe_sharing(inputs: Inputs) -> str:

@@ -25,9 +25,9 @@ part; no backward runs); or with `--step`, the whole training step: that forward
   KV-outer with its distribution-free 95% interval (`median_interval`), and the verdict
   (`verdict`): `within` when the interval lies at or below `1 + GATE`, `slower` when it lies
   above, `undecided` when it straddles it;
-- `q-outer`: the share of (token, slot) pairs the plan's rule sends query-outer; `max diff`: the
-  largest difference between the two settings' outputs (bf16 rounding: the partials merge in
-  another order).
+- `q-outer`: the share of (token, slot) pairs the plan's rule sends query-outer under the setting
+  timed; `max diff`: the largest difference between the two settings' outputs (bf16 rounding: the
+  partials merge in another order).
 
 CUDA only, and the forward must resolve to a backend with a query-outer part (`triton`, `sm90`).
 """
@@ -199,7 +199,15 @@ def measure(spec: ProblemSpec, shape: Shape, selection: str, device: torch.devic
     for _ in range(WARMUPS):  # the first calls compile the kernels
         kv_out, query_out = kv_outer(), query_outer()
     difference = (query_out.detach().float() - kv_out.detach().float()).abs().max().item()
-    row = {"problem": spec.name, "selection": selection, "query_outer_share": query_outer_work(inputs).entries,
+    from torch_msa.stages.query_outer import min_segment_queries  # imports triton
+
+    # The bound the setting puts on the documents whose groups run query-outer; the `sm90` forward
+    # alone runs its part by default (`torch_msa.sm90.interface`).
+    by_default = torch_msa.resolve("forward", device).name == "sm90"
+    least = with_query_outer_setting(
+        lambda: min_segment_queries(shape.query_heads, shape.kv_heads, by_default), setting)()
+    share = 0.0 if least is None else query_outer_work(inputs, least).entries
+    row = {"problem": spec.name, "selection": selection, "query_outer_share": share,
            "max_difference": difference,
            # The setting changes outside the timed window: patching the environment costs the host
            # about 0.1 ms, which would pull both arms' times, and so their ratio, toward each other.

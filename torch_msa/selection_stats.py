@@ -192,20 +192,21 @@ class QueryOuterWork:
 
 
 def query_outer_work(block_indices: torch.Tensor, documents: Documents, num_keys: int, num_heads: int,
-                     block_size: int = 128) -> QueryOuterWork:
+                     block_size: int = 128, min_segment_queries: int = 0) -> QueryOuterWork:
     """How much of `block_indices` the plan's rule (`torch_msa.plan.groups`) runs query-outer.
 
     Args:
         block_indices: int `[Hkv, Tq, topk]`, the op contract's selection.
         documents: its documents; num_keys: `Tk`; num_heads: `Hq`, which sizes the groups;
-        block_size: keys per block.
+        block_size: keys per block; min_segment_queries: the rule's bound on the documents
+            whose groups it takes (`build_query_groups`).
 
     Returns:
         A `QueryOuterWork`; computing it syncs with the host.
     """
     size = group_tokens(num_heads, block_indices.shape[0])
     block_indices = block_indices.to(torch.int32)
-    groups = build_query_groups(block_indices, documents, num_keys, block_size, size)
+    groups = build_query_groups(block_indices, documents, num_keys, block_size, size, min_segment_queries)
     position = documents.locate(block_indices.shape[1], num_keys).position
     valid = valid_entries(block_indices, position, block_size)
     q_outer = valid & (groups.kv_outer_indices < 0)

@@ -252,6 +252,9 @@ def test_query_outer_work_summarises_the_rule():
     entries = 16 * 1 + 48 * 2 + 1  # the first block's queries select block 0 alone
     passes = 2 * 8 * 1 + 5 * 8 * 2 + 8 * 3
     assert work.tile_fill == pytest.approx(entries / passes)
+    # Bounded to documents of more queries than this one has, the rule takes none of it.
+    assert query_outer_work(block_indices, documents_of(cu_q, cu_k), 64, num_heads=16, block_size=16,
+                            min_segment_queries=65).entries == 0.0
 
 
 @pytest.mark.parametrize("given_plan", [True, False], ids=["call-plan", "no-plan"])
