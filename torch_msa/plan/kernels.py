@@ -369,7 +369,7 @@ def _item_tables(item_ptr, items_per_bucket, bucket_start, bucket_end, item_buck
 
 
 def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
-    """`torch_msa.plan.schedule.with_items` (same arguments, same tables) in three launches."""
+    """`torch_msa.plan.schedule.with_items` (same arguments, same tables) in two launches."""
     num_buckets = schedule.bucket_head.numel()
     item_bound = max_items(schedule.entry_query.numel(), num_buckets, entries_per_item)
     sizes = (num_buckets, num_buckets, item_bound, item_bound, item_bound, 1)
