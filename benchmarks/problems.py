@@ -178,6 +178,22 @@ def make_inputs(spec: ProblemSpec, shape: Shape, device: torch.device, selection
     )
 
 
+QUERY_OUTER_BACKENDS = ("triton", "sm90")
+"""The forwards with a query-outer part; the `sm90` one runs it by default (`torch_msa.sm90.interface`)."""
+
+
+def query_outer_bound(device: torch.device, shape: Shape) -> int | None:
+    """The least queries of a document whose groups the forward `device` resolves to runs
+    query-outer under the current `TORCH_MSA_QUERY_OUTER`
+    (`torch_msa.stages.query_outer.min_segment_queries`); None where it runs none."""
+    backend = torch_msa.resolve("forward", device).name
+    if backend not in QUERY_OUTER_BACKENDS:
+        return None
+    from torch_msa.stages.query_outer import min_segment_queries  # imports triton
+
+    return min_segment_queries(shape.query_heads, shape.kv_heads, by_default=backend == "sm90")
+
+
 def query_outer(inputs: Inputs, min_segment_queries: int = 0) -> QueryOuterWork:
     """The work the plan's query-outer rule takes of the problem's selection (`torch_msa.selection_stats`),
     in documents of at least `min_segment_queries` queries."""
@@ -188,14 +204,18 @@ def query_outer(inputs: Inputs, min_segment_queries: int = 0) -> QueryOuterWork:
 
 def describe_sharing(inputs: Inputs) -> str:
     """The selection's union statistics (`torch_msa.selection_stats`): blocks per 8-token group and
-    per 128-token tile, the share of (token, slot) pairs in blocks the whole group selects, and the
-    work the plan's rule runs query-outer."""
+    per 128-token tile, the share of (token, slot) pairs in blocks the whole group selects, the
+    work the plan's rule runs query-outer, and how much of it the forward runs so under the
+    current `TORCH_MSA_QUERY_OUTER` (`query_outer_bound`)."""
     groups = {size: selection_sharing(inputs.block_indices, inputs.cu_seqlens, group_size=size,
                                       block_size=inputs.shape.block_size).overall for size in (8, 128)}
     parts = [f"{size}-token groups read {stats.union_mean:.1f} blocks (p90 {stats.union_p90:.0f}), "
              f"{stats.shared_pairs:.0%} of their (token, slot) pairs shared" for size, stats in groups.items()]
     q_outer = query_outer(inputs)
+    bound = query_outer_bound(inputs.q.device, inputs.shape)
+    ran = 0.0 if bound is None else query_outer(inputs, bound).entries
     return (f"{inputs.selection} selection: " + "; ".join(parts)
             + f"; block 0 in {groups[8].block0:.0%} of the rows with a choice; the plan's query-outer rule takes "
             f"{q_outer.entries:.0%} of the pairs ({q_outer.group_size}-token tiles {q_outer.tile_fill:.0%} full, "
-            f"{q_outer.rows_without_combine:.0%} of the rows left without a combine)")
+            f"{q_outer.rows_without_combine:.0%} of the rows left without a combine); as TORCH_MSA_QUERY_OUTER is "
+            f"set, the forward runs {ran:.0%} of the pairs query-outer")

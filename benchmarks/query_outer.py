@@ -48,7 +48,15 @@ from torch_msa.contract import M3, Shape
 from . import command, trained_selection
 from .cli import parse_heads
 from .msa import with_query_outer_setting
-from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_pack, parse_seqlens
+from .problems import (
+    QUERY_OUTER_BACKENDS,
+    SELECTIONS,
+    ProblemSpec,
+    make_inputs,
+    parse_pack,
+    parse_seqlens,
+    query_outer_bound,
+)
 from .problems import query_outer as query_outer_work
 from .timing import capture_graph
 
@@ -56,7 +64,6 @@ GATE = 0.02
 """How much slower than the KV-outer forward the query-outer one may be and still be the default."""
 CONFIDENCE = 0.95
 WARMUPS = 3
-QUERY_OUTER_BACKENDS = ("triton", "sm90")
 
 
 def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -199,13 +206,7 @@ def measure(spec: ProblemSpec, shape: Shape, selection: str, device: torch.devic
     for _ in range(WARMUPS):  # the first calls compile the kernels
         kv_out, query_out = kv_outer(), query_outer()
     difference = (query_out.detach().float() - kv_out.detach().float()).abs().max().item()
-    from torch_msa.stages.query_outer import min_segment_queries  # imports triton
-
-    # The bound the setting puts on the documents whose groups run query-outer; the `sm90` forward
-    # alone runs its part by default (`torch_msa.sm90.interface`).
-    by_default = torch_msa.resolve("forward", device).name == "sm90"
-    least = with_query_outer_setting(
-        lambda: min_segment_queries(shape.query_heads, shape.kv_heads, by_default), setting)()
+    least = with_query_outer_setting(lambda: query_outer_bound(device, shape), setting)()
     share = 0.0 if least is None else query_outer_work(inputs, least).entries
     row = {"problem": spec.name, "selection": selection, "query_outer_share": share,
            "max_difference": difference,

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -181,9 +182,27 @@ def test_the_sharing_note_gives_the_work_the_query_outer_rule_takes():
     # 8 query heads over 2 KV heads: 32-token groups, inside the tiled selection's 64-token tiles.
     note = describe_sharing(make_inputs(ProblemSpec((256,)), SMALL, CPU, "tiled", seed=0))
     assert "the plan's query-outer rule takes 100% of the pairs (32-token tiles 100% full, 100% of the rows" in note
+    assert "the forward runs 0% of the pairs query-outer" in note  # the reference forward has no such part
     note = describe_sharing(make_inputs(ProblemSpec((1024,)), SMALL, CPU, "index", seed=0))
     share = int(note.split("query-outer rule takes ")[1].split("%")[0])
     assert 0 < share < 100, note
+
+
+@pytest.mark.parametrize(("setting", "runs"), [(None, False), ("1", True), ("0", False)])
+def test_the_sharing_note_gives_the_work_the_forward_runs_query_outer(setting, runs, monkeypatch):
+    """Where the forward resolves to `sm90`: by default none in a 1024-query document (the
+    default's bound is 8192 queries at M3's heads), all the rule takes with `1`, none with `0`."""
+    from torch_msa.settings import QUERY_OUTER_ENV
+
+    monkeypatch.setattr(torch_msa, "resolve", lambda op, device: types.SimpleNamespace(name="sm90"))
+    if setting is None:
+        monkeypatch.delenv(QUERY_OUTER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(QUERY_OUTER_ENV, setting)
+    inputs = make_inputs(ProblemSpec((1024,)), M3, CPU, "tiled", seed=0)
+    note = describe_sharing(inputs)
+    assert "the plan's query-outer rule takes 100% of the pairs" in note
+    assert f"the forward runs {100 if runs else 0}% of the pairs query-outer" in note, note
 
 
 def test_the_query_outer_subject_times_the_forward_and_step_with_the_query_outer_part(monkeypatch):
