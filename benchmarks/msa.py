@@ -19,8 +19,10 @@
   with the dense peers' `synced fwd+bwd`. The index selection only: `msa_attention` selects from
   the index inputs.
 
-With `--query-outer`, `torch_msa q-outer` times `fwd` and `select+fwd+bwd` again with the
-forward's query-outer part (`TORCH_MSA_QUERY_OUTER=1` set around each call).
+`torch_msa` runs under the caller's `TORCH_MSA_QUERY_OUTER` (unset: the default, whose Hopper
+forward runs its query-outer part in documents of at least 8192 queries on H100s). With
+`--query-outer`, `torch_msa q-outer` times `fwd` and `select+fwd+bwd` again with the forward's
+query-outer part in every document (`TORCH_MSA_QUERY_OUTER=1` set around each call).
 
 Whichever backend the registry resolves serves the ops. The pure-PyTorch reference is an oracle,
 not a fast path: on CUDA its phases are skipped above `max_reference_tokens` tokens so that a

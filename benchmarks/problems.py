@@ -179,19 +179,20 @@ def make_inputs(spec: ProblemSpec, shape: Shape, device: torch.device, selection
 
 
 QUERY_OUTER_BACKENDS = ("triton", "sm90")
-"""The forwards with a query-outer part; the `sm90` one runs it by default (`torch_msa.sm90.interface`)."""
+"""The forwards with a query-outer part."""
 
 
 def query_outer_bound(device: torch.device, shape: Shape) -> int | None:
     """The least queries of a document whose groups the forward `device` resolves to runs
     query-outer under the current `TORCH_MSA_QUERY_OUTER`
-    (`torch_msa.stages.query_outer.min_segment_queries`); None where it runs none."""
+    (`torch_msa.stages.query_outer.segment_bound`); None where it runs none."""
     backend = torch_msa.resolve("forward", device).name
     if backend not in QUERY_OUTER_BACKENDS:
         return None
-    from torch_msa.stages.query_outer import min_segment_queries  # imports triton
+    from torch_msa.sm90.common import runs_query_outer_by_default
+    from torch_msa.stages.query_outer import segment_bound  # imports triton
 
-    return min_segment_queries(shape.query_heads, shape.kv_heads, by_default=backend == "sm90")
+    return segment_bound(shape.query_heads, by_default=backend == "sm90" and runs_query_outer_by_default(device))
 
 
 def query_outer(inputs: Inputs, min_segment_queries: int = 0) -> QueryOuterWork:

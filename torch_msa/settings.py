@@ -4,10 +4,11 @@ import os
 
 QUERY_OUTER_ENV = "TORCH_MSA_QUERY_OUTER"
 """How the SM90 and Triton forwards use their query-outer part (`torch_msa/stages/README.md`):
-unset or `auto`, the default: the SM90 forward runs query-outer the query groups the plan's rule
-picks in the documents the default's rule admits (`torch_msa.plan.groups.default_min_queries`),
-the Triton forward none; `1` (true, yes, on): both forwards, in every document and at every head
-layout; `0` (false, no, off): neither."""
+unset or `auto`, the default: the SM90 forward, on the GPUs the default was measured on
+(`torch_msa.sm90.common.runs_query_outer_by_default`), runs query-outer the query groups the
+plan's rule picks in the documents the default's rule admits
+(`torch_msa.plan.groups.default_min_queries`), the Triton forward none; `1` (true, yes, on):
+both forwards, in every document and at every head layout; `0` (false, no, off): neither."""
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

@@ -82,6 +82,6 @@ def test_a_document_longer_than_the_trained_ones_runs_as_a_pack_of_trained_lengt
     assert query_outer.problem_for(ProblemSpec((trained,)), "trained") == ProblemSpec((trained,))
 
 
-def test_a_row_names_what_it_times():
+def test_a_row_refuses_an_unknown_mode_by_name():
     with pytest.raises(ValueError, match=r"mode: expected one of \('forward', 'autograd', 'step'\), got 'backward'"):
         query_outer.measure(ProblemSpec((1024,)), None, "index", None, 6, 0, mode="backward")

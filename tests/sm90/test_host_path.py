@@ -282,18 +282,20 @@ def test_the_sm90_forward_declines_before_building_the_query_groups(monkeypatch)
     assert built == []
 
 
-@pytest.mark.parametrize(("setting", "heads", "max_seqlen", "least"), [
-    (None, (HEADS, KV_HEADS), 8192, 8192), ("auto", (HEADS, KV_HEADS), 40000, 8192),
-    (None, (HEADS, KV_HEADS), 8191, None), (None, (16, 1), 65536, None), (None, (128, 8), 8192, 8192),
-    ("0", (HEADS, KV_HEADS), 65536, None), ("off", (HEADS, KV_HEADS), 65536, None),
-    ("1", (HEADS, KV_HEADS), 64, 0), ("yes", (16, 1), 64, 0),
+@pytest.mark.parametrize(("setting", "heads", "max_seqlen", "measured", "least"), [
+    (None, (HEADS, KV_HEADS), 8192, True, 8192), ("auto", (HEADS, KV_HEADS), 40000, True, 8192),
+    (None, (HEADS, KV_HEADS), 8191, True, None), (None, (16, 1), 65536, True, None),
+    (None, (128, 8), 8192, True, 8192), (None, (HEADS, KV_HEADS), 65536, False, None),
+    ("0", (HEADS, KV_HEADS), 65536, True, None), ("off", (HEADS, KV_HEADS), 65536, True, None),
+    ("1", (HEADS, KV_HEADS), 64, True, 0), ("yes", (16, 1), 64, False, 0),
 ])
 def test_by_default_the_sm90_forward_runs_query_outer_in_long_documents_at_m3_heads(monkeypatch, setting, heads,
-                                                                                     max_seqlen, least):
+                                                                                     max_seqlen, measured, least):
     """Unset or `auto`, the setting runs the query-outer part where the default's rule admits it
-    (`torch_msa.plan.groups.default_min_queries`): the call builds groups, bounded to documents of
-    8192 queries, only when its longest may be that long; `1` builds them for every document,
-    `0` never. The Triton forward builds none unless asked."""
+    (`torch_msa.plan.groups.default_min_queries`), on a GPU it was measured on (`measured`): the
+    call builds groups, bounded to documents of 8192 queries, only when its longest may be that
+    long; `1` builds them for every document on any GPU, `0` never. The Triton forward builds none
+    unless asked."""
     from torch_msa.settings import QUERY_OUTER_ENV
     from torch_msa.sm90 import interface
     from torch_msa.stages import query_outer
@@ -303,6 +305,7 @@ def test_by_default_the_sm90_forward_runs_query_outer_in_long_documents_at_m3_he
     for module in (interface, triton_interface):
         monkeypatch.setattr(module, "forward_in_windows", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(interface, "runs_query_outer_by_default", lambda device: measured)
     if setting is None:
         monkeypatch.delenv(QUERY_OUTER_ENV, raising=False)
     else:
@@ -328,6 +331,21 @@ def test_by_default_the_sm90_forward_runs_query_outer_in_long_documents_at_m3_he
     with contextlib.suppress(Built):
         triton_interface.forward(*args)
     assert built == ([0] if least == 0 else [])
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("NVIDIA H100 80GB HBM3", True), ("NVIDIA H100 PCIe", True), ("NVIDIA H200", False), ("NVIDIA GH200 480GB", False),
+])
+def test_the_default_runs_the_query_outer_part_on_the_gpus_it_was_measured_on(name, expected, monkeypatch):
+    from torch_msa.sm90 import common
+
+    common._measured_device.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: name)
+    try:
+        assert common.runs_query_outer_by_default(torch.device("cuda", 0)) == expected
+        assert not common.runs_query_outer_by_default(torch.device("cpu"))
+    finally:
+        common._measured_device.cache_clear()
 
 
 def test_an_unknown_query_outer_setting_is_refused_by_name(monkeypatch):

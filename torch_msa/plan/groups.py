@@ -25,10 +25,9 @@ documents (fragments) of at least this many queries: below, the host work the qu
 adds to a call outweighs what it saves on the device (`docs/performance.md`, "The default")."""
 
 DEFAULT_MIN_QUERY_HEADS = 64
-DEFAULT_MIN_HEAD_GROUP = 16
-"""By default the query-outer part runs only with at least `DEFAULT_MIN_QUERY_HEADS` query heads
-and at least `DEFAULT_MIN_HEAD_GROUP` of them per KV head (M3's 64 over 4): with fewer rows per
-token it saves too little to pay for its host work."""
+"""By default the query-outer part runs only with at least this many query heads (M3's 64): with
+fewer rows per token (16 query heads over 1 KV head was measured) it saves too little to pay for
+its host work."""
 
 
 class QueryGroups(NamedTuple):
@@ -86,14 +85,14 @@ def group_ids(num_queries: int, num_segments: int, tokens_per_group: int) -> int
     return (num_queries + tokens_per_group - 1) // tokens_per_group + max(0, num_segments)
 
 
-def default_min_queries(num_heads: int, num_kv_heads: int) -> int | None:
+def default_min_queries(num_heads: int) -> int | None:
     """The least queries of a document (fragment) whose groups the default's rule may take at
-    `num_heads` query heads over `num_kv_heads`; None where the default runs no query-outer part.
+    `num_heads` query heads; None where the default runs no query-outer part.
 
     A document's own length decides, never the call's: a document's output is the same alone and
     packed with others.
     """
-    if num_heads < DEFAULT_MIN_QUERY_HEADS or num_heads < DEFAULT_MIN_HEAD_GROUP * max(1, num_kv_heads):
+    if num_heads < DEFAULT_MIN_QUERY_HEADS:
         return None
     return DEFAULT_MIN_SEGMENT_QUERIES
 

@@ -3,6 +3,7 @@ operands, and the host path around their own tensors (`step_schedule`, `blocks_o
 `compile_blocks`, `launch`).
 """
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -24,6 +25,26 @@ LN_2 = math.log(2)
 # The backward's dQ layout per (token, KV head): [128 / 8 dim groups, 16 heads, 8 dims], so a
 # warp's 8-byte fragment stores fill contiguous bytes without bank conflicts (README.md).
 DQ_DIM_GROUP = 8
+
+
+QUERY_OUTER_DEFAULT_DEVICES = ("H100",)
+"""The GPUs (substrings of their names) on which the forward runs its query-outer part by default:
+those the default's rule was measured on (`docs/performance.md`, "The default"). On an H200 the
+part was last measured before its host work was cut, 1.7-4.5% slower; there it runs only when
+`TORCH_MSA_QUERY_OUTER=1` asks."""
+
+
+def runs_query_outer_by_default(device: torch.device) -> bool:
+    """Whether the forward on `device` runs its query-outer part without the setting asking for it
+    (`QUERY_OUTER_DEFAULT_DEVICES`)."""
+    return device.type == "cuda" and _measured_device(torch.cuda.current_device() if device.index is None
+                                                      else device.index)
+
+
+@functools.cache
+def _measured_device(index: int) -> bool:
+    name = torch.cuda.get_device_name(index)
+    return any(model in name for model in QUERY_OUTER_DEFAULT_DEVICES)
 
 
 def check_served(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int) -> None:

@@ -198,7 +198,7 @@ def for_call(block_indices, documents: Documents, num_keys: int, block_size: int
     return QueryOuter(groups, block_indices, documents, 0, block_indices.shape[1])
 
 
-def min_segment_queries(num_heads: int, num_kv_heads: int, by_default: bool) -> int | None:
+def segment_bound(num_heads: int, by_default: bool) -> int | None:
     """The least queries of a document whose groups may run query-outer under the setting
     (`torch_msa.settings.query_outer_setting`): 0 (any) when it is on; by default, where the
     backend's forward runs the query-outer part `by_default`, the default's rule
@@ -212,7 +212,7 @@ def min_segment_queries(num_heads: int, num_kv_heads: int, by_default: bool) -> 
         return 0
     if setting == "off" or not by_default:
         return None
-    return default_min_queries(num_heads, num_kv_heads)
+    return default_min_queries(num_heads)
 
 
 def split_forward(q, block_indices, documents: Documents, num_keys: int, block_size: int, plan,
@@ -221,7 +221,7 @@ def split_forward(q, block_indices, documents: Documents, num_keys: int, block_s
     """How a backend's forward runs a call on queries `q [Tq, Hq, D]`, as `(block_indices, plan,
     window_arguments)` for `torch_msa.query_windows.forward_in_windows`.
 
-    Where no document of the call may run query-outer (`min_segment_queries`; the host bound
+    Where no document of the call may run query-outer (`segment_bound`; the host bound
     `documents.max_seqlen_q` below it): the call's own, no window arguments. Otherwise: the
     KV-outer part's selection (`QueryGroups.kv_outer_indices`), no plan, and per window the
     `query_outer` keyword of the backend's forward, which gives the window its plan
@@ -233,7 +233,7 @@ def split_forward(q, block_indices, documents: Documents, num_keys: int, block_s
     building them. `by_default`: whether the backend runs its query-outer part without the
     setting asking for it.
     """
-    least = min_segment_queries(q.shape[1], block_indices.shape[0], by_default)
+    least = segment_bound(q.shape[1], by_default)
     if least is None or documents.max_seqlen_q < least:
         return block_indices, plan, None
     if check is not None:
