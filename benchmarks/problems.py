@@ -214,7 +214,8 @@ def describe_sharing(inputs: Inputs) -> str:
              f"{stats.shared_pairs:.0%} of their (token, slot) pairs shared" for size, stats in groups.items()]
     q_outer = query_outer(inputs)
     bound = query_outer_bound(inputs.q.device, inputs.shape)
-    ran = 0.0 if bound is None else query_outer(inputs, bound).entries
+    # With the setting on (bound 0) the forward runs what the rule takes: no second build.
+    ran = 0.0 if bound is None else q_outer.entries if bound == 0 else query_outer(inputs, bound).entries
     return (f"{inputs.selection} selection: " + "; ".join(parts)
             + f"; block 0 in {groups[8].block0:.0%} of the rows with a choice; the plan's query-outer rule takes "
             f"{q_outer.entries:.0%} of the pairs ({q_outer.group_size}-token tiles {q_outer.tile_fill:.0%} full, "
