@@ -4,9 +4,11 @@ Times `msa::backward` (whichever backend the registry resolves: on H100 / H200 w
 extra the `sm90` kernel by default and its deterministic variant under
 `torch.use_deterministic_algorithms(True)`, elsewhere the Triton backend's atomic and
 deterministic kernels) at M3 shapes on the benchmark's inputs, and prints per length the two medians, their effective
-TF/s and the deterministic backward's share of the default one's speed (the target is >= 50%).
-`--kl` also times the index branch's sparse KL loss on the same inputs (`indexer_kl_loss` on the
-forward's lse and the selection, then its gradients to the index inputs) with and without
+TF/s and the deterministic backward's share of the default one's speed. `--step` also times the
+training step (`sparse_attention` with its plan built in the call, then `torch.autograd.grad` of a
+fixed output gradient) both ways, whose share has the target (at least 70%). `--kl` also times the
+index branch's sparse KL loss on the same inputs (`indexer_kl_loss` on the forward's lse and the
+selection, then its gradients to the index inputs) with and without
 deterministic algorithms (the Triton backend's atomic and deterministic KL kernels on CUDA).
 `--profile` adds the device time of each kernel of one call of each (torch.profiler);
 `--sweep` times the deterministic backward once per candidate launch configuration of its dQ
@@ -78,6 +80,19 @@ def _sweep(backward_arguments, device, warmup, iters):
         print(f"          dQ kernel stages={stages} warps={warps} block_n={block_n:<4} {ms}")
 
 
+def _attention_step(inputs):
+    """One training step of the attention: the forward with its plan built in the call, then the
+    gradients to q, k and v; q, k, v made leaves in the call, as a step's activations are."""
+
+    def step():
+        q, k, v = (x.detach().requires_grad_() for x in (inputs.q, inputs.k, inputs.v))
+        out = torch_msa.sparse_attention(q, k, v, inputs.block_indices, *inputs.document_args,
+                                         block_size=M3.block_size)
+        return torch.autograd.grad(out, (q, k, v), inputs.grad_out)
+
+    return step
+
+
 def _kl_step(inputs, lse):
     """One step of the sparse KL loss: the loss and its gradients to the index inputs."""
     index_q = inputs.index_q.detach().requires_grad_()
@@ -100,6 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--warmup", type=command.at_least(0), default=3)
     parser.add_argument("--iters", type=command.at_least(1), default=10)
+    parser.add_argument("--step", action="store_true", help="also time the training step (forward and backward)")
     parser.add_argument("--kl", action="store_true", help="also time the sparse KL loss's forward and backward")
     parser.add_argument("--profile", action="store_true", help="print each kernel's device time of one call")
     parser.add_argument("--sweep", action="store_true",
@@ -134,6 +150,13 @@ def main(argv=None) -> int:
         for deterministic, name in ((False, "default"), (True, "deterministic")):
             for kernel, ms in kernels.get(deterministic, []):
                 print(f"          {name:>13} {ms:9.3f} ms  {kernel[:100]}")
+        if args.step:
+            step, step_times = _attention_step(inputs), {}
+            for deterministic in (False, True):
+                with deterministic_algorithms(deterministic):
+                    step_times[deterministic] = measure(step, device, args.warmup, args.iters).median_ms
+            print(f"{'step':>7} {step_times[False]:>11.3f} {'':>6} {step_times[True]:>17.3f} {'':>6} "
+                  f"{step_times[False] / step_times[True]:>11.0%}")
         if args.kl:
             kl_step, kl_times = _kl_step(inputs, lse), {}
             for deterministic in (False, True):
