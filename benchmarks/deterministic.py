@@ -10,6 +10,10 @@ fixed output gradient) both ways, whose share has the target (at least 70%). `--
 index branch's sparse KL loss on the same inputs (`indexer_kl_loss` on the forward's lse and the
 selection, then its gradients to the index inputs) with and without
 deterministic algorithms (the Triton backend's atomic and deterministic KL kernels on CUDA).
+`--error` also prints how far each backward's dQ lies from an fp32 backward's (`msa::backward` on
+the inputs in fp32: the Triton kernels in full fp32 on CUDA), per (query, head) row as its largest
+error over its largest |dQ|, over the rows whose largest |dQ| is at least a thousandth of the median
+row's (a query that sees one key alone has dQ = 0, where any rounding is an infinite share).
 `--profile` adds the device time of each kernel of one call of each (torch.profiler);
 `--sweep` times the deterministic backward once per candidate launch configuration of its dQ
 kernel, pinned in place of the tuned list (for retuning on a new device).
@@ -80,6 +84,28 @@ def _sweep(backward_arguments, device, warmup, iters):
         print(f"          dQ kernel stages={stages} warps={warps} block_n={block_n:<4} {ms}")
 
 
+def _dq_error_line(dq_by_mode, backward_arguments) -> str:
+    """Median, p99 and max over rows of each dQ's largest error as a share of the row's largest
+    |dQ| in the fp32 backward, and the same for that dQ rounded to the inputs' dtype; rows whose
+    largest |dQ| is below a thousandth of the median row's are left out."""
+    fp32_arguments = tuple(x.float() if torch.is_tensor(x) and x.is_floating_point() else x
+                           for x in backward_arguments)
+    want = torch.ops.msa.backward(*fp32_arguments)[0]
+    row_scale = want.abs().amax(dim=-1).flatten()
+    rows = row_scale >= row_scale.median() / 1000
+
+    def quantiles(dq):
+        share = ((dq.float() - want).abs().amax(dim=-1).flatten() / row_scale)[rows]
+        # torch.quantile takes at most 2**24 values.
+        sample = share[torch.linspace(0, share.numel() - 1, min(share.numel(), 1 << 24), device=share.device).long()]
+        median, p99 = torch.quantile(sample, torch.tensor([0.5, 0.99], device=share.device)).tolist()
+        return f"{median:.1e} / {p99:.1e} / {share.max().item():.1e}"
+
+    rounded = want.to(dq_by_mode[False].dtype)
+    parts = [f"{name} {quantiles(dq_by_mode[mode])}" for mode, name in ((False, "default"), (True, "deterministic"))]
+    return f"{'dQ error':>7} (median / p99 / max of a row's, vs fp32): {', '.join(parts)}, fp32 rounded {quantiles(rounded)}"
+
+
 def _attention_step(inputs):
     """One training step of the attention: the forward with its plan built in the call, then the
     gradients to q, k and v; q, k, v made leaves in the call, as a step's activations are."""
@@ -118,6 +144,7 @@ def main(argv=None) -> int:
     parser.add_argument("--step", action="store_true", help="also time the training step (forward and backward)")
     parser.add_argument("--kl", action="store_true", help="also time the sparse KL loss's forward and backward")
     parser.add_argument("--profile", action="store_true", help="print each kernel's device time of one call")
+    parser.add_argument("--error", action="store_true", help="also print each backward's dQ error against fp32's")
     parser.add_argument("--sweep", action="store_true",
                         help="time the deterministic backward with each candidate configuration of its dQ kernel")
     args = parser.parse_args(argv)
@@ -164,6 +191,13 @@ def main(argv=None) -> int:
                     kl_times[deterministic] = measure(kl_step, device, args.warmup, args.iters).median_ms
             print(f"{'KL loss':>7} {kl_times[False]:>11.3f} {'':>6} {kl_times[True]:>17.3f} {'':>6} "
                   f"{kl_times[False] / kl_times[True]:>11.0%}")
+        if args.error:
+            dq_by_mode = {}
+            for deterministic in (False, True):
+                with deterministic_algorithms(deterministic):
+                    dq_by_mode[deterministic] = backward()[0]
+            print(_dq_error_line(dq_by_mode, backward_arguments))
+            del dq_by_mode
         if args.sweep:
             _sweep(backward_arguments, device, args.warmup, args.iters)
         del inputs, out, lse, backward_arguments

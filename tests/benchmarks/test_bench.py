@@ -243,16 +243,23 @@ def test_the_sharing_command_prints_each_regimes_union_and_query_outer_work(caps
     assert skewed.split()[-3:] == ["100.0%", "100.0%", "100.0%"], skewed
 
 
-def test_the_deterministic_command_times_the_step_both_ways(capsys, one_thread):
+def test_the_deterministic_command_times_the_step_both_ways_and_measures_dq_against_fp32(capsys, one_thread):
     from benchmarks import deterministic
 
     assert deterministic.main(["--device", "cpu", "--seqlens", "64", "--warmup", "0", "--iters", "1",
-                               "--step"]) == 0
-    header, backward, step = capsys.readouterr().out.strip().splitlines()[1:]
+                               "--step", "--error"]) == 0
+    header, backward, step, error = capsys.readouterr().out.strip().splitlines()[1:]
     assert "speed share" in header and backward.split()[0] == "64"
     label, default_ms, deterministic_ms, share = step.split()
     assert label == "step" and float(default_ms) > 0 and float(deterministic_ms) > 0
     assert share == f"{float(default_ms) / float(deterministic_ms):.0%}"
+    assert error.startswith("dQ error")
+    shares = re.findall(r"(default|deterministic|fp32 rounded) ([\d.e+-]+) / ([\d.e+-]+) / ([\d.e+-]+)", error)
+    assert [name for name, *_ in shares] == ["default", "deterministic", "fp32 rounded"], error
+    for name, *quantiles in shares:
+        median, p99, largest = map(float, quantiles)
+        # bf16 rounds to 2**-9 of a value; nothing beyond that moves dQ here.
+        assert 0 < median <= p99 <= largest < 2**-7, (name, error)
 
 
 def test_the_frontend_command_times_every_call_on_stubs_and_leaves_the_registry_as_it_was(capsys):

@@ -5,8 +5,9 @@ one-token documents, an Lq < Lk pack, a skewed selection (hot blocks split over 
 NaN in one document, grad_lse, bf16 and fp16, query fragments, given plans of any item size, a
 16K document against the Triton backward, CUDA-graph replay, a whole training step under
 `torch.compile(fullgraph=True)`, `torch.library.opcheck`, dispatch through `torch.ops.msa.backward`,
-bitwise-reproducible deterministic mode and its batch invariance (a document alone and packed).
-Skipped without such a GPU or the CuTe DSL.
+bitwise-reproducible deterministic mode (its fixed-point dQ against the reference on the same
+layouts, on any grid, exactly scaled with the output gradient, NaN kept in its document) and its
+batch invariance (a document alone and packed). Skipped without such a GPU or the CuTe DSL.
 """
 
 import math
@@ -44,10 +45,11 @@ def _problem(q_lens, k_lens, dtype=torch.bfloat16, selection="random", seed=0, w
     return (grad_out, q, k, v, out.to(dtype), lse, blocks, cu_q, cu_k, max_q, max_k), grad_lse
 
 
-def _sm90(args, grad_lse=None, plan=None, *fragment_tensors):
-    from torch_msa.sm90.backward_host import backward
+def _sm90(args, grad_lse=None, plan=None, *fragment_tensors, deterministic=False):
+    from torch_msa.sm90 import backward_deterministic, backward_host
 
-    return backward(*backend_arguments("backward", *args, BLOCK, SCALE, grad_lse, plan, *fragment_tensors))
+    host = backward_deterministic if deterministic else backward_host
+    return host.backward(*backend_arguments("backward", *args, BLOCK, SCALE, grad_lse, plan, *fragment_tensors))
 
 
 def _reference(args, grad_lse=None, *fragment_tensors):
@@ -70,11 +72,15 @@ def _check(got, want, rows=None):
         assert error < 2e-2, f"{name}: relative error {error:.2e}"
 
 
+DETERMINISTIC = pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+
+
+@DETERMINISTIC
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @REFERENCE_LAYOUTS
-def test_matches_reference(q_lens, k_lens, dtype):
+def test_matches_reference(q_lens, k_lens, dtype, deterministic):
     args, _ = _problem(q_lens, k_lens, dtype)
-    _check(_sm90(args), _reference(args))
+    _check(_sm90(args, deterministic=deterministic), _reference(args))
 
 
 def test_grad_lse_enters_delta():
@@ -97,14 +103,15 @@ def test_junk_ids_are_ignored():
     _check(_sm90(args), _reference(args))
 
 
-def test_nan_in_one_document_stays_there():
+@DETERMINISTIC
+def test_nan_in_one_document_stays_there(deterministic):
     """A NaN document's neighbours, whose last key blocks run into its keys, stay finite and exact."""
     lens = [200, 300, 333]
     args, _ = _problem(lens, lens, seed=3)
     want = _reference(args)
     for x in args[:4]:
         x[200:500] = math.nan
-    got = _sm90(args)
+    got = _sm90(args, deterministic=deterministic)
     clean = torch.cat([torch.arange(0, 200), torch.arange(500, 833)]).cuda()
     _check(got, want, rows={"dq": clean, "dk": clean, "dv": clean})
     assert torch.isnan(got[0][200:500]).all()
@@ -207,8 +214,8 @@ def test_deterministic_gradients_of_a_document_are_bitwise_the_same_alone_and_pa
 
 def test_deterministic_mode_is_bitwise_reproducible(monkeypatch):
     """Under `torch.use_deterministic_algorithms(True)` the backend serves its deterministic variant
-    (the kernel without dQ storing dK/dV per item, the Triton reduction and query-outer dQ): two
-    runs agree bit for bit, and with the reference; the skewed selection splits hot blocks."""
+    (the kernel adding dQ in fixed point and storing dK/dV per item, the Triton reduction and cast):
+    two runs agree bit for bit, and with the reference; the skewed selection splits hot blocks."""
     import torch_msa
 
     monkeypatch.delenv(torch_msa.BACKEND_ENV, raising=False)
@@ -223,6 +230,31 @@ def test_deterministic_mode_is_bitwise_reproducible(monkeypatch):
     for a, b in zip(first, second):
         assert torch.equal(a, b)
     _check(first, _reference(args))
+
+
+def test_deterministic_bits_do_not_depend_on_the_grid(monkeypatch):
+    """Three CTAs walk the items in another order and interleaving than one per SM: the fixed-point
+    dQ sums and the item-ordered dK/dV come out the same."""
+    from torch_msa.sm90 import backward_host
+
+    args, _ = _problem([1500, 700], [1500, 700], selection="skewed", seed=13)
+    full = _sm90(args, deterministic=True)
+    monkeypatch.setattr(backward_host, "sm_count", lambda device: 3)
+    few = _sm90(args, deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv"), full, few):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("exponent", [40, -40])
+def test_deterministic_gradients_scale_exactly_with_the_output_gradient(exponent):
+    """The row scales follow the output gradient by its power of two, so the fixed-point sums are
+    the same integers and every gradient scales exactly."""
+    args, _ = _problem([1100, 300], [1100, 300], seed=14)
+    grad_out, *rest = args
+    base = _sm90(args, deterministic=True)
+    scaled = _sm90((grad_out * 2.0**exponent, *rest), deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv"), base, scaled):
+        assert torch.isfinite(a).all() and torch.equal(a * 2.0**exponent, b), name
 
 
 def test_training_step_compiles_into_one_graph(monkeypatch):

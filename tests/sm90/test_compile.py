@@ -201,16 +201,28 @@ def test_backward_sass_has_hgmma_and_no_spills(sm90_backward_build):
     assert not re.findall(r"\b(STL|LDL)\b", sass)
 
 
+# The deterministic variant rounds each of a thread's dQ values (2 rows x 32 dims of its
+# warpgroup's 64 x 64 share) to an integer.
+DQ_ROUNDINGS = 2 * 32 // 2
+
+
 @requires_cute
-def test_deterministic_backward_has_no_dq_and_no_atomics(sm90_deterministic_build):
-    """The variant that serves deterministic mode: S^T, dP^T, dV and dK only; dK/dV stored, never
-    added."""
+def test_deterministic_backward_adds_dq_in_fixed_point_and_stores_dk_dv(sm90_deterministic_build):
+    """The variant that serves deterministic mode: the default's five GEMMs; dQ rounded to int32
+    (round to nearest) and added by the integer bulk reduce, whose sums do not depend on the
+    order; dK/dV stored, never added."""
     ptx = _listing(sm90_deterministic_build, ".ptx")
     ss = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+,", ptx)
     rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{[^}]*\}, %rd\d+,", ptx)
-    assert (len(ss), len(rs)) == (2 * K_STEPS, BACKWARD_RS_STEPS)
-    assert not re.findall(r"\b(atom|red)\.", ptx) and "cp.reduce.async.bulk" not in ptx
-    assert not re.findall(r"\b(STL|LDL)\b", _listing(sm90_deterministic_build, ".sass"))
+    assert (len(ss), len(rs)) == (BACKWARD_SS_STEPS, BACKWARD_RS_STEPS)
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u32") == BACKWARD_BULK_REDUCES
+    assert ptx.count("cp.reduce.async.bulk") == BACKWARD_BULK_REDUCES
+    assert ptx.count("cvt.rni.s32.f32") == DQ_ROUNDINGS
+    assert not re.findall(r"\b(atom|red)\.", ptx)
+    sass = _listing(sm90_deterministic_build, ".sass")
+    # The integer add is the instruction's unsuffixed form.
+    assert re.findall(r"\bUBLKRED\.G\.S\.ADD[.\w]*", sass) == ["UBLKRED.G.S.ADD"] * BACKWARD_BULK_REDUCES
+    assert not re.findall(r"\b(STL|LDL)\b", sass)
 
 
 # The teacher per tile: each thread's 2 key rows x 4 tokens, each a quad sum of two butterfly

@@ -186,9 +186,11 @@ def test_backward_with_a_plan_launches_its_tensors_unconverted_after_a_few_aten_
     key_count = recorded.key_count[schedule.bucket_key_row.data_ptr()]
     teacher = call[9]  # not written by this variant: one row, for the launch's signature
     assert teacher.shape == (1, BLOCK) and teacher.dtype == torch.float16
-    _assert_schedule_passed(call, 10, schedule, key_count, [name for name, _, _ in SCHEDULE_OPERANDS])
+    assert call[10] is lse  # the fixed-point row scales' stand-in, unread by this variant
+    _assert_schedule_passed(call, 11, schedule, key_count, [name for name, _, _ in SCHEDULE_OPERANDS])
     grid = min(schedule.item_start.numel(), 132)
-    assert call[-4:] == (TOPK, pytest.approx(DIM**-0.5 * 1.4426950408889634), pytest.approx(DIM**-0.5), grid)
+    assert call[-5:] == (TOPK, pytest.approx(DIM**-0.5 * 1.4426950408889634), pytest.approx(DIM**-0.5),
+                         2.0**30 / TOPK, grid)
     assert (dq.dtype, dk.dtype, dv.dtype) == (torch.bfloat16,) * 3
     # dQ leaves the kernel's dim-grouped accumulator through the ungrouping cast.
     ungroup_acc, ungroup_dq, block_heads, width, _ = recorded.stage_args["ungroup_dq"]
@@ -202,18 +204,21 @@ def test_backward_with_a_plan_launches_its_tensors_unconverted_after_a_few_aten_
 
 
 @requires_cute
-def test_the_deterministic_variant_launches_its_workspace_rows(recorded):
+def test_the_deterministic_variant_launches_its_fixed_point_dq_and_workspace_rows(recorded):
     from torch_msa.sm90 import backward_host
 
     q, k, v, block_indices, cu_q, cu_k, plan, schedule = _inputs(recorded.key_count)
     items = schedule.item_start.numel()
     workspace = torch.zeros(2, items * BLOCK, DIM).unbind(0)
-    lse, delta = torch.zeros(2, TOKENS, HEADS).unbind(0)
+    lse, delta, dq_scale = torch.zeros(3, TOKENS, HEADS).unbind(0)
+    dq_acc = torch.zeros(TOKENS, HEADS, DIM, dtype=torch.int32)
     key_count = recorded.key_count[schedule.bucket_key_row.data_ptr()]
-    backward_host.launch_blocks(q, k, v, q, lse, delta, torch.empty(1, HEADS, DIM), *workspace, schedule, key_count,
-                                TOPK, DIM**-0.5, deterministic=True)
+    backward_host.launch_blocks(q, k, v, q, lse, delta, dq_acc, *workspace, schedule, key_count, TOPK, DIM**-0.5,
+                                dq_scale=dq_scale)
     (kernel,) = recorded.kernels
     assert kernel.kernel.deterministic and len(kernel.calls) == 1
+    call = kernel.calls[0]
+    assert call[6] is dq_acc and call[7] is workspace[0] and call[10] is dq_scale
 
 
 @requires_cute

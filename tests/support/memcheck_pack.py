@@ -9,7 +9,8 @@ memory access errors are reported either way.
 M3 heads, bf16; documents of 300, 0, 1, 1500, 129 tokens and one with Lq < Lk; 30% of the block
 ids replaced by random values in [-2^30, 2^30), repeats and ids far past every document. Runs the
 selection, the plan, the forward, the backward, the KL loss and the KL fused into the backward (the
-last three default and deterministic) and the forward's query-outer part;
+last three default and deterministic), the deterministic backward with NaN in the last document's
+output gradient, and the forward's query-outer part;
 then the same ops and the dense-support KL on query fragments of these documents with junk
 fragment fields (a document id out of range, a start past its document, a negative start).
 """
@@ -43,6 +44,15 @@ for deterministic in (False, True):
     torch.use_deterministic_algorithms(deterministic)
     out, lse = torch_msa.sparse_attention(q, k, v, bi, *docs, return_lse=True)
     (out.float().square().sum() + lse.sum()).backward()
+torch.use_deterministic_algorithms(False)
+# NaN in the last document's output gradient: the deterministic backward marks its rows, the last
+# of the fixed-point dQ's row scales among them.
+poisoned = torch.ones_like(q)
+poisoned[int(cu_q[-2]):] = float("nan")
+torch.use_deterministic_algorithms(True)
+out = torch_msa.sparse_attention(q, k, v, bi, *docs)
+(nan_grads,) = torch.autograd.grad(out, (q,), poisoned)
+assert torch.isnan(nan_grads[int(cu_q[-2]):]).all() and torch.isfinite(nan_grads[:int(cu_q[-2])]).all()
 torch.use_deterministic_algorithms(False)
 attn = torch_msa.msa_attention(q, k, v, iq, ik, *docs, return_lse=True, return_block_indices=True)
 for deterministic in (False, True):

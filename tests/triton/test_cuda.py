@@ -333,9 +333,9 @@ def _assert_matches_reference(got, args):
 def test_deterministic_backward_matches_reference_and_repeats_bitwise(layout, kind, backend, monkeypatch):
     """Under torch.use_deterministic_algorithms(True) the Triton backend serves the backward with
     its deterministic kernels, and the SM90 backend with its deterministic variant (the SM90 kernel
-    for dK/dV, the Triton reduction and dQ); no fallback warning: close to the reference, and
-    bitwise equal over repeated runs (the skewed selection splits block 0 of every document over
-    many items)."""
+    for dK/dV and the fixed-point dQ, the Triton reduction and cast); no fallback warning: close to
+    the reference, and bitwise equal over repeated runs (the skewed selection splits block 0 of
+    every document over many items)."""
     from torch_msa import sm90
 
     cuda = torch.device("cuda")

@@ -11,6 +11,7 @@ from ..cute_dsl import require_cute_dsl, sm_count
 from ..cute_dsl.cute_io import aligned_operand, launcher
 from ..stages.delta import compute_delta
 from ..stages.dq import ungroup_dq
+from ..stages.fixed_point_dq import share_cap
 from .common import (
     BLOCK_SIZE,
     DQ_DIM_GROUP,
@@ -94,35 +95,40 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
 
 def operands(num_kv_heads: int, deterministic: bool = False):
     """The kernel's tensor operands (`common.blocks_operands`). `deterministic`: dK/dV are
-    workspace rows `[items * 128, D]` and dq_acc is unread. The teacher is one unread row unless
-    the variant emits it."""
+    workspace rows `[items * 128, D]`, dq_acc holds int32 fixed-point sums and dq_scale their row
+    scales (otherwise unread). The teacher is one unread row unless the variant emits it."""
     num_heads = HEADS_PER_KV * num_kv_heads
     key_rows = (HEAD_DIM,) if deterministic else (num_kv_heads, HEAD_DIM)
     return blocks_operands(num_kv_heads, (
         ("grad_out", (num_heads, HEAD_DIM), None),
         ("lse", (num_heads,), torch.float32),
         ("delta", (num_heads,), torch.float32),
-        ("dq_acc", (num_heads, HEAD_DIM), torch.float32),
+        ("dq_acc", (num_heads, HEAD_DIM), torch.int32 if deterministic else torch.float32),
         ("dk_acc", key_rows, torch.float32),
         ("dv_acc", key_rows, torch.float32),
         ("teacher", (BLOCK_SIZE,), TEACHER_DTYPE),
+        ("dq_scale", (num_heads,), torch.float32),
     ))
 
 
 def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk,
-                  softmax_scale, deterministic: bool = False, teacher: torch.Tensor | None = None) -> None:
-    """Launch the blocks kernel: add every entry's dQ, dK, dV to the fp32 accumulators, or,
-    `deterministic`, store each item's dK/dV in its workspace rows; with `teacher`, also write it."""
+                  softmax_scale, teacher: torch.Tensor | None = None, dq_scale: torch.Tensor | None = None) -> None:
+    """Launch the blocks kernel: add every entry's dQ, dK, dV to the fp32 accumulators, or, with
+    `dq_scale` (the deterministic variant), add dQ in fixed point to the int32 `dq_acc`
+    (`torch_msa.stages.fixed_point_dq`; a marked row's scale becomes NaN) and store each item's
+    dK/dV in its workspace rows; with `teacher`, also write it."""
+    deterministic = dq_scale is not None
     emit_teacher = teacher is not None
     if teacher is None:
         teacher = torch.empty((1, BLOCK_SIZE), dtype=TEACHER_DTYPE, device=q.device)
     tensors = {
         "q": q, "k": k, "v": v, "grad_out": grad_out, "lse": lse, "delta": delta,
         "dq_acc": dq_acc, "dk_acc": dk_acc, "dv_acc": dv_acc, "teacher": teacher.view(-1, BLOCK_SIZE),
+        "dq_scale": lse if dq_scale is None else dq_scale,  # unread without it
     }
     num_kv_heads = k.shape[1]
     launch(_compiled(q.dtype, num_kv_heads, deterministic, emit_teacher), operands(num_kv_heads, deterministic), tensors,
-           schedule, key_count, topk, softmax_scale, (softmax_scale,), sm_count(q.device))
+           schedule, key_count, topk, softmax_scale, (softmax_scale, share_cap(topk)), sm_count(q.device))
 
 
 @functools.cache
@@ -148,5 +154,5 @@ def compile_blocks_kernel(
 
     return compile_blocks(
         Sm90BackwardKernel(num_kv_heads, deterministic, emit_teacher), operands(num_kv_heads, deterministic), dtype,
-        (cutlass.Float32(1.0),), arch, dump_dir, listings,  # its own scalar: softmax_scale
+        (cutlass.Float32(1.0), cutlass.Float32(1.0)), arch, dump_dir, listings,  # its own: softmax_scale, dq_share_cap
     )

@@ -1,16 +1,16 @@
 """The SM90 backward kernel (CuTe DSL, sm_90a): KV-outer, dK/dV accumulated on chip per item, dQ
-added by bulk reduce-add. Compile-time variants: `deterministic` (no dQ; dK/dV stored per item)
-and `emit_teacher` (also writes the index loss's teacher). Host side `backward_host.py`, design
-`README.md`.
+added by bulk reduce-add. Compile-time variants: `deterministic` (dQ added in fixed point, whose
+sums do not depend on the order; dK/dV stored per item) and `emit_teacher` (also writes the index
+loss's teacher). Host side `backward_host.py`, design `README.md`.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float16, Float32, Int32, Int64
+from cutlass import Boolean, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import warpgroup
 
 from ..cute_dsl.compat import SmemAllocator
-from ..cute_dsl.ptx import bulk_reduce_add_f32, red_add_f32x2
+from ..cute_dsl.ptx import bulk_reduce_add_f32, bulk_reduce_add_u32, red_add_f32x2, round_to_int32
 from .blocks_kernel import K_MAJOR, MN_MAJOR, BlocksKernel, thread_and_warp
 from .common import (
     BLOCK_SIZE,
@@ -57,13 +57,17 @@ class Sm90BackwardKernel(BlocksKernel):
         mdO: cute.Tensor,  # [Tq, Hq, 128]
         mLse: cute.Tensor,  # fp32 [Tq, Hq], natural log
         mDelta: cute.Tensor,  # fp32 [Tq, Hq]
-        mdQ: cute.Tensor,  # fp32 [Tq, Hq, 128], added to; dim-grouped (`DQ_DIM_GROUP`)
+        mdQ: cute.Tensor,  # [Tq, Hq, 128] added to, dim-grouped (`DQ_DIM_GROUP`): fp32, int32 if deterministic
         mdK: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
         mdV: cute.Tensor,  # fp32 [Tk, Hkv, 128], added to
         mTeacher: cute.Tensor,  # fp16 [Tq * Hkv * topk, 128], written with `emit_teacher`
-        *schedule_and_scalars,  # `BlocksKernel`: the schedule, then topk, scale_log2, softmax_scale, grid_size, stream
+        mDqScale: cute.Tensor,  # fp32 [Tq, Hq], deterministic: each row's fixed-point scale, NaN once marked
+        *schedule_and_scalars,  # `BlocksKernel`: the schedule, then topk, scale_log2, softmax_scale,
+        # dq_share_cap (deterministic: the largest scaled share), grid_size, stream
     ):
-        schedule, (topk, scale_log2, softmax_scale, grid_size, stream) = self.split_schedule(schedule_and_scalars)
+        schedule, (topk, scale_log2, softmax_scale, dq_share_cap, grid_size, stream) = self.split_schedule(
+            schedule_and_scalars
+        )
         self.dtype = mQ.element_type
         # sdp: S^T = K Q^T, dP^T = V dO^T; dkv: dV += P^T dO, dK += dS^T Q (A from registers); dq: dQ = dS K.
         mma_sdp = self.tiled_mma(K_MAJOR, (2, 1, 1), (KEYS_PER_WARPGROUP, TILE_ROWS))
@@ -79,22 +83,25 @@ class Sm90BackwardKernel(BlocksKernel):
         )
         tma_atom_dO, tma_dO = self.query_tma(mdO, token_rows)
         self.tile_bytes = 2 * cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        dq_element = Int32 if self.deterministic else Float32
         self.shared_storage = self.make_shared_storage(
             {"sK": sK_layout, "sV": sK_layout, "sQ": sQ_layout, "sdO": sQ_layout, "sdS": sdS_layout},
             {
-                "sdQ": cute.struct.Align[cute.struct.MemRange[Float32, TILE_ROWS * HEAD_DIM], 1024],
-                # Per row: lse (log2), delta, last visible key; one buffer per tile stage.
+                "sdQ": cute.struct.Align[cute.struct.MemRange[dq_element, TILE_ROWS * HEAD_DIM], 1024],
+                # Per row: lse (log2), delta, last visible key, dQ's fixed-point scale (deterministic);
+                # one buffer per tile stage.
                 "sLse": cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES],
                 "sDelta": cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES],
                 "sLast": cute.struct.MemRange[Int32, TILE_ROWS * TILE_STAGES],
+                "sScale": cute.struct.MemRange[Float32, TILE_ROWS * TILE_STAGES if self.deterministic else 1],
             },
             1,
             TILE_STAGES,
         )
         self.kernel(
             mma_sdp, mma_dkv, mma_dq, tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mLse, mDelta, mdQ, mdK, mdV, mTeacher, schedule, topk, scale_log2, softmax_scale, sQ_layout, sK_layout,
-            sdS_layout,
+            mLse, mDelta, mdQ, mdK, mdV, mTeacher, mDqScale, schedule, topk, scale_log2, softmax_scale, dq_share_cap,
+            sQ_layout, sK_layout, sdS_layout,
         ).launch(grid=(grid_size, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
@@ -117,10 +124,12 @@ class Sm90BackwardKernel(BlocksKernel):
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mTeacher: cute.Tensor,
+        mDqScale: cute.Tensor,
         schedule: ScheduleOperands,
         topk: Int32,
         scale_log2: Float32,
         softmax_scale: Float32,
+        dq_share_cap: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
@@ -142,6 +151,7 @@ class Sm90BackwardKernel(BlocksKernel):
         sLse = storage.sLse.get_tensor(rows_layout)
         sDelta = storage.sDelta.get_tensor(rows_layout)
         sLast = storage.sLast.get_tensor(rows_layout)
+        sScale = storage.sScale.get_tensor(rows_layout if self.deterministic else cute.make_layout((1, 1)))
         # Transposed views for the GEMMs that read these MN-major.
         sQt = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[1, 0, 2]))
         sdOt = cute.make_tensor(sdO.iterator, cute.select(sdO.layout, mode=[1, 0, 2]))
@@ -178,6 +188,7 @@ class Sm90BackwardKernel(BlocksKernel):
         cS = thr_sdp.partition_C(cute.make_identity_tensor((BLOCK_SIZE, TILE_ROWS)))
         cKV = thr_dkv.partition_C(cute.make_identity_tensor((BLOCK_SIZE, HEAD_DIM)))
         cQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_ROWS, HEAD_DIM)))
+        cQ_rc = cute.make_tensor(cQ.iterator, accumulator_rows_cols(cQ.layout))
         acc_S = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
         acc_dP = cute.make_rmem_tensor(cS.shape, self.acc_dtype)
         acc_dK = cute.make_rmem_tensor(cKV.shape, self.acc_dtype)
@@ -206,8 +217,8 @@ class Sm90BackwardKernel(BlocksKernel):
                 tile_load = load_token_tile(tile_pipeline, tile_load, tile_copies, items, item, item.start, self.num_kv_heads)
             if tidx >= THREADS - TILE_ROWS:
                 self.stage_row(
-                    sLse, sDelta, sLast, mLse, mDelta, items, item, item.start, tidx - (THREADS - TILE_ROWS),
-                    tile_read.index,
+                    sLse, sDelta, sLast, sScale, mLse, mDelta, mDqScale, items, item, item.start,
+                    tidx - (THREADS - TILE_ROWS), tile_read.index,
                 )
             cute.arch.barrier()
             acc_dK.fill(0.0)
@@ -220,8 +231,7 @@ class Sm90BackwardKernel(BlocksKernel):
                 # Read before the GEMMs, which hide the latency.
                 if cutlass.const_expr(self.emit_teacher):
                     teacher_row = self.teacher_row(items, first, item.end, item.kv_head)
-                if cutlass.const_expr(not self.deterministic):
-                    dq_offset = self.dq_offset(items, first, item.end, item.kv_head, warp)
+                dq_offset = self.dq_offset(items, first, item.end, item.kv_head, warp)
                 if warp == 0:
                     tile_load = load_next_tile(tile_pipeline, tile_load, tile_copies, items, item, tile, first, self.num_kv_heads)
                 stage = tile_read.index
@@ -246,8 +256,8 @@ class Sm90BackwardKernel(BlocksKernel):
                 if tidx >= THREADS - TILE_ROWS:
                     if tile + 1 < item.num_tiles:
                         self.stage_row(
-                            sLse, sDelta, sLast, mLse, mDelta, items, item, first + TOKENS_PER_TILE,
-                            tidx - (THREADS - TILE_ROWS), (stage + 1) % TILE_STAGES,
+                            sLse, sDelta, sLast, sScale, mLse, mDelta, mDqScale, items, item,
+                            first + TOKENS_PER_TILE, tidx - (THREADS - TILE_ROWS), (stage + 1) % TILE_STAGES,
                         )
                 warpgroup.wait_group(0)
 
@@ -277,29 +287,31 @@ class Sm90BackwardKernel(BlocksKernel):
                     self.store_teacher(mTeacher, s_rc, cS_rc, teacher_row)
 
                 if cutlass.const_expr(self.deterministic):
-                    # No dQ: one barrier, after every thread's GEMMs of the tile have completed.
-                    warpgroup.wait_group(0)
-                    cute.arch.barrier()
-                else:
-                    # dQ = dS K needs both warpgroups' dS: the tile's one CTA barrier.
-                    cute.copy(dS_store, dS_store.retile(rdS), dS_store.partition_D(sdSt[None, None, stage]))
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier()
-                    warpgroup.fence()
-                    mma_dq.set(warpgroup.Field.ACCUMULATE, False)
-                    for k in cutlass.range_constexpr(cute.size(tQrdS, mode=[2])):
-                        cute.gemm(mma_dq, acc_dQ, tQrdS[None, None, k, stage], tQrK[None, None, k, 0], acc_dQ)
-                        mma_dq.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+                    # Read before the barrier: once past it, the staging threads overwrite this
+                    # buffer with the rows of the tile after next.
+                    dq_row_scales = self.dq_row_scales(sScale, cQ_rc, stage)
+                # dQ = dS K needs both warpgroups' dS: the tile's one CTA barrier.
+                cute.copy(dS_store, dS_store.retile(rdS), dS_store.partition_D(sdSt[None, None, stage]))
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier()
+                warpgroup.fence()
+                mma_dq.set(warpgroup.Field.ACCUMULATE, False)
+                for k in cutlass.range_constexpr(cute.size(tQrdS, mode=[2])):
+                    cute.gemm(mma_dq, acc_dQ, tQrdS[None, None, k, stage], tQrK[None, None, k, 0], acc_dQ)
+                    mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
 
-                    # A warp's own dQ share: warp-level waits and fences suffice.
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    cute.arch.sync_warp()
+                # A warp's own dQ share: warp-level waits and fences suffice.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
+                if cutlass.const_expr(self.deterministic):
+                    self.store_fixed_point_dq(tdQsdQ, acc_dQ, cQ_rc, dq_row_scales, mDqScale, dq_offset, dq_share_cap)
+                else:
                     tdQsdQ.store(acc_dQ.load() * softmax_scale)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.sync_warp()
-                    self.reduce_dq(sdQ, mdQ, dq_offset, warp)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_warp()
+                self.reduce_dq(sdQ, mdQ, dq_offset, warp)
                 tile_pipeline.consumer_release(tile_read)
                 tile_read.advance()
 
@@ -316,10 +328,12 @@ class Sm90BackwardKernel(BlocksKernel):
 
     @cute.jit
     def stage_row(
-        self, sLse: cute.Tensor, sDelta: cute.Tensor, sLast: cute.Tensor, mLse: cute.Tensor, mDelta: cute.Tensor,
-        items: ItemScheduler, item: Item, first: Int32, row: Int32, buffer: Int32,
+        self, sLse: cute.Tensor, sDelta: cute.Tensor, sLast: cute.Tensor, sScale: cute.Tensor, mLse: cute.Tensor,
+        mDelta: cute.Tensor, mDqScale: cute.Tensor, items: ItemScheduler, item: Item, first: Int32, row: Int32,
+        buffer: Int32,
     ):
-        """Stage row `row` of the tile at entry `first`: lse (log2), delta, last visible key (-1: padding)."""
+        """Stage row `row` of the tile at entry `first`: lse (log2), delta, last visible key (-1:
+        padding) and, deterministic, dQ's fixed-point scale."""
         entry = first + row // HEADS_PER_KV
         last = Int32(-1)
         if entry < item.end:
@@ -332,6 +346,8 @@ class Sm90BackwardKernel(BlocksKernel):
                 row_lse = Float32(0.0)
             sLse[row, buffer] = row_lse
             sDelta[row, buffer] = mDelta[token, head]
+            if cutlass.const_expr(self.deterministic):
+                sScale[row, buffer] = mDqScale[token, head]
         sLast[row, buffer] = last
 
     @cute.jit
@@ -349,12 +365,56 @@ class Sm90BackwardKernel(BlocksKernel):
         return (warp // TOKENS_PER_TILE) * DQ_SHARE
 
     @cute.jit
+    def dq_row_scales(self, sScale: cute.Tensor, cQ_rc: cute.Tensor, stage: Int32) -> cute.Tensor:
+        """The fixed-point scales of this thread's dQ rows (`cQ_rc`'s), from stage `stage`."""
+        scales = cute.make_rmem_tensor((cute.size(cQ_rc, mode=[0]),), Float32)
+        for r in cutlass.range_constexpr(cute.size(cQ_rc, mode=[0])):
+            scales[r] = sScale[cQ_rc[r, 0][0], stage]
+        return scales
+
+    @cute.jit
+    def store_fixed_point_dq(
+        self, tdQsdQ: cute.Tensor, acc_dQ: cute.Tensor, cQ_rc: cute.Tensor, row_scales: cute.Tensor,
+        mDqScale: cute.Tensor, offset: Int64, share_cap: Float32,
+    ):
+        """Store this thread's part of the tile's dQ into the int32 tile `tdQsdQ`: each value times its
+        row's scale (`row_scales`, by `dq_row_scales`), rounded to nearest. A value beyond
+        `share_cap` or not finite stores 0 and marks its row: NaN in `mDqScale` (the row of warp
+        share `offset`; none if negative), which the final cast writes as a NaN row."""
+        shares = cute.make_rmem_tensor(acc_dQ.shape, Int32)
+        shares_rc = cute.make_tensor(shares.iterator, accumulator_rows_cols(shares.layout))
+        acc_rc = cute.make_tensor(acc_dQ.iterator, accumulator_rows_cols(acc_dQ.layout))
+        for r in cutlass.range_constexpr(cute.size(acc_rc, mode=[0])):
+            row = cQ_rc[r, 0][0]
+            scale = row_scales[r]
+            marked = Boolean(False)
+            for c in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
+                scaled = acc_rc[r, c] * scale
+                share = Int32(0)
+                # Written so that NaN fails it.
+                if scaled <= share_cap and scaled >= -share_cap:
+                    share = round_to_int32(scaled)
+                else:
+                    marked = Boolean(True)
+                shares_rc[r, c] = share
+            if marked and offset >= 0:
+                # Every writer writes the same NaN: the order does not matter.
+                # A share starts inside its token and KV head's 16-head block of dQ.
+                first_row = offset // (HEADS_PER_KV * HEAD_DIM) * HEADS_PER_KV
+                target = cute.make_tensor(mDqScale.iterator + first_row + row % HEADS_PER_KV, cute.make_layout(1))
+                target[0] = Float32(float("nan"))
+        tdQsdQ.store(shares.load())
+
+    @cute.jit
     def reduce_dq(self, sdQ: cute.Tensor, mdQ: cute.Tensor, offset: Int64, warp: Int32):
         """Bulk reduce-add warp `warp`'s dQ share at `offset` (none if negative); close its bulk group."""
         with cute.arch.elect_one():
             if offset >= 0:
                 source = (sdQ.iterator + (warp % TOKENS_PER_TILE) * HEADS_PER_KV * HEAD_DIM + self.dq_half(warp)).toint()
-                bulk_reduce_add_f32((mdQ.iterator + offset).toint(), source, Int32(DQ_SHARE * 4))
+                if cutlass.const_expr(self.deterministic):
+                    bulk_reduce_add_u32((mdQ.iterator + offset).toint(), source, Int32(DQ_SHARE * 4))
+                else:
+                    bulk_reduce_add_f32((mdQ.iterator + offset).toint(), source, Int32(DQ_SHARE * 4))
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit

@@ -299,7 +299,7 @@ def deterministic_begin(grad_out, q, k, v, out, lse, block_indices, documents, b
     if num_queries == 0 or num_keys == 0 or topk == 0:
         dq = torch.zeros(q.shape, dtype=q.dtype, device=device)
         return DeterministicBackward(q, k, v, grad_out, lse, lse, dq, dk, dv, block_indices, None, topk, shape_key, True)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=device)  # `query_dq` writes every row
+    dq = torch.empty(q.shape, dtype=q.dtype, device=device)  # the dQ stage writes every row
     q, k, v, grad_out, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad_out, out))
     delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
     compute_delta(grad_out, out, grad_lse, delta, shape_key)

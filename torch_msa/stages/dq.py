@@ -1,4 +1,5 @@
-"""The last stage of a backward whose dQ accumulator groups its dims: dQ in natural order."""
+"""The last stage of a backward whose dQ accumulator groups its dims: dQ in natural order, from fp32
+sums or from fixed-point ones (`fixed_point_dq.py`)."""
 
 import torch
 import triton
@@ -11,33 +12,47 @@ UNGROUP_CONFIGS = (LaunchConfig(num_stages=1, num_warps=4),)
 
 @cached_launches
 @triton.jit
-def msa_bwd_ungroup_dq_kernel(dq_acc, dq, HEADS: tl.constexpr, GROUPS: tl.constexpr, WIDTH: tl.constexpr):
+def msa_bwd_ungroup_dq_kernel(dq_acc, dq, row_scale, softmax_scale, HEADS: tl.constexpr, GROUPS: tl.constexpr,
+                              WIDTH: tl.constexpr, FIXED_POINT: tl.constexpr):
     # dq[head, group * WIDTH + w] = dq_acc[group, head, w] within a block of HEADS heads.
-    base = tl.program_id(0).to(tl.int64) * (HEADS * GROUPS * WIDTH)
+    block = tl.program_id(0).to(tl.int64)
+    base = block * (HEADS * GROUPS * WIDTH)
     head = tl.arange(0, HEADS)[:, None, None]
     group = tl.arange(0, GROUPS)[None, :, None]
     width = tl.arange(0, WIDTH)[None, None, :]
     values = tl.load(dq_acc + base + (group * HEADS + head) * WIDTH + width)
+    if FIXED_POINT:
+        # A power of two: the division is exact. A marked row's NaN scale makes the row NaN.
+        scale = tl.load(row_scale + block * HEADS + head)
+        values = tl.div_rn(values.to(tl.float32), scale) * softmax_scale
     tl.store(dq + base + (head * GROUPS + group) * WIDTH + width, values.to(dq.dtype.element_ty))
 
 
-def ungroup_dq(dq_acc: torch.Tensor, dq: torch.Tensor, block_heads: int, width: int, shape_key) -> None:
-    """Write `dq` from the fp32 `dq_acc`, whose blocks of `block_heads` consecutive heads of a token
-    are laid out `[D / width, block_heads, width]`.
+def ungroup_dq(dq_acc: torch.Tensor, dq: torch.Tensor, block_heads: int, width: int, shape_key,
+               row_scale: torch.Tensor | None = None, softmax_scale: float = 1.0) -> None:
+    """Write `dq` from `dq_acc`, whose blocks of `block_heads` consecutive heads of a token are laid
+    out `[D / width, block_heads, width]`.
 
     Args:
-        dq_acc: fp32 `[Tq, Hq, D]`, contiguous, `Hq` a multiple of `block_heads`; read.
+        dq_acc: `[Tq, Hq, D]`, contiguous, `Hq` a multiple of `block_heads`; read. fp32 sums, or,
+            with `row_scale`, int32 fixed-point ones.
         dq: `[Tq, Hq, D]`, contiguous, any float dtype; written in natural order.
         block_heads, width: powers of two, `width` dividing `D`.
         shape_key: the launch memo's key (`launch.launch`).
+        row_scale: None, or fp32 `[Tq, Hq]` contiguous, each row's fixed-point scale (a power of
+            two, or NaN for a row whose sum is not to be trusted): `dq = dq_acc / row_scale *
+            softmax_scale`.
     """
     num_queries, num_heads, dim = dq_acc.shape
     num_blocks = num_queries * (num_heads // block_heads)
     if num_blocks == 0:
         return
+    fixed_point = row_scale is not None
 
     def launch_ungroup(config):
-        msa_bwd_ungroup_dq_kernel[(num_blocks,)](dq_acc, dq, HEADS=block_heads, GROUPS=dim // width, WIDTH=width,
-                                                 **config.options)
+        msa_bwd_ungroup_dq_kernel[(num_blocks,)](
+            dq_acc, dq, row_scale if fixed_point else dq_acc, softmax_scale, HEADS=block_heads, GROUPS=dim // width,
+            WIDTH=width, FIXED_POINT=fixed_point, **config.options,
+        )
 
-    launch("msa_bwd_ungroup_dq_kernel", shape_key, UNGROUP_CONFIGS, launch_ungroup)
+    launch("msa_bwd_ungroup_dq_kernel", (*shape_key, fixed_point), UNGROUP_CONFIGS, launch_ungroup)
