@@ -15,8 +15,9 @@ the inputs in fp32: the Triton kernels in full fp32 on CUDA), per (query, head) 
 error over its largest |dQ|, over the rows whose largest |dQ| is at least a thousandth of the median
 row's (a query that sees one key alone has dQ = 0, where any rounding is an infinite share).
 `--profile` adds the device time of each kernel of one call of each (torch.profiler);
-`--sweep` times the deterministic backward once per candidate launch configuration of its dQ
-kernel, pinned in place of the tuned list (for retuning on a new device).
+`--sweep` times the Triton backend's deterministic backward once per candidate launch configuration
+of its query-outer dQ kernel, pinned in place of the tuned list (for retuning on a new device; the
+`sm90` one adds dQ in its own kernel).
 """
 
 import argparse
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="print each kernel's device time of one call")
     parser.add_argument("--error", action="store_true", help="also print each backward's dQ error against fp32's")
     parser.add_argument("--sweep", action="store_true",
-                        help="time the deterministic backward with each candidate configuration of its dQ kernel")
+                        help="time the Triton deterministic backward with each configuration of its dQ kernel")
     args = parser.parse_args(argv)
     seqlens = command.parsed(parser, parse_seqlens, args.seqlens)
     device = command.device(parser, args.device)

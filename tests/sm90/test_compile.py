@@ -201,9 +201,9 @@ def test_backward_sass_has_hgmma_and_no_spills(sm90_backward_build):
     assert not re.findall(r"\b(STL|LDL)\b", sass)
 
 
-# The deterministic variant rounds each of a thread's dQ values (2 rows x 32 dims of its
-# warpgroup's 64 x 64 share) to an integer.
-DQ_ROUNDINGS = 2 * 32 // 2
+# The deterministic variant rounds each of a thread's dQ values to an integer: its warpgroup's
+# 64 x 64 share over 128 threads (2 rows x 16 dims each).
+DQ_ROUNDINGS = 64 * 64 // 128
 
 
 @requires_cute

@@ -40,7 +40,7 @@ from torch_msa.index_loss import dense as kl_dense_kernel  # noqa: E402
 from torch_msa.index_loss import sparse as kl_kernel  # noqa: E402
 from torch_msa.plan import kernels as plan_kernels  # noqa: E402
 from torch_msa.plan.groups import group_tokens, max_group_blocks  # noqa: E402
-from torch_msa.stages import combine, delta, query_outer  # noqa: E402
+from torch_msa.stages import combine, delta, fixed_point_dq, query_outer  # noqa: E402
 from torch_msa.stages import deterministic as backward_deterministic_kernel  # noqa: E402
 from torch_msa.stages import dq as dq_stage  # noqa: E402
 from torch_msa.triton import backward as backward_kernel  # noqa: E402
@@ -108,6 +108,26 @@ def _backward_ungroup_dq(config):
     types = {"dq_acc": "*fp32", "dq": "*bf16", "row_scale": "*fp32", "softmax_scale": "fp32"}
     constants = dict(HEADS=GROUP, GROUPS=M3["dim"] // 8, WIDTH=8, FIXED_POINT=False)
     return dq_stage.msa_bwd_ungroup_dq_kernel, types, constants
+
+
+def _fixed_point_ungroup_dq(config):
+    fn, types, constants = _backward_ungroup_dq(config)
+    return fn, types | {"dq_acc": "*i32"}, constants | {"FIXED_POINT": True}
+
+
+def _key_maxima(config):
+    types = {"k": "*bf16", "v": "*bf16", "cu_seqlens_k": "*i32", "maxima": "*i32"}
+    constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], DIM=M3["dim"], BLOCK=M3["block_size"], ROWS=config.rows)
+    return fixed_point_dq.msa_bwd_key_maxima_kernel, types, constants
+
+
+def _dq_scale(config):
+    types = {"grad_out": "*bf16", "delta": "*fp32", "maxima": "*i32", "block_indices": "*i32", "dq_scale": "*fp32"}
+    types |= {name: "*i32" for name in ("cu_seqlens_q", "cu_seqlens_k", "fragment_documents", "fragment_starts")}
+    constants = dict(NUM_HEADS=M3["num_heads"], NUM_KV_HEADS=M3["num_kv_heads"], DIM=M3["dim"], BLOCK=M3["block_size"],
+                     TOPK=M3["topk"], TOPK_P2=M3["topk"], ROWS=config.rows, BOUND_BITS=26,
+                     MAX_EXPONENT=fixed_point_dq.MAX_EXPONENT, FRAGMENTS=True)
+    return fixed_point_dq.msa_bwd_dq_scale_kernel, types, constants
 
 
 def _backward_blocks(config):
@@ -258,6 +278,9 @@ KERNELS = {
     "msa_fwd_combine_kernel": (_forward_combine, combine.COMBINE_CONFIGS),
     "msa_bwd_delta_kernel": (_backward_delta, delta.DELTA_CONFIGS),
     "msa_bwd_ungroup_dq_kernel": (_backward_ungroup_dq, dq_stage.UNGROUP_CONFIGS),
+    "msa_bwd_ungroup_dq_kernel (fixed point)": (_fixed_point_ungroup_dq, dq_stage.UNGROUP_CONFIGS),
+    "msa_bwd_key_maxima_kernel": (_key_maxima, fixed_point_dq.MAXIMA_CONFIGS),
+    "msa_bwd_dq_scale_kernel": (_dq_scale, fixed_point_dq.SCALE_CONFIGS),
     "msa_bwd_blocks_kernel": (_backward_blocks, backward_kernel.BLOCKS_CONFIGS),
     "msa_bwd_blocks_kernel (deterministic)": (_deterministic_key_blocks, backward_kernel.DETERMINISTIC_BLOCKS_CONFIGS),
     "msa_bwd_key_reduce_kernel": (_deterministic_key_reduce, backward_deterministic_kernel.KEY_REDUCE_CONFIGS),

@@ -19,7 +19,8 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
              plan=None, teacher=None):
     """`backward_host.backward`'s contract (`teacher` and `UnsupportedInputs` included), bitwise
     reproducible. The kernel walks the step's plan in the workspace's own items
-    (`torch_msa.stages.deterministic.key_workspace`). A row whose dQ shares are not finite is NaN."""
+    (`torch_msa.stages.deterministic.key_workspace`). A row whose dQ shares are not finite, or whose
+    bound no fixed-point scale serves (`torch_msa.stages.fixed_point_dq.dq_scales`), is NaN."""
     check_inputs(grad_out, q, k, v, block_size)
     require_cute_dsl()
 
@@ -32,7 +33,8 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
     # TMA needs 16-byte aligned rows; the shared stages do not.
     aligned = [aligned_operand(x) for x in (state.q, state.k, state.v, state.grad_out)]
     key_count = bucket_key_count(schedule.bucket_key_row, documents.cu_seqlens_k, BLOCK_SIZE)
-    dq_scale = dq_scales(state.grad_out, state.delta, state.k, state.v, documents, state.topk, state.shape_key)
+    dq_scale = dq_scales(state.grad_out, state.delta, state.k, state.v, state.block_indices, documents, block_size,
+                         state.shape_key)
     dq_acc = torch.zeros(q.shape, dtype=torch.int32, device=q.device)
     launch_blocks(*aligned, state.lse, state.delta, dq_acc, state.workspace.dk_part, state.workspace.dv_part,
                   schedule, key_count, state.topk, softmax_scale, teacher=teacher, dq_scale=dq_scale)

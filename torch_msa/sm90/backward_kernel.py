@@ -39,7 +39,7 @@ THREADS = 256  # two MMA warpgroups
 CONSUMER_WARPS = THREADS // 32
 KEYS_PER_WARPGROUP = BLOCK_SIZE // 2
 TILE_STAGES = 2  # Q/dO: the next tile loads while this one is computed
-# A warp's share of a tile's dQ, in fp32 elements: its token's 16 heads x its warpgroup's 64 dims.
+# A warp's share of a tile's dQ, in 32-bit elements: its token's 16 heads x its warpgroup's 64 dims.
 DQ_SHARE = HEADS_PER_KV * HEAD_DIM // 2
 
 

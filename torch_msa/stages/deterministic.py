@@ -261,7 +261,8 @@ class DeterministicBackward(NamedTuple):
     """A deterministic backward between `begin` and `finish`.
 
     `q, k, v, grad_out` unit-stride in D, `lse` contiguous, `delta` fp32 `[Tq, Hq]` computed;
-    `dq, dk, dv` the gradients in the inputs' dtype (`dk`, `dv` zeroed, `dq` written by `finish`);
+    `dq, dk, dv` the gradients in the inputs' dtype (`dk`, `dv` zeroed, `dq` written by `finish`
+    or by the caller's own dQ stage);
     `empty`: no query, key or slot, the gradients are zeros and `workspace` is None. `shape_key`:
     the launch memo's key (`launch.launch`)."""
 

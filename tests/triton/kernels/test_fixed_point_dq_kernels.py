@@ -1,6 +1,6 @@
 """The stages of a dQ added in fixed point: each row's scale against a plain-torch oracle of its
-bound (every document's own keys, fragments, poison in one document), the bound against the
-reference's dQ, and the final cast.
+bound (the blocks it selects, each within its own document; fragments; poison in one block), the
+bound against the reference's dQ, and the final cast.
 
 Where and how they run: `tests/support/triton_kernels.py`.
 """
@@ -24,74 +24,80 @@ SCALE = D**-0.5
 def _problem(q_lens, k_lens, seed=0):
     generator = torch.Generator().manual_seed(seed)
     cu_q, cu_k, tq, tk, max_q, max_k = layout(q_lens, k_lens)
-    q = torch.randn(tq, HQ, D, generator=generator).to(DEVICE)
     k, v = (torch.randn(tk, HKV, D, generator=generator).to(DEVICE) for _ in range(2))
     grad_out = torch.randn(tq, HQ, D, generator=generator).to(DEVICE)
     delta = torch.randn(tq, HQ, generator=generator).to(DEVICE)
-    return q, k, v, grad_out, delta, Documents(cu_q, cu_k, max_q, max_k)
+    block_indices = testing.random_block_indices(cu_q, cu_k, HKV, TOPK, BLOCK, generator).to(DEVICE)
+    return k, v, grad_out, delta, block_indices, Documents(cu_q, cu_k, max_q, max_k)
 
 
-def _finite_norm(x):
-    x = torch.where(x.isfinite(), x, 0).double()
-    return x.norm(dim=-1)
+def _scales(grad_out, delta, k, v, block_indices, documents, key="scales"):
+    return dq_scales(grad_out, delta, k, v, block_indices, documents, BLOCK, (DEVICE, torch.float32, key))
 
 
-def _oracle_bound(grad_out, delta, k, v, documents):
-    """fp64 `[Tq, Hq]`: `2 (||dO|| max ||V|| + |delta|) max |K|` over the finite values of each row's
-    document (0 for a row no document covers)."""
+def _finite(x):
+    return torch.where(x.isfinite(), x, 0).double()
+
+
+def _oracle_bound(grad_out, delta, k, v, block_indices, documents):
+    """fp64 `[Tq, Hq]`: `2 (||dO|| max ||V|| + |delta|) max |K|`, the maxima over the finite values
+    of the blocks the row's selection holds and the row sees, each cut to the row's document (0 for
+    a row that sees none)."""
     num_queries = grad_out.shape[0]
     located = locate_queries(documents.cu_seqlens_q.cpu(), documents.cu_seqlens_k.cpu(), num_queries, k.shape[0],
                              *(None if x is None else x.cpu() for x in documents.fragments))
     cu_k = documents.cu_seqlens_k.tolist()
-    key_doc = {}
-    for doc in range(len(cu_k) - 1):
-        rows = slice(cu_k[doc], cu_k[doc + 1])
-        keys = k[rows].cpu().double()
-        key_max = torch.where(keys.isfinite(), keys.abs(), 0).amax(dim=(0, 2)) if keys.numel() else torch.zeros(HKV)
-        value_norm = _finite_norm(v[rows].cpu()).amax(dim=0) if keys.numel() else torch.zeros(HKV)
-        key_doc[cu_k[doc]] = (key_max, value_norm)
+    k, v, ids = _finite(k.cpu()), _finite(v.cpu()), block_indices.cpu()
+    norms = _finite(grad_out.cpu()).norm(dim=-1)
     bound = torch.zeros(num_queries, HQ, dtype=torch.float64)
-    norms = _finite_norm(grad_out.cpu())
-    heads_per_kv = HQ // HKV
     for token in range(num_queries):
-        if int(located.position[token]) < 0:
+        position, start = int(located.position[token]), int(located.key_start[token])
+        if position < 0:
             continue
-        key_max, value_norm = key_doc[int(located.key_start[token])]
-        for head in range(HQ):
-            kv = head // heads_per_kv
-            bound[token, head] = 2 * (norms[token, head] * value_norm[kv] + abs(float(delta[token, head]))) * key_max[kv]
+        end = min(cu_k[i + 1] for i in range(len(cu_k) - 1) if cu_k[i] == start)
+        for kv in range(HKV):
+            blocks = {int(b) for b in ids[kv, token] if 0 <= int(b) <= position // BLOCK}
+            rows = [r for b in blocks for r in range(start + b * BLOCK, min(start + (b + 1) * BLOCK, end))]
+            if not rows:
+                continue
+            key_max = k[rows, kv].abs().max()
+            value_norm = v[rows, kv].norm(dim=-1).max()
+            for head in range(kv * (HQ // HKV), (kv + 1) * (HQ // HKV)):
+                bound[token, head] = 2 * (norms[token, head] * value_norm + abs(float(delta[token, head]))) * key_max
     return bound
 
 
 def _check_scales(scales, bound, topk=TOPK):
-    """Each scale is a power of two that puts its row's bound in `[2**(bits - 1), 2**bits)` (fp32's
-    rounding of the bound aside); the largest for a bound too small, and for one past fp32's range
-    `2**(bits - 129)`, under which every finite share fits."""
+    """Each scale is a power of two that puts its row's bound in `[2**(bits - 1), 2**bits)`
+    (fp32's rounding of the maxima aside); the largest for a bound too small for that; NaN for one
+    that no scale serves."""
     bits = bound_bits(topk)
     scales = scales.cpu().double()
+    refused = bound >= 2.0 ** (bits + MAX_EXPONENT)
+    assert torch.isnan(scales[refused]).all() and not torch.isnan(scales[~refused]).any()
+    scales, bound = scales[~refused], bound[~refused]
     mantissa, _ = torch.frexp(scales)
     assert (mantissa == 0.5).all(), "a scale is not a power of two"
     assert ((scales >= 2.0**-MAX_EXPONENT) & (scales <= 2.0**MAX_EXPONENT)).all()
     scaled = bound * scales
     tiny = bound * 2.0**MAX_EXPONENT < 2.0 ** (bits - 1)
-    huge = bound > torch.finfo(torch.float32).max
     assert torch.equal(scales[tiny], torch.full_like(scales[tiny], 2.0**MAX_EXPONENT))
-    assert torch.equal(scales[huge], torch.full_like(scales[huge], 2.0 ** (bits - 129)))
-    usual = ~tiny & ~huge
-    assert usual.sum() > 0
-    assert (scaled[usual] < 2.0**bits * (1 + 1e-6)).all()
-    assert (scaled[usual] >= 2.0 ** (bits - 1) * (1 - 1e-6)).all()
+    assert (~tiny).sum() > 0
+    assert (scaled[~tiny] < 2.0**bits * (1 + 1e-6)).all()
+    assert (scaled[~tiny] >= 2.0 ** (bits - 1) * (1 - 1e-6)).all()
 
 
-def test_row_scales_follow_each_documents_own_bound():
-    """A pack with an empty, a one-token and an `Lq < Lk` document."""
-    q, k, v, grad_out, delta, documents = _problem([40, 0, 1, 30], [70, 5, 1, 90])
-    scales = dq_scales(grad_out, delta, k, v, documents, TOPK, (DEVICE, torch.float32, "scales"))
+def test_row_scales_follow_the_bound_of_the_blocks_each_row_selects():
+    """A pack with an empty, a one-token and an `Lq < Lk` document, and junk ids."""
+    k, v, grad_out, delta, block_indices, documents = _problem([40, 0, 1, 30], [70, 5, 1, 90])
+    block_indices[0, ::3, -1] = 1000
+    block_indices[1, 1::4, 0] = -7
+    scales = _scales(grad_out, delta, k, v, block_indices, documents)
     assert scales.shape == delta.shape and scales.dtype == torch.float32
-    _check_scales(scales, _oracle_bound(grad_out, delta, k, v, documents))
+    _check_scales(scales, _oracle_bound(grad_out, delta, k, v, block_indices, documents))
 
 
-def test_row_scales_of_fragments_read_their_documents_keys():
+def test_row_scales_of_fragments_read_their_documents_blocks():
     frag = testing.fragments((50, 30, 1), ((0, 10, 20), (1, 0, 30), (0, 30, 20), (2, 0, 1)), DEVICE)
     generator = torch.Generator().manual_seed(3)
     tq, tk = int(frag.cu_seqlens_q[-1]), int(frag.cu_seqlens_k[-1])
@@ -99,50 +105,59 @@ def test_row_scales_of_fragments_read_their_documents_keys():
     k[50:80] *= 64  # the second document's keys stand out
     grad_out = torch.randn(tq, HQ, D, generator=generator).to(DEVICE)
     delta = torch.randn(tq, HQ, generator=generator).to(DEVICE)
+    block_indices = testing.random_block_indices(frag.cu_seqlens_q, frag.cu_seqlens_k, HKV, TOPK, BLOCK, generator,
+                                                 *frag.tensors).to(DEVICE)
     documents = documents_of(frag.cu_seqlens_q, frag.cu_seqlens_k, *frag.tensors)
-    scales = dq_scales(grad_out, delta, k, v, documents, TOPK, (DEVICE, torch.float32, "fragments"))
-    _check_scales(scales, _oracle_bound(grad_out, delta, k, v, documents))
+    scales = _scales(grad_out, delta, k, v, block_indices, documents, "fragments")
+    _check_scales(scales, _oracle_bound(grad_out, delta, k, v, block_indices, documents))
 
 
-@pytest.mark.parametrize("poison", [float("nan"), float("inf"), 1e30])
-def test_one_documents_keys_move_no_other_documents_scales(poison):
-    """Non-finite keys are left out of their own document's bound too: the rows that see them get
-    non-finite shares, which the kernel marks; the rows before them keep a useful scale."""
-    q, k, v, grad_out, delta, documents = _problem([60, 50, 40], [60, 50, 40], seed=1)
-    key = (DEVICE, torch.float32, "poison")
-    clean = dq_scales(grad_out, delta, k, v, documents, TOPK, key)
-    k[80:90], v[85:95] = poison, poison
-    poisoned = dq_scales(grad_out, delta, k, v, documents, TOPK, key)
-    others = torch.cat([torch.arange(0, 60), torch.arange(110, 150)]).to(DEVICE)
-    assert torch.equal(poisoned[others], clean[others])
-    _check_scales(poisoned, _oracle_bound(grad_out, delta, k, v, documents))
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), 100.0, 1e30])
+def test_one_blocks_keys_move_only_the_rows_that_select_it(poison):
+    """Keys of block 1 of the second document made non-finite or outliers: the scales of every
+    other document, and of the rows of that document that do not select the block, stay as they
+    were. Non-finite values are left out of the bound (the rows that see them get non-finite
+    shares, which the kernel marks); an outlier of 1e30 leaves a bound no scale serves."""
+    k, v, grad_out, delta, block_indices, documents = _problem([60, 50, 40], [60, 50, 40], seed=1)
+    clean = _scales(grad_out, delta, k, v, block_indices, documents, "poison")
+    poisoned_keys = slice(60 + BLOCK + 2, 60 + BLOCK + 8)  # inside block 1 of the second document
+    k[poisoned_keys] *= poison
+    v[poisoned_keys] *= poison
+    poisoned = _scales(grad_out, delta, k, v, block_indices, documents, "poison")
+    selects = (block_indices.cpu() == 1).any(dim=-1).T.repeat_interleave(HQ // HKV, dim=1)  # [Tq, Hq]
+    selects[:60] = selects[110:] = False
+    assert torch.equal(poisoned[~selects.to(DEVICE)], clean[~selects.to(DEVICE)])
+    assert selects.any()
+    if poison == 100.0:  # the outlier loosens the bound of the rows that select its block
+        assert (poisoned[selects.to(DEVICE)] < clean[selects.to(DEVICE)]).all()
+    _check_scales(poisoned, _oracle_bound(grad_out, delta, k, v, block_indices, documents))
 
 
-def test_rows_with_a_non_finite_bound_take_a_scale_every_finite_share_fits():
-    q, k, v, grad_out, delta, documents = _problem([20], [20], seed=2)
+def test_a_non_finite_bound_refuses_its_row():
+    k, v, grad_out, delta, block_indices, documents = _problem([20], [20], seed=2)
     delta[3, 1] = float("nan")
-    grad_out[5, 2, 0] = float("inf")  # left out of the norm: the shares carry it
-    delta[7, 0] = 3e38
-    scales = dq_scales(grad_out, delta, k, v, documents, TOPK, (DEVICE, torch.float32, "rows"))
-    smallest = 2.0 ** (bound_bits(TOPK) - 129)
-    assert float(scales[3, 1]) == float(scales[7, 0]) == smallest
-    assert float(scales[5, 2]) > smallest
-    assert torch.finfo(torch.float32).max * smallest < share_cap(TOPK)
+    delta[4, 1] = float("inf")
+    grad_out[5, 2, 0] = float("inf")  # left out of the norm: the shares carry it, and the kernel marks them
+    delta[7, 0] = 3e38  # beyond fp32's product of the maxima, within fp64's: served
+    scales = _scales(grad_out, delta, k, v, block_indices, documents, "rows")
+    assert torch.isnan(scales[3, 1]) and torch.isnan(scales[4, 1])
+    assert not torch.isnan(scales[5, 2]) and 0 < float(scales[7, 0]) < 2.0**-100
+    assert torch.isfinite(scales[:3]).all()
 
 
 def test_the_bound_covers_the_references_dq():
     """Each row's scaled `|dQ| / softmax_scale`, the sum of its shares, stays below half the
     scaled bound, so that `topk` shares rounded to integers cannot pass `share_cap`."""
     q_lens = [100, 37]
-    q, k, v, grad_out, _, documents = _problem(q_lens, q_lens, seed=4)
-    block_indices = testing.random_block_indices(documents.cu_seqlens_q, documents.cu_seqlens_k, HKV, TOPK, BLOCK)
+    k, v, grad_out, _, block_indices, documents = _problem(q_lens, q_lens, seed=4)
+    q = torch.randn(grad_out.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     out, lse = reference.forward(q, k, v, block_indices, documents, BLOCK, SCALE)
     delta = (grad_out * out).sum(-1)
     dq, _, _ = reference.backward(grad_out, q, k, v, out, lse, block_indices, documents, BLOCK, SCALE)
-    scales = dq_scales(grad_out, delta, k, v, documents, TOPK, (DEVICE, torch.float32, "covers"))
+    scales = _scales(grad_out, delta, k, v, block_indices, documents, "covers")
     scaled = (dq / SCALE).abs().amax(dim=-1) * scales
     assert (scaled <= 2.0 ** (bound_bits(TOPK) - 1)).all()
-    assert (scaled > 2.0 ** (bound_bits(TOPK) - 12)).any(), "the bound is needlessly loose"
+    assert (scaled > 2.0 ** (bound_bits(TOPK) - 10)).any(), "the bound is needlessly loose"
     assert TOPK * 2.0 ** bound_bits(TOPK) <= 2.0**30 and share_cap(TOPK) == 2.0**30 / TOPK
 
 
