@@ -6,7 +6,11 @@ extra the `sm90` kernel by default and its deterministic variant under
 deterministic kernels) at M3 shapes on the benchmark's inputs, and prints per length the two medians, their effective
 TF/s and the deterministic backward's share of the default one's speed. `--step` also times the
 training step (`sparse_attention` with its plan built in the call, then `torch.autograd.grad` of a
-fixed output gradient) both ways, whose share has the target (at least 70%). `--kl` also times the
+fixed output gradient) both ways, whose share has the target (at least 70%), three ways: `step`,
+calls queued back to back and event-timed (the device's time where the host keeps ahead);
+`synced`, each call on an idle device and synchronised after it (what a loop that syncs pays, the
+host work included); on CUDA `graph`, the step captured in a CUDA graph and replayed (the
+kernels alone). `--kl` also times the
 index branch's sparse KL loss on the same inputs (`indexer_kl_loss` on the forward's lse and the
 selection, then its gradients to the index inputs) with and without
 deterministic algorithms (the Triton backend's atomic and deterministic KL kernels on CUDA).
@@ -14,6 +18,9 @@ deterministic algorithms (the Triton backend's atomic and deterministic KL kerne
 the inputs in fp32: the Triton kernels in full fp32 on CUDA), per (query, head) row as its largest
 error over its largest |dQ|, over the rows whose largest |dQ| is at least a thousandth of the median
 row's (a query that sees one key alone has dQ = 0, where any rounding is an infinite share).
+`--outlier C` multiplies K and V of each document's first key (the attention sink,
+where trained models' outlier activations sit) by `C` before anything runs: the case that widens
+the fixed-point dQ's bound of the rows that select that key's block.
 `--profile` adds the device time of each kernel of one call of each (torch.profiler);
 `--sweep` times the Triton backend's deterministic backward once per candidate launch configuration
 of its query-outer dQ kernel, pinned in place of the tuned list (for retuning on a new device; the
@@ -22,6 +29,7 @@ of its query-outer dQ kernel, pinned in place of the tuned list (for retuning on
 
 import argparse
 import contextlib
+import statistics
 import sys
 
 import torch
@@ -32,7 +40,8 @@ from torch_msa.contract import M3
 from torch_msa.ops import backend_arguments
 
 from . import command
-from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_seqlens
+from .problems import SELECTIONS, Inputs, ProblemSpec, make_inputs, parse_seqlens
+from .query_outer import graph_timer
 from .timing import free_memory, measure
 
 DEFAULT_SEQLENS = ("8K", "32K")
@@ -120,6 +129,26 @@ def _attention_step(inputs):
     return step
 
 
+def _step_ms(step, device: torch.device, deterministic: bool, timing: str, warmup: int, iters: int) -> float:
+    """The median of `iters` steps timed `timing`'s way (`step`, `synced` or `graph`: the module's
+    docstring), with deterministic algorithms `deterministic` (the graph captured under it)."""
+    with deterministic_algorithms(deterministic):
+        if timing == "graph":
+            replay = graph_timer(step, device)
+            times = [replay() for _ in range(iters)]
+            del replay
+            free_memory(device)
+            return statistics.median(times)
+        return measure(step, device, warmup, iters, synchronised=timing == "synced").median_ms
+
+
+def with_outlier_keys(inputs: Inputs, factor: float) -> None:
+    """Multiplies K and V of each document's first key by `factor`, in place."""
+    first_keys = inputs.cu_seqlens[:-1].long()
+    inputs.k[first_keys] *= factor
+    inputs.v[first_keys] *= factor
+
+
 def _kl_step(inputs, lse):
     """One step of the sparse KL loss: the loss and its gradients to the index inputs."""
     index_q = inputs.index_q.detach().requires_grad_()
@@ -146,6 +175,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kl", action="store_true", help="also time the sparse KL loss's forward and backward")
     parser.add_argument("--profile", action="store_true", help="print each kernel's device time of one call")
     parser.add_argument("--error", action="store_true", help="also print each backward's dQ error against fp32's")
+    parser.add_argument("--outlier", type=float, metavar="C",
+                        help="multiply K and V of each document's first key by C")
     parser.add_argument("--sweep", action="store_true",
                         help="time the Triton deterministic backward with each configuration of its dQ kernel")
     args = parser.parse_args(argv)
@@ -154,10 +185,13 @@ def main(argv=None) -> int:
     if args.sweep and device.type != "cuda":
         parser.error(f"--sweep times the Triton kernels: it needs a CUDA device, not {device}")
 
-    print(f"msa::backward, M3 shapes, bf16, {args.selection} selection, on {device}")
+    outlier = "" if args.outlier is None else f", first keys x{args.outlier:g}"
+    print(f"msa::backward, M3 shapes, bf16, {args.selection} selection{outlier}, on {device}")
     print(f"{'T':>7} {'default ms':>11} {'TF/s':>6} {'deterministic ms':>17} {'TF/s':>6} {'speed share':>12}")
     for length in seqlens:
         inputs = make_inputs(ProblemSpec((length,)), M3, device, args.selection, seed=0)
+        if args.outlier is not None:
+            with_outlier_keys(inputs, args.outlier)
         scale = M3.head_dim ** -0.5
         arguments = (inputs.q, inputs.k, inputs.v, inputs.block_indices, *inputs.document_args, M3.block_size, scale)
         out, lse = torch.ops.msa.forward(*arguments)
@@ -179,12 +213,12 @@ def main(argv=None) -> int:
             for kernel, ms in kernels.get(deterministic, []):
                 print(f"          {name:>13} {ms:9.3f} ms  {kernel[:100]}")
         if args.step:
-            step, step_times = _attention_step(inputs), {}
-            for deterministic in (False, True):
-                with deterministic_algorithms(deterministic):
-                    step_times[deterministic] = measure(step, device, args.warmup, args.iters).median_ms
-            print(f"{'step':>7} {step_times[False]:>11.3f} {'':>6} {step_times[True]:>17.3f} {'':>6} "
-                  f"{step_times[False] / step_times[True]:>11.0%}")
+            step = _attention_step(inputs)
+            for timing in ("step", "synced", "graph") if device.type == "cuda" else ("step", "synced"):
+                step_times = {deterministic: _step_ms(step, device, deterministic, timing, args.warmup, args.iters)
+                              for deterministic in (False, True)}
+                print(f"{timing:>7} {step_times[False]:>11.3f} {'':>6} {step_times[True]:>17.3f} {'':>6} "
+                      f"{step_times[False] / step_times[True]:>11.0%}")
         if args.kl:
             kl_step, kl_times = _kl_step(inputs, lse), {}
             for deterministic in (False, True):

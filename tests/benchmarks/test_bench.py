@@ -243,16 +243,33 @@ def test_the_sharing_command_prints_each_regimes_union_and_query_outer_work(caps
     assert skewed.split()[-3:] == ["100.0%", "100.0%", "100.0%"], skewed
 
 
+def test_the_deterministic_command_scales_each_documents_first_key(capsys, one_thread):
+    from benchmarks import deterministic
+
+    inputs = make_inputs(ProblemSpec((40, 24), pack=True), M3, torch.device("cpu"), "index", seed=0)
+    k, v = inputs.k.clone(), inputs.v.clone()
+    deterministic.with_outlier_keys(inputs, 8.0)
+    first, rest = [0, 40], [t for t in range(64) if t not in (0, 40)]
+    for name, before, after in (("k", k, inputs.k), ("v", v, inputs.v)):
+        assert torch.equal(after[first], before[first] * 8), name
+        assert torch.equal(after[rest], before[rest]), name
+    assert deterministic.main(["--device", "cpu", "--seqlens", "64", "--warmup", "0", "--iters", "1",
+                               "--outlier", "1000"]) == 0
+    assert "index selection, first keys x1000, on cpu" in capsys.readouterr().out.splitlines()[0]
+
+
 def test_the_deterministic_command_times_the_step_both_ways_and_measures_dq_against_fp32(capsys, one_thread):
     from benchmarks import deterministic
 
     assert deterministic.main(["--device", "cpu", "--seqlens", "64", "--warmup", "0", "--iters", "1",
                                "--step", "--error"]) == 0
-    header, backward, step, error = capsys.readouterr().out.strip().splitlines()[1:]
+    header, backward, *steps, error = capsys.readouterr().out.strip().splitlines()[1:]
     assert "speed share" in header and backward.split()[0] == "64"
-    label, default_ms, deterministic_ms, share = step.split()
-    assert label == "step" and float(default_ms) > 0 and float(deterministic_ms) > 0
-    assert share == f"{float(default_ms) / float(deterministic_ms):.0%}"
+    assert [step.split()[0] for step in steps] == ["step", "synced"]  # a CUDA graph only on CUDA
+    for step in steps:
+        _, default_ms, deterministic_ms, share = step.split()
+        assert float(default_ms) > 0 and float(deterministic_ms) > 0
+        assert share == f"{float(default_ms) / float(deterministic_ms):.0%}"
     assert error.startswith("dQ error")
     shares = re.findall(r"(default|deterministic|fp32 rounded) ([\d.e+-]+) / ([\d.e+-]+) / ([\d.e+-]+)", error)
     assert [name for name, *_ in shares] == ["default", "deterministic", "fp32 rounded"], error

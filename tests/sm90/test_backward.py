@@ -6,7 +6,8 @@ NaN in one document, grad_lse, bf16 and fp16, query fragments, given plans of an
 16K document against the Triton backward, CUDA-graph replay, a whole training step under
 `torch.compile(fullgraph=True)`, `torch.library.opcheck`, dispatch through `torch.ops.msa.backward`,
 bitwise-reproducible deterministic mode (its fixed-point dQ against the reference on the same
-layouts, on any grid, exactly scaled with the output gradient, NaN kept in its document) and its
+layouts, on any grid, exactly scaled with the output gradient, NaN kept in its document and in
+one row, as precise as the default beside an outlier key, replayed from a CUDA graph) and its
 batch invariance (a document alone and packed). Skipped without such a GPU or the CuTe DSL.
 """
 
@@ -117,6 +118,64 @@ def test_nan_in_one_document_stays_there(deterministic):
     assert torch.isnan(got[0][200:500]).all()
 
 
+@DETERMINISTIC
+def test_nan_in_one_output_gradient_row_stays_in_its_dq_row(deterministic):
+    """NaN in dO at one (query, head) makes that row of dQ NaN and no other: the fixed-point
+    variant refuses the row through its scale, leaving the rows it shares tiles and key blocks
+    with exact; the other document's dK and dV stay finite."""
+    args, _ = _problem([600, 500], [600, 500], seed=15)
+    grad_out, *rest = args
+    token, head = 450, 21
+    grad_out[token, head, 7] = math.nan
+    got = _sm90((grad_out, *rest), deterministic=deterministic)
+    want = _reference((grad_out, *rest))
+    nan_rows = torch.isnan(got[0]).any(dim=-1)
+    assert torch.isnan(got[0][token, head]).all()
+    assert nan_rows.sum().item() == 1, f"{nan_rows.sum().item()} rows of dq hold NaN, expected 1"
+    clean = ~nan_rows
+    error = (got[0][clean].float() - want[0][clean].float()).norm() / want[0][clean].float().norm()
+    assert error < 2e-2, f"dq: relative error {error:.2e}"
+    for name, grad in zip(("dk", "dv"), got[1:]):
+        assert torch.isfinite(grad[600:]).all(), f"{name} of the other document holds non-finite values"
+
+
+def test_deterministic_dq_keeps_its_precision_beside_an_outlier_key():
+    """A key 1000x the others in K and V widens the fixed-point bound of the rows that select its
+    block a millionfold: those rows, too coarse in fixed point, are recomputed query-outer, and the
+    others keep theirs (their bounds do not see the block). Either way each row's dQ lies as close
+    to fp32's as the default backward's."""
+    args, _ = _problem([1500, 600], [1500, 600], seed=16)
+    grad_out, q, k, v, out, lse, blocks, *documents = args
+    outlier, outlier_block = 1500 + 300, 300 // BLOCK  # in the second document
+    k, v = k.clone(), v.clone()
+    k[outlier] *= 1000
+    v[outlier] *= 1000
+    want_out, want_lse = reference.forward(q.float(), k.float(), v.float(), blocks, Documents(*documents), BLOCK,
+                                           SCALE)
+    args = (grad_out, q, k, v, want_out.to(q.dtype), want_lse, blocks, *documents)
+    fp32 = reference.backward(*backend_arguments("backward", grad_out.float(), q.float(), k.float(), v.float(),
+                                                 want_out, want_lse, blocks, *documents, BLOCK, SCALE, None, None))[0]
+    # Rows of the second document that select the outlier's block on their KV head (by its
+    # document-local id: rows of the first document with that id read their own block).
+    tokens = torch.arange(q.shape[0], device="cuda")
+    selects = (blocks == outlier_block).any(dim=-1).T.repeat_interleave(HQ // HKV, dim=1)  # [T, Hq]
+    selects &= (tokens >= 1500)[:, None]
+    row_scale = fp32.abs().amax(dim=-1)
+    counted = row_scale > row_scale.median() / 1000
+    assert (selects & counted).sum() > 1000 and (~selects & counted).sum() > q.shape[0] * HQ // 2
+
+    def row_errors(deterministic):
+        dq = _sm90(args, deterministic=deterministic)[0]
+        assert torch.isfinite(dq).all()
+        return (dq.float() - fp32).abs().amax(dim=-1) / row_scale
+
+    default, deterministic = row_errors(False), row_errors(True)
+    away, near = ~selects & counted, selects & counted
+    assert deterministic[away].max() <= 2 * default[away].max(), (deterministic[away].max(), default[away].max())
+    assert deterministic[near].median() <= 2 * default[near].median(), (deterministic[near].median(),
+                                                                        default[near].median())
+
+
 @pytest.mark.parametrize("entries", [7, 128])
 def test_given_plans_of_any_item_size(entries):
     from torch_msa.plan import kernels as plan_kernel
@@ -161,18 +220,23 @@ def test_long_document_matches_triton():
     _check(_sm90(args), triton_backward(*backend_arguments("backward", *args, BLOCK, SCALE)))
 
 
-def test_cuda_graph_replay_matches_eager():
-    """No host sync: delta, the schedule, the blocks kernel and the casts replay from a CUDA graph.
-    Atomics make the last bits order-dependent, so replay is compared with a tolerance."""
+@DETERMINISTIC
+def test_cuda_graph_replay_matches_eager(deterministic):
+    """No host sync: delta, the row scales, the schedule, the blocks kernel and the casts replay
+    from a CUDA graph. Atomics make the default's last bits order-dependent, so its replay is
+    compared with a tolerance; the deterministic variant's replay is the eager bits."""
     args, _ = _problem([900, 400], [900, 400], seed=4)
-    eager = _sm90(args)  # compiles outside the capture
+    eager = _sm90(args, deterministic=deterministic)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = _sm90(args)
+        captured = _sm90(args, deterministic=deterministic)
     graph.replay()
     torch.cuda.synchronize()
     for got, want in zip(captured, eager):
-        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+        if deterministic:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
 
 
 def test_sm90_serves_backward_by_default(monkeypatch):

@@ -105,7 +105,8 @@ def _backward_delta(config):
 
 
 def _backward_ungroup_dq(config):
-    types = {"dq_acc": "*fp32", "dq": "*bf16", "row_scale": "*fp32", "softmax_scale": "fp32"}
+    types = {"dq_acc": "*fp32", "dq": "*bf16", "row_scale": "*fp32", "row_redo": "*i8", "softmax_scale": "fp32",
+             "redo_below": "i32"}
     constants = dict(HEADS=GROUP, GROUPS=M3["dim"] // 8, WIDTH=8, FIXED_POINT=False)
     return dq_stage.msa_bwd_ungroup_dq_kernel, types, constants
 
@@ -163,12 +164,18 @@ def _kl_key_reduce(config):
 
 def _deterministic_query(config):
     types = dict.fromkeys(("q", "k", "v", "grad_out", "dq"), "*bf16") | dict.fromkeys(("lse", "delta"), "*fp32")
-    types |= {"block_indices": "*i32", "key_start": "*i64", "position": "*i64", "softmax_scale": "fp32",
-              "qk_scale": "fp32"}
+    types |= {"row_redo": "*i8", "block_indices": "*i32", "key_start": "*i64", "position": "*i64",
+              "softmax_scale": "fp32", "qk_scale": "fp32"}
     constants = dict(NUM_KV_HEADS=M3["num_kv_heads"], GROUP=GROUP, GROUP_P2=GROUP, TOPK=M3["topk"],
                      TOPK_P2=M3["topk"], BLOCK=M3["block_size"], BLOCK_N=config.block_n, DIM=M3["dim"],
-                     PRECISION="tf32")
+                     PRECISION="tf32", REDO_ONLY=False)
     return backward_deterministic_kernel.msa_bwd_dq_kernel, types, constants
+
+
+def _recompute_query(config):
+    """The query-outer dQ kernel recomputing the rows the fixed-point cast flags."""
+    fn, types, constants = _deterministic_query(config)
+    return fn, types, constants | {"REDO_ONLY": True}
 
 
 def _select(config):
@@ -285,6 +292,7 @@ KERNELS = {
     "msa_bwd_blocks_kernel (deterministic)": (_deterministic_key_blocks, backward_kernel.DETERMINISTIC_BLOCKS_CONFIGS),
     "msa_bwd_key_reduce_kernel": (_deterministic_key_reduce, backward_deterministic_kernel.KEY_REDUCE_CONFIGS),
     "msa_bwd_dq_kernel": (_deterministic_query, backward_deterministic_kernel.QUERY_CONFIGS),
+    "msa_bwd_dq_kernel (flagged rows)": (_recompute_query, backward_deterministic_kernel.QUERY_CONFIGS),
     "msa_select_kernel": (_select, select_kernel.CONFIGS),
     "msa_kl_dense_teacher_lse_kernel": (_kl_dense_teacher_lse, kl_dense_kernel.TEACHER_LSE_CONFIGS),
     "msa_kl_dense_loss_kernel": (_kl_dense_loss, kl_dense_kernel.LOSS_CONFIGS),

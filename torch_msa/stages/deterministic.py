@@ -116,60 +116,64 @@ def msa_bwd_key_reduce_kernel(
 @cached_launches
 @triton.jit
 def msa_bwd_dq_kernel(
-    q, k, v, grad_out, lse, delta, dq, block_indices, key_start, position,
+    q, k, v, grad_out, lse, delta, dq, row_redo, block_indices, key_start, position,
     num_queries, softmax_scale, qk_scale,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
     stride_do_token, stride_do_head, stride_dq_token, stride_dq_head,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIM: tl.constexpr, PRECISION: tl.constexpr,
+    DIM: tl.constexpr, PRECISION: tl.constexpr, REDO_ONLY: tl.constexpr,
 ):
     token, kv_head, heads, head_ok = program_token_group(GROUP, GROUP_P2)
-    dims = tl.arange(0, DIM)
     query_head = kv_head * GROUP + heads
-    pos = tl.load(position + token)
-    first_key = tl.load(key_start + token)
+    if REDO_ONLY:
+        # Only the flagged rows; a program without one does nothing.
+        head_ok &= tl.load(row_redo + token * (NUM_KV_HEADS * GROUP) + query_head, mask=head_ok, other=0) != 0
+    if tl.max(head_ok.to(tl.int32)) > 0:
+        dims = tl.arange(0, DIM)
+        pos = tl.load(position + token)
+        first_key = tl.load(key_start + token)
 
-    slots = tl.arange(0, TOPK_P2)
-    ids = tl.load(block_indices + (kv_head * num_queries + token) * TOPK + slots, mask=slots < TOPK, other=-1)
-    visible = (ids >= 0) & (pos >= 0) & (ids <= tl.maximum(pos, 0) // BLOCK)
-    earlier_same = (ids[:, None] == ids[None, :]) & (slots[None, :] < slots[:, None])
-    counted = visible & (tl.max(earlier_same.to(tl.int32), axis=1) == 0)
-    blocks = tl.where(counted, ids, -1)
+        slots = tl.arange(0, TOPK_P2)
+        ids = tl.load(block_indices + (kv_head * num_queries + token) * TOPK + slots, mask=slots < TOPK, other=-1)
+        visible = (ids >= 0) & (pos >= 0) & (ids <= tl.maximum(pos, 0) // BLOCK)
+        earlier_same = (ids[:, None] == ids[None, :]) & (slots[None, :] < slots[:, None])
+        counted = visible & (tl.max(earlier_same.to(tl.int32), axis=1) == 0)
+        blocks = tl.where(counted, ids, -1)
 
-    q_rows = tl.load(q + token * stride_q_token + query_head[:, None] * stride_q_head + dims[None, :],
-                     mask=head_ok[:, None], other=0.0)
-    d_out = tl.load(grad_out + token * stride_do_token + query_head[:, None] * stride_do_head + dims[None, :],
-                    mask=head_ok[:, None], other=0.0)
-    head_row = token * (NUM_KV_HEADS * GROUP) + query_head
-    row_lse = tl.load(lse + head_row, mask=head_ok, other=0.0) * LOG2_E
-    # Like the reference, a query with an empty key set (lse = -inf) shifts by 0, not inf.
-    row_lse = tl.where((row_lse == float("inf")) | (row_lse == float("-inf")), 0.0, row_lse)
-    row_delta = tl.load(delta + head_row, mask=head_ok, other=0.0)
+        q_rows = tl.load(q + token * stride_q_token + query_head[:, None] * stride_q_head + dims[None, :],
+                         mask=head_ok[:, None], other=0.0)
+        d_out = tl.load(grad_out + token * stride_do_token + query_head[:, None] * stride_do_head + dims[None, :],
+                        mask=head_ok[:, None], other=0.0)
+        head_row = token * (NUM_KV_HEADS * GROUP) + query_head
+        row_lse = tl.load(lse + head_row, mask=head_ok, other=0.0) * LOG2_E
+        # Like the reference, a query with an empty key set (lse = -inf) shifts by 0, not inf.
+        row_lse = tl.where((row_lse == float("inf")) | (row_lse == float("-inf")), 0.0, row_lse)
+        row_delta = tl.load(delta + head_row, mask=head_ok, other=0.0)
 
-    offsets = tl.arange(0, BLOCK_N)
-    dq_t = tl.zeros((DIM, GROUP_P2), tl.float32)
-    SLICES: tl.constexpr = BLOCK // BLOCK_N
-    for step in range(TOPK * SLICES):
-        block = tl.sum(tl.where(slots == step // SLICES, blocks, 0))  # -1: the slot does not count
-        key_position = tl.maximum(block, 0) * BLOCK + (step % SLICES) * BLOCK_N + offsets
-        # Keys after the query's position (its document's later keys, or the next document's)
-        # are not read, so nothing non-finite of theirs can reach dQ.
-        key_ok = (block >= 0) & (key_position <= pos)
-        key_row = first_key + key_position.to(tl.int64)
-        keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
-                       mask=key_ok[:, None], other=0.0)
-        values = tl.load(v + key_row[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
-                         mask=key_ok[:, None], other=0.0)
-        seen = key_ok[:, None] & head_ok[None, :]
-        scores_t = tl.dot(keys, tl.trans(q_rows), input_precision=PRECISION) * qk_scale
-        probs_t = tl.where(seen, tl.exp2(scores_t - row_lse[None, :]), 0.0)
-        d_probs_t = tl.dot(values, tl.trans(d_out), input_precision=PRECISION)
-        d_scores_t = tl.where(seen, probs_t * (d_probs_t - row_delta[None, :]), 0.0).to(keys.dtype)
-        dq_t += tl.dot(tl.trans(keys), d_scores_t, input_precision=PRECISION)
+        offsets = tl.arange(0, BLOCK_N)
+        dq_t = tl.zeros((DIM, GROUP_P2), tl.float32)
+        SLICES: tl.constexpr = BLOCK // BLOCK_N
+        for step in range(TOPK * SLICES):
+            block = tl.sum(tl.where(slots == step // SLICES, blocks, 0))  # -1: the slot does not count
+            key_position = tl.maximum(block, 0) * BLOCK + (step % SLICES) * BLOCK_N + offsets
+            # Keys after the query's position (its document's later keys, or the next document's)
+            # are not read, so nothing non-finite of theirs can reach dQ.
+            key_ok = (block >= 0) & (key_position <= pos)
+            key_row = first_key + key_position.to(tl.int64)
+            keys = tl.load(k + key_row[:, None] * stride_k_token + kv_head * stride_k_head + dims[None, :],
+                           mask=key_ok[:, None], other=0.0)
+            values = tl.load(v + key_row[:, None] * stride_v_token + kv_head * stride_v_head + dims[None, :],
+                             mask=key_ok[:, None], other=0.0)
+            seen = key_ok[:, None] & head_ok[None, :]
+            scores_t = tl.dot(keys, tl.trans(q_rows), input_precision=PRECISION) * qk_scale
+            probs_t = tl.where(seen, tl.exp2(scores_t - row_lse[None, :]), 0.0)
+            d_probs_t = tl.dot(values, tl.trans(d_out), input_precision=PRECISION)
+            d_scores_t = tl.where(seen, probs_t * (d_probs_t - row_delta[None, :]), 0.0).to(keys.dtype)
+            dq_t += tl.dot(tl.trans(keys), d_scores_t, input_precision=PRECISION)
 
-    tl.store(dq + token * stride_dq_token + query_head[None, :] * stride_dq_head + dims[:, None],
-             (dq_t * softmax_scale).to(dq.dtype.element_ty), mask=head_ok[None, :])
+        tl.store(dq + token * stride_dq_token + query_head[None, :] * stride_dq_head + dims[:, None],
+                 (dq_t * softmax_scale).to(dq.dtype.element_ty), mask=head_ok[None, :])
 
 
 def reduce_item_rows(schedule: Schedule, entries_per_item: int, bucket_first_item: torch.Tensor, parts, outputs,
@@ -222,8 +226,9 @@ def reduce_key_workspace(workspace: KeyWorkspace, dk, dv, topk, block_size, shap
 
 
 def query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, documents, block_size, softmax_scale,
-             shape_key) -> None:
-    """dQ, query-outer: every row of `dq` written by the one program that owns it.
+             shape_key, row_redo: torch.Tensor | None = None) -> None:
+    """dQ, query-outer: every row of `dq` (with `row_redo`, every row it flags) written by the one
+    program that owns it, its sum over its selection in fp32.
 
     Args:
         q, grad_out: `[Tq, Hq, D]`; k, v: `[Tk, Hkv, D]`; one dtype, unit stride in D.
@@ -234,27 +239,31 @@ def query_dq(q, k, v, grad_out, lse, delta, dq, block_indices, documents, block_
         documents: the documents.
         block_size: keys per block; softmax_scale: the scale of `q k^T`.
         shape_key: the launch memo's key (`launch.launch`).
+        row_redo: None, or int8 `[Tq, Hq]` contiguous: only the rows where it is not 0 are
+            written, the others left as they are (`torch_msa.stages.dq.ungroup_dq`'s flags).
     """
     num_queries, num_heads, dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
+    redo_only = row_redo is not None
     topk = block_indices.shape[-1]
     docs = locate_queries(documents.cu_seqlens_q, documents.cu_seqlens_k, num_queries, num_keys, *documents.fragments)
     precision = dot_precision(q.dtype)
 
     def launch_query(config):
         msa_bwd_dq_kernel[(num_queries, num_kv_heads)](
-            q, k, v, grad_out, lse, delta, dq, block_indices, docs.key_start, docs.position,
+            q, k, v, grad_out, lse, delta, dq, row_redo if redo_only else lse, block_indices, docs.key_start,
+            docs.position,
             num_queries, softmax_scale, softmax_scale * LOG2_E.value,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
             NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=max(_MIN_DOT, triton.next_power_of_2(group)),
             TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), BLOCK=block_size,
-            BLOCK_N=min(config.block_n, block_size), DIM=dim, PRECISION=precision,
+            BLOCK_N=min(config.block_n, block_size), DIM=dim, PRECISION=precision, REDO_ONLY=redo_only,
             **config.options,
         )
 
-    launch("msa_bwd_dq_kernel", shape_key, QUERY_CONFIGS, launch_query)
+    launch("msa_bwd_dq_kernel", (*shape_key, redo_only), QUERY_CONFIGS, launch_query)
 
 
 class DeterministicBackward(NamedTuple):

@@ -12,8 +12,8 @@ UNGROUP_CONFIGS = (LaunchConfig(num_stages=1, num_warps=4),)
 
 @cached_launches
 @triton.jit
-def msa_bwd_ungroup_dq_kernel(dq_acc, dq, row_scale, softmax_scale, HEADS: tl.constexpr, GROUPS: tl.constexpr,
-                              WIDTH: tl.constexpr, FIXED_POINT: tl.constexpr):
+def msa_bwd_ungroup_dq_kernel(dq_acc, dq, row_scale, row_redo, softmax_scale, redo_below, HEADS: tl.constexpr,
+                              GROUPS: tl.constexpr, WIDTH: tl.constexpr, FIXED_POINT: tl.constexpr):
     # dq[head, group * WIDTH + w] = dq_acc[group, head, w] within a block of HEADS heads.
     block = tl.program_id(0).to(tl.int64)
     base = block * (HEADS * GROUPS * WIDTH)
@@ -22,14 +22,19 @@ def msa_bwd_ungroup_dq_kernel(dq_acc, dq, row_scale, softmax_scale, HEADS: tl.co
     width = tl.arange(0, WIDTH)[None, None, :]
     values = tl.load(dq_acc + base + (group * HEADS + head) * WIDTH + width)
     if FIXED_POINT:
+        rows = block * HEADS + tl.arange(0, HEADS)
+        scale = tl.load(row_scale + rows)
+        # Sums stay within 2**30 in magnitude: abs cannot overflow. NaN != NaN: a refused row stays.
+        largest = tl.max(tl.max(tl.abs(values), axis=2), axis=1)
+        tl.store(row_redo + rows, ((largest < redo_below) & (scale == scale)).to(tl.int8))
         # A power of two: the division is exact. A marked row's NaN scale makes the row NaN.
-        scale = tl.load(row_scale + block * HEADS + head)
-        values = tl.div_rn(values.to(tl.float32), scale) * softmax_scale
+        values = tl.div_rn(values.to(tl.float32), scale[:, None, None]) * softmax_scale
     tl.store(dq + base + (head * GROUPS + group) * WIDTH + width, values.to(dq.dtype.element_ty))
 
 
 def ungroup_dq(dq_acc: torch.Tensor, dq: torch.Tensor, block_heads: int, width: int, shape_key,
-               row_scale: torch.Tensor | None = None, softmax_scale: float = 1.0) -> None:
+               row_scale: torch.Tensor | None = None, softmax_scale: float = 1.0,
+               row_redo: torch.Tensor | None = None, redo_below: int = 0) -> None:
     """Write `dq` from `dq_acc`, whose blocks of `block_heads` consecutive heads of a token are laid
     out `[D / width, block_heads, width]`.
 
@@ -42,17 +47,23 @@ def ungroup_dq(dq_acc: torch.Tensor, dq: torch.Tensor, block_heads: int, width: 
         row_scale: None, or fp32 `[Tq, Hq]` contiguous, each row's fixed-point scale (a power of
             two, or NaN for a row whose sum is not to be trusted): `dq = dq_acc / row_scale *
             softmax_scale`.
+        row_redo, redo_below: with `row_scale`, int8 `[Tq, Hq]` contiguous, written: 1 where the
+            row's largest |sum| is below `redo_below` units and its scale is not NaN (a row its
+            fixed point serves too coarsely, to recompute), else 0.
     """
     num_queries, num_heads, dim = dq_acc.shape
     num_blocks = num_queries * (num_heads // block_heads)
     if num_blocks == 0:
         return
     fixed_point = row_scale is not None
+    if fixed_point and row_redo is None:
+        raise ValueError("row_redo: expected an int8 [Tq, Hq] tensor with row_scale, got None")
 
     def launch_ungroup(config):
         msa_bwd_ungroup_dq_kernel[(num_blocks,)](
-            dq_acc, dq, row_scale if fixed_point else dq_acc, softmax_scale, HEADS=block_heads, GROUPS=dim // width,
-            WIDTH=width, FIXED_POINT=fixed_point, **config.options,
+            dq_acc, dq, row_scale if fixed_point else dq_acc, row_redo if fixed_point else dq_acc, softmax_scale,
+            redo_below, HEADS=block_heads, GROUPS=dim // width, WIDTH=width, FIXED_POINT=fixed_point,
+            **config.options,
         )
 
     launch("msa_bwd_ungroup_dq_kernel", (*shape_key, fixed_point), UNGROUP_CONFIGS, launch_ungroup)

@@ -4,7 +4,12 @@ A kernel that adds each (row, block) share of dQ as a 32-bit integer, `round(sha
 sums that do not depend on the order the shares arrive in. Each (query, head) row takes its own
 scale, a power of two chosen from a bound on its shares over the blocks it selects, so that no sum
 can leave int32's range and the bound keeps at least `bound_bits(topk) - 1` bits; the final cast
-(`torch_msa.stages.dq.ungroup_dq` with `row_scale`) divides it out.
+(`torch_msa.stages.dq.ungroup_dq` with `row_scale`) divides it out. A bound holds for every row
+but may lie far above a row's actual dQ (a key that stands out in K and V widens the bound of the
+rows that select its block by its factor squared): the cast flags each row whose largest sum is
+below `recompute_below(topk)` units, whose rounding could exceed `2**-RECOMPUTE_BITS` of it, and
+the backward recomputes those rows query-outer in fp32 (`torch_msa.stages.deterministic.query_dq`
+with `row_redo`).
 """
 
 import math
@@ -24,6 +29,18 @@ MAX_EXPONENT = 126
 
 MAXIMA_CONFIGS = (LaunchConfig(num_stages=2, num_warps=4, rows=64),)
 SCALE_CONFIGS = (LaunchConfig(num_stages=2, num_warps=4, rows=64),)
+
+
+RECOMPUTE_BITS = 7
+"""A fixed-point row's rounding stays within `2**-RECOMPUTE_BITS` of its largest |dQ|, or the row is
+recomputed: the default backward's own worst rows lie near there (P and dS enter the tensor
+cores rounded to 16 bits)."""
+
+
+def recompute_below(topk: int) -> int:
+    """Units under which a row's largest |sum| is recomputed: its `topk` shares round by at most
+    half a unit each, `topk / 2` units, which is `2**-RECOMPUTE_BITS` of this."""
+    return topk * 2 ** (RECOMPUTE_BITS - 1)
 
 
 def share_cap(topk: int) -> float:

@@ -1,6 +1,7 @@
 """The stages of a dQ added in fixed point: each row's scale against a plain-torch oracle of its
 bound (the blocks it selects, each within its own document; fragments; poison in one block), the
-bound against the reference's dQ, and the final cast.
+bound against the reference's dQ, the final cast and its flags of the rows to recompute, and the
+query-outer dQ kernel recomputing only those.
 
 Where and how they run: `tests/support/triton_kernels.py`.
 """
@@ -12,8 +13,9 @@ from tests.support.documents import Documents, documents_of
 from tests.support.triton_kernels import DEVICE, layout, require_a_device
 from torch_msa import reference, testing
 from torch_msa.documents import locate_queries
+from torch_msa.stages.deterministic import query_dq
 from torch_msa.stages.dq import ungroup_dq
-from torch_msa.stages.fixed_point_dq import MAX_EXPONENT, bound_bits, dq_scales, share_cap
+from torch_msa.stages.fixed_point_dq import MAX_EXPONENT, bound_bits, dq_scales, recompute_below, share_cap
 
 require_a_device()
 
@@ -162,19 +164,51 @@ def test_the_bound_covers_the_references_dq():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_fixed_point_cast_divides_each_rows_scale_out(dtype):
+def test_the_fixed_point_cast_divides_each_rows_scale_out_and_flags_coarse_rows(dtype):
     """Grouped int32 sums `[D / 8, 16, 8]` per 16-head block, each row's power-of-two scale divided
-    out exactly; a marked row (NaN scale) comes out NaN."""
+    out exactly; a marked row (NaN scale) comes out NaN. Rows whose largest |sum| lies below
+    `recompute_below(topk)` units (one just below it, one of zeros, one whose only large sum is
+    negative and just at it) are flagged, unless marked NaN."""
     num_queries, num_heads, dim, block_heads, width = 3, 32, 128, 16, 8
     generator = torch.Generator().manual_seed(5)
     natural = torch.randint(-(2**26), 2**26, (num_queries, num_heads, dim), generator=generator, dtype=torch.int32)
+    floor = recompute_below(16)
+    natural[0, 3] = torch.randint(-floor + 1, floor, (dim,), generator=generator)
+    natural[2, 30] = 0
+    natural[1, 17] = 0  # marked NaN below: refused, not recomputed
+    natural[2, 5] = torch.randint(-floor + 1, floor, (dim,), generator=generator)
+    natural[2, 5, 100] = -floor
     exponents = torch.randint(-40, 40, (num_queries, num_heads), generator=generator)
     scales = torch.ldexp(torch.ones(num_queries, num_heads), exponents).float()
     scales[1, 17] = float("nan")
     grouped = natural.view(num_queries, num_heads // block_heads, block_heads, dim // width, width).transpose(2, 3)
     dq = torch.zeros(num_queries, num_heads, dim, dtype=dtype, device=DEVICE)
+    redo = torch.full((num_queries, num_heads), 7, dtype=torch.int8, device=DEVICE)
     ungroup_dq(grouped.contiguous().view_as(natural).to(DEVICE), dq, block_heads, width, (DEVICE, dtype, dim, "fixed"),
-               scales.to(DEVICE), SCALE)
+               scales.to(DEVICE), SCALE, redo, floor)
     want = (natural.float() / scales[..., None] * SCALE).to(dtype)
     assert torch.isnan(dq[1, 17]).all()
     assert torch.equal(dq.cpu().nan_to_num(0.0), want.nan_to_num(0.0))
+    want_redo = torch.zeros(num_queries, num_heads, dtype=torch.int8)
+    want_redo[0, 3] = want_redo[2, 30] = 1
+    assert torch.equal(redo.cpu(), want_redo)
+
+
+def test_the_query_outer_dq_kernel_writes_only_the_flagged_rows():
+    """With `row_redo`, the query-outer dQ kernel writes the flagged rows as its full run does and
+    leaves every other row as it was, programs without a flagged row included."""
+    q_lens = [70, 45]
+    k, v, grad_out, _, block_indices, documents = _problem(q_lens, q_lens, seed=9)
+    q = torch.randn(grad_out.shape, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    out, lse = reference.forward(q, k, v, block_indices, documents, BLOCK, SCALE)
+    delta = (grad_out * out).sum(-1)
+    full = torch.empty_like(q)
+    query_dq(q, k, v, grad_out, lse, delta, full, block_indices, documents, BLOCK, SCALE, (DEVICE, "full"))
+    redo = torch.zeros(q.shape[:2], dtype=torch.int8)
+    redo[[0, 3, 69, 70, 114], [1, 0, 3, 2, 3]] = 1
+    sentinel = torch.full_like(q, 123.0)
+    query_dq(q, k, v, grad_out, lse, delta, sentinel, block_indices, documents, BLOCK, SCALE, (DEVICE, "redo"),
+             redo.to(DEVICE))
+    flagged = redo.bool().to(DEVICE)
+    assert torch.equal(sentinel[flagged], full[flagged])
+    assert (sentinel[~flagged] == 123.0).all()
