@@ -9,8 +9,8 @@ training step (`sparse_attention` with its plan built in the call, then `torch.a
 fixed output gradient) both ways, whose share has the target (at least 70%), three ways: `step`,
 calls queued back to back and event-timed (the device's time where the host keeps ahead);
 `synced`, each call on an idle device and synchronised after it (what a loop that syncs pays, the
-host work included); on CUDA `graph`, the step captured in a CUDA graph and replayed (the
-kernels alone). `--kl` also times the
+host work included); on CUDA `graph`, the step captured in a CUDA graph (after its own three
+warm-up calls, whatever `--warmup` says) and replayed (the kernels alone). `--kl` also times the
 index branch's sparse KL loss on the same inputs (`indexer_kl_loss` on the forward's lse and the
 selection, then its gradients to the index inputs) with and without
 deterministic algorithms (the Triton backend's atomic and deterministic KL kernels on CUDA).
@@ -143,8 +143,9 @@ def _step_ms(step, device: torch.device, deterministic: bool, timing: str, warmu
 
 
 def with_outlier_keys(inputs: Inputs, factor: float) -> None:
-    """Multiplies K and V of each document's first key by `factor`, in place."""
-    first_keys = inputs.cu_seqlens[:-1].long()
+    """Multiplies K and V of each non-empty document's first key by `factor`, in place."""
+    starts, ends = inputs.cu_seqlens[:-1].long(), inputs.cu_seqlens[1:].long()
+    first_keys = starts[starts < ends]
     inputs.k[first_keys] *= factor
     inputs.v[first_keys] *= factor
 

@@ -106,7 +106,7 @@ def _backward_delta(config):
 
 def _backward_ungroup_dq(config):
     types = {"dq_acc": "*fp32", "dq": "*bf16", "row_scale": "*fp32", "row_redo": "*i8", "softmax_scale": "fp32",
-             "redo_below": "i32"}
+             "redo_below": "i32", "clamp_scale": "fp32"}
     constants = dict(HEADS=GROUP, GROUPS=M3["dim"] // 8, WIDTH=8, FIXED_POINT=False)
     return dq_stage.msa_bwd_ungroup_dq_kernel, types, constants
 

@@ -126,9 +126,10 @@ def msa_bwd_dq_kernel(
 ):
     token, kv_head, heads, head_ok = program_token_group(GROUP, GROUP_P2)
     query_head = kv_head * GROUP + heads
+    head_row = token * (NUM_KV_HEADS * GROUP) + query_head
     if REDO_ONLY:
         # Only the flagged rows; a program without one does nothing.
-        head_ok &= tl.load(row_redo + token * (NUM_KV_HEADS * GROUP) + query_head, mask=head_ok, other=0) != 0
+        head_ok &= tl.load(row_redo + head_row, mask=head_ok, other=0) != 0
     if tl.max(head_ok.to(tl.int32)) > 0:
         dims = tl.arange(0, DIM)
         pos = tl.load(position + token)
@@ -145,7 +146,6 @@ def msa_bwd_dq_kernel(
                          mask=head_ok[:, None], other=0.0)
         d_out = tl.load(grad_out + token * stride_do_token + query_head[:, None] * stride_do_head + dims[None, :],
                         mask=head_ok[:, None], other=0.0)
-        head_row = token * (NUM_KV_HEADS * GROUP) + query_head
         row_lse = tl.load(lse + head_row, mask=head_ok, other=0.0) * LOG2_E
         # Like the reference, a query with an empty key set (lse = -inf) shifts by 0, not inf.
         row_lse = tl.where((row_lse == float("inf")) | (row_lse == float("-inf")), 0.0, row_lse)

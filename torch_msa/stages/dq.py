@@ -6,14 +6,16 @@ import triton
 import triton.language as tl
 
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
+from .fixed_point_dq import MAX_EXPONENT
 
 UNGROUP_CONFIGS = (LaunchConfig(num_stages=1, num_warps=4),)
 
 
 @cached_launches
 @triton.jit
-def msa_bwd_ungroup_dq_kernel(dq_acc, dq, row_scale, row_redo, softmax_scale, redo_below, HEADS: tl.constexpr,
-                              GROUPS: tl.constexpr, WIDTH: tl.constexpr, FIXED_POINT: tl.constexpr):
+def msa_bwd_ungroup_dq_kernel(dq_acc, dq, row_scale, row_redo, softmax_scale, redo_below, clamp_scale,
+                              HEADS: tl.constexpr, GROUPS: tl.constexpr, WIDTH: tl.constexpr,
+                              FIXED_POINT: tl.constexpr):
     # dq[head, group * WIDTH + w] = dq_acc[group, head, w] within a block of HEADS heads.
     block = tl.program_id(0).to(tl.int64)
     base = block * (HEADS * GROUPS * WIDTH)
@@ -24,9 +26,11 @@ def msa_bwd_ungroup_dq_kernel(dq_acc, dq, row_scale, row_redo, softmax_scale, re
     if FIXED_POINT:
         rows = block * HEADS + tl.arange(0, HEADS)
         scale = tl.load(row_scale + rows)
-        # Sums stay within 2**30 in magnitude: abs cannot overflow. NaN != NaN: a refused row stays.
+        # Sums stay within 2**30 + topk / 2 in magnitude: abs cannot overflow. A refused row (NaN
+        # scale; NaN != NaN) stays refused. A row at the clamp had a bound below 2**-100 (zero for
+        # a zero dO): its rounding, under topk / 2 * 2**-126 in all, lies below fp32's normals.
         largest = tl.max(tl.max(tl.abs(values), axis=2), axis=1)
-        tl.store(row_redo + rows, ((largest < redo_below) & (scale == scale)).to(tl.int8))
+        tl.store(row_redo + rows, ((largest < redo_below) & (scale < clamp_scale)).to(tl.int8))
         # A power of two: the division is exact. A marked row's NaN scale makes the row NaN.
         values = tl.div_rn(values.to(tl.float32), scale[:, None, None]) * softmax_scale
     tl.store(dq + base + (head * GROUPS + group) * WIDTH + width, values.to(dq.dtype.element_ty))
@@ -47,9 +51,10 @@ def ungroup_dq(dq_acc: torch.Tensor, dq: torch.Tensor, block_heads: int, width: 
         row_scale: None, or fp32 `[Tq, Hq]` contiguous, each row's fixed-point scale (a power of
             two, or NaN for a row whose sum is not to be trusted): `dq = dq_acc / row_scale *
             softmax_scale`.
-        row_redo, redo_below: with `row_scale`, int8 `[Tq, Hq]` contiguous, written: 1 where the
-            row's largest |sum| is below `redo_below` units and its scale is not NaN (a row its
-            fixed point serves too coarsely, to recompute), else 0.
+        row_redo, redo_below: with `row_scale`, int8 `[Tq, Hq]` contiguous, written, and a
+            positive count of units: 1 where the row's largest |sum| is below `redo_below` units
+            and its scale is neither NaN nor `2**MAX_EXPONENT`, the clamp of a zero or vanishing
+            bound (a row its fixed point serves too coarsely, to recompute), else 0.
     """
     num_queries, num_heads, dim = dq_acc.shape
     num_blocks = num_queries * (num_heads // block_heads)
@@ -58,11 +63,13 @@ def ungroup_dq(dq_acc: torch.Tensor, dq: torch.Tensor, block_heads: int, width: 
     fixed_point = row_scale is not None
     if fixed_point and row_redo is None:
         raise ValueError("row_redo: expected an int8 [Tq, Hq] tensor with row_scale, got None")
+    if fixed_point and redo_below <= 0:
+        raise ValueError(f"redo_below: expected a positive count of units with row_scale, got {redo_below}")
 
     def launch_ungroup(config):
         msa_bwd_ungroup_dq_kernel[(num_blocks,)](
             dq_acc, dq, row_scale if fixed_point else dq_acc, row_redo if fixed_point else dq_acc, softmax_scale,
-            redo_below, HEADS=block_heads, GROUPS=dim // width, WIDTH=width, FIXED_POINT=fixed_point,
+            redo_below, 2.0**MAX_EXPONENT, HEADS=block_heads, GROUPS=dim // width, WIDTH=width, FIXED_POINT=fixed_point,
             **config.options,
         )
 

@@ -7,8 +7,9 @@ can leave int32's range and the bound keeps at least `bound_bits(topk) - 1` bits
 (`torch_msa.stages.dq.ungroup_dq` with `row_scale`) divides it out. A bound holds for every row
 but may lie far above a row's actual dQ (a key that stands out in K and V widens the bound of the
 rows that select its block by its factor squared): the cast flags each row whose largest sum is
-below `recompute_below(topk)` units, whose rounding could exceed `2**-RECOMPUTE_BITS` of it, and
-the backward recomputes those rows query-outer in fp32 (`torch_msa.stages.deterministic.query_dq`
+below `recompute_below(topk)` units, whose rounding could exceed `2**-RECOMPUTE_BITS` of it (but
+not one at the clamp `2**MAX_EXPONENT`, whose bound vanishes), and the backward recomputes those
+rows query-outer in fp32 (`torch_msa.stages.deterministic.query_dq`
 with `row_redo`).
 """
 

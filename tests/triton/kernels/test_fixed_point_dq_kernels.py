@@ -168,7 +168,8 @@ def test_the_fixed_point_cast_divides_each_rows_scale_out_and_flags_coarse_rows(
     """Grouped int32 sums `[D / 8, 16, 8]` per 16-head block, each row's power-of-two scale divided
     out exactly; a marked row (NaN scale) comes out NaN. Rows whose largest |sum| lies below
     `recompute_below(topk)` units (one just below it, one of zeros, one whose only large sum is
-    negative and just at it) are flagged, unless marked NaN."""
+    negative and just at it) are flagged, unless marked NaN or at the clamp scale of a vanishing
+    bound (a zero dO's row)."""
     num_queries, num_heads, dim, block_heads, width = 3, 32, 128, 16, 8
     generator = torch.Generator().manual_seed(5)
     natural = torch.randint(-(2**26), 2**26, (num_queries, num_heads, dim), generator=generator, dtype=torch.int32)
@@ -181,6 +182,9 @@ def test_the_fixed_point_cast_divides_each_rows_scale_out_and_flags_coarse_rows(
     exponents = torch.randint(-40, 40, (num_queries, num_heads), generator=generator)
     scales = torch.ldexp(torch.ones(num_queries, num_heads), exponents).float()
     scales[1, 17] = float("nan")
+    natural[0, 20] = 0
+    natural[1, 9, :4] = 3
+    scales[0, 20] = scales[1, 9] = 2.0**MAX_EXPONENT  # the clamp: no bound, or one below 2**-100
     grouped = natural.view(num_queries, num_heads // block_heads, block_heads, dim // width, width).transpose(2, 3)
     dq = torch.zeros(num_queries, num_heads, dim, dtype=dtype, device=DEVICE)
     redo = torch.full((num_queries, num_heads), 7, dtype=torch.int8, device=DEVICE)
@@ -192,6 +196,9 @@ def test_the_fixed_point_cast_divides_each_rows_scale_out_and_flags_coarse_rows(
     want_redo = torch.zeros(num_queries, num_heads, dtype=torch.int8)
     want_redo[0, 3] = want_redo[2, 30] = 1
     assert torch.equal(redo.cpu(), want_redo)
+    with pytest.raises(ValueError, match=r"redo_below: expected a positive count of units with row_scale, got 0"):
+        ungroup_dq(grouped.contiguous().view_as(natural).to(DEVICE), dq, block_heads, width,
+                   (DEVICE, dtype, dim, "fixed"), scales.to(DEVICE), SCALE, redo, 0)
 
 
 def test_the_query_outer_dq_kernel_writes_only_the_flagged_rows():
