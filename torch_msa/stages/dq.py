@@ -28,7 +28,8 @@ def msa_bwd_ungroup_dq_kernel(dq_acc, dq, row_scale, row_redo, softmax_scale, re
         scale = tl.load(row_scale + rows)
         # Sums stay within 2**30 + topk / 2 in magnitude: abs cannot overflow. A refused row (NaN
         # scale; NaN != NaN) stays refused. A row at the clamp had a bound below 2**-100 (zero for
-        # a zero dO): its rounding, under topk / 2 * 2**-126 in all, lies below fp32's normals.
+        # a zero dO): its rounding, at most topk / 2 * 2**-126 in all, is a few of fp32's
+        # smallest normals.
         largest = tl.max(tl.max(tl.abs(values), axis=2), axis=1)
         tl.store(row_redo + rows, ((largest < redo_below) & (scale < clamp_scale)).to(tl.int8))
         # A power of two: the division is exact. A marked row's NaN scale makes the row NaN.
