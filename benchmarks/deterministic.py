@@ -9,8 +9,8 @@ training step (`sparse_attention` with its plan built in the call, then `torch.a
 fixed output gradient) both ways, whose share has the target (at least 70%), three ways: `step`,
 calls queued back to back and event-timed (the device's time where the host keeps ahead);
 `synced`, each call on an idle device and synchronised after it (what a loop that syncs pays, the
-host work included); on CUDA `graph`, the step captured in a CUDA graph (after its own three
-warm-up calls, whatever `--warmup` says) and replayed (the kernels alone). `--kl` also times the
+host work included); on CUDA `graph`, the step captured in a CUDA graph (after `--warmup` calls,
+at least one) and replayed (the kernels alone). `--kl` also times the
 index branch's sparse KL loss on the same inputs (`indexer_kl_loss` on the forward's lse and the
 selection, then its gradients to the index inputs) with and without
 deterministic algorithms (the Triton backend's atomic and deterministic KL kernels on CUDA).
@@ -41,8 +41,7 @@ from torch_msa.ops import backend_arguments
 
 from . import command
 from .problems import SELECTIONS, Inputs, ProblemSpec, make_inputs, parse_seqlens
-from .query_outer import graph_timer
-from .timing import free_memory, measure
+from .timing import free_memory, graph_timer, measure
 
 DEFAULT_SEQLENS = ("8K", "32K")
 # (num_stages, num_warps, block_n) of the dQ kernel; those that fit 227 KB of shared memory on SM90.
@@ -134,7 +133,7 @@ def _step_ms(step, device: torch.device, deterministic: bool, timing: str, warmu
     docstring), with deterministic algorithms `deterministic` (the graph captured under it)."""
     with deterministic_algorithms(deterministic):
         if timing == "graph":
-            replay = graph_timer(step, device)
+            replay = graph_timer(step, device, max(warmup, 1))  # the capture must not compile
             times = [replay() for _ in range(iters)]
             del replay
             free_memory(device)

@@ -58,7 +58,7 @@ from .problems import (
     query_outer_bound,
 )
 from .problems import query_outer as query_outer_work
-from .timing import capture_graph
+from .timing import graph_timer
 
 GATE = 0.02
 """How much slower than the KV-outer forward the query-outer one may be and still be the default."""
@@ -146,22 +146,6 @@ def synced_timer(fn: Callable[[], object], device: torch.device) -> Callable[[],
     return timed
 
 
-def graph_timer(fn: Callable[[], object], device: torch.device) -> Callable[[], float]:
-    """Captures one call of `fn` in a CUDA graph (`timing.capture_graph`) and times one replay of
-    it with CUDA events."""
-    graph = capture_graph(fn, device, WARMUPS)
-
-    def timed() -> float:
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        return begin.elapsed_time(end)
-
-    return timed
-
-
 def problem_for(spec: ProblemSpec, selection: str) -> ProblemSpec:
     """`spec` as `selection` runs it: under `trained`, documents longer than the trained ones split
     into a pack of trained-length documents (as `python -m benchmarks` runs them)."""
@@ -215,7 +199,8 @@ def measure(spec: ProblemSpec, shape: Shape, selection: str, device: torch.devic
            "synced": in_pairs(with_query_outer_setting(synced_timer(forward, device), "0"),
                               with_query_outer_setting(synced_timer(forward, device), setting), rounds).summary()}
     try:
-        row["graph"] = in_pairs(graph_timer(kv_outer, device), graph_timer(query_outer, device), rounds).summary()
+        row["graph"] = in_pairs(graph_timer(kv_outer, device, WARMUPS), graph_timer(query_outer, device, WARMUPS),
+                                rounds).summary()
     except RuntimeError as error:  # a call that cannot be captured is reported; the synced pairs still stand
         row["graph_error"] = str(error).splitlines()[0][:120]
     return row

@@ -127,3 +127,19 @@ def capture_graph(fn: Callable[[], object], device: torch.device, warmups: int) 
     with torch.cuda.graph(graph):
         fn()
     return graph
+
+
+def graph_timer(fn: Callable[[], object], device: torch.device, warmups: int) -> Callable[[], float]:
+    """Captures one call of `fn` in a CUDA graph (`capture_graph`, after `warmups` calls) and
+    returns a function that replays it once and returns the replay's milliseconds, event-timed."""
+    graph = capture_graph(fn, device, warmups)
+
+    def timed() -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        return begin.elapsed_time(end)
+
+    return timed
