@@ -17,6 +17,7 @@ from .contract import compute_dtype
 from .documents import Documents
 from .plan.schedule import Schedule, entries_per_item, unpack
 from .plan.schedule import query_windows as plan_windows
+from .uninitialized import uninitialized
 
 # Memory the partial outputs of one window may take: enough for common training lengths of
 # MiniMax-M3 in one window, on the plan they are given.
@@ -97,8 +98,8 @@ def forward_in_windows(forward: Callable, q, k, v, block_indices, documents: Doc
     if window_arguments is not None and plan is not None:
         raise ValueError("plan: expected None with window_arguments over several windows (the windows' "
                          f"arguments carry their plans), got a {type(plan).__name__}")
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
+    out = uninitialized(q.shape, dtype=q.dtype, device=q.device)
+    lse = uninitialized((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device)
     window_plan = (windowed_plan(plan, block_indices, documents, k.shape[0], block_size, num_heads)
                    if window_arguments is None else None)
     for start, stop, window_documents in query_windows(documents, num_queries, k.shape[0], window):

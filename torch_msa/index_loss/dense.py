@@ -11,6 +11,7 @@ import triton.language as tl
 from ..backends import UnsupportedInputs
 from ..triton_utils.common import LN_2, LOG2_E, check_dtype_and_group, dot_precision, locate_queries, split_weights, weighted_dot
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
+from ..uninitialized import uninitialized
 
 # SM90's tiles first, then smaller ones for less shared memory. `rows`: query tokens of a tile
 # (of the key-outer kernels' inner tile); `block_n`: keys per tile.
@@ -449,7 +450,7 @@ def indexer_kl_dense(q, k, lse, index_q, index_k, documents, softmax_scale, inde
     if lse is None:
         teacher_lse = torch.full((num_queries, num_heads), -math.inf, dtype=f32, device=device)
     else:
-        teacher_lse = torch.empty((num_queries, num_heads), dtype=f32, device=device)
+        teacher_lse = uninitialized((num_queries, num_heads), dtype=f32, device=device)
         teacher_lse.copy_(lse)
     index_lse = torch.full((num_queries, num_kv_heads), -math.inf, dtype=f32, device=device)
     weighted = torch.zeros((num_queries, num_kv_heads), dtype=f32, device=device)

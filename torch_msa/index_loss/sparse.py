@@ -15,6 +15,7 @@ from ..plan.schedule import entries_per_item
 from ..reference_index_loss import loss_dtype
 from ..triton_utils.common import LN_2, LOG2_E, dot_precision, item_horizon, program_item, split_weights, weighted_dot
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
+from ..uninitialized import uninitialized
 
 # `rows`: teacher rows (tokens x heads) of a forward tile; tokens of the other kernels' tiles.
 FORWARD_CONFIGS = (LaunchConfig(rows=64, num_stages=2, num_warps=8), LaunchConfig(rows=64, num_stages=1))
@@ -383,8 +384,8 @@ def finish_forward(partials: ForwardPartials, dtype: torch.dtype) -> tuple[torch
     programs = max(1, triton.cdiv(num_rows, _FINISH_ROWS))
     # index_lse and mass in their own storage: an op's outputs must not alias.
     shape = (num_queries, num_index_heads)
-    index_lse, mass = (torch.empty(shape, dtype=torch.float32, device=device) for _ in range(2))
-    divergence = torch.empty(programs, dtype=torch.float32, device=device)
+    index_lse, mass = (uninitialized(shape, dtype=torch.float32, device=device) for _ in range(2))
+    divergence = uninitialized(programs, dtype=torch.float32, device=device)
     if num_rows and topk:
         msa_kl_finish_kernel[(programs,)](
             *(part if part.is_contiguous() else part.contiguous() for part in partials), index_lse, mass, divergence,

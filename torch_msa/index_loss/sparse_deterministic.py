@@ -10,6 +10,7 @@ from ..plan.kernels import plan_schedule, schedule_for, with_items
 from ..plan.schedule import entries_per_item
 from ..reference_index_loss import loss_dtype
 from ..stages.deterministic import bucket_first_items, reduce_item_rows
+from ..uninitialized import uninitialized
 from . import sparse
 from .sparse import (
     ForwardPartials,
@@ -84,7 +85,7 @@ def _workspaces(schedule, num_index_heads, num_queries, topk, block_size, index_
     [max_items * block_size, Di])`, fp32 rows."""
     device = schedule.entry_query.device
     entry_rows = torch.zeros((num_queries, num_index_heads, topk, index_dim), dtype=torch.float32, device=device)
-    item_rows = torch.empty((schedule.item_start.numel() * block_size, index_dim), dtype=torch.float32, device=device)
+    item_rows = uninitialized((schedule.item_start.numel() * block_size, index_dim), dtype=torch.float32, device=device)
     return schedule, bucket_first_items(schedule), entry_rows, item_rows
 
 

@@ -10,6 +10,7 @@ import triton.language as tl
 from ..documents import Documents
 from ..triton_utils.common import binary_search_steps, find_segments, locate_tokens, search_right
 from ..triton_utils.launch import cached_launches
+from ..uninitialized import uninitialized
 from .groups import Q_OUTER_COST, QueryGroups, build_query_groups, group_ids, max_group_blocks
 from .schedule import (
     Schedule,
@@ -331,7 +332,7 @@ def plan(block_indices, documents, num_keys, block_size, entries_per_item) -> to
     # (then start), each slot's bucket, the items per bucket and their running sum.
     scratch_sizes = (num_kv_heads * num_chunks * width, num_kv_heads * width, num_kv_heads * slots_per_head,
                      bucket_bound, bucket_bound)
-    offsets, slot_start, slot_bucket, items_per_bucket, item_ptr = torch.empty(
+    offsets, slot_start, slot_bucket, items_per_bucket, item_ptr = uninitialized(
         sum(scratch_sizes), dtype=torch.int32, device=device).split_with_sizes(scratch_sizes)
 
     chunk_grid = (num_chunks, num_kv_heads)
@@ -373,8 +374,8 @@ def with_items(schedule: Schedule, entries_per_item: int) -> Schedule:
     num_buckets = schedule.bucket_head.numel()
     item_bound = max_items(schedule.entry_query.numel(), num_buckets, entries_per_item)
     sizes = (num_buckets, num_buckets, item_bound, item_bound, item_bound, 1)
-    items_per_bucket, item_ptr, item_bucket, item_start, item_end, num_items = torch.empty(
-        sum(sizes), dtype=torch.int32, device=schedule.bucket_ptr.device).split_with_sizes(sizes)
+    items_per_bucket, item_ptr, item_bucket, item_start, item_end, num_items = uninitialized(
+        int(sum(sizes)), dtype=torch.int32, device=schedule.bucket_ptr.device).split_with_sizes(sizes)
     bucket_start, bucket_end = schedule.bucket_ptr[:-1], schedule.bucket_ptr[1:]
     msa_plan_item_counts_kernel[(1,)](bucket_start, bucket_end, items_per_bucket, item_ptr, num_buckets,
                                       entries_per_item, ROWS=1024)
@@ -470,12 +471,12 @@ def restrict(schedule: Schedule, kept_indices: torch.Tensor, entries_per_item: i
     device = schedule.entry_query.device
     item_bound = max_items(num_entries, num_buckets, entries_per_item)
     # The scratch apart from the tables the schedule keeps, so that it is freed on return.
-    block_kept, kept_before = torch.empty(num_blocks + 1 + num_entries, dtype=torch.int32,
-                                          device=device).split_with_sizes((num_blocks + 1, num_entries))
-    kept = torch.empty(num_entries, dtype=torch.int8, device=device)
+    block_kept, kept_before = uninitialized(num_blocks + 1 + num_entries, dtype=torch.int32,
+                                            device=device).split_with_sizes((num_blocks + 1, num_entries))
+    kept = uninitialized(num_entries, dtype=torch.int8, device=device)
     sizes = (num_entries, num_buckets + 1, num_buckets, num_buckets, item_bound, item_bound, item_bound, 1)
-    entry_query, bucket_ptr, items_per_bucket, item_ptr, item_bucket, item_start, item_end, num_items = torch.empty(
-        sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
+    entry_query, bucket_ptr, items_per_bucket, item_ptr, item_bucket, item_start, item_end, num_items = uninitialized(
+        int(sum(sizes)), dtype=torch.int32, device=device).split_with_sizes(sizes)
     msa_plan_restrict_count_kernel[(num_blocks,)](
         schedule.entry_query, schedule.bucket_ptr, schedule.bucket_head, kept_indices, kept, kept_before, block_kept,
         num_entries, num_buckets, binary_search_steps(num_buckets), kept_indices[0].numel(), BLOCK=_ENTRIES)
@@ -657,7 +658,7 @@ def query_groups(block_indices, documents: Documents, num_keys, block_size, toke
     sizes = (block_indices.numel(), num_ids, num_ids, num_ids, num_ids, num_units, num_ids + 1, num_units,
              num_units * most, num_units)
     (kv_outer_indices, group_start, group_end, group_key_start, group_position, group_union, units_before, units,
-     group_blocks, unit_listed) = torch.empty(sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
+     group_blocks, unit_listed) = uninitialized(sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
     kv_outer_indices = kv_outer_indices.view(num_kv_heads, num_queries, topk)
     kv_outer_indices.copy_(block_indices)
     group_union, group_blocks = group_union.view(num_kv_heads, num_ids), group_blocks.view(num_kv_heads, num_ids, most)
@@ -692,7 +693,7 @@ def msa_bucket_key_count_kernel(bucket_key_row, cu_seqlens_k, key_count, num_buc
 
 def bucket_key_count(bucket_key_row: torch.Tensor, cu_seqlens_k: torch.Tensor, block_size: int) -> torch.Tensor:
     """`torch_msa.plan.schedule.bucket_key_count` (same arguments and result) in one launch."""
-    key_count = torch.empty_like(bucket_key_row)
+    key_count = uninitialized(bucket_key_row.shape, dtype=bucket_key_row.dtype, device=bucket_key_row.device)
     num_buckets, num_bounds = bucket_key_row.numel(), cu_seqlens_k.numel()
     if num_buckets == 0:
         return key_count

@@ -12,6 +12,7 @@ from ..plan.kernels import bucket_key_count
 from ..stages import deterministic as stages
 from ..stages.dq import ungroup_dq
 from ..stages.fixed_point_dq import dq_scales, recompute_below
+from ..uninitialized import uninitialized
 from .backward_host import check_inputs, launch_blocks
 from .common import BLOCK_SIZE, DQ_DIM_GROUP, HEADS_PER_KV
 
@@ -42,7 +43,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
     launch_blocks(*aligned, state.lse, state.delta, dq_acc, state.workspace.dk_part, state.workspace.dv_part,
                   schedule, key_count, state.topk, softmax_scale, teacher=teacher, dq_scale=dq_scale)
     stages.reduce_key_workspace(state.workspace, state.dk, state.dv, state.topk, block_size, state.shape_key)
-    row_redo = torch.empty(dq_scale.shape, dtype=torch.int8, device=q.device)
+    row_redo = uninitialized(dq_scale.shape, dtype=torch.int8, device=q.device)
     ungroup_dq(dq_acc, state.dq, HEADS_PER_KV, DQ_DIM_GROUP, state.shape_key, dq_scale, softmax_scale, row_redo,
                recompute_below(state.topk))
     stages.query_dq(state.q, state.k, state.v, state.grad_out, state.lse, state.delta, state.dq, state.block_indices,

@@ -12,6 +12,7 @@ from ..cute_dsl.cute_io import aligned_operand, launcher
 from ..stages.delta import compute_delta
 from ..stages.dq import ungroup_dq
 from ..stages.fixed_point_dq import share_cap
+from ..uninitialized import uninitialized
 from .common import (
     BLOCK_SIZE,
     DQ_DIM_GROUP,
@@ -83,12 +84,12 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
         q, k, v, grad_out = (aligned_operand(x) for x in (q, k, v, grad_out))
         out = out if out.stride(-1) == 1 else out.contiguous()
         lse = lse.contiguous()
-        delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
+        delta = uninitialized((num_queries, num_heads), dtype=torch.float32, device=device)
         compute_delta(grad_out, out, grad_lse, delta, (device, q.dtype, dim, block_size, HEADS_PER_KV, topk))
         schedule, key_count = step_schedule(block_indices, documents, num_keys, num_heads, plan)
         launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedule, key_count, topk, softmax_scale,
                       teacher=teacher)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=device)
+    dq = uninitialized(q.shape, dtype=q.dtype, device=device)
     ungroup_dq(dq_acc, dq, HEADS_PER_KV, DQ_DIM_GROUP, (device, q.dtype, dim))
     return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
@@ -120,7 +121,7 @@ def launch_blocks(q, k, v, grad_out, lse, delta, dq_acc, dk_acc, dv_acc, schedul
     deterministic = dq_scale is not None
     emit_teacher = teacher is not None
     if teacher is None:
-        teacher = torch.empty((1, BLOCK_SIZE), dtype=TEACHER_DTYPE, device=q.device)
+        teacher = uninitialized((1, BLOCK_SIZE), dtype=TEACHER_DTYPE, device=q.device)
     tensors = {
         "q": q, "k": k, "v": v, "grad_out": grad_out, "lse": lse, "delta": delta,
         "dq_acc": dq_acc, "dk_acc": dk_acc, "dv_acc": dv_acc, "teacher": teacher.view(-1, BLOCK_SIZE),

@@ -14,6 +14,7 @@ from ..cute_dsl.cute_io import aligned_operand, launcher
 from ..plan.groups import group_tokens
 from ..stages.combine import combine
 from ..stages.query_outer import QueryOuter
+from ..uninitialized import uninitialized
 from .common import (
     HEAD_DIM,
     HEADS_PER_KV,
@@ -75,14 +76,14 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     num_keys, num_kv_heads, _ = k.shape
     topk = block_indices.shape[-1]
     out, lse = into if into is not None else (
-        torch.empty((num_queries, num_heads, dim), dtype=q.dtype, device=q.device),
-        torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device))
+        uninitialized((num_queries, num_heads, dim), dtype=q.dtype, device=q.device),
+        uninitialized((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device))
     if num_queries == 0 or topk == 0 or num_keys == 0:
         return out.zero_(), lse.fill_(-math.inf)
     # TMA reads whole 16-byte aligned rows.
     q, k, v = (aligned_operand(x) for x in (q, k, v))
     rows = num_queries * num_kv_heads * topk * HEADS_PER_KV
-    partial_out = torch.empty((rows, dim), dtype=q.dtype, device=q.device)
+    partial_out = uninitialized((rows, dim), dtype=q.dtype, device=q.device)
     # With the query-outer part, its done flags (`combine`'s) sit behind the partials' lse, so that
     # one fill sets both: read as int32, -inf's bits are negative, "not done".
     flags = 0 if query_outer is None else num_queries * num_kv_heads

@@ -10,6 +10,7 @@ from ..plan.kernels import schedule_for, with_items
 from ..plan.schedule import Schedule
 from ..triton_utils.common import LOG2_E, dot_precision, item_horizon, locate_queries, program_token_group, tile_shape
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
+from ..uninitialized import uninitialized
 from .delta import compute_delta
 
 ITEM_TILES = 64  # query tiles of `TILE_ROWS` rows per item: bounds the workspace
@@ -64,8 +65,8 @@ def key_workspace(schedule: Schedule, block_size, num_heads, num_kv_heads, head_
     entries_per_item = tile_shape(num_heads, num_kv_heads)[0] * ITEM_TILES
     schedule = with_items(schedule, entries_per_item)
     rows = schedule.item_start.numel() * block_size
-    dk_part = torch.empty((rows, head_dim), dtype=torch.float32, device=device)
-    dv_part = torch.empty((rows, head_dim), dtype=torch.float32, device=device)
+    dk_part = uninitialized((rows, head_dim), dtype=torch.float32, device=device)
+    dv_part = uninitialized((rows, head_dim), dtype=torch.float32, device=device)
     return KeyWorkspace(schedule, entries_per_item, bucket_first_items(schedule), dk_part, dv_part)
 
 
@@ -309,9 +310,9 @@ def deterministic_begin(grad_out, q, k, v, out, lse, block_indices, documents, b
     if num_queries == 0 or num_keys == 0 or topk == 0:
         dq = torch.zeros(q.shape, dtype=q.dtype, device=device)
         return DeterministicBackward(q, k, v, grad_out, lse, lse, dq, dk, dv, block_indices, None, topk, shape_key, True)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=device)  # the dQ stage writes every row
+    dq = uninitialized(q.shape, dtype=q.dtype, device=device)  # the dQ stage writes every row
     q, k, v, grad_out, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad_out, out))
-    delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
+    delta = uninitialized((num_queries, num_heads), dtype=torch.float32, device=device)
     compute_delta(grad_out, out, grad_lse, delta, shape_key)
     block_indices = block_indices.contiguous()
     schedule = schedule_for(block_indices, documents, num_keys, block_size, num_heads, plan)

@@ -22,6 +22,7 @@ import triton.language as tl
 from ..documents import Documents
 from ..triton_utils.common import binary_search_steps, find_segments, locate_tokens
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
+from ..uninitialized import uninitialized
 
 SUM_BITS = 30
 """A row's shares, each at most `2**SUM_BITS / topk` once scaled, sum inside int32's range."""
@@ -175,7 +176,7 @@ def dq_scales(grad_out: torch.Tensor, delta: torch.Tensor, k: torch.Tensor, v: t
     topk = block_indices.shape[-1]
     device = grad_out.device
     num_docs = documents.num_documents
-    dq_scale = torch.empty((num_queries, num_heads), dtype=torch.float32, device=device)
+    dq_scale = uninitialized((num_queries, num_heads), dtype=torch.float32, device=device)
     if num_queries == 0:
         return dq_scale
     maxima = torch.zeros((triton.cdiv(num_keys, block_size) + num_docs + 1, num_kv_heads, 2), dtype=torch.int32,

@@ -11,6 +11,7 @@ from ..plan.kernels import schedule_for
 from ..stages.delta import compute_delta
 from ..triton_utils.common import LOG2_E, dot_precision, item_horizon, program_item, tile_shape
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
+from ..uninitialized import uninitialized
 
 # After SM90's: sm_100 (pipelined tiles twice as large), the 99 KB parts, then fp32 tiles.
 BLOCKS_CONFIGS = (
@@ -131,7 +132,7 @@ def backward(grad_out, q, k, v, out, lse, block_indices, documents, block_size, 
     if num_queries > 0 and num_keys > 0:
         q, k, v, grad_out, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad_out, out))
         lse = lse.contiguous()
-        delta = torch.empty((num_queries, num_heads), dtype=torch.float32, device=q.device)
+        delta = uninitialized((num_queries, num_heads), dtype=torch.float32, device=q.device)
         schedule = schedule_for(block_indices, documents, num_keys, block_size, num_heads, plan)
         shape_key = (q.device, q.dtype, dim, block_size, group, topk)
         compute_delta(grad_out, out, grad_lse, delta, shape_key)

@@ -14,6 +14,7 @@ from ..stages.combine import combine
 from ..stages.query_outer import add_partials
 from ..triton_utils.common import LOG2_E, TILE_ROWS, dot_precision, item_horizon, program_item, tile_shape
 from ..triton_utils.launch import LaunchConfig, cached_launches, launch
+from ..uninitialized import uninitialized
 
 BLOCKS_CONFIGS = (LaunchConfig(rows=TILE_ROWS, num_stages=3), LaunchConfig(rows=64, num_stages=1))
 
@@ -88,14 +89,14 @@ def forward(q, k, v, block_indices, documents, block_size, softmax_scale, plan=N
     group = num_heads // num_kv_heads
     topk = block_indices.shape[-1]
     out, lse = into if into is not None else (
-        torch.empty_like(q, memory_format=torch.contiguous_format),
-        torch.empty((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device))
+        uninitialized(q.shape, dtype=q.dtype, device=q.device),
+        uninitialized((num_queries, num_heads), dtype=compute_dtype(q.dtype), device=q.device))
     if num_queries == 0:
         return out, lse
     if num_keys == 0:
         return out.zero_(), lse.fill_(-math.inf)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    partial_out = torch.empty((num_queries * num_kv_heads * topk * group, dim), dtype=q.dtype, device=q.device)
+    partial_out = uninitialized((num_queries * num_kv_heads * topk * group, dim), dtype=q.dtype, device=q.device)
     partial_lse = torch.full((num_queries * num_kv_heads * topk * group,), -math.inf, dtype=torch.float32,
                              device=q.device)
     if query_outer is not None:

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from ..backends import UnsupportedInputs
 from ..documents import QueryDocuments
+from ..uninitialized import uninitialized
 from .launch import cached_launches
 
 # Constexpr so that kernels read them as constants; host code reads `.value`.
@@ -137,8 +138,8 @@ def locate_queries(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_q
                    fragment_starts: torch.Tensor | None = None) -> QueryDocuments:
     """`torch_msa.documents.locate_queries` (same arguments, same int64 result) in one launch."""
     device = cu_seqlens_q.device
-    key_start = torch.empty(num_queries, dtype=torch.int64, device=device)
-    position = torch.empty(num_queries, dtype=torch.int64, device=device)
+    key_start = uninitialized(num_queries, dtype=torch.int64, device=device)
+    position = uninitialized(num_queries, dtype=torch.int64, device=device)
     if num_queries == 0:
         return QueryDocuments(key_start, position)
     fragments = fragment_documents is not None

@@ -5,6 +5,7 @@ Where and how they run, and why in fp32 and fp16: `tests/support/triton_kernels.
 
 import pytest
 import torch
+from torch.profiler import profile
 
 from tests.support.documents import backend_arguments, documents_of
 from tests.support.triton_kernels import (
@@ -17,10 +18,12 @@ from tests.support.triton_kernels import (
     require_a_device,
 )
 from torch_msa import reference, testing
-from torch_msa.plan.schedule import build_schedule
+from torch_msa.plan import kernels as plan_kernels
+from torch_msa.plan.schedule import build_schedule, entries_per_item
 from torch_msa.stages import deterministic as backward_deterministic_kernel
 from torch_msa.triton import backward as backward_kernel
 from torch_msa.triton import backward_deterministic
+from torch_msa.triton import forward as forward_kernel
 from torch_msa.triton_utils import common
 
 require_a_device()
@@ -74,3 +77,52 @@ def test_deterministic_backward_of_a_skewed_selection_without_grad_lse(monkeypat
     grads = backward_deterministic.backward(*backend_arguments("backward", grad_out, q, k, v, out, lse, *args))
     for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
         close(got, want, 4 * TOLERANCE[torch.float16], name)
+
+
+ALLOCATIONS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty"}
+
+
+def test_deterministic_mode_fills_no_buffer_the_kernels_write(monkeypatch):
+    """Under `torch.use_deterministic_algorithms(True)` PyTorch fills each `torch.empty` with NaN
+    (`torch.utils.deterministic.fill_uninitialized_memory`), a pass over memory as large as the
+    buffer. The forward's output, lse and partials and the deterministic backward's gradients
+    and workspaces are written by their kernels before they are read, so none is filled: the
+    only fills inside an allocation are of empty tensors."""
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES["suffix-pack-group3"]
+    cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(q_lens, k_lens)
+    block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
+    q = torch.randn(num_queries, num_heads, dim, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(num_keys, num_kv_heads, dim, device=DEVICE, dtype=dtype) for _ in range(2))
+    grad_out = torch.randn_like(q)
+    # The step's plan, built once outside (msa::plan's output is returned to the caller whole).
+    plan = plan_kernels.plan(block_indices, documents_of(cu_q, cu_k), num_keys, block_size,
+                             entries_per_item(num_heads, num_kv_heads))
+    args = (block_indices, cu_q, cu_k, max_q, max_k, block_size, dim**-0.5)
+
+    def step():
+        out, lse = forward_kernel.forward(*backend_arguments("forward", q, k, v, *args, plan=plan))
+        return out, backward_deterministic.backward(
+            *backend_arguments("backward", grad_out, q, k, v, out, lse, *args, plan=plan))
+
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with profile(record_shapes=True) as trace:
+            out, grads = step()
+        again = step()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    # Allocations the code asks for itself; `torch.zeros` and `torch.full` fill theirs anyway.
+    filled = [(event.cpu_parent.name, event.input_shapes[0]) for event in trace.events()
+              if event.name == "aten::fill_" and event.cpu_parent is not None
+              and event.cpu_parent.name in ALLOCATIONS and event.cpu_parent.cpu_parent is None]
+    assert filled, "the profile shows no allocation's fill at all: the check below would pass vacuously"
+    assert all(0 in shape for _, shape in filled), [entry for entry in filled if 0 not in entry[1]]
+    # What the kernels wrote is what the reference computes, bitwise the same twice.
+    assert all(torch.equal(x, y) for x, y in zip((out, *grads), (again[0], *again[1])))
+    expected_out, expected_lse = reference.forward(*backend_arguments("forward", q, k, v, *args))
+    close(out, expected_out, TOLERANCE[dtype], "out")
+    expected = reference.backward(*backend_arguments("backward", grad_out, q, k, v, expected_out, expected_lse, *args))
+    for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
+        close(got, want, 4 * TOLERANCE[dtype], name)

@@ -1,0 +1,44 @@
+"""`torch_msa.uninitialized`: `torch.empty` without deterministic mode's fill."""
+
+import contextlib
+
+import pytest
+import torch
+from torch.profiler import profile
+
+from torch_msa.uninitialized import uninitialized
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(fill: bool):
+    previous = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0])
+        torch.utils.deterministic.fill_uninitialized_memory = previous[1]
+
+
+@pytest.mark.parametrize("mode", ["default", "deterministic", "deterministic without the fill"])
+@pytest.mark.parametrize("shape, expected", [((3, 5, 2), (3, 5, 2)), (7, (7,)), ((), ()), ((4, 0), (4, 0))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.int64])
+def test_a_contiguous_writable_tensor_of_the_shape_and_dtype(mode, shape, expected, dtype):
+    context = contextlib.nullcontext() if mode == "default" else deterministic_algorithms(fill=mode == "deterministic")
+    with context:
+        x = uninitialized(shape, dtype=dtype, device="cpu")
+    assert (x.shape, x.dtype, x.device.type) == (torch.Size(expected), dtype, "cpu")
+    assert x.is_contiguous() and x.untyped_storage().nbytes() == x.numel() * dtype.itemsize
+    x.fill_(3)
+    assert bool((x == 3).all())
+
+
+def test_deterministic_mode_does_not_fill_it():
+    with deterministic_algorithms(fill=True), profile(record_shapes=True) as trace:
+        filled_by_torch = torch.empty(1000, dtype=torch.float32)
+        ours = uninitialized(1000, dtype=torch.float32, device="cpu")
+    fills = [event.input_shapes[0] for event in trace.events() if event.name == "aten::fill_"]
+    # torch.empty's 1000 elements are filled (NaN); ours only allocates (an empty tensor's fill is no work).
+    assert fills.count([1000]) == 1 and all(shape in ([1000], [0]) for shape in fills), fills
+    assert bool(filled_by_torch.isnan().all()) and ours.shape == (1000,)
