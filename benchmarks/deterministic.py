@@ -21,7 +21,9 @@ row's (a query that sees one key alone has dQ = 0, where any rounding is an infi
 `--outlier C` multiplies K and V of each document's first key (the attention sink,
 where trained models' outlier activations sit) by `C` before anything runs: the case that widens
 the fixed-point dQ's bound of the rows that select that key's block.
-`--profile` adds the device time of each kernel of one call of each (torch.profiler);
+`--no-fill` runs deterministic mode with `torch.utils.deterministic.fill_uninitialized_memory` off:
+PyTorch then no longer fills each new tensor with NaN (the ops' own buffers skip that fill
+either way). `--profile` adds the device time of each kernel of one call of each (torch.profiler);
 `--sweep` times the Triton backend's deterministic backward once per candidate launch configuration
 of its query-outer dQ kernel, pinned in place of the tuned list (for retuning on a new device; the
 `sm90` one adds dQ in its own kernel).
@@ -177,6 +179,9 @@ def main(argv=None) -> int:
     parser.add_argument("--error", action="store_true", help="also print each backward's dQ error against fp32's")
     parser.add_argument("--outlier", type=float, metavar="C",
                         help="multiply K and V of each document's first key by C")
+    parser.add_argument("--no-fill", action="store_true",
+                        help="deterministic mode without PyTorch's NaN fill of new tensors "
+                             "(torch.utils.deterministic.fill_uninitialized_memory = False)")
     parser.add_argument("--sweep", action="store_true",
                         help="time the Triton deterministic backward with each configuration of its dQ kernel")
     args = parser.parse_args(argv)
@@ -186,7 +191,20 @@ def main(argv=None) -> int:
         parser.error(f"--sweep times the Triton kernels: it needs a CUDA device, not {device}")
 
     outlier = "" if args.outlier is None else f", first keys x{args.outlier:g}"
-    print(f"msa::backward, M3 shapes, bf16, {args.selection} selection{outlier}, on {device}")
+    fill = ", deterministic without NaN fill" if args.no_fill else ""
+    print(f"msa::backward, M3 shapes, bf16, {args.selection} selection{outlier}{fill}, on {device}")
+    # A module property, which the type stubs do not declare.
+    filled = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+    torch.utils.deterministic.fill_uninitialized_memory = filled and not args.no_fill  # type: ignore[attr-defined]
+    try:
+        _run(args, seqlens, device)
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = filled  # type: ignore[attr-defined]
+    return 0
+
+
+def _run(args, seqlens, device) -> None:
+    """`main`'s lines per length of `seqlens`, after its header."""
     print(f"{'T':>7} {'default ms':>11} {'TF/s':>6} {'deterministic ms':>17} {'TF/s':>6} {'speed share':>12}")
     for length in seqlens:
         inputs = make_inputs(ProblemSpec((length,)), M3, device, args.selection, seed=0)
@@ -237,7 +255,6 @@ def main(argv=None) -> int:
             _sweep(backward_arguments, device, args.warmup, args.iters)
         del inputs, out, lse, backward_arguments
         free_memory(device)
-    return 0
 
 
 if __name__ == "__main__":

@@ -28,4 +28,8 @@ def uninitialized(shape: int | Sequence[int], dtype: torch.dtype, device: torch.
     # The allocator serves the current device: make it `device`'s.
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         storage = torch.UntypedStorage(math.prod(shape) * dtype.itemsize, device=device)
-    return torch.empty(0, dtype=dtype, device=device).set_(storage).view(shape)
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    # The storage set in place, not viewed: the buffer is no view, as `torch.empty`'s is not.
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape, strides)

@@ -258,6 +258,22 @@ def test_the_deterministic_command_scales_each_documents_first_key(capsys, one_t
     assert "index selection, first keys x1000, on cpu" in capsys.readouterr().out.splitlines()[0]
 
 
+def test_the_deterministic_command_turns_the_nan_fill_off_for_its_run_alone(capsys, one_thread, monkeypatch):
+    from benchmarks import deterministic
+
+    seen = []
+    monkeypatch.setattr(deterministic, "measure", lambda *args, **kwargs: seen.append(
+        torch.utils.deterministic.fill_uninitialized_memory) or types.SimpleNamespace(median_ms=1.0))
+    for argv, fill in ((["--no-fill"], False), ([], True)):
+        seen.clear()
+        assert deterministic.main(["--device", "cpu", "--seqlens", "64", "--warmup", "0", "--iters", "1", *argv]) == 0
+        assert seen == [fill, fill], argv
+        assert torch.utils.deterministic.fill_uninitialized_memory
+    headers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("msa::backward")]
+    assert [header.split("bf16, ")[1] for header in headers] == [
+        "index selection, deterministic without NaN fill, on cpu", "index selection, on cpu"]
+
+
 def test_the_deterministic_command_times_the_step_both_ways_and_measures_dq_against_fp32(capsys, one_thread):
     from benchmarks import deterministic
 

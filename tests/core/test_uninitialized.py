@@ -30,6 +30,7 @@ def test_a_contiguous_writable_tensor_of_the_shape_and_dtype(mode, shape, expect
         x = uninitialized(shape, dtype=dtype, device="cpu")
     assert (x.shape, x.dtype, x.device.type) == (torch.Size(expected), dtype, "cpu")
     assert x.is_contiguous() and x.untyped_storage().nbytes() == x.numel() * dtype.itemsize
+    assert x._base is None, "a view: in-place detach and autograd treat it unlike torch.empty's tensor"
     x.fill_(3)
     assert bool((x == 3).all())
 

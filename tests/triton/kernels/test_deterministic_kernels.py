@@ -12,6 +12,7 @@ from tests.support.triton_kernels import (
     ATTENTION_CASES,
     DEVICE,
     TOLERANCE,
+    allocate_with,
     close,
     junk_indices,
     layout,
@@ -25,6 +26,7 @@ from torch_msa.triton import backward as backward_kernel
 from torch_msa.triton import backward_deterministic
 from torch_msa.triton import forward as forward_kernel
 from torch_msa.triton_utils import common
+from torch_msa.uninitialized import uninitialized
 
 require_a_device()
 
@@ -87,8 +89,9 @@ def test_deterministic_mode_fills_no_buffer_the_kernels_write(monkeypatch):
     (`torch.utils.deterministic.fill_uninitialized_memory`), a pass over memory as large as the
     buffer. The forward's output, lse and partials and the deterministic backward's gradients
     and workspaces are written by their kernels before they are read, so none is filled: the
-    only fills inside an allocation are of empty tensors."""
+    only fills inside an allocation are of empty tensors, and the test's own `torch.empty`."""
     monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    allocate_with(monkeypatch, uninitialized)  # not the junk of this folder's conftest
     q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES["suffix-pack-group3"]
     cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(q_lens, k_lens)
     block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
@@ -109,6 +112,7 @@ def test_deterministic_mode_fills_no_buffer_the_kernels_write(monkeypatch):
     torch.use_deterministic_algorithms(True)
     try:
         with profile(record_shapes=True) as trace:
+            torch.empty(7)  # the one fill the profile must show
             out, grads = step()
         again = step()
     finally:
@@ -117,8 +121,7 @@ def test_deterministic_mode_fills_no_buffer_the_kernels_write(monkeypatch):
     filled = [(event.cpu_parent.name, event.input_shapes[0]) for event in trace.events()
               if event.name == "aten::fill_" and event.cpu_parent is not None
               and event.cpu_parent.name in ALLOCATIONS and event.cpu_parent.cpu_parent is None]
-    assert filled, "the profile shows no allocation's fill at all: the check below would pass vacuously"
-    assert all(0 in shape for _, shape in filled), [entry for entry in filled if 0 not in entry[1]]
+    assert [shape for _, shape in filled if 0 not in shape] == [[7]], filled
     # What the kernels wrote is what the reference computes, bitwise the same twice.
     assert all(torch.equal(x, y) for x, y in zip((out, *grads), (again[0], *again[1])))
     expected_out, expected_lse = reference.forward(*backend_arguments("forward", q, k, v, *args))
