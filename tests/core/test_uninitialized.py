@@ -6,27 +6,16 @@ import pytest
 import torch
 from torch.profiler import profile
 
+from tests.support.determinism import deterministic_algorithms
 from torch_msa.uninitialized import uninitialized
-
-
-@contextlib.contextmanager
-def deterministic_algorithms(fill: bool):
-    previous = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = fill
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous[0])
-        torch.utils.deterministic.fill_uninitialized_memory = previous[1]
 
 
 @pytest.mark.parametrize("mode", ["default", "deterministic", "deterministic without the fill"])
 @pytest.mark.parametrize("shape, expected", [((3, 5, 2), (3, 5, 2)), (7, (7,)), ((), ()), ((4, 0), (4, 0))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.int64])
-def test_a_contiguous_writable_tensor_of_the_shape_and_dtype(mode, shape, expected, dtype):
-    context = contextlib.nullcontext() if mode == "default" else deterministic_algorithms(fill=mode == "deterministic")
-    with context:
+def test_a_contiguous_writable_tensor_of_the_shape_and_dtype(mode, shape, expected, dtype, monkeypatch):
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", mode == "deterministic")
+    with contextlib.nullcontext() if mode == "default" else deterministic_algorithms():
         x = uninitialized(shape, dtype=dtype, device="cpu")
     assert (x.shape, x.dtype, x.device.type) == (torch.Size(expected), dtype, "cpu")
     assert x.is_contiguous() and x.untyped_storage().nbytes() == x.numel() * dtype.itemsize
@@ -35,8 +24,9 @@ def test_a_contiguous_writable_tensor_of_the_shape_and_dtype(mode, shape, expect
     assert bool((x == 3).all())
 
 
-def test_deterministic_mode_does_not_fill_it():
-    with deterministic_algorithms(fill=True), profile(record_shapes=True) as trace:
+def test_deterministic_mode_does_not_fill_it(monkeypatch):
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    with deterministic_algorithms(), profile(record_shapes=True) as trace:
         filled_by_torch = torch.empty(1000, dtype=torch.float32)
         ours = uninitialized(1000, dtype=torch.float32, device="cpu")
     fills = [event.input_shapes[0] for event in trace.events() if event.name == "aten::fill_"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.profiler import profile
 
+from tests.support.determinism import deterministic_algorithms
 from tests.support.documents import backend_arguments, documents_of
 from tests.support.triton_kernels import (
     ATTENTION_CASES,
@@ -108,15 +109,11 @@ def test_deterministic_mode_fills_no_buffer_the_kernels_write(monkeypatch):
         return out, backward_deterministic.backward(
             *backend_arguments("backward", grad_out, q, k, v, out, lse, *args, plan=plan))
 
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         with profile(record_shapes=True) as trace:
             torch.empty(7)  # the one fill the profile must show
             out, grads = step()
         again = step()
-    finally:
-        torch.use_deterministic_algorithms(previous)
     # Allocations the code asks for itself; `torch.zeros` and `torch.full` fill theirs anyway.
     filled = [(event.cpu_parent.name, event.input_shapes[0]) for event in trace.events()
               if event.name == "aten::fill_" and event.cpu_parent is not None
