@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.support.determinism import deterministic_algorithms as _deterministic_algorithms
+from tests.support.uninitialized import allocate_with, junk_buffer
 
 # The Triton kernel cases run natively on a CUDA host, or under the interpreter in the
 # subprocess of tests/triton/test_interpret.py; anywhere else that subprocess covers them.
@@ -130,6 +131,14 @@ def pytest_make_collect_report(collector):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def junk_in_uninitialized_buffers(monkeypatch):
+    """Every buffer the code under test takes from `torch_msa.uninitialized` starts out as junk (NaN,
+    an integer's largest value: `tests/support/uninitialized.py`), so that a kernel that reads what
+    nobody wrote fails its test."""
+    allocate_with(monkeypatch, junk_buffer)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from tests.support.sm90 import (
     HQ,
     REFERENCE_LAYOUTS,
     SCALE,
-    SM90_MARKS,
+    SM90_KERNEL_MARKS,
     TOPK,
     D,
     random_problem,
@@ -32,7 +32,7 @@ from tests.support.sm90 import (
 from torch_msa import reference
 from torch_msa.testing import fragments, random_block_indices
 
-pytestmark = SM90_MARKS
+pytestmark = SM90_KERNEL_MARKS
 
 
 def _problem(q_lens, k_lens, dtype=torch.bfloat16, selection="random", seed=0, with_grad_lse=False):

@@ -24,7 +24,7 @@ from tests.support.sm90 import (
     HQ,
     REFERENCE_LAYOUTS,
     SCALE,
-    SM90_MARKS,
+    SM90_KERNEL_MARKS,
     TOPK,
     D,
     random_problem,
@@ -34,7 +34,7 @@ from torch_msa import reference
 from torch_msa.settings import QUERY_OUTER_ENV
 from torch_msa.testing import fragments, random_block_indices
 
-pytestmark = SM90_MARKS
+pytestmark = SM90_KERNEL_MARKS
 _inputs = random_problem
 
 

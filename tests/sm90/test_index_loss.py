@@ -14,11 +14,11 @@ import torch
 import torch_msa
 from tests.support.determinism import deterministic_algorithms
 from tests.support.documents import Documents, backend_arguments
-from tests.support.sm90 import BLOCK, HKV, REFERENCE_LAYOUTS, SCALE, SM90_MARKS, TOPK, random_problem
+from tests.support.sm90 import BLOCK, HKV, REFERENCE_LAYOUTS, SCALE, SM90_KERNEL_MARKS, TOPK, random_problem
 from torch_msa import reference, reference_index_loss
 from torch_msa.testing import fragments
 
-pytestmark = SM90_MARKS
+pytestmark = SM90_KERNEL_MARKS
 INDEX_DIM = 128
 
 

@@ -13,9 +13,9 @@ import torch
 
 import torch_msa
 from tests.support.documents import Documents, backend_arguments
-from tests.support.sm90 import BLOCK, SCALE, SM90_MARKS, random_problem
+from tests.support.sm90 import BLOCK, SCALE, SM90_KERNEL_MARKS, random_problem
 
-pytestmark = SM90_MARKS
+pytestmark = SM90_KERNEL_MARKS
 LENGTHS = [3000, 0, 1, 2200, 129]
 KV_HEADS = pytest.mark.parametrize("kv_heads", [1, 2])
 

@@ -1,5 +1,6 @@
 """What the SM90 GPU tests share: the marks that skip them without a compute capability 9.0 GPU
-or the CuTe DSL, and M3-shaped random problems."""
+or the CuTe DSL (with junk in the buffers the kernels are promised to write in full), and M3-shaped
+random problems."""
 
 import pytest
 import torch
@@ -14,7 +15,10 @@ requires_sm90 = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
     reason="needs a GPU of compute capability 9.0 (H100 / H200)",
 )
+# `junk_in_uninitialized_buffers` (`tests/conftest.py`): a kernel reading what it did not write
+# fails its test. (Files that count a call's launches or ATen calls take `SM90_MARKS` alone.)
 SM90_MARKS = [pytest.mark.cuda, requires_cute, requires_sm90]
+SM90_KERNEL_MARKS = [*SM90_MARKS, pytest.mark.usefixtures("junk_in_uninitialized_buffers")]
 
 # The document layouts both directions are checked on against the reference.
 REFERENCE_LAYOUTS = pytest.mark.parametrize(

@@ -9,7 +9,6 @@ shapes by `tests/triton/test_cuda.py`.
 """
 
 import os
-import sys
 
 import pytest
 import torch
@@ -30,24 +29,6 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-2}
 # The document `poison` is applied to; its neighbours' results must not change.
 POISONED_DOC = 1
 NON_FINITE = (float("nan"), float("inf"), float("-inf"))
-
-
-def junk_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """`uninitialized`'s buffer full of what deterministic mode writes into a `torch.empty` (NaN, an
-    integer's largest value), in any mode, so that a kernel reading an element it did not write
-    shows, even through a product with zero."""
-    buffer = torch.empty(shape, dtype=dtype, device=device)
-    if dtype.is_floating_point:
-        return buffer.fill_(float("nan"))
-    return buffer.fill_(True if dtype == torch.bool else torch.iinfo(dtype).max)
-
-
-def allocate_with(monkeypatch, allocate) -> None:
-    """Have every loaded `torch_msa` module that allocates through `uninitialized` call `allocate`."""
-    for name, module in list(sys.modules.items()):
-        # (The package's `uninitialized` is the module.)
-        if name.startswith("torch_msa") and callable(getattr(module, "uninitialized", None)):
-            monkeypatch.setattr(module, "uninitialized", allocate)
 
 
 def require_a_device() -> None:

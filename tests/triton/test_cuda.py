@@ -21,7 +21,7 @@ from torch_msa.plan.schedule import entries_per_item
 from torch_msa.settings import QUERY_OUTER_ENV
 from torch_msa.testing import cu_seqlens, fragments, random_block_indices, skewed_block_indices
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("junk_in_uninitialized_buffers")]
 
 M3 = dict(num_heads=64, num_kv_heads=4, dim=128, block_size=128, topk=16)
 LAYOUTS = {

@@ -15,7 +15,7 @@ from tests.support.documents import Documents, backend_arguments
 from torch_msa import reference_index_loss
 from torch_msa.testing import cu_seqlens, random_block_indices, skewed_block_indices
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("junk_in_uninitialized_buffers")]
 
 HEADS, KV_HEADS, DIM, INDEX_DIM, BLOCK, TOPK = 64, 4, 128, 128, 128, 16
 LAYOUTS = {

@@ -13,7 +13,7 @@ from tests.support.documents import Documents, backend_arguments
 from torch_msa import reference_index_loss
 from torch_msa.testing import cu_seqlens
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("junk_in_uninitialized_buffers")]
 
 HEADS, KV_HEADS, DIM, INDEX_DIM = 64, 4, 128, 128
 SCALES = (DIM**-0.5, INDEX_DIM**-0.5)

@@ -1,6 +1,5 @@
-"""Every buffer the code under test takes from `torch_msa.uninitialized` starts out as junk (NaN, an
-integer's largest value: `tests/support/triton_kernels.py`, `junk_buffer`), so that a kernel that
-reads what nobody wrote fails its test.
+"""Every test here runs with junk in the buffers its kernels are promised to write in full
+(`junk_in_uninitialized_buffers`, `tests/conftest.py`).
 
 Under the Triton interpreter (`tests/triton/test_interpret.py` runs these files with
 `TRITON_INTERPRET=1`), two shortcuts through its slowest steps, neither changing what a kernel
@@ -22,12 +21,10 @@ import os
 
 import pytest
 
-from tests.support.triton_kernels import allocate_with, junk_buffer
-
 
 @pytest.fixture(autouse=True)
-def junk_in_uninitialized_buffers(monkeypatch):
-    allocate_with(monkeypatch, junk_buffer)
+def _junk(junk_in_uninitialized_buffers):
+    pass
 
 
 def _interpreter_has_the_internals_patched_here() -> bool:

@@ -13,12 +13,12 @@ from tests.support.triton_kernels import (
     ATTENTION_CASES,
     DEVICE,
     TOLERANCE,
-    allocate_with,
     close,
     junk_indices,
     layout,
     require_a_device,
 )
+from tests.support.uninitialized import allocate_with
 from torch_msa import reference, testing
 from torch_msa.plan import kernels as plan_kernels
 from torch_msa.plan.schedule import build_schedule, entries_per_item
