@@ -243,6 +243,39 @@ def test_the_sharing_command_prints_each_regimes_union_and_query_outer_work(caps
     assert skewed.split()[-3:] == ["100.0%", "100.0%", "100.0%"], skewed
 
 
+def test_the_balance_command_compares_the_kernels_walk_with_an_in_order_fetch(capsys):
+    from benchmarks import balance
+    from torch_msa.plan.schedule import valid_entries
+
+    work = torch.tensor([1, 4, 1, 4])
+    assert balance.round_robin_loads(work, 2).tolist() == [2, 8]
+    # 1 and 4 to each CTA; the second 1 to the first CTA (1 < 4), then the second 4 too (2 < 4).
+    assert balance.in_order_loads(work, 2).tolist() == [6, 4]
+    assert balance.round_robin_loads(torch.tensor([3]), 2).tolist() == [3, 0]
+    # Rounds of two items: tokens {0, 1, 2}, then {5, 6}; the lower middle of [3, 2].
+    assert balance.tokens_in_flight([torch.tensor([0, 1]), torch.tensor([1, 2]), torch.tensor([5]),
+                                     torch.tensor([5, 6])], 2) == 2
+
+    tokens, ctas = 1024, 4
+    assert balance.main(["--seqlens", str(tokens), "--selection", "skewed", "--heads", "16/1",
+                         "--ctas", str(ctas)]) == 0
+    header, *lines = capsys.readouterr().out.strip().splitlines()
+    assert "round-robin" in header and [line.split()[2] for line in lines] == ["plan", "deterministic"]
+    # The same counts from the selection: a block's bucket holds the (token, slot) pairs that
+    # select it, cut into items of 128 (plan) and 512 entries (deterministic: 64 tiles of 8 tokens).
+    inputs = make_inputs(ProblemSpec((tokens,)), cli.parse_heads("16/1"), torch.device("cpu"), "skewed", seed=0)
+    position = torch.arange(tokens)
+    valid = valid_entries(inputs.block_indices, position, 128)
+    bucket_sizes = torch.bincount(inputs.block_indices[valid].long(), minlength=tokens // 128)
+    for line, size in zip(lines, (128, 512)):
+        items = [min(size, int(bucket) - start) for bucket in bucket_sizes for start in range(0, int(bucket), size)]
+        tiles = sum(-(-item // 4) for item in items)
+        fields = line.split()
+        assert int(fields[3]) == len(items) and float(fields[4]) == pytest.approx(tiles / ctas, abs=0.5), line
+        busiest, idlest = float(fields[6]), float(fields[7])
+        assert busiest >= 1.0 >= idlest and 1 <= int(fields[-1]) <= tokens
+
+
 def test_the_deterministic_command_scales_each_documents_first_key(capsys, one_thread):
     from benchmarks import deterministic
 

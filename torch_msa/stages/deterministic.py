@@ -54,6 +54,11 @@ def bucket_first_items(schedule: Schedule) -> torch.Tensor:
     )
 
 
+def workspace_entries_per_item(num_heads: int, num_kv_heads: int) -> int:
+    """Entries per item of the deterministic backward's walk: `ITEM_TILES` query tiles."""
+    return tile_shape(num_heads, num_kv_heads)[0] * ITEM_TILES
+
+
 def key_workspace(schedule: Schedule, block_size, num_heads, num_kv_heads, head_dim) -> KeyWorkspace:
     """`schedule` in items of `ITEM_TILES` query tiles and its empty workspace, on its device.
 
@@ -62,7 +67,7 @@ def key_workspace(schedule: Schedule, block_size, num_heads, num_kv_heads, head_
         num_heads, num_kv_heads: `Hq` and `Hkv`, which size the query tiles; head_dim: `D`.
     """
     device = schedule.entry_query.device
-    entries_per_item = tile_shape(num_heads, num_kv_heads)[0] * ITEM_TILES
+    entries_per_item = workspace_entries_per_item(num_heads, num_kv_heads)
     schedule = with_items(schedule, entries_per_item)
     rows = schedule.item_start.numel() * block_size
     dk_part = uninitialized((rows, head_dim), dtype=torch.float32, device=device)
