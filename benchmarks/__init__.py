@@ -32,8 +32,9 @@ the attention step), `python -m benchmarks.overhead` (what each eager call costs
 and the GPU: host time after a sync and in a loop, kernel, synchronised and CUDA-graph times), `python -m benchmarks.sm90`
 (the SM90 CuTe DSL forward and backward against the Triton kernels, split into their parts) and
 `python -m benchmarks.sharing` (each selection regime's union statistics and the work the plan's
-query-outer rule takes, untimed) and `python -m benchmarks.frontend` (the host cost of the layers
-above the backends, every op a stub, on CPU).
+query-outer rule takes, untimed), `python -m benchmarks.balance` (how evenly the `sm90` kernels'
+walk spreads the plan's items over the CTAs, untimed) and `python -m benchmarks.frontend` (the
+host cost of the layers above the backends, every op a stub, on CPU).
 """
 
 import sys

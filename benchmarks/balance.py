@@ -4,15 +4,18 @@ items over the CTAs, without timing anything.
 CTA `c` of a persistent grid of `n` walks items `c, c + n, ...` (`torch_msa/sm90/tile_scheduler.py`),
 and a kernel ends with its busiest CTA. For each problem (`--seqlens`, one document each) and
 `--selection` regime, at M3 shapes (or `--heads`), one line per item size: the items of the public
-API's plans (`plan`: the forward and the default backward walk them) and of the deterministic
-backward (`deterministic`: `workspace_entries_per_item`, `torch_msa/stages/deterministic.py`). Each
+API's plans (`plan`: the default backward walks them all, and so does the KV-outer forward where
+the call runs no query-outer part in one query window) and of the deterministic backward
+(`deterministic`: `workspace_entries_per_item`, `torch_msa/stages/deterministic.py`). Each
 line gives the items, the mean work per CTA (an item's work: its query tiles of `TOKENS_PER_TILE`
 tokens) and the busiest and idlest CTA's work over that mean, under the kernels' walk
 (`round-robin`) and under an in-order fetch (`in order`: each item, in the plan's order, to the
 CTA that finishes first, as a dynamic scheduler hands them out). The busiest CTA's share above
 the mean is the kernel's tail, where the other SMs idle. `tokens in flight`: the median, over the
-walk's rounds of one item per CTA, of the distinct query tokens those items hold, whose queries,
-output gradients and dQ rows the L2 cache keeps for the blocks that reuse them. Runs on CPU.
+walk's rounds of one item per CTA, of the distinct (KV head, query token) pairs those items hold,
+whose queries, output gradients and dQ rows the L2 cache keeps for the blocks that reuse them.
+Runs on CPU, where the `index` and `tiled` selections take minutes past 16K (their selection runs
+on the reference).
 """
 
 import argparse
@@ -31,7 +34,7 @@ from . import command
 from .cli import parse_heads
 from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_seqlens
 
-H100_SMS = 132  # one CTA per SM (H100 and H200 SXM)
+HOPPER_SXM_SMS = 132  # one CTA per SM: H100 and H200 SXM
 
 
 def round_robin_loads(work: torch.Tensor, ctas: int) -> torch.Tensor:
@@ -57,23 +60,29 @@ def in_order_loads(work: torch.Tensor, ctas: int) -> torch.Tensor:
 
 def tokens_in_flight(item_tokens: list[torch.Tensor], ctas: int) -> int:
     """The median (the lower middle one) over the rounds of `ctas` consecutive items of the
-    distinct tokens they hold (`item_tokens`: each item's query tokens, in walk order)."""
+    distinct values they hold (`item_tokens`: each item's tokens, in walk order)."""
     rounds = [torch.cat(item_tokens[first:first + ctas]).unique().numel() for first in range(0, len(item_tokens), ctas)]
     return int(torch.tensor(rounds).median())
 
 
 def plan_items(tokens: int, selection: str, shape, entries: dict[str, int]) -> dict[str, list[torch.Tensor]]:
-    """Per item size of `entries` (name: entries per item), each item's query tokens, in plan
-    order, for one document of `tokens` tokens under `selection` (on CPU)."""
+    """Per item size of `entries` (name: entries per item), each item's (KV head, query token)
+    pairs as `head * tokens + token`, in plan order, for one document of `tokens` tokens under
+    `selection` (on CPU)."""
     inputs = make_inputs(ProblemSpec((tokens,)), shape, torch.device("cpu"), selection, seed=0)
     documents = Documents(inputs.cu_seqlens, inputs.cu_seqlens, tokens, tokens)
+    # The entries and buckets do not depend on the item size; `with_items` cuts each size's items.
     schedule = build_schedule(inputs.block_indices, documents, tokens, shape.block_size, min(entries.values()))
-    entry_tokens = schedule.entry_query // shape.topk
+    num_buckets = int(schedule.num_buckets[0])
+    sizes = schedule.bucket_ptr[1:num_buckets + 1] - schedule.bucket_ptr[:num_buckets]
+    entry_heads = schedule.bucket_head[:num_buckets].repeat_interleave(sizes)
+    entry_pairs = entry_heads * tokens + schedule.entry_query[: entry_heads.numel()] // shape.topk
     items_by_size = {}
     for name, size in entries.items():
         items = with_items(schedule, size)
-        ranges = zip(items.item_start[: int(items.num_items[0])].tolist(), items.item_end.tolist())
-        items_by_size[name] = [entry_tokens[start:end] for start, end in ranges]
+        count = int(items.num_items[0])
+        ranges = zip(items.item_start[:count].tolist(), items.item_end[:count].tolist())
+        items_by_size[name] = [entry_pairs[start:end] for start, end in ranges]
     return items_by_size
 
 
@@ -86,8 +95,8 @@ def main(argv=None) -> int:
                         help=f"selection regimes (default all: {' '.join(SELECTIONS)})")
     parser.add_argument("--heads", metavar="HQ/HKV", default=f"{M3.query_heads}/{M3.kv_heads}",
                         help=f"query and KV heads (default {M3.query_heads}/{M3.kv_heads})")
-    parser.add_argument("--ctas", type=command.at_least(1), default=H100_SMS,
-                        help=f"CTAs of the persistent grid (default {H100_SMS}: an H100's or H200's SMs)")
+    parser.add_argument("--ctas", type=command.at_least(1), default=HOPPER_SXM_SMS,
+                        help=f"CTAs of the persistent grid (default {HOPPER_SXM_SMS}: an H100's or H200's SMs)")
     args = parser.parse_args(argv)
     lengths = command.parsed(parser, parse_seqlens, args.seqlens)
     shape = command.parsed(parser, parse_heads, args.heads)

@@ -261,19 +261,26 @@ def test_the_balance_command_compares_the_kernels_walk_with_an_in_order_fetch(ca
                          "--ctas", str(ctas)]) == 0
     header, *lines = capsys.readouterr().out.strip().splitlines()
     assert "round-robin" in header and [line.split()[2] for line in lines] == ["plan", "deterministic"]
-    # The same counts from the selection: a block's bucket holds the (token, slot) pairs that
-    # select it, cut into items of 128 (plan) and 512 entries (deterministic: 64 tiles of 8 tokens).
+    # The same items from the selection: a block's bucket holds the (token, slot) pairs that
+    # select it in token order, cut into items of 128 (plan) and 512 entries (deterministic: 64
+    # tiles of 8 tokens); an item's work is its sm90 tiles of 4 tokens.
     inputs = make_inputs(ProblemSpec((tokens,)), cli.parse_heads("16/1"), torch.device("cpu"), "skewed", seed=0)
-    position = torch.arange(tokens)
-    valid = valid_entries(inputs.block_indices, position, 128)
-    bucket_sizes = torch.bincount(inputs.block_indices[valid].long(), minlength=tokens // 128)
+    valid = valid_entries(inputs.block_indices, torch.arange(tokens), 128)
+    selected = [(block, token) for token, slot in valid[0].nonzero().tolist()
+                for block in [int(inputs.block_indices[0, token, slot])]]
+    buckets = [[token for block_of, token in sorted(selected) if block_of == block] for block in range(tokens // 128)]
     for line, size in zip(lines, (128, 512)):
-        items = [min(size, int(bucket) - start) for bucket in bucket_sizes for start in range(0, int(bucket), size)]
-        tiles = sum(-(-item // 4) for item in items)
+        items = [bucket[start:start + size] for bucket in buckets for start in range(0, len(bucket), size)]
+        work = torch.tensor([-(-len(item) // 4) for item in items])
+        mean = work.sum().item() / ctas
+        walked = [work[cta::ctas].sum().item() / mean for cta in range(ctas)]
+        in_flight = sorted(len(set(sum(items[first:first + ctas], []))) for first in range(0, len(items), ctas))
         fields = line.split()
-        assert int(fields[3]) == len(items) and float(fields[4]) == pytest.approx(tiles / ctas, abs=0.5), line
-        busiest, idlest = float(fields[6]), float(fields[7])
-        assert busiest >= 1.0 >= idlest and 1 <= int(fields[-1]) <= tokens
+        assert (int(fields[3]), float(fields[4])) == (len(items), pytest.approx(mean, abs=0.5)), line
+        assert (float(fields[6]), float(fields[7])) == (pytest.approx(max(walked), abs=5e-4),
+                                                        pytest.approx(min(walked), abs=5e-4)), line
+        assert float(fields[6]) >= float(fields[9]) >= 1.0, line  # the in-order fetch is no worse here
+        assert int(fields[-1]) == in_flight[(len(in_flight) - 1) // 2], line
 
 
 def test_the_deterministic_command_scales_each_documents_first_key(capsys, one_thread):

@@ -1,12 +1,16 @@
 """`torch_msa.uninitialized`: `torch.empty` without deterministic mode's fill."""
 
 import contextlib
+import pathlib
+import sys
 
 import pytest
 import torch
 from torch.profiler import profile
 
+import torch_msa
 from tests.support.determinism import deterministic_algorithms
+from tests.support.uninitialized import allocate_with
 from torch_msa.uninitialized import uninitialized
 
 
@@ -33,3 +37,19 @@ def test_deterministic_mode_does_not_fill_it(monkeypatch):
     # torch.empty's 1000 elements are filled (NaN); ours only allocates (an empty tensor's fill is no work).
     assert fills.count([1000]) == 1 and all(shape in ([1000], [0]) for shape in fills), fills
     assert bool(filled_by_torch.isnan().all()) and ours.shape == (1000,)
+
+
+def test_the_test_allocator_reaches_every_module_that_allocates_through_it(monkeypatch):
+    """`tests/support/uninitialized.allocate_with` (behind the junk fixture of `tests/conftest.py`)
+    patches every package module that imports `uninitialized`, those the backends load on first
+    use included, so that no kernel's buffers escape the junk."""
+    package = pathlib.Path(torch_msa.__file__).parent
+    users = sorted(".".join(("torch_msa", *path.relative_to(package).with_suffix("").parts))
+                   for path in package.rglob("*.py") if "uninitialized import uninitialized" in path.read_text())
+    assert len(users) >= 10  # the sm90, triton, stages, plan and index-loss allocation sites
+
+    def allocate(shape, dtype, device):
+        raise AssertionError("not called here")
+
+    allocate_with(monkeypatch, allocate)
+    assert [name for name in users if sys.modules[name].uninitialized is not allocate] == []

@@ -20,7 +20,6 @@ def junk_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
 def allocate_with(monkeypatch, allocate) -> None:
     """Have every `torch_msa` module that allocates through `uninitialized` call `allocate`."""
     # The backends load their host modules on first use: load them all now, so none is missed.
-    import torch_msa.index_loss  # noqa: F401
     import torch_msa.sm90.interface  # noqa: F401
     import torch_msa.triton.interface  # noqa: F401
 

@@ -92,7 +92,7 @@ def test_deterministic_mode_fills_no_buffer_the_kernels_write(monkeypatch):
     and workspaces are written by their kernels before they are read, so none is filled: the
     only fills inside an allocation are of empty tensors, and the test's own `torch.empty`."""
     monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
-    allocate_with(monkeypatch, uninitialized)  # not the junk of this folder's conftest
+    allocate_with(monkeypatch, uninitialized)  # not the junk the conftest hands every test here
     q_lens, k_lens, num_heads, num_kv_heads, dim, block_size, topk, dtype = ATTENTION_CASES["suffix-pack-group3"]
     cu_q, cu_k, num_queries, num_keys, max_q, max_k = layout(q_lens, k_lens)
     block_indices = junk_indices(cu_q, cu_k, num_kv_heads, topk, block_size)
