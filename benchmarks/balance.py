@@ -24,15 +24,14 @@ import sys
 
 import torch
 
-from torch_msa.contract import M3
 from torch_msa.documents import Documents
 from torch_msa.plan.schedule import build_schedule, entries_per_item, with_items
 from torch_msa.sm90.common import TOKENS_PER_TILE
 from torch_msa.stages.deterministic import workspace_entries_per_item
 
 from . import command
-from .cli import parse_heads
-from .problems import SELECTIONS, ProblemSpec, make_inputs, parse_seqlens
+from .problems import ProblemSpec, make_inputs
+from .sharing import add_regime_arguments, parsed_regime_arguments
 
 HOPPER_SXM_SMS = 132  # one CTA per SM: H100 and H200 SXM
 
@@ -89,17 +88,11 @@ def plan_items(tokens: int, selection: str, shape, entries: dict[str, int]) -> d
 @command.exits_on_interrupt
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.balance", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqlens", nargs="+", default=["8K", "32K"], metavar="T",
-                        help="document lengths (K = 1024; default 8K 32K)")
-    parser.add_argument("--selection", nargs="+", default=list(SELECTIONS), choices=SELECTIONS,
-                        help=f"selection regimes (default all: {' '.join(SELECTIONS)})")
-    parser.add_argument("--heads", metavar="HQ/HKV", default=f"{M3.query_heads}/{M3.kv_heads}",
-                        help=f"query and KV heads (default {M3.query_heads}/{M3.kv_heads})")
+    add_regime_arguments(parser)
     parser.add_argument("--ctas", type=command.at_least(1), default=HOPPER_SXM_SMS,
                         help=f"CTAs of the persistent grid (default {HOPPER_SXM_SMS}: an H100's or H200's SMs)")
     args = parser.parse_args(argv)
-    lengths = command.parsed(parser, parse_seqlens, args.seqlens)
-    shape = command.parsed(parser, parse_heads, args.heads)
+    lengths, shape = parsed_regime_arguments(parser, args)
     entries = {"plan": entries_per_item(shape.query_heads, shape.kv_heads),
                "deterministic": workspace_entries_per_item(shape.query_heads, shape.kv_heads)}
     print(f"{'T':>8} {'selection':>9} {'items of':>13} {'items':>7} {'tiles/CTA':>9} | "

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from torch_msa.contract import M3
+from torch_msa.contract import M3, Shape
 from torch_msa.selection_stats import selection_sharing
 
 from . import command
@@ -33,19 +33,30 @@ def sharing_row(tokens: int, selection: str, shape, device: torch.device) -> dic
             "tile_fill": work.tile_fill, "rows_without_combine": work.rows_without_combine}
 
 
-@command.exits_on_interrupt
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sharing", description=__doc__.split("\n\n")[0])
+def add_regime_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--seqlens`, `--selection` and `--heads`, the arguments of the untimed per-regime commands
+    (this one and `benchmarks.balance`); `parsed_regime_arguments` reads them."""
     parser.add_argument("--seqlens", nargs="+", default=["8K", "32K"], metavar="T",
                         help="document lengths (K = 1024; default 8K 32K)")
     parser.add_argument("--selection", nargs="+", default=list(SELECTIONS), choices=SELECTIONS,
                         help=f"selection regimes (default all: {' '.join(SELECTIONS)})")
     parser.add_argument("--heads", metavar="HQ/HKV", default=f"{M3.query_heads}/{M3.kv_heads}",
                         help=f"query and KV heads (default {M3.query_heads}/{M3.kv_heads})")
+
+
+def parsed_regime_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[int], Shape]:
+    """The document lengths and the shape `add_regime_arguments`' arguments name (a usage error
+    where one does not parse); the regimes are `args.selection`."""
+    return command.parsed(parser, parse_seqlens, args.seqlens), command.parsed(parser, parse_heads, args.heads)
+
+
+@command.exits_on_interrupt
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sharing", description=__doc__.split("\n\n")[0])
+    add_regime_arguments(parser)
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when present)")
     args = parser.parse_args(argv)
-    lengths = command.parsed(parser, parse_seqlens, args.seqlens)
-    shape = command.parsed(parser, parse_heads, args.heads)
+    lengths, shape = parsed_regime_arguments(parser, args)
     device = command.device(parser, args.device)
     print(f"{'T':>8} {'selection':>9} {'blocks/8 tokens':>15} {'p90':>5} {'shared':>7} | {'query-outer':>11} "
           f"{'tile fill':>9} {'no combine':>10}")
