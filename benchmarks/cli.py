@@ -6,7 +6,6 @@ import datetime
 import importlib.metadata
 import os
 import platform
-import subprocess
 import sys
 
 import torch
@@ -15,6 +14,7 @@ import torch_msa
 from torch_msa.contract import M3, Shape
 
 from . import command, msa, peers, report, targets, trained_selection
+from .command import git_commit
 from .devices import device_peak
 from .problems import SELECTIONS, ProblemSpec, parse_pack, parse_seqlens
 from .results import COMPLETE, INTERRUPTED, RUNNING, BenchResult, ProblemResult
@@ -140,19 +140,6 @@ def parse_heads(text: str) -> Shape:
 def describe_shape(shape: Shape) -> str:
     return (f"Hq={shape.query_heads} Hkv={shape.kv_heads} D={shape.head_dim}, block {shape.block_size}, "
             f"top-{shape.topk}, bf16, index heads {shape.kv_heads} x {shape.index_dim}")
-
-
-def git_commit() -> str | None:
-    """The commit of the checkout torch_msa runs from (with `-dirty` for local changes), or None outside git."""
-    source = os.path.dirname(os.path.abspath(torch_msa.__file__))
-    try:
-        commit = subprocess.run(["git", "-C", source, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", source, "status", "--porcelain", "--untracked-files=no", "."],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return commit + ("-dirty" if dirty else "") if commit else None
 
 
 def _version(package: str) -> str | None:

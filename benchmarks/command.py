@@ -19,6 +19,7 @@ import argparse
 import functools
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -134,3 +135,28 @@ def exits_on_interrupt(main: Callable[..., int]) -> Callable[..., int]:
             return interrupted("stopped by Ctrl-C before the command finished")
 
     return run
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout torch_msa runs from (with `-dirty` for local changes), or None outside git."""
+    import torch_msa
+
+    source = os.path.dirname(os.path.abspath(torch_msa.__file__))
+    try:
+        commit = subprocess.run(["git", "-C", source, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", source, "status", "--porcelain", "--untracked-files=no", "."],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if dirty else "") if commit else None
+
+
+def torch_msa_origin() -> str:
+    """`torch_msa VERSION from FOLDER (COMMIT)`: the tree a run measures. `python -m` puts the working
+    directory first on the module path, so this is how two runs meant to time two trees show that
+    they did (docs/performance.md, "Comparing two trees")."""
+    import torch_msa
+
+    folder = os.path.dirname(os.path.abspath(torch_msa.__file__))
+    return f"torch_msa {torch_msa.__version__} from {folder} ({git_commit() or 'not a git checkout'})"

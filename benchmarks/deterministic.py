@@ -193,6 +193,7 @@ def main(argv=None) -> int:
     outlier = "" if args.outlier is None else f", first keys x{args.outlier:g}"
     fill = ", deterministic without NaN fill" if args.no_fill else ""
     print(f"msa::backward, M3 shapes, bf16, {args.selection} selection{outlier}{fill}, on {device}")
+    print(command.torch_msa_origin())
     # A module property, which the type stubs do not declare.
     filled = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
     torch.utils.deterministic.fill_uninitialized_memory = filled and not args.no_fill  # type: ignore[attr-defined]

@@ -260,6 +260,7 @@ def main(argv=None) -> int:
           f"Hkv={shape.kv_heads}, bf16, plan built in the call, {timed_call}, setting {args.setting} against 0, "
           f"{args.rounds} rounds; ms KV-outer, query-outer, "
           f"median change [95% interval], verdict against +{GATE:.0%}")
+    print(command.torch_msa_origin())
     print(f"{'problem':<18} {'selection':<9} {'q-outer':>7} {'max diff':>8} | {'synced':<48} | {'graph':<48}")
     for spec in specs:
         for selection in args.selection:

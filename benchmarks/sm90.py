@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     parser.add_argument("--iterations", type=command.at_least(1), default=10)
     args = parser.parse_args(argv)
     command.cuda_device(parser, None, "it times the SM90 kernels of H100/H200", capability=(9, 0))
+    print(command.torch_msa_origin())
 
     from torch_msa.plan import kernels as plan_kernel
     from torch_msa.sm90 import backward_deterministic as sm90_deterministic

@@ -295,7 +295,17 @@ def test_the_deterministic_command_scales_each_documents_first_key(capsys, one_t
         assert torch.equal(after[rest], before[rest]), name
     assert deterministic.main(["--device", "cpu", "--seqlens", "64", "--warmup", "0", "--iters", "1",
                                "--outlier", "1000"]) == 0
-    assert "index selection, first keys x1000, on cpu" in capsys.readouterr().out.splitlines()[0]
+    title, origin = capsys.readouterr().out.splitlines()[:2]
+    assert "index selection, first keys x1000, on cpu" in title
+    # The tree the run measured: the package this process imported.
+    assert origin.startswith(f"torch_msa {torch_msa.__version__} from {os.path.dirname(torch_msa.__file__)} (")
+
+
+def test_a_run_names_the_tree_it_measures_even_outside_git(monkeypatch):
+    monkeypatch.setattr(command, "git_commit", lambda: "0123abc-dirty")
+    assert command.torch_msa_origin().endswith(f"from {os.path.dirname(torch_msa.__file__)} (0123abc-dirty)")
+    monkeypatch.setattr(command, "git_commit", lambda: None)
+    assert command.torch_msa_origin().endswith("(not a git checkout)")
 
 
 def test_the_deterministic_command_turns_the_nan_fill_off_for_its_run_alone(capsys, one_thread, monkeypatch):
@@ -319,7 +329,7 @@ def test_the_deterministic_command_times_the_step_both_ways_and_measures_dq_agai
 
     assert deterministic.main(["--device", "cpu", "--seqlens", "64", "--warmup", "0", "--iters", "1",
                                "--step", "--error"]) == 0
-    header, backward, *steps, error = capsys.readouterr().out.strip().splitlines()[1:]
+    header, backward, *steps, error = capsys.readouterr().out.strip().splitlines()[2:]
     assert "speed share" in header and backward.split()[0] == "64"
     assert [step.split()[0] for step in steps] == ["step", "synced"]  # a CUDA graph only on CUDA
     for step in steps:

@@ -29,8 +29,8 @@ DQ_DIM_GROUP = 8
 
 QUERY_OUTER_DEFAULT_DEVICES = ("H100",)
 """The GPUs (substrings of their names) on which the forward runs its query-outer part by default:
-those the default's rule was measured on (`docs/performance.md`, "The default"). On an H200 the
-part was last measured before its host work was cut, 1.7-4.5% slower; there it runs only when
+those where the default's rule measured within its gate (`docs/performance.md`, "The default").
+On an H200 a training step's forward measured up to 4.1% slower, so there it runs only when
 `TORCH_MSA_QUERY_OUTER=1` asks."""
 
 
