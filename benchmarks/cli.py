@@ -14,7 +14,6 @@ import torch_msa
 from torch_msa.contract import M3, Shape
 
 from . import command, msa, peers, report, targets, trained_selection
-from .command import git_commit
 from .devices import device_peak
 from .problems import SELECTIONS, ProblemSpec, parse_pack, parse_seqlens
 from .results import COMPLETE, INTERRUPTED, RUNNING, BenchResult, ProblemResult
@@ -164,7 +163,7 @@ def _meta(args, argv) -> dict:
     return {
         "command": "python -m benchmarks " + " ".join(argv),
         "torch_msa": torch_msa.__version__,
-        "git_commit": git_commit(),
+        "git_commit": command.git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": name,
         "device_type": device.type,

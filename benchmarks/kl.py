@@ -181,12 +181,10 @@ def _print_peak_memory(device, tokens: int, step, progress: Progress | None = No
 
 
 def _meta(args, argv, device) -> dict:
-    from .cli import git_commit
-
     return {
         "command": "python -m benchmarks.kl " + " ".join(argv),
         "torch_msa": torch_msa.__version__,
-        "git_commit": git_commit(),
+        "git_commit": command.git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "torch": torch.__version__,

@@ -985,7 +985,7 @@ def test_ctrl_c_while_the_plot_is_drawn_ends_with_the_interrupted_status(tmp_pat
 def _ctrl_c_in_kl(monkeypatch, out):  # while it reads the git commit of its metadata
     from benchmarks import kl
 
-    monkeypatch.setattr(cli, "git_commit", _interrupt)
+    monkeypatch.setattr(command, "git_commit", _interrupt)
     return kl.main, ["--device", "cpu", "--seqlen", "64", "--out", out]
 
 
